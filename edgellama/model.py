@@ -1,0 +1,212 @@
+"""The Llama forward pass over memory-mapped GGUF weights and a preallocated KV cache."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+from quant.blocks import FORMATS, type_name
+
+from . import kernels as K
+from .args import ModelArgs
+from .errors import EdgeError
+from .gguf import GGUFFile
+from .linear import Linear
+
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+DEFAULT_BATCH = 128   # prefill chunk: big enough for BLAS efficiency, small scratch
+
+
+class KVCache:
+    """K and V for every layer, allocated once for `ctx` positions as IEEE half.
+
+    Layout (L, KV, ctx, hd): decode reads one KV head's positions contiguously.
+    `length` is how many leading positions hold valid entries.
+    """
+
+    def __init__(self, args: ModelArgs, ctx: int):
+        shape = (args.n_layers, args.n_kv_heads, ctx, args.head_dim)
+        # np.zeros maps untouched pages lazily: resident memory grows as the cache fills.
+        self.k = np.zeros(shape, np.float16)
+        self.v = np.zeros(shape, np.float16)
+        self.k_bits, self.v_bits = self.k.view(np.uint16), self.v.view(np.uint16)
+        self.ctx = ctx
+        self.length = 0
+
+    @staticmethod
+    def bytes_needed(args: ModelArgs, ctx: int) -> int:
+        """2 (K and V) × layers × kv heads × head dim × ctx × 2 bytes (f16)."""
+        return 2 * args.n_layers * args.n_kv_heads * args.head_dim * ctx * 2
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+@dataclass
+class Layer:
+    attn_norm: np.ndarray      # (E,) f32
+    ffn_norm: np.ndarray       # (E,) f32
+    wq: Linear                 # (H·hd, E)
+    wk: Linear                 # (KV·hd, E)
+    wv: Linear                 # (KV·hd, E)
+    wo: Linear                 # (E, H·hd)
+    w_gate: Linear             # (F, E)
+    w_up: Linear               # (F, E)
+    w_down: Linear             # (E, F)
+
+
+class _Buffers:
+    """Activations for up to `batch` tokens, allocated once."""
+
+    def __init__(self, a: ModelArgs, batch: int, n_threads: int):
+        f = np.float32
+        self.x = np.empty((batch, a.dim), f)            # residual stream
+        self.h = np.empty((batch, a.dim), f)            # normed input of a sublayer
+        self.q = np.empty((batch, a.n_heads * a.head_dim), f)
+        self.k = np.empty((batch, a.kv_dim), f)
+        self.v = np.empty((batch, a.kv_dim), f)
+        self.att = np.empty((batch, a.n_heads * a.head_dim), f)
+        self.o = np.empty((batch, a.dim), f)            # sublayer output
+        self.gate = np.empty((batch, a.ffn_dim), f)
+        self.up = np.empty((batch, a.ffn_dim), f)
+        self.logits = np.empty(a.vocab_size, f)
+        self.att_scratch = K.attention_scratch(n_threads, a.n_heads, a.n_kv_heads, a.head_dim)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for v in vars(self).values())
+
+
+def _linear(x: np.ndarray, w: Linear, out: np.ndarray) -> None:
+    # x (T, in) -> out (T, out): one matvec for decode, a batched matmul for prefill
+    if x.shape[0] == 1:
+        w.matvec(x[0], out[0])
+    else:
+        w.matmul(x, out)
+
+
+class Transformer:
+    def __init__(self, gguf: GGUFFile, ctx: int, batch: int = DEFAULT_BATCH,
+                 args: ModelArgs | None = None):
+        self.gguf = gguf
+        self.args = a = args or ModelArgs.from_gguf(gguf)
+        self._check_tensors()
+        self.ctx = ctx
+        self.batch = batch
+        self.embed = self._linear("token_embd.weight")
+        self.output = self.embed if a.tied_output else self._linear("output.weight")
+        self.output_norm = self._vector("output_norm.weight")
+        self.layers = [
+            Layer(*(self._vector(f"blk.{i}.{n}.weight") for n in ("attn_norm", "ffn_norm")),
+                  *(self._linear(f"blk.{i}.{n}.weight") for n in
+                    ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")))
+            for i in range(a.n_layers)
+        ]
+        self.inv_freq = a.inv_freq()
+        self.cache = KVCache(a, ctx)
+        self.buf = _Buffers(a, batch, numba.config.NUMBA_NUM_THREADS)
+
+    # -- loading -------------------------------------------------------------
+    def _check_tensors(self):
+        g, want = self.gguf, self.args.expected_shapes()
+        missing = [n for n in want if n not in g.tensors]
+        extra = [n for n in g.tensors if n not in want]
+        if missing or extra:
+            what = (f"missing {', '.join(missing[:3])}" if missing else "") + \
+                   ("; " if missing and extra else "") + \
+                   (f"unexpected {', '.join(extra[:3])}" if extra else "")
+            raise EdgeError(f"{g.path}: tensors do not match a llama model with these "
+                            f"hyperparameters: {what}")
+        for name, shape in want.items():
+            t = g.tensors[name]
+            if t.shape != shape:
+                raise EdgeError(f"{g.path}: tensor {name} has shape {list(t.shape)}, "
+                                f"expected {list(shape)} from the metadata")
+            if type_name(t.type_id) not in SUPPORTED_TYPES:
+                raise EdgeError(f"{g.path}: tensor {name} has type {t.type_name}, which edgellama "
+                                f"does not run (supported: {', '.join(SUPPORTED_TYPES)}); "
+                                f"re-quantize it with `edgellama convert` or llama-quantize")
+
+    def _linear(self, name: str) -> Linear:
+        t = self.gguf.tensors[name]
+        return Linear.from_gguf(t.type_id, self.gguf.tensor_bytes(name), t.shape)
+
+    def _vector(self, name: str) -> np.ndarray:
+        t = self.gguf.tensors[name]
+        if t.type_id != FORMATS["F32"].type_id:
+            raise EdgeError(f"{self.gguf.path}: tensor {name} is {t.type_name}; "
+                            f"1-D tensors must be F32")
+        return self.gguf.tensor_bytes(name).view(np.float32).reshape(-1)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.nbytes for t in self.gguf.tensors.values())
+
+    # -- inference -----------------------------------------------------------
+    def forward(self, tokens, pos: int, all_logits: bool = False) -> np.ndarray:
+        """Run `tokens` at positions pos.. through the model, filling the KV cache.
+
+        Returns the logits of the last token (V,), or (T, V) with all_logits. The
+        returned array is a buffer reused by the next call: copy it to keep it.
+        """
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        T = len(tokens)
+        if T == 0:
+            raise ValueError("forward() needs at least one token")
+        if pos < 0 or pos > self.cache.length or pos + T > self.ctx:
+            raise EdgeError(f"{T} tokens at position {pos} do not fit the context of "
+                            f"{self.ctx} tokens ({self.cache.length} in the cache)")
+        if tokens.min() < 0 or tokens.max() >= self.args.vocab_size:
+            raise EdgeError(f"token id out of range 0..{self.args.vocab_size - 1}")
+        self.cache.length = pos   # positions past pos are overwritten
+        all_out = np.empty((T, self.args.vocab_size), np.float32) if all_logits else None
+        for start in range(0, T, self.batch):
+            chunk = tokens[start:start + self.batch]
+            last = self._forward_chunk(chunk, pos + start, need_all=all_logits)
+            if all_logits:
+                all_out[start:start + len(chunk)] = last
+        return all_out if all_logits else self.buf.logits
+
+    def _forward_chunk(self, tokens: np.ndarray, pos: int, need_all: bool):
+        a, b, cache = self.args, self.buf, self.cache
+        T, hd = len(tokens), a.head_dim
+        x, h, o = b.x[:T], b.h[:T], b.o[:T]
+        q, k, v, att = b.q[:T], b.k[:T], b.v[:T], b.att[:T]
+        gate, up = b.gate[:T], b.up[:T]
+        angles = np.arange(pos, pos + T, dtype=np.float64)[:, None] * self.inv_freq[None, :]
+        cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+        scale = np.float32(1.0 / np.sqrt(hd))
+        self.embed.rows(tokens, x)
+        for li, layer in enumerate(self.layers):
+            K.rmsnorm(x, layer.attn_norm, a.norm_eps, h)
+            _linear(h, layer.wq, q)
+            _linear(h, layer.wk, k)
+            _linear(h, layer.wv, v)
+            q3 = q.reshape(T, a.n_heads, hd)
+            k3 = k.reshape(T, a.n_kv_heads, hd)
+            K.rope(q3, cos, sin)
+            K.rope(k3, cos, sin)
+            # (T, KV, hd) -> cache (KV, pos:pos+T, hd); numpy rounds f32 -> f16 to nearest even
+            cache.k[li, :, pos:pos + T] = k3.transpose(1, 0, 2)
+            cache.v[li, :, pos:pos + T] = v.reshape(T, a.n_kv_heads, hd).transpose(1, 0, 2)
+            K.attention(q3, cache.k_bits[li], cache.v_bits[li], pos, scale,
+                        att.reshape(T, a.n_heads, hd), b.att_scratch)
+            _linear(att, layer.wo, o)
+            K.add_inplace(x, o)
+            K.rmsnorm(x, layer.ffn_norm, a.norm_eps, h)
+            _linear(h, layer.w_gate, gate)
+            _linear(h, layer.w_up, up)
+            K.swiglu(gate, up)
+            _linear(gate, layer.w_down, o)
+            K.add_inplace(x, o)
+        cache.length = pos + T
+        if need_all:
+            K.rmsnorm(x, self.output_norm, a.norm_eps, h)
+            out = np.empty((T, a.vocab_size), np.float32)
+            _linear(h, self.output, out)
+            return out
+        K.rmsnorm(x[T - 1:T], self.output_norm, a.norm_eps, h[:1])
+        self.output.matvec(h[0], b.logits)
+        return b.logits

@@ -1,0 +1,73 @@
+"""Token sampling: repetition penalty, top-k, top-p, min-p, temperature (llama.cpp's order)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from .errors import EdgeError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.7     # 0 = greedy
+    top_k: int = 40              # 0 = off
+    top_p: float = 0.9           # 1 = off
+    min_p: float = 0.05          # 0 = off; drop tokens below min_p × p(best)
+    repeat_penalty: float = 1.0  # 1 = off; >1 discourages tokens seen in the last `repeat_last_n`
+    repeat_last_n: int = 64
+    seed: int | None = None
+
+    def __post_init__(self):
+        for name in ("temperature", "top_p", "min_p", "repeat_penalty"):
+            if not np.isfinite(getattr(self, name)):
+                raise EdgeError(f"invalid sampling value: {name} must be a finite number")
+        for ok, msg in [
+            (self.temperature >= 0, "temperature must be >= 0 (0 means greedy)"),
+            (self.top_k >= 0, "top-k must be >= 0 (0 turns it off)"),
+            (0 < self.top_p <= 1, "top-p must be in (0, 1]"),
+            (0 <= self.min_p <= 1, "min-p must be in [0, 1]"),
+            (self.repeat_penalty > 0, "repeat penalty must be > 0 (1 turns it off)"),
+            (self.repeat_last_n >= 0, "repeat-last-n must be >= 0"),
+        ]:
+            if not ok:
+                raise EdgeError(f"invalid sampling value: {msg}")
+
+    def with_defaults_from(self, meta: dict) -> "SamplingParams":
+        """Fill from a GGUF's `general.sampling.*` keys (the file's recommendation)."""
+        keys = {"temperature": "general.sampling.temp", "top_k": "general.sampling.top_k",
+                "top_p": "general.sampling.top_p", "min_p": "general.sampling.min_p"}
+        found = {f: type(getattr(self, f))(meta[k]) for f, k in keys.items() if k in meta}
+        return replace(self, **found) if found else self
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams):
+        self.p = params
+        self.rng = np.random.default_rng(params.seed)
+
+    def __call__(self, logits: np.ndarray, history: list[int] | None = None) -> int:
+        p = self.p
+        logits = logits.astype(np.float32, copy=True)
+        if p.repeat_penalty != 1.0 and history and p.repeat_last_n:
+            seen = np.unique(np.asarray(history[-p.repeat_last_n:], dtype=np.int64))
+            v = logits[seen]
+            logits[seen] = np.where(v > 0, v / p.repeat_penalty, v * p.repeat_penalty)
+        if p.temperature == 0:
+            return int(np.argmax(logits))
+        # Candidates sorted by logit, best first.
+        k = p.top_k if 0 < p.top_k < len(logits) else len(logits)
+        cand = np.argpartition(-logits, k - 1)[:k] if k < len(logits) else np.arange(len(logits))
+        cand = cand[np.argsort(-logits[cand], kind="stable")]
+        probs = np.exp((logits[cand] - logits[cand[0]]).astype(np.float64))
+        probs /= probs.sum()
+        if p.top_p < 1.0:
+            keep = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)
+            cand, probs = cand[:keep], probs[:keep]
+        if p.min_p > 0:
+            keep = probs >= p.min_p * probs[0]
+            cand, probs = cand[keep], probs[keep]
+        # Temperature last, on the surviving candidates.
+        z = (logits[cand] - logits[cand[0]]).astype(np.float64) / p.temperature
+        w = np.exp(z)
+        return int(cand[self.rng.choice(len(cand), p=w / w.sum())])

@@ -1,0 +1,74 @@
+"""Plain NumPy float32 reference of the llama forward pass, for tests only.
+
+Reads the file with gguf-py's GGUFReader and dequantizes with gguf.quants, so it
+shares no code with the runtime. Readable first: loops over heads, full softmax.
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+
+def load_reference(path):
+    r = GGUFReader(str(path))
+    meta = {k: f.contents() for k, f in r.fields.items()
+            if k.startswith("llama.") or k == "general.architecture"}
+    W = {t.name: dequantize(t.data, t.tensor_type).astype(np.float32).reshape(
+        tuple(int(d) for d in reversed(t.shape))) for t in r.tensors}
+    return meta, W
+
+
+def rope_adjacent(x, positions, inv_freq):
+    # x (T, nh, hd): rotate pairs (2i, 2i+1) by positions[t] * inv_freq[i]
+    ang = positions[:, None].astype(np.float64) * inv_freq[None, :].astype(np.float64)
+    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    a, b = x[..., 0::2].astype(np.float64), x[..., 1::2].astype(np.float64)
+    out = np.empty_like(x)
+    out[..., 0::2] = a * c - b * s
+    out[..., 1::2] = a * s + b * c
+    return out
+
+
+def rmsnorm(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def reference_forward(meta, W, tokens):
+    """Logits (T, V) for tokens at positions 0..T-1."""
+    E = meta["llama.embedding_length"]
+    H = meta["llama.attention.head_count"]
+    KV = meta["llama.attention.head_count_kv"]
+    L = meta["llama.block_count"]
+    eps = meta["llama.attention.layer_norm_rms_epsilon"]
+    theta = meta["llama.rope.freq_base"]
+    hd = E // H
+    inv_freq = 1.0 / theta ** (np.arange(0, hd, 2) / hd)
+    if "rope_freqs.weight" in W:
+        inv_freq = inv_freq / W["rope_freqs.weight"]
+    T = len(tokens)
+    pos = np.arange(T)
+    x = W["token_embd.weight"][np.asarray(tokens)]
+    mask = np.triu(np.full((T, T), -np.inf, np.float32), 1)
+    for i in range(L):
+        p = f"blk.{i}."
+        h = rmsnorm(x, W[p + "attn_norm.weight"], eps)
+        q = rope_adjacent((h @ W[p + "attn_q.weight"].T).reshape(T, H, hd), pos, inv_freq)
+        k = rope_adjacent((h @ W[p + "attn_k.weight"].T).reshape(T, KV, hd), pos, inv_freq)
+        v = (h @ W[p + "attn_v.weight"].T).reshape(T, KV, hd)
+        # the cache stores K and V as f16
+        k, v = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
+        att = np.empty((T, H, hd), np.float32)
+        for head in range(H):
+            kvh = head // (H // KV)
+            s = q[:, head] @ k[:, kvh].T / np.sqrt(hd) + mask
+            pr = np.exp(s - s.max(-1, keepdims=True))
+            pr /= pr.sum(-1, keepdims=True)
+            att[:, head] = pr @ v[:, kvh]
+        x = x + att.reshape(T, H * hd) @ W[p + "attn_output.weight"].T
+        h = rmsnorm(x, W[p + "ffn_norm.weight"], eps)
+        g = h @ W[p + "ffn_gate.weight"].T
+        u = h @ W[p + "ffn_up.weight"].T
+        x = x + (g / (1 + np.exp(-g)) * u) @ W[p + "ffn_down.weight"].T
+    out = W.get("output.weight", W["token_embd.weight"])
+    return rmsnorm(x, W["output_norm.weight"], eps) @ out.T
