@@ -1,6 +1,7 @@
 """The Llama forward pass over memory-mapped GGUF weights and a preallocated KV cache."""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numba
@@ -139,6 +140,11 @@ class Transformer:
             raise EdgeError(f"{self.gguf.path}: tensor {name} is {t.type_name}; "
                             f"1-D tensors must be F32")
         return self.gguf.tensor_bytes(name).view(np.float32).reshape(-1)
+
+    def type_summary(self) -> str:
+        """Weight types by tensor count, most common first, e.g. "Q4_1 ×210, Q8_0 ×1"."""
+        c = Counter(t.type_name for t in self.gguf.tensors.values() if len(t.shape) > 1)
+        return ", ".join(f"{n} ×{k}" for n, k in c.most_common())
 
     @property
     def weight_bytes(self) -> int:
