@@ -1,0 +1,245 @@
+"""Byte-level BPE tokenizer built from GGUF `tokenizer.ggml.*` metadata, run by tiktoken.
+
+A gpt2-type vocabulary becomes a `tiktoken.Encoding`: the 256 byte tokens plus every
+merge result, ranked in merge order (tiktoken merges the adjacent pair whose
+concatenation has the lowest rank, which is BPE when ranks follow the merge order).
+Token ids are used as ranks directly when they already follow that order; otherwise
+a rank -> id table translates tiktoken's output.
+
+Plain `encode` never produces control tokens, whatever the text says; only
+`encode_special` (for rendered chat templates) recognises them.
+"""
+from __future__ import annotations
+
+import codecs
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import tiktoken
+
+from edgellama.bytelevel import byte_to_unicode, token_bytes
+from edgellama.errors import EdgeError
+
+# tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# HF Digits(individual_digits=True) then ByteLevel's GPT-2 regex, as one regex: every
+# digit is its own piece and acts as a piece boundary, so a whitespace run before a
+# digit is kept whole ("end of piece" for `\s+(?!\S)`) instead of lending its last
+# space to the next word.
+SMOLLM_PATTERN = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
+                  r"|\s+(?![^\s\p{N}])|\s+")
+
+# tokenizer.ggml.pre -> (regex, llama.cpp's default for add_bos_token)
+PRE_TOKENIZERS = {
+    "llama-bpe": (LLAMA3_PATTERN, True),
+    "llama3": (LLAMA3_PATTERN, True),
+    "llama-v3": (LLAMA3_PATTERN, True),
+    "smollm": (SMOLLM_PATTERN, False),
+    "gpt-2": (GPT2_PATTERN, False),
+}
+
+# Texts of end-of-turn / end-of-text tokens across the vocabularies we run.
+STOP_TOKEN_TEXTS = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>")
+
+_SPECIAL_ID_KEYS = ("bos", "eos", "eot", "eom", "unknown", "padding", "seperator")
+
+
+class Tokenizer:
+    """Encode/decode for one GGUF vocabulary. Build with `from_metadata`."""
+
+    def __init__(self, tokens: list[str], token_types: np.ndarray, merges: list[str], pre: str,
+                 special_ids: Mapping[str, int], add_bos: bool | None, chat_template: str | None):
+        self.vocab_size = len(tokens)
+        self.chat_template = chat_template
+        self.tokens = tokens
+        self.token_types = token_types
+        self._check_special_ids(special_ids)
+        self.bos_id = special_ids.get("bos")
+        self.eos_id = special_ids.get("eos")
+        pattern, default_add_bos = PRE_TOKENIZERS[pre]
+        self.add_bos = default_add_bos if add_bos is None else add_bos
+        if self.add_bos and self.bos_id is None:
+            raise EdgeError("tokenizer.ggml.add_bos_token is set but the file has no bos_token_id")
+
+        self._bytes = _token_bytes_table(tokens, token_types)
+        # What a user sees: control/unknown/unused tokens print nothing (as llama.cpp prints
+        # with special=false); normal and user-defined tokens print their bytes.
+        shown = (token_types == NORMAL) | (token_types == USER_DEFINED) | (token_types == BYTE)
+        self._shown = [b if s else b"" for b, s in zip(self._bytes, shown.tolist())]
+
+        by_text = dict(zip(tokens, range(self.vocab_size)))
+        self.stop_ids = frozenset(
+            {by_text[t] for t in STOP_TOKEN_TEXTS if t in by_text}
+            | {special_ids[k] for k in ("eos", "eot", "eom") if k in special_ids})
+        self._encoding, self._rank_to_id = self._build_encoding(pattern, merges, by_text)
+        self._user_defined = {tokens[i] for i in np.flatnonzero(token_types == USER_DEFINED)}
+
+    @property
+    def is_llama3(self) -> bool:
+        """Llama 3 vocabulary (has the header tokens of its turn format)."""
+        return "<|start_header_id|>" in self._encoding.special_tokens_set
+
+    @classmethod
+    def from_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
+        """Build from a GGUF metadata mapping (see edgellama.gguf.GGUFFile.metadata)."""
+        model = meta.get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise EdgeError(f"unsupported tokenizer model {model!r}: only byte-level BPE "
+                            "('gpt2', used by Llama 3 and SmolLM2) is supported")
+        pre = meta.get("tokenizer.ggml.pre")
+        if pre not in PRE_TOKENIZERS:
+            raise EdgeError(f"unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre); "
+                            f"supported: {', '.join(PRE_TOKENIZERS)}")
+        tokens = list(meta["tokenizer.ggml.tokens"])
+        types = meta.get("tokenizer.ggml.token_type")
+        types = np.full(len(tokens), NORMAL, np.int32) if types is None else np.asarray(types, np.int32)
+        if len(types) != len(tokens):
+            raise EdgeError(f"tokenizer.ggml.token_type has {len(types)} entries "
+                            f"for {len(tokens)} tokens")
+        special_ids = {k: int(meta[f"tokenizer.ggml.{k}_token_id"]) for k in _SPECIAL_ID_KEYS
+                       if f"tokenizer.ggml.{k}_token_id" in meta}
+        return cls(tokens, types, list(meta.get("tokenizer.ggml.merges", ())), pre, special_ids,
+                   meta.get("tokenizer.ggml.add_bos_token"), meta.get("tokenizer.chat_template"))
+
+    def _check_special_ids(self, special_ids: Mapping[str, int]) -> None:
+        for name, tid in special_ids.items():
+            if not 0 <= tid < self.vocab_size:
+                raise EdgeError(f"tokenizer.ggml.{name}_token_id is {tid}, outside the "
+                                f"vocabulary of {self.vocab_size} tokens")
+
+    def _build_encoding(self, pattern: str, merges: list[str], by_text: dict[str, int]
+                        ) -> tuple[tiktoken.Encoding, np.ndarray | None]:
+        b2u = byte_to_unicode()
+        byte_ids = [by_text.get(b2u[b]) for b in range(256)]
+        merged_ids = _merge_result_ids(merges, by_text)
+        special_ids = np.flatnonzero(np.isin(self.token_types, (CONTROL, USER_DEFINED)))
+        if merged_ids.size < 2 or bool(np.all(np.diff(merged_ids) > 0)):
+            # Ids already follow merge order: they are the ranks. A byte with no token
+            # (SmolLM2 lacks a few never-seen bytes) still needs a rank or tiktoken panics:
+            # it gets one past the vocabulary and is dropped from the output, as llama.cpp
+            # and HF drop a byte that has no token.
+            spare = iter(range(self.vocab_size, self.vocab_size + 256))
+            byte_ranks = [next(spare) if i is None else i for i in byte_ids]
+            merged_ranks, special_ranks, rank_to_id = merged_ids, special_ids, None
+        else:
+            # Ranks: bytes 0..255, merge results in merge order, then specials; a table
+            # maps them back to ids (-1 for a byte with no token: dropped).
+            byte_ranks = list(range(256))
+            merged_ranks = np.arange(256, 256 + merged_ids.size)
+            special_ranks = np.arange(special_ids.size) + 256 + merged_ids.size
+            rank_to_id = np.concatenate([np.array([-1 if i is None else i for i in byte_ids]),
+                                         merged_ids, special_ids])
+        mergeable = {bytes([b]): r for b, r in enumerate(byte_ranks)}
+        mergeable.update(zip([self._bytes[i] for i in merged_ids.tolist()], merged_ranks.tolist()))
+        specials = dict(zip([self.tokens[i] for i in special_ids.tolist()], special_ranks.tolist()))
+        enc = tiktoken.Encoding(name="gguf", pat_str=pattern, mergeable_ranks=mergeable,
+                                special_tokens=specials)
+        return enc, rank_to_id
+
+    # -- encoding -------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of plain text: control-token strings in it stay plain text."""
+        if self._user_defined:
+            # User-defined (non-control) added tokens always match, as in llama.cpp and HF.
+            ranks = self._encoding.encode(text, allowed_special=self._user_defined,
+                                          disallowed_special=())
+        else:
+            ranks = self._encoding.encode_ordinary(text)
+        return self._to_ids(ranks)
+
+    def encode_special(self, text: str) -> list[int]:
+        """Token ids with every control/user-defined token string recognised.
+
+        Only for text whose special-token strings are trusted (rendered chat templates).
+        """
+        return self._to_ids(self._encoding.encode(text, allowed_special="all"))
+
+    def _to_ids(self, ranks: list[int]) -> list[int]:
+        if self._rank_to_id is not None:
+            ids = self._rank_to_id[np.asarray(ranks, dtype=np.int64)]
+            return ids[ids >= 0].tolist()
+        if ranks and max(ranks) >= self.vocab_size:
+            return [r for r in ranks if r < self.vocab_size]
+        return ranks
+
+    # -- decoding -------------------------------------------------------------------------
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """Raw bytes of one token (special tokens give their text)."""
+        return self._bytes[token_id]
+
+    def decode(self, ids: Iterable[int], special: bool = False) -> str:
+        """Text of `ids`; control tokens are left out unless `special`."""
+        return self.decode_bytes(ids, special).decode("utf-8", errors="replace")
+
+    def decode_bytes(self, ids: Iterable[int], special: bool = False) -> bytes:
+        table = self._bytes if special else self._shown
+        ids = list(ids)
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            raise IndexError(f"token id out of range 0..{self.vocab_size - 1}")
+        return b"".join([table[i] for i in ids])
+
+    def shown_bytes(self, token_id: int) -> bytes:
+        """Bytes a user sees for one token: nothing for control and stop tokens."""
+        return b"" if token_id in self.stop_ids else self._shown[token_id]
+
+
+class StreamDecoder:
+    """Turns generated ids into printable text, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        return self._utf8.decode(self._tokenizer.shown_bytes(token_id))
+
+    def flush(self) -> str:
+        """Whatever is held back (an unfinished sequence becomes U+FFFD)."""
+        return self._utf8.decode(b"", final=True)
+
+
+def _merge_result_ids(merges: list[str], by_text: dict[str, int]) -> np.ndarray:
+    """Ids of the distinct merge results in order of first appearance (= BPE rank order)."""
+    # Byte-level tokens contain neither space nor newline, so one join/replace/split over
+    # all merges turns every "left right" into its result at C speed.
+    joined = "\n".join(merges)
+    if joined.count(" ") != len(merges):
+        raise EdgeError("tokenizer.ggml.merges: every merge must be two tokens separated "
+                        "by one space")
+    results = dict.fromkeys(joined.replace(" ", "").split("\n")) if merges else {}
+    try:
+        return np.fromiter(map(by_text.__getitem__, results), dtype=np.int64, count=len(results))
+    except KeyError as exc:
+        raise EdgeError(f"tokenizer.ggml.merges produces {exc.args[0]!r}, which is not in "
+                        "tokenizer.ggml.tokens") from None
+
+
+def _token_bytes_table(tokens: list[str], types: np.ndarray) -> list[bytes]:
+    """Bytes of every token: byte-level decoding for normal tokens, UTF-8 text otherwise."""
+    byte_level = (types == NORMAL) | (types == BYTE)
+    level_idx = np.flatnonzero(byte_level).tolist()
+    level = [tokens[i] for i in level_idx]
+    # One translate + latin-1 encode over all normal tokens at once: each byte-level char
+    # is one byte, so token lengths give the slice offsets. Chars outside the alphabet
+    # map to U+FFFF, which latin-1 refuses.
+    table = {ord(c): chr(b) for b, c in byte_to_unicode().items()}
+    table.update({c: "\uffff" for c in range(256) if c not in table})
+    try:
+        blob = "".join(level).translate(table).encode("latin-1")
+    except UnicodeEncodeError:
+        bad = next(t for t in level if token_bytes(t) is None)
+        raise EdgeError(f"normal token {bad!r} is not a byte-level (GPT-2 alphabet) string") from None
+    bounds = [0, *np.cumsum(list(map(len, level))).tolist()]
+    out: list[bytes] = [b""] * len(tokens)
+    for i, start, end in zip(level_idx, bounds, bounds[1:]):
+        out[i] = blob[start:end]
+    for i in np.flatnonzero(~byte_level).tolist():
+        out[i] = tokens[i].encode("utf-8")
+    return out
