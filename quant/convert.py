@@ -1,0 +1,348 @@
+"""HF LlamaForCausalLM checkpoint -> GGUF, as llama.cpp's convert_hf_to_gguf.py writes it.
+
+The converter is a name table plus two named transforms (Q/K row permutation,
+llama3 rope_freqs), a shape check on every tensor against config.json, and the
+metadata. Everything is validated before the output is created; tensors are then
+streamed one chunk of rows at a time from the memory-mapped shards into a temp file
+beside the output, which is renamed into place only when complete.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from gguf.constants import GGUFValueType as V
+
+from edgellama.errors import EdgeError
+
+from . import kernels
+from .blocks import FORMATS
+from .gguf_write import GGUFStreamWriter
+from .hf import TensorRef, load_json, open_checkpoint
+from .hf_tokenizer import load_tokenizer
+
+SUPPORTED_ARCHS = ("LlamaForCausalLM",)
+QTYPES = ("q4_0", "q4_1", "q8_0", "f16", "bf16", "f32")
+CHUNK_ELEMS = 1 << 23            # rows per chunk ~ 8M values: 32 MB of f32 in flight
+
+# HF name (with {i} for the layer) -> GGUF name
+NAME_TABLE = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "model.layers.{i}.input_layernorm.weight": "blk.{i}.attn_norm.weight",
+    "model.layers.{i}.post_attention_layernorm.weight": "blk.{i}.ffn_norm.weight",
+    "model.layers.{i}.self_attn.q_proj.weight": "blk.{i}.attn_q.weight",
+    "model.layers.{i}.self_attn.k_proj.weight": "blk.{i}.attn_k.weight",
+    "model.layers.{i}.self_attn.v_proj.weight": "blk.{i}.attn_v.weight",
+    "model.layers.{i}.self_attn.o_proj.weight": "blk.{i}.attn_output.weight",
+    "model.layers.{i}.mlp.gate_proj.weight": "blk.{i}.ffn_gate.weight",
+    "model.layers.{i}.mlp.up_proj.weight": "blk.{i}.ffn_up.weight",
+    "model.layers.{i}.mlp.down_proj.weight": "blk.{i}.ffn_down.weight",
+}
+IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")   # derived, not weights
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+Progress = Callable[[str, int, int], None]     # (tensor name, bytes done, bytes total)
+
+
+@dataclass(frozen=True)
+class HParams:
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_vocab: int
+    n_ctx: int
+    rope_theta: float
+    rms_eps: float
+    tied: bool
+    rope_scaling: dict | None
+    explicit_head_dim: bool
+
+
+@dataclass
+class ConvertSummary:
+    out_path: Path
+    qtype: str
+    tensors: list[tuple[str, str, tuple[int, ...]]]   # (gguf name, format, shape)
+    n_params: int
+    file_size: int
+    seconds: float
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def type_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for _, fmt, _ in self.tensors:
+            counts[fmt] = counts.get(fmt, 0) + 1
+        return counts
+
+    @property
+    def bits_per_weight(self) -> float:
+        return self.file_size * 8 / max(self.n_params, 1)
+
+
+def read_hparams(hf_dir: Path) -> HParams:
+    path = hf_dir / "config.json"
+    cfg = load_json(path, "model config")
+    archs = cfg.get("architectures")
+    if not isinstance(archs, list) or not any(a in SUPPORTED_ARCHS for a in archs):
+        raise EdgeError(f"{path}: unsupported architecture {archs!r} "
+                        f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+
+    def get(key, kind, default=None, positive=True):
+        v = cfg.get(key, default)
+        if v is None:
+            raise EdgeError(f"{path}: missing '{key}'")
+        ok = (isinstance(v, bool) if kind is bool
+              else isinstance(v, kind) and not isinstance(v, bool) and (not positive or v > 0))
+        if not ok:
+            raise EdgeError(f"{path}: '{key}' must be a {'positive ' if positive and kind is not bool else ''}"
+                            f"{'integer' if kind is int else 'number' if kind is not bool else 'boolean'}, got {v!r}")
+        return v
+
+    n_embd, n_head = get("hidden_size", int), get("num_attention_heads", int)
+    n_head_kv = get("num_key_value_heads", int, n_head)
+    head_dim = get("head_dim", int, n_embd // n_head if n_embd % n_head == 0 else None)
+    if n_head % n_head_kv:
+        raise EdgeError(f"{path}: num_attention_heads {n_head} is not a multiple of "
+                        f"num_key_value_heads {n_head_kv}")
+    if head_dim % 2:
+        raise EdgeError(f"{path}: head_dim {head_dim} must be even for RoPE")
+    rs = cfg.get("rope_scaling")
+    if rs is not None:
+        kind = rs.get("rope_type", rs.get("type")) if isinstance(rs, dict) else None
+        if kind != "llama3":
+            raise EdgeError(f"{path}: unsupported rope_scaling {kind or rs!r} (supported: llama3, none)")
+        for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if not isinstance(rs.get(k), (int, float)) or isinstance(rs.get(k), bool) or rs[k] <= 0:
+                raise EdgeError(f"{path}: rope_scaling.{k} missing or not a positive number")
+    return HParams(
+        n_layer=get("num_hidden_layers", int), n_embd=n_embd, n_ff=get("intermediate_size", int),
+        n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n_vocab=get("vocab_size", int),
+        n_ctx=get("max_position_embeddings", int), rope_theta=float(get("rope_theta", (int, float), 10000.0)),
+        rms_eps=float(get("rms_norm_eps", (int, float))), tied=get("tie_word_embeddings", bool, False),
+        rope_scaling=rs, explicit_head_dim="head_dim" in cfg)
+
+
+def permute_index(rows: int, n_heads: int) -> np.ndarray:
+    """Source row for each output row of a Q/K matrix: HF's rotate-half order ->
+    GGUF's interleaved pairs. Within each head, new row 2j+c = old row c*hd/2 + j."""
+    hd = rows // n_heads
+    return np.arange(rows).reshape(n_heads, 2, hd // 2).swapaxes(1, 2).reshape(-1)
+
+
+def llama3_rope_factors(hp: HParams) -> np.ndarray:
+    """rope_freqs.weight: per-frequency divisor for llama3 rope scaling, (head_dim/2,) f32."""
+    rs = hp.rope_scaling
+    factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    orig = rs["original_max_position_embeddings"]
+    freqs = 1.0 / hp.rope_theta ** (np.arange(0, hp.head_dim, 2, dtype=np.float64) / hp.head_dim)
+    out = []
+    for f in freqs:
+        wl = 2 * math.pi / f
+        if wl < orig / high:
+            out.append(1.0)
+        elif wl > orig / low:
+            out.append(factor)
+        else:
+            s = (orig / wl - low) / (high - low)
+            out.append(1 / ((1 - s) / factor + s))
+    return np.array(out, np.float32)
+
+
+@dataclass
+class _Plan:
+    name: str
+    shape: tuple[int, ...]
+    fmt: str
+    src: TensorRef | None = None
+    index: np.ndarray | None = None        # row permutation, or None
+    data: np.ndarray | None = None         # generated tensors (rope_freqs)
+
+
+def _expected_shapes(hp: HParams) -> dict[str, tuple[int, ...]]:
+    e, f, q, kv = hp.n_embd, hp.n_ff, hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
+    shapes = {"token_embd.weight": (hp.n_vocab, e), "output_norm.weight": (e,)}
+    if not hp.tied:
+        shapes["output.weight"] = (hp.n_vocab, e)
+    for i in range(hp.n_layer):
+        shapes.update({f"blk.{i}.attn_norm.weight": (e,), f"blk.{i}.ffn_norm.weight": (e,),
+                       f"blk.{i}.attn_q.weight": (q, e), f"blk.{i}.attn_k.weight": (kv, e),
+                       f"blk.{i}.attn_v.weight": (kv, e), f"blk.{i}.attn_output.weight": (e, q),
+                       f"blk.{i}.ffn_gate.weight": (f, e), f"blk.{i}.ffn_up.weight": (f, e),
+                       f"blk.{i}.ffn_down.weight": (e, f)})
+    return shapes
+
+
+def _gguf_name(hf_name: str) -> str | None:
+    m = _LAYER.match(hf_name)
+    key = hf_name.replace(m.group(0), "model.layers.{i}.", 1) if m else hf_name
+    target = NAME_TABLE.get(key)
+    return target.format(i=m.group(1)) if target and m else target
+
+
+def _plan(hf_dir: Path, hp: HParams, tensors: dict[str, TensorRef], qtype: str,
+          embed_type: str, warnings: list[str]) -> list[_Plan]:
+    expected = _expected_shapes(hp)
+    found: dict[str, TensorRef] = {}
+    for hf_name, ref in tensors.items():
+        if IGNORED.fullmatch(hf_name):
+            continue
+        name = _gguf_name(hf_name)
+        if name == "output.weight" and hp.tied:
+            warnings.append(f"{hf_name}: ignored (tie_word_embeddings is true; token_embd is the output)")
+            continue
+        if name not in expected:
+            raise EdgeError(f"{ref.shard.path}: unexpected tensor {hf_name!r} for a Llama model "
+                            f"with {hp.n_layer} layers")
+        if ref.shape != expected[name]:
+            raise EdgeError(f"{ref.shard.path}: tensor {hf_name!r} has shape {list(ref.shape)} but "
+                            f"config.json implies {list(expected[name])}")
+        found[name] = ref
+    missing = [n for n in expected if n not in found]
+    if missing:
+        raise EdgeError(f"{hf_dir}: checkpoint is missing tensor {missing[0]!r}"
+                        f"{f' ({len(missing)} missing in all)' if len(missing) > 1 else ''}")
+    plans = []
+    if hp.rope_scaling is not None:
+        plans.append(_Plan("rope_freqs.weight", (hp.head_dim // 2,), "F32",
+                           data=llama3_rope_factors(hp)[None, :]))
+    for name, shape in expected.items():
+        if len(shape) == 1:
+            fmt = "F32"
+        elif name in ("token_embd.weight", "output.weight"):
+            fmt = embed_type
+        else:
+            fmt = qtype
+        if FORMATS[fmt].block_size > 1 and shape[-1] % FORMATS[fmt].block_size:
+            warnings.append(f"{name}: row length {shape[-1]} is not a multiple of "
+                            f"{FORMATS[fmt].block_size}; written as F16 instead of {fmt}")
+            fmt = "F16"
+        index = None
+        if name.endswith("attn_q.weight"):
+            index = permute_index(shape[0], hp.n_head)
+        elif name.endswith("attn_k.weight"):
+            index = permute_index(shape[0], hp.n_head_kv)
+        plans.append(_Plan(name, shape, fmt, src=found[name], index=index))
+    return plans
+
+
+def _chunks(p: _Plan, progress: Progress | None, total: int, done: list[int]):
+    """Converted bytes of one tensor, a chunk of rows at a time."""
+    if p.data is not None:
+        out = kernels.quantize(p.data, p.fmt, p.name)
+        done[0] += out.nbytes
+        yield out
+        return
+    rows = p.shape[0] if len(p.shape) > 1 else 1
+    cols = p.shape[-1]
+    step = max(1, CHUNK_ELEMS // cols)
+    try:
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            out = kernels.quantize(p.src.rows(r0, r1, p.index), p.fmt, p.name)
+            done[0] += out.nbytes
+            if progress:
+                progress(p.name, done[0], total)
+            yield out
+            if p.index is None:
+                p.src.release()   # this tensor's pages so far are done with
+    finally:
+        p.src.release()
+
+
+def _metadata(w: GGUFStreamWriter, hp: HParams, name: str, qtype: str, tok) -> None:
+    w.kv("general.architecture", V.STRING, "llama")
+    w.kv("general.type", V.STRING, "model")
+    w.kv("general.name", V.STRING, name)
+    w.kv("llama.block_count", V.UINT32, hp.n_layer)
+    w.kv("llama.context_length", V.UINT32, hp.n_ctx)
+    w.kv("llama.embedding_length", V.UINT32, hp.n_embd)
+    w.kv("llama.feed_forward_length", V.UINT32, hp.n_ff)
+    w.kv("llama.attention.head_count", V.UINT32, hp.n_head)
+    w.kv("llama.attention.head_count_kv", V.UINT32, hp.n_head_kv)
+    w.kv("llama.rope.freq_base", V.FLOAT32, hp.rope_theta)
+    w.kv("llama.attention.layer_norm_rms_epsilon", V.FLOAT32, hp.rms_eps)
+    if hp.explicit_head_dim:
+        w.kv("llama.attention.key_length", V.UINT32, hp.head_dim)
+        w.kv("llama.attention.value_length", V.UINT32, hp.head_dim)
+    w.kv("general.file_type", V.UINT32, int(FORMATS[qtype.upper()].file_type))
+    w.kv("llama.vocab_size", V.UINT32, hp.n_vocab)
+    w.kv("llama.rope.dimension_count", V.UINT32, hp.head_dim)
+    w.kv("tokenizer.ggml.model", V.STRING, "gpt2")
+    w.kv("tokenizer.ggml.pre", V.STRING, tok.pre)
+    w.kv("tokenizer.ggml.tokens", V.ARRAY, tok.tokens, V.STRING)
+    w.kv("tokenizer.ggml.token_type", V.ARRAY, tok.token_types, V.INT32)
+    w.kv("tokenizer.ggml.merges", V.ARRAY, tok.merges, V.STRING)
+    keys = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id", "pad": "padding_token_id"}
+    for typ, tid in tok.special_ids.items():
+        w.kv(f"tokenizer.ggml.{keys[typ]}", V.UINT32, tid)
+    for typ, on in tok.add_special.items():
+        w.kv(f"tokenizer.ggml.add_{typ}_token", V.BOOL, on)
+    if tok.chat_template is not None:
+        w.kv("tokenizer.chat_template", V.STRING, tok.chat_template)
+    w.kv("general.quantization_version", V.UINT32, 2)
+
+
+def _model_name(hf_dir: Path) -> str:
+    return hf_dir.resolve().name
+
+
+def convert(hf_dir, out_path, qtype: str = "q8_0", embed_type: str | None = None,
+            force: bool = False, progress: Progress | None = None) -> ConvertSummary:
+    """Convert the HF checkpoint in `hf_dir` to a GGUF file at `out_path`.
+
+    qtype: format of the 2-D weights (q4_0, q4_1, q8_0, f16, bf16, f32); 1-D tensors
+    are always F32. embed_type: format of token_embd/output (default: q8_0 when qtype
+    is a 4-bit type, else qtype). progress(name, bytes_done, bytes_total) is called
+    after every chunk."""
+    t0 = time.perf_counter()
+    hf_dir, out_path = Path(hf_dir), Path(out_path)
+    qtype = qtype.lower()
+    embed_type = (embed_type or ("q8_0" if qtype in ("q4_0", "q4_1") else qtype)).lower()
+    for opt, v in (("type", qtype), ("embed type", embed_type)):
+        if v not in QTYPES:
+            raise EdgeError(f"unknown {opt} {v!r} (choose from {', '.join(QTYPES)})")
+    if not hf_dir.is_dir():
+        raise EdgeError(f"{hf_dir}: not a directory")
+    if out_path.exists() and not force:
+        raise EdgeError(f"{out_path}: already exists (use --force to overwrite)")
+    if not out_path.parent.is_dir():
+        raise EdgeError(f"{out_path.parent}: output directory does not exist")
+
+    hp = read_hparams(hf_dir)
+    tensors, shards = open_checkpoint(hf_dir)
+    warnings: list[str] = []
+    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
+    try:
+        plans = _plan(hf_dir, hp, tensors, qtype.upper(), embed_type.upper(), warnings)
+        tok = load_tokenizer(hf_dir, hp.n_vocab, load_json(hf_dir / "config.json", "model config"))
+        warnings += tok.warnings
+        with open(tmp, "wb") as f:
+            w = GGUFStreamWriter(f)
+            _metadata(w, hp, _model_name(hf_dir), qtype, tok)
+            infos = [w.tensor(p.name, p.shape, FORMATS[p.fmt].type_id) for p in plans]
+            w.write_header()
+            total, done = sum(i.nbytes for i in infos), [0]
+            for p in plans:
+                w.tensor_data(p.name, _chunks(p, progress, total, done))
+        os.replace(tmp, out_path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        for s in shards:
+            s.close()
+    n_params = sum(int(np.prod(p.shape)) for p in plans)
+    return ConvertSummary(out_path, qtype, [(p.name, p.fmt, p.shape) for p in plans], n_params,
+                          out_path.stat().st_size, time.perf_counter() - t0, warnings)
