@@ -1,0 +1,283 @@
+"""Numba kernels of the linear layers (the class that owns them is linear.py).
+
+Quantized weights are repacked at load into row tiles read with lanes across rows:
+for a tile of R output rows, byte j of block b of all R rows is contiguous:
+    Q4_0 / Q4_1  q (nt, nb, 16, R) u8,  d [, m] (nt, nb, R) u16 (f16 bits)
+    Q8_0         q (nt, nb, 32, R) i8,  d (nt, nb, R) u16
+so the inner loop is an R-wide multiply-add of weights by one broadcast x value: no
+per-block horizontal sum, the block scale is one R-wide multiply per block, and the
+bytes read are the file's bytes (4 bits per weight, f16 scales). R is a runtime size
+(a multiple of 16); rows past out_features are zero padding.
+
+Inner loops index 1-D slices with the loop counter itself: an index like o + r into a
+bigger array makes LLVM fear a negative (wrap-around) index and fall back to scalar
+byte inserts (3x slower, seen in inspect_asm).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+f32 = np.float32
+_F16_BIAS = f32(2.0 ** 112)   # f16 bits shifted into an f32 exponent field, times 2^112 = the value
+
+
+# --- f16 bits -> f32 (Numba has no float16) -----------------------------------------
+
+@njit(cache=True, fastmath=True)
+def half_bits_to_f32(h, bits, out):
+    # h (n,) u16 f16 bits -> out (n,) f32; bits (n,) u32 is out's memory viewed as u32.
+    # Exact for normal and subnormal halves (not inf/nan, which weights never hold).
+    for i in range(h.size):
+        v = np.uint32(h[i])
+        bits[i] = ((v & np.uint32(0x7FFF)) << np.uint32(13)) | ((v & np.uint32(0x8000)) << np.uint32(16))
+    for i in range(h.size):
+        out[i] *= _F16_BIAS
+
+
+# --- activations prepared once per matvec --------------------------------------------
+
+@njit(cache=True, fastmath=True)
+def prep_q4_x(x, xa, xb, xsum):
+    # x (n,) -> xa (n/2,) low-half values, xb = x_hi - 16 x_lo, xsum (n/32,) block sums.
+    # A byte v = lo + 16 hi gives lo*x_lo + hi*x_hi = v*xa + (v >> 4)*xb: no nibble mask.
+    nb = xsum.size
+    for b in range(nb):
+        s = f32(0)
+        for j in range(16):
+            lo = x[32 * b + j]
+            hi = x[32 * b + 16 + j]
+            xa[16 * b + j] = lo
+            xb[16 * b + j] = hi - f32(16) * lo
+            s += lo + hi
+        xsum[b] = s
+
+
+# --- decode: quantized matvec ----------------------------------------------------------
+
+@njit(cache=True, fastmath=True)
+def _q4_tile(qt, dt, mt, xa, xb, xsum, acc, s, sc, m_off):
+    # One tile: qt (nb*16*R,) u8, dt/mt (nb*R,) u16 -> acc (R,) f32.
+    # Q4_0: mt is dt and m_off = -8 (x = (q-8) d);  Q4_1: m_off = 1 (x = q d + m).
+    R = acc.size
+    nb = xsum.size
+    scu = sc.view(np.uint32)
+    acc[:] = 0
+    for b in range(nb):
+        s[:] = 0
+        for j in range(0, 16, 4):      # 4 bytes of each row per pass: fewer trips through s
+            k = 16 * b + j
+            x0 = xa[k]; x1 = xb[k]; x2 = xa[k + 1]; x3 = xb[k + 1]
+            x4 = xa[k + 2]; x5 = xb[k + 2]; x6 = xa[k + 3]; x7 = xb[k + 3]
+            o = (16 * b + j) * R
+            q0 = qt[o:o + R]; q1 = qt[o + R:o + 2 * R]
+            q2 = qt[o + 2 * R:o + 3 * R]; q3 = qt[o + 3 * R:o + 4 * R]
+            for r in range(R):
+                v0 = q0[r]; v1 = q1[r]; v2 = q2[r]; v3 = q3[r]
+                s[r] += (f32(v0) * x0 + f32(v0 >> 4) * x1 + f32(v1) * x2 + f32(v1 >> 4) * x3
+                         + f32(v2) * x4 + f32(v2 >> 4) * x5 + f32(v3) * x6 + f32(v3 >> 4) * x7)
+        half_bits_to_f32(dt[b * R:(b + 1) * R], scu, sc)
+        for r in range(R):
+            acc[r] += sc[r] * s[r]
+        half_bits_to_f32(mt[b * R:(b + 1) * R], scu, sc)
+        ms = m_off * xsum[b]
+        for r in range(R):
+            acc[r] += sc[r] * ms
+
+
+@njit(cache=True, fastmath=True, parallel=True)
+def matvec_q4_0(q, d, xa, xb, xsum, out, scratch):
+    # W (nt*R, n) Q4_0 tiles q (nt, nb*16*R), d (nt, nb*R) @ x (prepared) -> out (d,)
+    # scratch (nt, 3, R) f32
+    nt = q.shape[0]
+    R = scratch.shape[2]
+    for t in prange(nt):
+        acc = scratch[t, 0]
+        _q4_tile(q[t], d[t], d[t], xa, xb, xsum, acc, scratch[t, 1], scratch[t, 2], f32(-8))
+        n = min(R, out.size - t * R)
+        out[t * R:t * R + n] = acc[:n]
+
+
+@njit(cache=True, fastmath=True, parallel=True)
+def matvec_q4_1(q, d, m, xa, xb, xsum, out, scratch):
+    # W (nt*R, n) Q4_1 tiles q (nt, nb*16*R), d, m (nt, nb*R) @ x (prepared) -> out (d,)
+    nt = q.shape[0]
+    R = scratch.shape[2]
+    for t in prange(nt):
+        acc = scratch[t, 0]
+        _q4_tile(q[t], d[t], m[t], xa, xb, xsum, acc, scratch[t, 1], scratch[t, 2], f32(1))
+        n = min(R, out.size - t * R)
+        out[t * R:t * R + n] = acc[:n]
+
+
+@njit(cache=True, fastmath=True, parallel=True)
+def matvec_q8_0(q, d, x, out, scratch):
+    # W (nt*R, n) Q8_0 tiles q (nt, nb*32*R) i8, d (nt, nb*R) u16 @ x (n,) -> out (d,)
+    nt = q.shape[0]
+    R = scratch.shape[2]
+    nb = x.size // 32
+    for t in prange(nt):
+        qt = q[t]
+        dt = d[t]
+        acc = scratch[t, 0]
+        s = scratch[t, 1]
+        sc = scratch[t, 2]
+        scu = sc.view(np.uint32)
+        acc[:] = 0
+        for b in range(nb):
+            s[:] = 0
+            for j in range(0, 32, 4):
+                k = 32 * b + j
+                x0 = x[k]; x1 = x[k + 1]; x2 = x[k + 2]; x3 = x[k + 3]
+                o = k * R
+                q0 = qt[o:o + R]; q1 = qt[o + R:o + 2 * R]
+                q2 = qt[o + 2 * R:o + 3 * R]; q3 = qt[o + 3 * R:o + 4 * R]
+                for r in range(R):
+                    s[r] += f32(q0[r]) * x0 + f32(q1[r]) * x1 + f32(q2[r]) * x2 + f32(q3[r]) * x3
+            half_bits_to_f32(dt[b * R:(b + 1) * R], scu, sc)
+            for r in range(R):
+                acc[r] += sc[r] * s[r]
+        n = min(R, out.size - t * R)
+        out[t * R:t * R + n] = acc[:n]
+
+
+# --- load: repack file blocks into row tiles --------------------------------------------
+
+@njit(cache=True, parallel=True)
+def repack_blocks(raw, nh, pl, q, h):
+    # raw (rows, nb*(2*nh+pl)) u8 file blocks [nh f16 halves, pl payload bytes]
+    # -> q (nt, nb*pl*R) u8 tiles, h (nh, nt, nb*R) u16; pad rows stay zero
+    rows = raw.shape[0]
+    nt = q.shape[0]
+    bs = 2 * nh + pl
+    nb = raw.shape[1] // bs
+    R = h.shape[2] // nb
+    for t in prange(nt):
+        qt = q[t]
+        for r in range(min(R, rows - t * R)):
+            src = raw[t * R + r]
+            for b in range(nb):
+                blk = src[b * bs:(b + 1) * bs]
+                for k in range(nh):
+                    h[k, t, b * R + r] = np.uint16(blk[2 * k]) | (np.uint16(blk[2 * k + 1]) << np.uint16(8))
+                dst = qt[b * pl * R + r:(b + 1) * pl * R:R]
+                for j in range(pl):
+                    dst[j] = blk[2 * nh + j]
+
+
+@njit(cache=True)
+def _half(h):
+    # one f16 bit pattern (as int) -> f32, for the scalar paths (rows, dequantize)
+    e = (h >> 10) & 31
+    m = h & 1023
+    v = math.ldexp(f32(m), -24) if e == 0 else math.ldexp(f32(1024 + m), e - 25)
+    return f32(-v) if h & 0x8000 else f32(v)
+
+
+# --- prefill: dequantize a run of tiles, transposed, for BLAS -------------------------
+
+@njit(cache=True, fastmath=True, parallel=True)
+def dequant_q4_tiles(q, d, m, m_off, t0, t1, wt):
+    # Q4 tiles t0..t1 -> wt (n, (t1-t0)*R) f32 = W[rows].T ; m_off as in _q4_tile
+    nb = wt.shape[0] // 32
+    R = d.shape[1] // nb
+    for b in prange(nb):
+        for t in range(t0, t1):
+            c = (t - t0) * R
+            for r in range(R):
+                dd = _half(d[t, b * R + r])
+                mm = _half(m[t, b * R + r]) * m_off if m_off == f32(1) else dd * m_off
+                for j in range(16):
+                    v = q[t, (16 * b + j) * R + r]
+                    wt[32 * b + j, c + r] = f32(v & 15) * dd + mm
+                    wt[32 * b + 16 + j, c + r] = f32(v >> 4) * dd + mm
+
+
+@njit(cache=True, fastmath=True, parallel=True)
+def dequant_q8_tiles(q, d, t0, t1, wt):
+    # Q8_0 tiles t0..t1 -> wt (n, (t1-t0)*R) f32 = W[rows].T
+    nb = wt.shape[0] // 32
+    R = d.shape[1] // nb
+    for b in prange(nb):
+        for t in range(t0, t1):
+            c = (t - t0) * R
+            for r in range(R):
+                dd = _half(d[t, b * R + r])
+                for j in range(32):
+                    wt[32 * b + j, c + r] = f32(q[t, (32 * b + j) * R + r]) * dd
+
+
+# --- embedding lookup ------------------------------------------------------------------
+
+@njit(cache=True, fastmath=True, parallel=True)
+def rows_q4(q, d, m, m_off, ids, out):
+    # Q4 tiles, ids (T,) -> out (T, n) f32 dequantized rows
+    nb = out.shape[1] // 32
+    R = d.shape[1] // nb
+    for i in prange(ids.size):
+        t = ids[i] // R
+        r = ids[i] % R
+        row = out[i]
+        for b in range(nb):
+            dd = _half(d[t, b * R + r])
+            mm = _half(m[t, b * R + r]) * m_off if m_off == f32(1) else dd * m_off
+            for j in range(16):
+                v = q[t, (16 * b + j) * R + r]
+                row[32 * b + j] = f32(v & 15) * dd + mm
+                row[32 * b + 16 + j] = f32(v >> 4) * dd + mm
+
+
+@njit(cache=True, fastmath=True, parallel=True)
+def rows_q8(q, d, ids, out):
+    # Q8_0 tiles, ids (T,) -> out (T, n) f32 dequantized rows
+    nb = out.shape[1] // 32
+    R = d.shape[1] // nb
+    for i in prange(ids.size):
+        t = ids[i] // R
+        r = ids[i] % R
+        row = out[i]
+        for b in range(nb):
+            dd = _half(d[t, b * R + r])
+            for j in range(32):
+                row[32 * b + j] = f32(q[t, (32 * b + j) * R + r]) * dd
+
+
+# --- unquantized weights (file layout, rows contiguous) ---------------------------------
+
+@njit(cache=True, fastmath=True, parallel=True)
+def matvec_f32(w, x, out):
+    # W (d, n) f32 @ x (n,) -> out (d,)
+    for i in prange(w.shape[0]):
+        row = w[i]
+        s = f32(0)
+        for k in range(x.size):
+            s += row[k] * x[k]
+        out[i] = s
+
+
+@njit(cache=True, fastmath=True, parallel=True)
+def matvec_u16(w, is_f16, x, out, scratch):
+    # W (d, n) f16 or bf16 bits (u16) @ x (n,) -> out (d,); scratch (ng, C) f32, one per
+    # group of G rows: each row is widened C values at a time, then dotted with x.
+    d, n = w.shape
+    ng, C = scratch.shape
+    G = -(-d // ng)
+    for g in prange(ng):
+        tf = scratch[g]
+        tu = tf.view(np.uint32)
+        for i in range(g * G, min(d, (g + 1) * G)):
+            row = w[i]
+            s = f32(0)
+            for c in range(0, n, C):
+                k = min(C, n - c)
+                if is_f16:
+                    half_bits_to_f32(row[c:c + k], tu, tf)
+                else:
+                    for e in range(k):
+                        tu[e] = np.uint32(row[c + e]) << np.uint32(16)
+                xc = x[c:c + k]
+                for e in range(k):
+                    s += tf[e] * xc[e]
+            out[i] = s

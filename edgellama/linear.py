@@ -1,0 +1,182 @@
+"""Linear layers: a weight matrix W (out_features, in_features) read from a GGUF tensor.
+
+Q4_0 / Q4_1 / Q8_0 are repacked once at load into row tiles (see kernels_linear.py) and
+the file's pages are then dropped from this process (the tiles hold the same bytes, so
+resident memory stays about the file size). F32 / F16 / BF16 are used in place.
+
+    matvec  decode, one token: out = W @ x
+    matmul  prefill, T tokens: out = x @ W.T, by dequantizing a few MB of rows at a
+            time and handing them to NumPy's BLAS
+    rows    embedding lookup: dequantized rows of W
+"""
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+
+from . import kernels_linear as K
+
+F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
+_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", BF16: "BF16"}
+# type -> (f16 halves per block, payload bytes per block of 32)
+_BLOCKS = {Q4_0: (1, 16), Q4_1: (2, 16), Q8_0: (1, 32)}
+_CHUNK_FLOATS = 1 << 20        # prefill dequantizes ~4 MB of W at a time (fits L2+L3)
+_U16_COLS = 512                # f16/bf16 rows are widened this many values at a time
+
+
+def _tile_rows(out_features: int) -> int:
+    # Widest tile (more work per x load) that still leaves >= 8 tiles to share out.
+    for r in (128, 64, 32):
+        if -(-out_features // r) >= 8:
+            return r
+    return 16
+
+
+def _release_pages(data: np.ndarray) -> None:
+    """Drop the pages under `data` from this process if it is a view of a file mmap.
+
+    After repacking, the tiles are the only copy used; the file stays in the page cache
+    and nothing is lost. Anything that is not a file mapping is left alone.
+    """
+    base = data
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    if not isinstance(base, mmap.mmap) or base.closed:
+        return
+    start = data.ctypes.data - np.frombuffer(base, np.uint8).ctypes.data
+    lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    hi = (start + data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if hi > lo:
+        base.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+
+class Linear:
+    """W (out_features, in_features) of one GGML type; see the module docstring."""
+
+    def __init__(self, type_id: int, out_features: int, in_features: int):
+        if type_id not in _NAMES:
+            raise ValueError(f"unsupported weight type id {type_id}")
+        self.type_id = type_id
+        self.type_name = _NAMES[type_id]
+        self.out_features = out_features
+        self.in_features = in_features
+
+    @classmethod
+    def from_gguf(cls, type_id: int, data: np.ndarray, shape: tuple[int, int]) -> "Linear":
+        out_f, in_f = (int(s) for s in shape)
+        self = cls(type_id, out_f, in_f)
+        raw = np.asarray(data).reshape(-1).view(np.uint8)
+        if type_id in _BLOCKS:
+            self._load_blocks(raw)
+        else:
+            dtype = np.float32 if type_id == F32 else np.uint16
+            self.w = raw.view(dtype).reshape(out_f, in_f)
+            self.nbytes = self.w.nbytes
+            if type_id != F32:
+                ng = min(out_f, 64)
+                self._u16_scratch = np.zeros((ng, min(_U16_COLS, in_f)), np.float32)
+        return self
+
+    def _load_blocks(self, raw: np.ndarray) -> None:
+        nh, pl = _BLOCKS[self.type_id]
+        n, d = self.in_features, self.out_features
+        if n % 32:
+            raise ValueError(f"{self.type_name} row length {n} is not a multiple of 32")
+        nb = n // 32
+        self.nbytes = d * nb * (2 * nh + pl)
+        if raw.size != self.nbytes:
+            raise ValueError(f"{self.type_name} ({d}, {n}) needs {self.nbytes} bytes, got {raw.size}")
+        R = self.R = _tile_rows(d)
+        nt = self.nt = -(-d // R)
+        self.q = np.empty((nt, nb * pl * R), np.uint8)
+        h = np.empty((nh, nt, nb * R), np.uint16)
+        if nt * R > d:                 # pad rows: zero scales, so they add nothing
+            self.q[-1] = 0
+            h[:, -1] = 0
+        K.repack_blocks(raw.reshape(d, -1), nh, pl, self.q, h)
+        _release_pages(raw)
+        self.d = h[0]
+        self.m = h[1] if nh == 2 else h[0]
+        self.m_off = np.float32(1.0 if nh == 2 else -8.0)   # Q4_1 adds m; Q4_0 adds -8 d
+        self._scratch = np.zeros((nt, 3, R), np.float32)
+        if pl == 16:
+            self._xa = np.zeros(n // 2, np.float32)
+            self._xb = np.zeros(n // 2, np.float32)
+            self._xsum = np.zeros(nb, np.float32)
+
+    # --- decode ---------------------------------------------------------------------
+
+    def matvec(self, x: np.ndarray, out: np.ndarray) -> None:
+        """out (out_features,) f32 = W @ x, x (in_features,) f32."""
+        t = self.type_id
+        if t == Q4_0 or t == Q4_1:
+            K.prep_q4_x(x, self._xa, self._xb, self._xsum)
+            if t == Q4_0:
+                K.matvec_q4_0(self.q, self.d, self._xa, self._xb, self._xsum, out, self._scratch)
+            else:
+                K.matvec_q4_1(self.q, self.d, self.m, self._xa, self._xb, self._xsum, out,
+                              self._scratch)
+        elif t == Q8_0:
+            K.matvec_q8_0(self.q.view(np.int8), self.d, x, out, self._scratch)
+        elif t == F32:
+            K.matvec_f32(self.w, x, out)
+        else:
+            K.matvec_u16(self.w, t == F16, x, out, self._u16_scratch)
+
+    # --- prefill --------------------------------------------------------------------
+
+    def matmul(self, x: np.ndarray, out: np.ndarray) -> None:
+        """out (T, out_features) f32 = x @ W.T, x (T, in_features) f32 C-contiguous."""
+        if self.type_id == F32:
+            np.matmul(x, self.w.T, out=out)
+            return
+        n, d = self.in_features, self.out_features
+        step = self._chunk_rows()
+        if not hasattr(self, "_wt"):
+            self._wt = np.empty(n * step, np.float32)   # allocated on first prefill only
+        for r0 in range(0, d, step):
+            r1 = min(d, r0 + step)
+            if self.type_id in _BLOCKS:
+                t0, t1 = r0 // self.R, -(-r1 // self.R)
+                wt = self._wt[:n * (t1 - t0) * self.R].reshape(n, -1)
+                if self.type_id == Q8_0:
+                    K.dequant_q8_tiles(self.q.view(np.int8), self.d, t0, t1, wt)
+                else:
+                    K.dequant_q4_tiles(self.q, self.d, self.m, self.m_off, t0, t1, wt)
+                np.matmul(x, wt[:, :r1 - r0], out=out[:, r0:r1])
+            else:
+                ws = self._wt[:(r1 - r0) * n].reshape(r1 - r0, n)
+                self._widen(self.w[r0:r1], ws)
+                np.matmul(x, ws.T, out=out[:, r0:r1])
+
+    def _chunk_rows(self) -> int:
+        unit = self.R if self.type_id in _BLOCKS else 16
+        return max(unit, _CHUNK_FLOATS // self.in_features // unit * unit)
+
+    def _widen(self, w16: np.ndarray, out: np.ndarray) -> None:
+        # f16 / bf16 bits (r, n) -> out (r, n) f32 (NumPy's vectorised casts)
+        if self.type_id == F16:
+            out[:] = w16.view(np.float16)
+        else:
+            np.left_shift(w16, 16, out=out.view(np.uint32), dtype=np.uint32)
+
+    # --- embedding ------------------------------------------------------------------
+
+    def rows(self, ids: np.ndarray, out: np.ndarray) -> None:
+        """out (T, in_features) f32 = W[ids], ids (T,) int."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.out_features):
+            raise IndexError(f"row id out of range [0, {self.out_features})")
+        t = self.type_id
+        if t == Q8_0:
+            K.rows_q8(self.q.view(np.int8), self.d, ids, out)
+        elif t in _BLOCKS:
+            K.rows_q4(self.q, self.d, self.m, self.m_off, ids, out)
+        elif t == F32:
+            np.take(self.w, ids, axis=0, out=out)
+        else:
+            self._widen(self.w[ids], out)
+
+    def __repr__(self) -> str:
+        return f"Linear({self.type_name}, out={self.out_features}, in={self.in_features})"

@@ -1,0 +1,102 @@
+"""Linear kernels vs a plain NumPy twin: dequantize with gguf-py, then x @ W.T (float64).
+
+Tolerance: every kernel sums float32 products, so the error of one output is at most
+about n * eps32 * sum_i |w_i x_i| (worst case), typically far less. The Q4 kernels
+multiply whole bytes v = lo + 16 hi by x (see prep_q4_x), terms up to 16x larger than
+the products themselves, so we allow 16 * 64 * eps32 * (|W| @ |x|): a bound that does
+not grow with these small n, and about 100x tighter than any real indexing bug.
+"""
+import mmap
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as G
+from gguf.quants import dequantize, quantize
+
+from edgellama import linear
+from edgellama.linear import Linear
+
+TYPES = [G.F32, G.F16, G.BF16, G.Q4_0, G.Q4_1, G.Q8_0]
+# (out, in): out not a multiple of any tile size, small in = 32 k, tiny and wider
+SHAPES = [(300, 64), (37, 32), (8, 96), (1030, 160)]
+EPS = float(np.finfo(np.float32).eps)
+
+
+def make(type_, shape, seed=0):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal(shape).astype(np.float32)
+    w[0, :] *= 1e-6              # tiny scales: f16 subnormal block scales
+    data = quantize(w, type_)    # uint8 (out, row bytes) as stored in a GGUF file
+    ref = dequantize(data, type_).astype(np.float64).reshape(shape)
+    data.setflags(write=False)
+    return Linear.from_gguf(int(type_), data, shape), ref
+
+
+def check(got, ref_w, x):
+    want = x.astype(np.float64) @ ref_w.T
+    tol = 16 * 64 * EPS * (np.abs(x) @ np.abs(ref_w).T) + 1e-30
+    assert got.shape == want.shape
+    assert np.all(np.abs(got - want) <= tol), np.max(np.abs(got - want) / tol)
+
+
+@pytest.mark.parametrize("type_", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_matvec(type_, shape):
+    lin, ref = make(type_, shape)
+    assert (lin.out_features, lin.in_features, lin.type_name) == (*shape, type_.name)
+    x = np.random.default_rng(1).standard_normal(shape[1]).astype(np.float32)
+    out = np.full(shape[0], np.nan, np.float32)
+    lin.matvec(x, out)
+    check(out, ref, x)
+
+
+@pytest.mark.parametrize("type_", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("T", [1, 7])
+def test_matmul(type_, T, monkeypatch):
+    shape = (300, 64)
+    monkeypatch.setattr(linear, "_CHUNK_FLOATS", 64 * 40)   # several chunks, ragged last
+    lin, ref = make(type_, shape)
+    x = np.random.default_rng(2).standard_normal((T, shape[1])).astype(np.float32)
+    out = np.full((T, shape[0]), np.nan, np.float32)
+    lin.matmul(x, out)
+    check(out, ref, x)
+
+
+@pytest.mark.parametrize("type_", TYPES, ids=lambda t: t.name)
+def test_rows(type_):
+    shape = (300, 64)
+    lin, ref = make(type_, shape)
+    ids = np.array([0, 299, 5, 5, 128, 64, 255], np.int64)
+    out = np.full((ids.size, shape[1]), np.nan, np.float32)
+    lin.rows(ids, out)
+    np.testing.assert_array_equal(out, ref[ids].astype(np.float32))
+    with pytest.raises(IndexError):
+        lin.rows(np.array([300]), out[:1])
+
+
+def test_nbytes_and_bad_size():
+    lin, _ = make(G.Q4_0, (300, 64))
+    assert lin.nbytes == 300 * 2 * 18
+    with pytest.raises(ValueError):
+        Linear.from_gguf(int(G.Q4_0), np.zeros(10, np.uint8), (300, 64))
+
+
+def test_repack_releases_file_pages(tmp_path):
+    # Weights read from a file mmap are repacked; the mapping's pages are dropped from
+    # the process but the data stays intact in the file and in the tiles.
+    shape = (256, 1024)
+    lin0, ref = make(G.Q4_0, shape)
+    data = quantize(np.random.default_rng(0).standard_normal(shape).astype(np.float32), G.Q4_0)
+    path = tmp_path / "w.bin"
+    path.write_bytes(b"\0" * 100 + data.tobytes())
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    view = np.frombuffer(mm, np.uint8, count=data.size, offset=100)
+    lin = Linear.from_gguf(int(G.Q4_0), view, shape)
+    np.testing.assert_array_equal(view, data.reshape(-1))   # refaults from the file
+    x = np.ones(shape[1], np.float32)
+    out = np.zeros(shape[0], np.float32)
+    lin.matvec(x, out)
+    check(out, dequantize(data, G.Q4_0).astype(np.float64), x)
+    del view
+    mm.close()
