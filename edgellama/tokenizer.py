@@ -76,13 +76,16 @@ class Tokenizer:
         self.stop_ids = frozenset(
             {by_text[t] for t in STOP_TOKEN_TEXTS if t in by_text}
             | {special_ids[k] for k in ("eos", "eot", "eom") if k in special_ids})
+        # Text -> id of every token that encode_special recognises.
+        self.special_tokens = {tokens[i]: i for i in
+                               np.flatnonzero(np.isin(token_types, (CONTROL, USER_DEFINED))).tolist()}
         self._encoding, self._rank_to_id = self._build_encoding(pattern, merges, by_text)
         self._user_defined = {tokens[i] for i in np.flatnonzero(token_types == USER_DEFINED)}
 
     @property
     def is_llama3(self) -> bool:
         """Llama 3 vocabulary (has the header tokens of its turn format)."""
-        return "<|start_header_id|>" in self._encoding.special_tokens_set
+        return "<|start_header_id|>" in self.special_tokens
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
@@ -117,7 +120,7 @@ class Tokenizer:
         b2u = byte_to_unicode()
         byte_ids = [by_text.get(b2u[b]) for b in range(256)]
         merged_ids = _merge_result_ids(merges, by_text)
-        special_ids = np.flatnonzero(np.isin(self.token_types, (CONTROL, USER_DEFINED)))
+        special_ids = np.fromiter(self.special_tokens.values(), np.int64, len(self.special_tokens))
         if merged_ids.size < 2 or bool(np.all(np.diff(merged_ids) > 0)):
             # Ids already follow merge order: they are the ranks. A byte with no token
             # (SmolLM2 lacks a few never-seen bytes) still needs a rank or tiktoken panics:
@@ -136,7 +139,7 @@ class Tokenizer:
                                          merged_ids, special_ids])
         mergeable = {bytes([b]): r for b, r in enumerate(byte_ranks)}
         mergeable.update(zip([self._bytes[i] for i in merged_ids.tolist()], merged_ranks.tolist()))
-        specials = dict(zip([self.tokens[i] for i in special_ids.tolist()], special_ranks.tolist()))
+        specials = dict(zip(self.special_tokens, special_ranks.tolist()))
         enc = tiktoken.Encoding(name="gguf", pat_str=pattern, mergeable_ranks=mergeable,
                                 special_tokens=specials)
         return enc, rank_to_id
