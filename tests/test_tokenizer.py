@@ -141,6 +141,30 @@ def test_llama3_matches_meta_tiktoken_file(llama3, llama3_tokenizer_dir, corpus)
     assert llama3.encode(corpus) == meta.encode_ordinary(corpus)
 
 
+def _converter_metadata(tok) -> dict:
+    """quant.hf_tokenizer's TokenizerMeta under the GGUF keys quant/convert.py writes."""
+    keys = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id",
+            "pad": "padding_token_id"}
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": tok.pre,
+            "tokenizer.ggml.tokens": tok.tokens, "tokenizer.ggml.token_type": np.asarray(tok.token_types),
+            "tokenizer.ggml.merges": tok.merges}
+    meta.update({f"tokenizer.ggml.{keys[k]}": v for k, v in tok.special_ids.items()})
+    meta.update({f"tokenizer.ggml.add_{k}_token": v for k, v in tok.add_special.items()})
+    return meta
+
+
+@pytest.mark.parametrize("source", ["tokenizer.json", "tokenizer.model"])
+def test_llama3_through_hf_converter(source, llama3, llama3_tokenizer_dir, tmp_path, corpus):
+    from quant.hf_tokenizer import load_tokenizer
+    for name in (source, "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((llama3_tokenizer_dir / name).read_bytes())
+    tok = Tokenizer.from_metadata(_converter_metadata(load_tokenizer(tmp_path, 128256, {})))
+    assert (tok.vocab_size, tok.bos_id, tok.add_bos) == (128256, 128000, True)
+    assert tok.stop_ids == LLAMA3_STOPS
+    assert tok.encode(corpus) == llama3.encode(corpus)
+    assert tok.encode_special("<|start_header_id|>") == [128006]
+
+
 def test_gpt2_pre_tokenizer_matches_hf(smollm2_gguf, corpus):
     meta = dict(smollm2_metadata(smollm2_gguf), **{"tokenizer.ggml.pre": "gpt-2"})
     hf = _hf_from_metadata(meta, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
