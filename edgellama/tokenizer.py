@@ -46,6 +46,7 @@ PRE_TOKENIZERS = {
 # Texts of end-of-turn / end-of-text tokens across the vocabularies we run.
 STOP_TOKEN_TEXTS = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>")
 
+# tokenizer.ggml.<key>_token_id keys ("seperator" is llama.cpp's spelling).
 _SPECIAL_ID_KEYS = ("bos", "eos", "eot", "eom", "unknown", "padding", "seperator")
 
 
@@ -72,13 +73,16 @@ class Tokenizer:
         shown = (token_types == NORMAL) | (token_types == USER_DEFINED) | (token_types == BYTE)
         self._shown = [b if s else b"" for b, s in zip(self._bytes, shown.tolist())]
 
-        by_text = dict(zip(tokens, range(self.vocab_size)))
-        self.stop_ids = frozenset(
-            {by_text[t] for t in STOP_TOKEN_TEXTS if t in by_text}
-            | {special_ids[k] for k in ("eos", "eot", "eom") if k in special_ids})
         # Text -> id of every token that encode_special recognises.
         self.special_tokens = {tokens[i]: i for i in
                                np.flatnonzero(np.isin(token_types, (CONTROL, USER_DEFINED))).tolist()}
+        # Byte-level tokens by text: what bytes and merges refer to.
+        level = np.flatnonzero((token_types == NORMAL) | (token_types == BYTE)).tolist()
+        by_text = dict(zip([tokens[i] for i in level], level))
+        named = {t: self.special_tokens.get(t, by_text.get(t)) for t in STOP_TOKEN_TEXTS}
+        self.stop_ids = frozenset(
+            {i for i in named.values() if i is not None}
+            | {special_ids[k] for k in ("eos", "eot", "eom") if k in special_ids})
         self._encoding, self._rank_to_id = self._build_encoding(pattern, merges, by_text)
         self._user_defined = {tokens[i] for i in np.flatnonzero(token_types == USER_DEFINED)}
 
@@ -213,10 +217,11 @@ def _merge_result_ids(merges: list[str], by_text: dict[str, int]) -> np.ndarray:
     # Byte-level tokens contain neither space nor newline, so one join/replace/split over
     # all merges turns every "left right" into its result at C speed.
     joined = "\n".join(merges)
-    if joined.count(" ") != len(merges):
+    pieces = joined.replace(" ", "").split("\n") if merges else []
+    if joined.count(" ") != len(merges) or len(pieces) != len(merges):
         raise EdgeError("tokenizer.ggml.merges: every merge must be two tokens separated "
                         "by one space")
-    results = dict.fromkeys(joined.replace(" ", "").split("\n")) if merges else {}
+    results = dict.fromkeys(pieces)
     try:
         return np.fromiter(map(by_text.__getitem__, results), dtype=np.int64, count=len(results))
     except KeyError as exc:

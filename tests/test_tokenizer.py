@@ -342,6 +342,8 @@ def test_malformed_vocabularies_are_errors(smollm2_gguf):
     meta = smollm2_metadata(smollm2_gguf)
     with pytest.raises(EdgeError, match="merges"):
         Tokenizer.from_metadata(_smol_meta_with(smollm2_gguf, merges=["Ġ t", "Ġ a x"]))
+    with pytest.raises(EdgeError, match="merges"):
+        Tokenizer.from_metadata(_smol_meta_with(smollm2_gguf, merges=["Ġ t", "a\nb c"]))
     with pytest.raises(EdgeError, match="not in tokenizer.ggml.tokens"):
         Tokenizer.from_metadata(_smol_meta_with(smollm2_gguf, merges=["Ġ t", "zzzq qqqz"]))
     tokens = list(meta["tokenizer.ggml.tokens"])
