@@ -80,7 +80,7 @@ def corpus() -> str:
 def _hf_from_metadata(meta: dict, pre_tokenizer) -> tokenizers.Tokenizer:
     """HF tokenizer over a GGUF vocabulary (SmolLM2 ships no tokenizer.json in the GGUF)."""
     tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
-    vocab = {t: i for i, t in enumerate(tokens) if types[i] == 1}
+    vocab = {t: i for i, t in enumerate(tokens)}  # added tokens too, as tokenizer.json lists them
     merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
     hf = tokenizers.Tokenizer(models.BPE(vocab, merges))
     hf.pre_tokenizer = pre_tokenizer
@@ -205,6 +205,17 @@ def test_special_token_text_is_plain_text(name, special, request):
     assert tok.decode(ids) == text
     special_id = tok.tokens.index(special)
     assert tok.encode_special(text).count(special_id) == 3
+
+
+@pytest.mark.parametrize("name", ["llama3", "smol"])
+def test_encode_special_matches_hf(name, request, corpus):
+    tok, hf = request.getfixturevalue(name), request.getfixturevalue(f"hf_{name}")
+    specials = sorted(tok.special_tokens)
+    paragraphs = corpus.split("\n\n")[:300]
+    text = "".join(p + specials[k % len(specials)] for k, p in enumerate(paragraphs))
+    ids = tok.encode_special(text)
+    assert ids == _hf_ids(hf, text)
+    assert sum(i in tok.special_tokens.values() for i in ids) == len(paragraphs)
 
 
 def test_stop_ids(llama3, smol):
