@@ -1,0 +1,361 @@
+"""`edgellama bench`: will this model fit, and how fast is it, on this machine?
+
+Memory: the predicted breakdown (weights by type, KV cache from the formula,
+scratch, process baseline) beside resident memory measured after load, after
+prefill and at peak. Speed: prefill (pp) and decode (tg) tokens/s as mean ± sd,
+decode at depth, achieved read bandwidth beside the ceiling measured in the same
+run, prefill beside NumPy's float32 matmul on the same shapes, JIT compile and load
+time apart.
+
+Speed and memory do not depend on weight values, so `--shape` benchmarks a GGUF
+with the real Llama 3.2 shapes and random weights, generated once and cached.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFWriter
+
+from quant.blocks import FORMATS
+
+from .default_model import cache_dir
+from .errors import EdgeError
+from .gguf import GGUFFile
+from .jit import cache_is_warm
+from .machine import cpu_name, set_threads, total_memory
+from .membw import measure_read_bandwidth
+from .model import KVCache, Transformer
+
+MiB = 2 ** 20
+GiB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class Shape:
+    dim: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int = 128256
+    theta: float = 500000.0
+    train_ctx: int = 131072
+
+
+SHAPES = {
+    "llama-3.2-1b": Shape(dim=2048, layers=16, heads=32, kv_heads=8, ffn=8192),
+    "llama-3.2-3b": Shape(dim=3072, layers=28, heads=24, kv_heads=8, ffn=8192),
+}
+
+
+# -- random-weight files with real shapes ---------------------------------------
+def _random_blocks(rng, rows: int, cols: int, qtype: str, scale: float) -> np.ndarray:
+    """(rows, row_bytes) uint8 of a valid `qtype` tensor with random values whose
+    magnitude is about `scale` (so activations stay finite and normal)."""
+    f = FORMATS[qtype]
+    nb = cols // f.block_size
+    if qtype in ("F32", "F16"):
+        dt = np.float32 if qtype == "F32" else np.float16
+        return (rng.standard_normal((rows, cols), np.float32) * scale).astype(dt).view(np.uint8)
+    raw = rng.integers(0, 256, size=(rows, nb, f.type_size), dtype=np.uint8)
+    d = rng.uniform(0.5, 1.5, size=(rows, nb)).astype(np.float16) * np.float16(scale / 4)
+    raw[:, :, 0:2] = d.view(np.uint8).reshape(rows, nb, 2)
+    if qtype == "Q4_1":   # min m: centre the values around zero
+        raw[:, :, 2:4] = (-d * np.float16(7.5)).view(np.uint8).reshape(rows, nb, 2)
+    return raw.reshape(rows, nb * f.type_size)
+
+
+def shape_file(name: str, qtype: str, quiet: bool = False) -> Path:
+    """Path of a cached GGUF with the shapes of `name` and random `qtype` weights
+    (1-D tensors F32; the tied embedding Q8_0 for 4-bit types, as convert does)."""
+    if name not in SHAPES:
+        raise EdgeError(f"unknown --shape {name!r} (known: {', '.join(SHAPES)})")
+    qtype = qtype.upper()
+    if qtype not in ("Q4_0", "Q4_1", "Q8_0", "F16"):
+        raise EdgeError(f"--type {qtype.lower()} is not offered for --shape (q4_0, q4_1, q8_0, f16)")
+    s = SHAPES[name]
+    path = cache_dir() / "bench" / f"{name}-random-{qtype.lower()}.gguf"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not quiet:
+        print(f"Generating {path.name} (random weights, real shapes; once)...", flush=True)
+    embed_type = "Q8_0" if qtype.startswith("Q4") else qtype
+    hd = s.dim // s.heads
+    tensors = [("token_embd.weight", s.vocab, s.dim, embed_type, 1.0)]
+    for i in range(s.layers):
+        p = f"blk.{i}."
+        tensors += [(p + "attn_norm.weight", 0, s.dim, "F32", 0),
+                    (p + "attn_q.weight", s.heads * hd, s.dim, qtype, s.dim ** -0.5),
+                    (p + "attn_k.weight", s.kv_heads * hd, s.dim, qtype, s.dim ** -0.5),
+                    (p + "attn_v.weight", s.kv_heads * hd, s.dim, qtype, s.dim ** -0.5),
+                    (p + "attn_output.weight", s.dim, s.heads * hd, qtype, s.dim ** -0.5),
+                    (p + "ffn_norm.weight", 0, s.dim, "F32", 0),
+                    (p + "ffn_gate.weight", s.ffn, s.dim, qtype, s.dim ** -0.5),
+                    (p + "ffn_up.weight", s.ffn, s.dim, qtype, s.dim ** -0.5),
+                    (p + "ffn_down.weight", s.dim, s.ffn, qtype, s.ffn ** -0.5)]
+    tensors.append(("output_norm.weight", 0, s.dim, "F32", 0))
+    tmp = path.with_suffix(".tmp")
+    try:
+        w = GGUFWriter(str(tmp), "llama")
+        w.add_name(f"{name} (random weights)")
+        w.add_file_type(int(FORMATS[qtype].file_type))
+        w.add_block_count(s.layers)
+        w.add_context_length(s.train_ctx)
+        w.add_embedding_length(s.dim)
+        w.add_feed_forward_length(s.ffn)
+        w.add_head_count(s.heads)
+        w.add_head_count_kv(s.kv_heads)
+        w.add_rope_dimension_count(hd)
+        w.add_rope_freq_base(s.theta)
+        w.add_layer_norm_rms_eps(1e-5)
+        w.add_vocab_size(s.vocab)
+        for tname, rows, cols, t, _ in tensors:
+            f = FORMATS[t]
+            shape = (rows, cols) if rows else (cols,)
+            nbytes = max(rows, 1) * cols // f.block_size * f.type_size
+            w.add_tensor_info(tname, shape, np.dtype(np.uint8), nbytes, raw_dtype=QT(f.type_id))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        rng = np.random.default_rng(0)
+        for tname, rows, cols, t, scale in tensors:
+            data = (np.ones(cols, np.float32) if not rows
+                    else _random_blocks(rng, rows, cols, t, scale))
+            w.write_tensor_data(data)
+        w.close()
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+# -- measuring -------------------------------------------------------------------
+def _proc_status() -> dict[str, int]:
+    """VmRSS and VmHWM (peak) of this process in bytes, from /proc (Linux)."""
+    out = {}
+    try:
+        for line in open("/proc/self/status"):
+            key = line.split(":")[0]
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def _reset_peak_rss():
+    """Start VmHWM afresh (Linux: "5" to clear_refs), so generating a shape file in
+    this process does not count toward the model's peak."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _mean_sd(xs: list[float]) -> tuple[float, float]:
+    a = np.asarray(xs, np.float64)
+    return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else 0.0
+
+
+def _numpy_matmul_gflops(model: Transformer, T: int) -> float:
+    """NumPy float32 matmul throughput on one layer's weight shapes, x (T, in) @ W.T."""
+    shapes = [(w.out_features, w.in_features) for w in vars(model.layers[0]).values()
+              if hasattr(w, "out_features")]
+    rng = np.random.default_rng(0)
+    mats = [(rng.standard_normal((T, i), np.float32), rng.standard_normal((o, i), np.float32))
+            for o, i in shapes]
+    for x, w in mats:     # warm BLAS threads and caches
+        x @ w.T
+    t0 = time.perf_counter()
+    for x, w in mats:
+        x @ w.T
+    flops = sum(2.0 * T * w.size for _, w in mats)
+    return flops / (time.perf_counter() - t0) / 1e9
+
+
+def _linear_params(model: Transformer) -> int:
+    """Weights multiplied per token: every linear layer plus the output matrix."""
+    n = sum(w.out_features * w.in_features for layer in model.layers
+            for w in vars(layer).values() if hasattr(w, "out_features"))
+    return n + model.output.out_features * model.output.in_features
+
+
+def _decode_bytes(model: Transformer, depth: int) -> int:
+    """Bytes read per decoded token: all linear weights, the output matrix and the
+    K/V of `depth` cached positions (the one embedding row is negligible)."""
+    weights = sum(w.nbytes for layer in model.layers for w in vars(layer).values()
+                  if hasattr(w, "nbytes")) + model.output.nbytes
+    return weights + KVCache.bytes_needed(model.args, depth)
+
+
+def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, depth: int | None = None,
+        threads: int | None = None, reps: int = 3, budget_gib: float = 8.0, synthetic: bool = False,
+        progress=lambda msg: None) -> dict:
+    """Measure one model file; returns every figure as a dict (the --json output)."""
+    n_threads = set_threads(threads)
+    _reset_peak_rss()
+    base = _proc_status().get("VmRSS", 0)
+    t0 = time.perf_counter()
+    g = GGUFFile(path)
+    model = Transformer(g, ctx)
+    load_s = time.perf_counter() - t0
+    a = model.args
+    if n_prompt + 1 > ctx:
+        raise EdgeError(f"-p {n_prompt} does not fit --ctx {ctx}")
+    depth = ctx - n_gen if depth is None else depth
+    depth = max(0, min(depth, ctx - n_gen))
+    rss_load = _proc_status().get("VmRSS", 0)
+
+    progress("compiling / loading kernels")
+    warm = cache_is_warm()
+    t0 = time.perf_counter()
+    model.forward([1, 2], 0)
+    model.forward([3], 2)
+    jit_s = time.perf_counter() - t0
+
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, a.vocab_size, n_prompt)
+    pp = []
+    for r in range(reps):
+        progress(f"pp{n_prompt} {r + 1}/{reps}")
+        t0 = time.perf_counter()
+        model.forward(prompt, 0)
+        pp.append(n_prompt / (time.perf_counter() - t0))
+    rss_prefill = _proc_status().get("VmRSS", 0)
+
+    def decode(start: int) -> float:
+        tok = int(prompt[0])
+        t0 = time.perf_counter()
+        for i in range(n_gen):
+            tok = int(np.argmax(model.forward([tok], start + i)))
+        return n_gen / (time.perf_counter() - t0)
+
+    tg = []
+    for r in range(reps):
+        progress(f"tg{n_gen} {r + 1}/{reps}")
+        model.forward(prompt[:1], 0)
+        tg.append(decode(1))
+    tg_depth = []
+    if depth > 1:
+        # Synthetic K/V for the first `depth` positions: speed does not depend on values.
+        for arr in (model.cache.k, model.cache.v):
+            arr[:, :, :depth] = (rng.standard_normal((a.n_kv_heads, depth, a.head_dim),
+                                                     np.float32) * 0.5).astype(np.float16)[None]
+        for r in range(reps):
+            progress(f"tg{n_gen} @ depth {depth} {r + 1}/{reps}")
+            model.cache.length = depth
+            tg_depth.append(decode(depth))
+    status = _proc_status()
+
+    progress("measuring read bandwidth and NumPy matmul")
+    ceiling = measure_read_bandwidth()
+    np_gflops = _numpy_matmul_gflops(model, n_prompt)
+
+    by_type = Counter()
+    for t in g.tensors.values():
+        by_type[t.type_name] += t.nbytes
+    kv = KVCache.bytes_needed(a, ctx)
+    scratch = model.buf.nbytes + sum(getattr(w, "scratch_nbytes", 0) for w in _linears(model))
+    weights = sum(by_type.values())
+    predicted = base + weights + kv + scratch
+    params = sum(int(np.prod(t.shape)) for t in g.tensors.values())
+    pp_m, pp_sd = _mean_sd(pp)
+    tg_m, tg_sd = _mean_sd(tg)
+    tgd_m, tgd_sd = _mean_sd(tg_depth) if tg_depth else (0.0, 0.0)
+    bytes0, bytesd = _decode_bytes(model, 1), _decode_bytes(model, depth)
+    ours_gflops = 2.0 * _linear_params(model) * pp_m / 1e9
+    return {
+        "model": g.get("general.name") or path.name, "file": str(path), "synthetic": synthetic,
+        "types": model.type_summary(), "size_bytes": weights, "params": params,
+        "threads": n_threads, "ctx": ctx, "n_prompt": n_prompt, "n_gen": n_gen, "depth": depth,
+        "reps": reps,
+        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
+                    "mem_total_bytes": total_memory()},
+        "load_seconds": load_s, "jit_seconds": jit_s, "jit_cache_warm": warm,
+        "memory": {
+            "weights_by_type": dict(by_type), "weights": weights,
+            "kv_cache": kv, "kv_per_token": kv // ctx, "scratch": scratch, "baseline": base,
+            "predicted_total": predicted, "rss_after_load": rss_load,
+            "rss_after_prefill": rss_prefill, "rss_peak": status.get("VmHWM", 0),
+            "budget": int(budget_gib * GiB),
+        },
+        "speed": {
+            "pp_tps": pp_m, "pp_sd": pp_sd, "tg_tps": tg_m, "tg_sd": tg_sd,
+            "tg_depth_tps": tgd_m, "tg_depth_sd": tgd_sd,
+            "read_bandwidth_gbs": ceiling,
+            "decode_bytes_per_token": bytes0, "decode_bytes_per_token_at_depth": bytesd,
+            "tg_gbs": bytes0 * tg_m / 1e9, "tg_depth_gbs": bytesd * tgd_m / 1e9,
+            "tg_ceiling_ratio": bytes0 * tg_m / 1e9 / ceiling,
+            "tg_depth_ceiling_ratio": bytesd * tgd_m / 1e9 / ceiling if tg_depth else 0.0,
+            "pp_gflops": ours_gflops, "numpy_matmul_gflops": np_gflops,
+            "pp_vs_numpy": ours_gflops / np_gflops,
+        },
+    }
+
+
+def _linears(model: Transformer):
+    for layer in model.layers:
+        for w in vars(layer).values():
+            if hasattr(w, "out_features"):
+                yield w
+    yield model.output
+
+
+def format_report(r: dict) -> str:
+    """llama-bench style table, then the memory lines."""
+    m, s = r["memory"], r["speed"]
+    size = f"{r['size_bytes'] / GiB:.2f} GiB"
+    params = f"{r['params'] / 1e9:.2f} B"
+    name = r["model"] + (" [random weights]" if r["synthetic"] else "")
+    rows = [("model", "size", "params", "threads", "test", "t/s")]
+    rows.append((name, size, params, str(r["threads"]), f"pp{r['n_prompt']}",
+                 f"{s['pp_tps']:.2f} ± {s['pp_sd']:.2f}"))
+    rows.append((name, size, params, str(r["threads"]), f"tg{r['n_gen']}",
+                 f"{s['tg_tps']:.2f} ± {s['tg_sd']:.2f}"))
+    if r["depth"] > 1:
+        rows.append((name, size, params, str(r["threads"]), f"tg{r['n_gen']} @ d{r['depth']}",
+                     f"{s['tg_depth_tps']:.2f} ± {s['tg_depth_sd']:.2f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(6)]
+    lines = ["| " + " | ".join(c.ljust(w) if i < 4 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(row, widths))) + " |" for row in rows]
+    lines.insert(1, "| " + " | ".join("-" * w for w in widths) + " |")
+    verdict = "fits" if m["rss_peak"] <= m["budget"] else "does NOT fit"
+    err = (m["rss_peak"] - m["predicted_total"]) / m["predicted_total"] * 100
+    types = ", ".join(f"{k} {v / MiB:.0f} MiB" for k, v in sorted(m["weights_by_type"].items(),
+                                                                   key=lambda kv: -kv[1]))
+    lines += [
+        "",
+        f"memory at ctx {r['ctx']} (predicted):",
+        f"  weights     {m['weights'] / MiB:9.1f} MiB  ({types}; memory-mapped)",
+        f"  KV cache    {m['kv_cache'] / MiB:9.1f} MiB  (f16, {m['kv_per_token'] / 1024:.0f} KiB per token)",
+        f"  scratch     {m['scratch'] / MiB:9.1f} MiB",
+        f"  baseline    {m['baseline'] / MiB:9.1f} MiB  (Python, NumPy, Numba before loading)",
+        f"  total       {m['predicted_total'] / MiB:9.1f} MiB",
+        f"memory measured: after load {m['rss_after_load'] / MiB:.0f} MiB, after prefill "
+        f"{m['rss_after_prefill'] / MiB:.0f} MiB, peak {m['rss_peak'] / MiB:.0f} MiB "
+        f"({err:+.1f}% vs predicted) -> {verdict} in {m['budget'] / GiB:.1f} GiB",
+        f"bandwidth: read ceiling {s['read_bandwidth_gbs']:.1f} GB/s (measured now); decode reads "
+        f"{s['decode_bytes_per_token'] / 1e9:.2f} GB/token -> {s['tg_gbs']:.1f} GB/s "
+        f"({s['tg_ceiling_ratio'] * 100:.0f}% of ceiling)"
+        + (f"; at depth {r['depth']}: {s['decode_bytes_per_token_at_depth'] / 1e9:.2f} GB/token -> "
+           f"{s['tg_depth_gbs']:.1f} GB/s ({s['tg_depth_ceiling_ratio'] * 100:.0f}%)"
+           if r["depth"] > 1 else ""),
+        f"prefill: {s['pp_gflops']:.1f} GFLOP/s in linear layers vs NumPy f32 matmul "
+        f"{s['numpy_matmul_gflops']:.1f} GFLOP/s on the same shapes ({s['pp_vs_numpy'] * 100:.0f}%)",
+        f"load {r['load_seconds']:.2f} s; JIT {r['jit_seconds']:.1f} s "
+        f"({'cache warm' if r['jit_cache_warm'] else 'compiled now, cached for next time'})",
+    ]
+    if r["synthetic"]:
+        lines.append("(random weights with the real shapes: speed and memory do not depend on values; "
+                     "decode at depth uses synthetic K/V)")
+    return "\n".join(lines)
+

@@ -1,0 +1,82 @@
+"""A multi-turn conversation over one LLM: keeps the messages, fits them into the
+context (dropping the oldest turns, never the system prompt) and streams replies.
+
+The conversation is re-rendered with the chat template every turn; LLM.generate
+reuses the cached prefix, so each turn prefills only what is new.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from .errors import EdgeError
+from .llm import LLM
+from .sampling import SamplingParams
+from .tokenizer import StreamDecoder
+
+
+@dataclass
+class ChatSession:
+    llm: LLM
+    sampling: SamplingParams
+    max_tokens: int = 1024
+    system: str | None = None
+    messages: list[dict] = field(default_factory=list)   # user/assistant turns only
+    notices: list[str] = field(default_factory=list)     # things the UI should tell the user
+
+    def _render(self, messages: list[dict]) -> list[int]:
+        sys_msg = [{"role": "system", "content": self.system}] if self.system else []
+        return self.llm.chat.encode_messages(sys_msg + messages)
+
+    def reply_budget(self) -> int:
+        """Tokens kept free for the reply: the max, but at most a quarter of the context."""
+        return max(1, min(self.max_tokens, self.llm.ctx // 4))
+
+    def _fit(self) -> list[int]:
+        """Token ids of the conversation with a generation prompt, dropping the oldest
+        turns until they leave room for a reply."""
+        limit = self.llm.ctx - self.reply_budget()
+        ids = self._render(self.messages)
+        dropped = 0
+        while len(ids) > limit and len(self.messages) > 1:
+            # drop the oldest user turn and the assistant reply that followed it
+            cut = 2 if len(self.messages) > 2 and self.messages[1]["role"] == "assistant" else 1
+            del self.messages[:cut]
+            dropped += cut
+            ids = self._render(self.messages)
+        if len(ids) > limit:
+            self.messages.pop()
+            raise EdgeError(f"this message is {len(ids)} tokens with the system prompt, more than "
+                            f"the {limit} the context of {self.llm.ctx} allows; shorten it or "
+                            f"use a larger --ctx")
+        if dropped:
+            self.notices.append(f"context full: dropped the {dropped} oldest message(s) "
+                                f"to make room (the system prompt is kept)")
+        return ids
+
+    def send(self, text: str) -> Iterator[str]:
+        """Add a user message and stream the reply's text. If the consumer stops early
+        (Ctrl-C), what was generated so far is kept as the assistant's reply."""
+        self.messages.append({"role": "user", "content": text})
+        ids = self._fit()
+        out = StreamDecoder(self.llm.tokenizer)
+        parts: list[str] = []
+        try:
+            for tok in self.llm.generate(ids, max_tokens=self.max_tokens, sampling=self.sampling):
+                piece = out.push(tok)
+                if piece:
+                    parts.append(piece)
+                    yield piece
+            piece = out.flush()
+            if piece:
+                parts.append(piece)
+                yield piece
+        finally:
+            self.messages.append({"role": "assistant", "content": "".join(parts)})
+
+    def reset(self):
+        self.messages.clear()
+        self.llm.reset()
+
+    def context_used(self) -> int:
+        return len(self.llm.cached)

@@ -1,0 +1,160 @@
+"""The public API: load a GGUF, tokenize, generate with KV-cache prefix reuse.
+
+    llm = edgellama.load("model.gguf", ctx=4096)
+    ids = llm.tokenizer.encode("The capital of France is")
+    for tok in llm.generate(ids, max_tokens=20): ...
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .args import ModelArgs
+from .chat_template import ChatFormat
+from .errors import EdgeError
+from .gguf import GGUFFile
+from .machine import available_memory, set_threads
+from .model import DEFAULT_BATCH, KVCache, Transformer
+from .sampling import Sampler, SamplingParams
+from .tokenizer import Tokenizer
+
+DEFAULT_CTX = 8192
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    gen_tokens: int = 0
+    gen_seconds: float = 0.0
+    stop_reason: str = ""
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds else 0.0
+
+    @property
+    def gen_tps(self) -> float:
+        return self.gen_tokens / self.gen_seconds if self.gen_seconds else 0.0
+
+
+@dataclass
+class LLM:
+    path: Path
+    gguf: GGUFFile
+    model: Transformer
+    tokenizer: Tokenizer
+    chat: ChatFormat
+    threads: int
+    load_seconds: float
+    cached: list[int] = field(default_factory=list)   # the tokens whose K/V the cache holds
+    stats: Stats = field(default_factory=Stats)
+
+    @property
+    def ctx(self) -> int:
+        return self.model.ctx
+
+    def default_sampling(self) -> SamplingParams:
+        """The file's `general.sampling.*` when present, else per-family defaults
+        (Llama 3.2 Instruct ships temperature 0.6, top-p 0.9)."""
+        base = SamplingParams(temperature=0.6, top_p=0.9) if self.tokenizer.is_llama3 \
+            else SamplingParams()
+        return base.with_defaults_from(self.gguf.metadata)
+
+    def _prefill(self, ids: list[int]) -> np.ndarray:
+        """Bring the cache to hold `ids`, reusing the longest common prefix; returns
+        the last position's logits."""
+        if not ids:
+            raise EdgeError("the prompt is empty")
+        if len(ids) > self.ctx:
+            raise EdgeError(f"the prompt is {len(ids)} tokens, longer than the context of "
+                            f"{self.ctx} tokens; use a larger --ctx or a shorter prompt")
+        n = 0
+        for a, b in zip(self.cached, ids):
+            if a != b:
+                break
+            n += 1
+        n = min(n, len(ids) - 1)   # recompute at least the last token to get its logits
+        self.cached = self.cached[:n]
+        t0 = time.perf_counter()
+        logits = self.model.forward(ids[n:], n)
+        self.cached = list(ids)
+        self.stats = Stats(prompt_tokens=len(ids) - n, prompt_seconds=time.perf_counter() - t0)
+        return logits
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        """Next-token logits (V,) after `ids` (a copy)."""
+        return self._prefill(list(ids)).copy()
+
+    def generate(self, ids: list[int], max_tokens: int = 256,
+                 sampling: SamplingParams | None = None,
+                 stop_ids: set[int] | None = None) -> Iterator[int]:
+        """Yield generated token ids; stops at a stop token (not yielded), after
+        max_tokens, or when the context is full. Closing the iterator early (or
+        Ctrl-C) keeps the cache consistent with `self.cached`."""
+        sampling = sampling or self.default_sampling()
+        sampler = Sampler(sampling)
+        stops = self.tokenizer.stop_ids if stop_ids is None else stop_ids
+        logits = self._prefill(list(ids))
+        history = list(ids)
+        t0 = time.perf_counter()
+        st = self.stats
+        st.stop_reason = "length"
+        try:
+            for _ in range(max_tokens):
+                tok = sampler(logits, history)
+                if tok in stops:
+                    st.stop_reason = "stop"
+                    break
+                yield tok
+                if len(self.cached) >= self.ctx:
+                    st.stop_reason = "context full"
+                    break
+                history.append(tok)
+                pos = len(self.cached)
+                self.cached.append(tok)   # before forward: an interrupt leaves cached ⊆ valid
+                try:
+                    logits = self.model.forward([tok], pos)
+                except BaseException:
+                    del self.cached[pos:]
+                    raise
+                st.gen_tokens += 1
+        finally:
+            st.gen_seconds = time.perf_counter() - t0
+
+    def reset(self):
+        self.cached = []
+        self.model.cache.length = 0
+
+
+def load(path: str | Path | None = None, ctx: int | None = None, threads: int | None = None,
+         batch: int = DEFAULT_BATCH) -> LLM:
+    """Load a llama GGUF (memory-mapped). path None = the default model (fetched once)."""
+    t0 = time.perf_counter()
+    if path is None:
+        from .default_model import default_model_path
+        path = default_model_path()
+    n_threads = set_threads(threads)
+    g = GGUFFile(path)
+    model_ctx = int(g.get("llama.context_length", 0) or 0) or DEFAULT_CTX
+    if ctx is None:
+        ctx = min(model_ctx, DEFAULT_CTX)
+    if ctx < 1:
+        raise EdgeError(f"--ctx must be at least 1, got {ctx}")
+    if ctx > model_ctx:
+        raise EdgeError(f"--ctx {ctx} is larger than the {model_ctx} tokens this model "
+                        f"supports ({g.path.name})")
+    tokenizer = Tokenizer.from_metadata(g.metadata)
+    chat = ChatFormat(tokenizer, g.get("tokenizer.chat_template"))
+    args = ModelArgs.from_gguf(g)
+    need = KVCache.bytes_needed(args, ctx)
+    avail = available_memory()
+    if avail is not None and need > avail:
+        raise EdgeError(f"a context of {ctx} tokens needs {need / 2**20:.0f} MiB of KV cache, "
+                        f"but only {avail / 2**20:.0f} MiB of memory is available; use a smaller --ctx")
+    model = Transformer(g, ctx, batch=batch, args=args)
+    return LLM(Path(path), g, model, tokenizer, chat, n_threads, time.perf_counter() - t0)
