@@ -40,74 +40,105 @@ def half_bits_to_f32(h, bits, out):
 # --- activations prepared once per matvec --------------------------------------------
 
 @njit(cache=True, fastmath=True)
-def prep_q4_x(x, xa, xb, xsum):
-    # x (n,) -> xa (n/2,) low-half values, xb = x_hi - 16 x_lo, xsum (n/32,) block sums.
-    # A byte v = lo + 16 hi gives lo*x_lo + hi*x_hi = v*xa + (v >> 4)*xb: no nibble mask.
-    nb = xsum.size
+def prep_q4_x(x, xq, xd, xm, xsum):
+    # x (n,) f32 -> per block of 32 (like llama.cpp's q8_0 activations): xq (n,) int16
+    # = round(x / xd) in [-127, 127], xd (nb,) scale, xm (nb,) int16 = -8 sum(xq),
+    # xsum (nb,) exact float sums of x.
+    # Why: nibbles times xq summed over a block are exact in int16 lanes (16 per
+    # 256-bit vector, vs 8 f32) when the sum starts at xm: partial sums may wrap, but
+    # the final sum((q - 8) xq) is within 32 * 8 * 127 = 32512 < 2^15, so it is exact.
+    nb = xd.size
     for b in range(nb):
+        xb = x[32 * b:32 * b + 32]
+        amax = f32(0)
         s = f32(0)
-        for j in range(16):
-            lo = x[32 * b + j]
-            hi = x[32 * b + 16 + j]
-            xa[16 * b + j] = lo
-            xb[16 * b + j] = hi - f32(16) * lo
-            s += lo + hi
+        for j in range(32):
+            amax = max(amax, abs(xb[j]))
+            s += xb[j]
+        d = amax / f32(127)
+        inv = f32(1) / d if d > 0 else f32(0)
+        qs = 0
+        for j in range(32):
+            v = np.int16(np.rint(xb[j] * inv))
+            xq[32 * b + j] = v
+            qs += v
+        xd[b] = d
+        xm[b] = np.int16(-8 * qs)       # |.| <= 8 * 32 * 127 < 2^15
         xsum[b] = s
 
 
 # --- decode: quantized matvec ----------------------------------------------------------
 
 @njit(cache=True, fastmath=True)
-def _q4_tile(qt, dt, mt, xa, xb, xsum, acc, s, sc, m_off):
-    # One tile: qt (nb*16*R,) u8, dt/mt (nb*R,) u16 -> acc (R,) f32.
-    # Q4_0: mt is dt and m_off = -8 (x = (q-8) d);  Q4_1: m_off = 1 (x = q d + m).
-    R = acc.size
-    nb = xsum.size
-    scu = sc.view(np.uint32)
-    acc[:] = 0
-    for b in range(nb):
-        s[:] = 0
-        for j in range(0, 16, 4):      # 4 bytes of each row per pass: fewer trips through s
-            k = 16 * b + j
-            x0 = xa[k]; x1 = xb[k]; x2 = xa[k + 1]; x3 = xb[k + 1]
-            x4 = xa[k + 2]; x5 = xb[k + 2]; x6 = xa[k + 3]; x7 = xb[k + 3]
-            o = (16 * b + j) * R
-            q0 = qt[o:o + R]; q1 = qt[o + R:o + 2 * R]
-            q2 = qt[o + 2 * R:o + 3 * R]; q3 = qt[o + 3 * R:o + 4 * R]
-            for r in range(R):
-                v0 = q0[r]; v1 = q1[r]; v2 = q2[r]; v3 = q3[r]
-                s[r] += (f32(v0) * x0 + f32(v0 >> 4) * x1 + f32(v1) * x2 + f32(v1 >> 4) * x3
-                         + f32(v2) * x4 + f32(v2 >> 4) * x5 + f32(v3) * x6 + f32(v3 >> 4) * x7)
-        half_bits_to_f32(dt[b * R:(b + 1) * R], scu, sc)
+def _q4_block(qt, o, xq, k, s, m):
+    # s (R,) int16 = m + sum over one block of nibbles qt[o:o+16R] (16 bytes per row,
+    # lanes across rows) times xq[k:k+32]; 4 bytes of each row per pass over s.
+    R = s.size
+    s[:] = m
+    for j in range(0, 16, 4):
+        a0 = xq[k + j]; b0 = xq[k + j + 16]; a1 = xq[k + j + 1]; b1 = xq[k + j + 17]
+        a2 = xq[k + j + 2]; b2 = xq[k + j + 18]; a3 = xq[k + j + 3]; b3 = xq[k + j + 19]
+        p = o + j * R
+        q0 = qt[p:p + R]; q1 = qt[p + R:p + 2 * R]
+        q2 = qt[p + 2 * R:p + 3 * R]; q3 = qt[p + 3 * R:p + 4 * R]
         for r in range(R):
-            acc[r] += sc[r] * s[r]
-        half_bits_to_f32(mt[b * R:(b + 1) * R], scu, sc)
-        ms = m_off * xsum[b]
-        for r in range(R):
-            acc[r] += sc[r] * ms
+            v0 = np.int16(q0[r]); v1 = np.int16(q1[r]); v2 = np.int16(q2[r]); v3 = np.int16(q3[r])
+            # computed wide by Numba's typing, but only 16 bits are stored: LLVM narrows
+            # the whole expression to int16 vector ops (vpmullw / vpaddw)
+            s[r] = np.int16(s[r] + (v0 & 15) * a0 + (v0 >> 4) * b0 + (v1 & 15) * a1 + (v1 >> 4) * b1
+                            + (v2 & 15) * a2 + (v2 >> 4) * b2 + (v3 & 15) * a3 + (v3 >> 4) * b3)
 
 
 @njit(cache=True, fastmath=True, parallel=True)
-def matvec_q4_0(q, d, xa, xb, xsum, out, scratch):
-    # W (nt*R, n) Q4_0 tiles q (nt, nb*16*R), d (nt, nb*R) @ x (prepared) -> out (d,)
-    # scratch (nt, 3, R) f32
+def matvec_q4_0(q, d, xq, xd, xm, out, scratch, s16):
+    # W (nt*R, n) Q4_0 tiles q (nt, nb*16*R), d (nt, nb*R) @ x (prep_q4_x) -> out (d,)
+    # scratch (nt, 3, R) f32, s16 (nt, R) int16
     nt = q.shape[0]
     R = scratch.shape[2]
+    nb = xd.size
     for t in prange(nt):
+        qt = q[t]
+        dt = d[t]
         acc = scratch[t, 0]
-        _q4_tile(q[t], d[t], d[t], xa, xb, xsum, acc, scratch[t, 1], scratch[t, 2], f32(-8))
+        sc = scratch[t, 1]
+        scu = sc.view(np.uint32)
+        s = s16[t]
+        acc[:] = 0
+        for b in range(nb):
+            _q4_block(qt, 16 * b * R, xq, 32 * b, s, xm[b])
+            half_bits_to_f32(dt[b * R:(b + 1) * R], scu, sc)
+            dx = xd[b]
+            for r in range(R):
+                acc[r] += sc[r] * dx * f32(s[r])
         n = min(R, out.size - t * R)
         out[t * R:t * R + n] = acc[:n]
 
 
 @njit(cache=True, fastmath=True, parallel=True)
-def matvec_q4_1(q, d, m, xa, xb, xsum, out, scratch):
-    # W (nt*R, n) Q4_1 tiles q (nt, nb*16*R), d, m (nt, nb*R) @ x (prepared) -> out (d,)
+def matvec_q4_1(q, d, m, xq, xd, xm, xsum, out, scratch, s16):
+    # W (nt*R, n) Q4_1 tiles q (nt, nb*16*R), d, m (nt, nb*R) @ x (prep_q4_x) -> out (d,)
+    # row . x = sum_b d_b dx_b sum(q xq) + m_b sum(x); sum(q xq) = s + 8 sum(xq) = s - xm
     nt = q.shape[0]
     R = scratch.shape[2]
+    nb = xd.size
     for t in prange(nt):
+        qt = q[t]
         acc = scratch[t, 0]
-        _q4_tile(q[t], d[t], m[t], xa, xb, xsum, acc, scratch[t, 1], scratch[t, 2], f32(1))
+        sc = scratch[t, 1]
+        scu = sc.view(np.uint32)
+        s = s16[t]
+        acc[:] = 0
+        for b in range(nb):
+            _q4_block(qt, 16 * b * R, xq, 32 * b, s, xm[b])
+            half_bits_to_f32(d[t, b * R:(b + 1) * R], scu, sc)
+            dx = xd[b]
+            off = -f32(xm[b])
+            for r in range(R):
+                acc[r] += sc[r] * dx * (f32(s[r]) + off)
+            half_bits_to_f32(m[t, b * R:(b + 1) * R], scu, sc)
+            xs = xsum[b]
+            for r in range(R):
+                acc[r] += sc[r] * xs
         n = min(R, out.size - t * R)
         out[t * R:t * R + n] = acc[:n]
 
@@ -180,7 +211,7 @@ def _half(h):
 
 @njit(cache=True, fastmath=True, parallel=True)
 def dequant_q4_tiles(q, d, m, m_off, t0, t1, wt):
-    # Q4 tiles t0..t1 -> wt (n, (t1-t0)*R) f32 = W[rows].T ; m_off as in _q4_tile
+    # Q4 tiles t0..t1 -> wt (n, (t1-t0)*R) f32 = W[rows].T ; m_off: Q4_0 -8 (x = (q-8) d), Q4_1 1 (x = q d + m)
     nb = wt.shape[0] // 32
     R = d.shape[1] // nb
     for b in prange(nb):

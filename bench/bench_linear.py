@@ -1,0 +1,234 @@
+"""Linear-layer micro-benchmark: decode GB/s vs the read ceiling, prefill vs NumPy BLAS.
+
+    python bench/bench_linear.py [--quick] [--threads N]
+
+Weights are random bytes in the GGUF block layouts (valid f16 scales), shaped like
+Llama 3.2 1B / 3B (all layers + the output matrix, so the set is far larger than the
+cache). Every speed is a ratio to a reference measured in the same run: the machine
+is shared and noisy. Writes bench/results/linear.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numba
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from edgellama import kernels_linear as K  # noqa: E402
+from edgellama.linear import Linear  # noqa: E402
+from edgellama.membw import measure_read_bandwidth  # noqa: E402
+
+TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "BF16": 30}
+# (layers, hidden, q rows, kv rows, ffn, vocab)
+MODELS = {"1B": (16, 2048, 2048, 512, 8192, 128256), "3B": (28, 3072, 3072, 1024, 8192, 128256)}
+
+
+def model_shapes(name: str) -> list[tuple[int, int]]:
+    """(out, in) of every matrix one decode step reads, in forward order."""
+    L, E, Q, KV, F, V = MODELS[name]
+    layer = [(Q, E), (KV, E), (KV, E), (E, Q), (F, E), (F, E), (E, F)]
+    return layer * L + [(V, E)]
+
+
+def random_tensor(type_name: str, shape: tuple[int, int], rng) -> np.ndarray:
+    """Random bytes of a GGUF tensor of this type and shape; f16 scales set to 0.01."""
+    out, n = shape
+    tid = TYPES[type_name]
+    if tid in (0, 1, 30):
+        raw = rng.integers(0, 256, out * n * (4 if tid == 0 else 2), dtype=np.uint8)
+        if tid == 0:
+            raw.view(np.float32)[:] = 0.01
+        elif tid == 1:
+            raw.view(np.float16)[:] = np.float16(0.01)
+        return raw
+    bs = {2: 18, 3: 20, 8: 34}[tid]
+    raw = rng.integers(0, 256, (out, n // 32, bs), dtype=np.uint8)
+    h = np.float16(0.01).view(np.uint16)
+    for k in range(2 if tid == 3 else 1):
+        raw[:, :, 2 * k] = h & 0xFF
+        raw[:, :, 2 * k + 1] = h >> 8
+    return raw.reshape(-1)
+
+
+def load(type_name: str, shapes, rng) -> tuple[list[Linear], float]:
+    """Linear objects for `shapes` and the seconds spent in from_gguf (repacking)."""
+    lins, t_load = [], 0.0
+    for s in shapes:
+        raw = random_tensor(type_name, s, rng)
+        t = time.perf_counter()
+        lins.append(Linear.from_gguf(TYPES[type_name], raw, s))
+        t_load += time.perf_counter() - t
+    return lins, t_load
+
+
+def first_call(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def measure_decode(lins: list[Linear], reps: int = 5) -> float:
+    """Best seconds for one decode step: a matvec through every matrix of `lins`."""
+    rng = np.random.default_rng(1)
+    xs = {n: rng.standard_normal(n).astype(np.float32) for n in {l.in_features for l in lins}}
+    outs = [np.empty(l.out_features, np.float32) for l in lins]
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        for l, o in zip(lins, outs):
+            l.matvec(xs[l.in_features], o)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_prefill(lin: Linear, T: int = 512, reps: int = 2) -> tuple[float, float]:
+    """Best seconds of lin.matmul and of NumPy f32 x @ W.T (W already f32), same shapes."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((T, lin.in_features)).astype(np.float32)
+    out = np.empty((T, lin.out_features), np.float32)
+    w = np.empty((lin.out_features, lin.in_features), np.float32)
+    lin.rows(np.arange(lin.out_features), w)
+    lin.matmul(x, out)
+    np.matmul(x, w.T, out=out)
+    ours = theirs = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter(); lin.matmul(x, out); ours = min(ours, time.perf_counter() - t)
+        t = time.perf_counter(); np.matmul(x, w.T, out=out); theirs = min(theirs, time.perf_counter() - t)
+    return ours, theirs
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * mmap.PAGESIZE
+
+
+def measure_file_load(type_name: str, model: str, rng) -> dict:
+    """Repack every matrix of `model` from a file mmap: seconds, file size, RSS growth."""
+    shapes = model_shapes(model)
+    with tempfile.NamedTemporaryFile(dir=os.environ.get("TMPDIR", "/tmp"), delete=False) as f:
+        offsets = []
+        for s in shapes:
+            offsets.append(f.tell())
+            raw = random_tensor(type_name, s, rng)
+            f.write(raw.tobytes())
+            f.write(b"\0" * (-f.tell() % 32))
+        path = f.name
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:   # warm the page cache, as a second run of the CLI
+            while f.read(1 << 26):
+                pass
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        rss0 = rss_bytes()
+        t = time.perf_counter()
+        lins = []
+        for s, off in zip(shapes, offsets):
+            view = np.frombuffer(mm, np.uint8, count=_tensor_bytes(type_name, s), offset=off)
+            lins.append(Linear.from_gguf(TYPES[type_name], view, s))
+            del view
+        secs = time.perf_counter() - t
+        rss = rss_bytes() - rss0
+        del lins
+        mm.close()
+    finally:
+        os.unlink(path)
+    return {"type": type_name, "model": model, "file_bytes": size, "load_s": secs,
+            "rss_growth_bytes": rss, "rss_over_file": rss / size}
+
+
+def _tensor_bytes(type_name: str, shape) -> int:
+    out, n = shape
+    return out * n // 32 * {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[type_name]
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="1B only, fewer types")
+    ap.add_argument("--threads", type=int, default=numba.config.NUMBA_NUM_THREADS)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "linear.json"))
+    args = ap.parse_args(argv)
+    numba.set_num_threads(args.threads)
+    rng = np.random.default_rng(0)
+    res: dict = {"threads": args.threads, "decode": [], "prefill": [], "jit_first_call_s": {}}
+
+    ceilings = [measure_read_bandwidth(2 << 30, keep=True)]
+    print(f"read-bandwidth ceiling (parallel f32 sum, 2 GiB): {ceilings[0]:.1f} GB/s, "
+          f"{args.threads} threads")
+
+    # JIT: first call of each kernel on a tiny matrix (a cache hit when warm)
+    for name in TYPES:
+        lin, _ = load(name, [(64, 64)], rng)
+        l = lin[0]
+        x = np.ones((2, 64), np.float32)
+        o = np.empty((2, 64), np.float32)
+        res["jit_first_call_s"][name] = (first_call(lambda: l.matvec(x[0], o[0]))
+                                         + first_call(lambda: l.matmul(x, o))
+                                         + first_call(lambda: l.rows(np.arange(2), o)))
+    res["jit_cache_misses"] = sum(sum(f.stats.cache_misses.values()) for f in
+                                  (K.matvec_q4_0, K.matvec_q4_1, K.matvec_q8_0, K.matvec_u16,
+                                   K.matvec_f32, K.repack_blocks))
+    print("first calls (JIT or cache load), s: " +
+          ", ".join(f"{k} {v:.2f}" for k, v in res["jit_first_call_s"].items()),
+          f"(cache misses: {res['jit_cache_misses']})")
+
+    plan = [("1B", t) for t in ("Q4_0", "Q8_0", "Q4_1", "F16", "BF16", "F32")]
+    plan += [("3B", t) for t in ("Q4_0", "Q8_0", "Q4_1", "F16")]
+    if args.quick:
+        plan = [("1B", t) for t in ("Q4_0", "Q8_0")]
+    print(f"\n{'model':5} {'type':5} {'GB':>6} {'load s':>7} {'ms/tok':>7} {'tok/s':>6} "
+          f"{'GB/s':>6} {'ceil':>6} {'ratio':>6}")
+    for model, tname in plan:
+        lins, t_load = load(tname, model_shapes(model), rng)
+        nbytes = sum(l.nbytes for l in lins)
+        measure_decode(lins, reps=1)
+        c0 = measure_read_bandwidth(2 << 30, keep=True)
+        secs = measure_decode(lins)
+        c1 = measure_read_bandwidth(2 << 30, keep=True)
+        ceil = max(c0, c1)                 # the higher ceiling: a conservative ratio
+        ceilings += [c0, c1]
+        gbs = nbytes / secs / 1e9
+        row = {"model": model, "type": tname, "weight_bytes": nbytes, "load_s": t_load,
+               "decode_s": secs, "tok_s": 1 / secs, "gb_s": gbs, "ceiling_gb_s": ceil,
+               "ratio": gbs / ceil}
+        res["decode"].append(row)
+        print(f"{model:5} {tname:5} {nbytes / 1e9:6.2f} {t_load:7.2f} {secs * 1e3:7.1f} "
+              f"{1 / secs:6.1f} {gbs:6.1f} {ceil:6.1f} {gbs / ceil:6.2f}")
+        if not args.quick or tname == "Q4_0":
+            for l in lins[:7]:             # one layer's matrices
+                ours, theirs = measure_prefill(l)
+                fl = 2 * 512 * l.out_features * l.in_features
+                res["prefill"].append({"model": model, "type": tname,
+                                       "shape": [l.out_features, l.in_features],
+                                       "gflops": fl / ours / 1e9, "numpy_gflops": fl / theirs / 1e9,
+                                       "ratio": theirs / ours})
+        del lins
+    print(f"\nprefill T=512 (x @ W.T), ours / NumPy f32 matmul on the same shapes:")
+    print(f"{'model':5} {'type':5} {'shape':>12} {'GFLOP/s':>8} {'numpy':>8} {'ratio':>6}")
+    for p in res["prefill"]:
+        print(f"{p['model']:5} {p['type']:5} {str(tuple(p['shape'])):>12} {p['gflops']:8.1f} "
+              f"{p['numpy_gflops']:8.1f} {p['ratio']:6.2f}")
+
+    if not args.quick:
+        fl = measure_file_load("Q4_0", "3B", rng)
+        res["file_load"] = fl
+        print(f"\nload 3B Q4_0 from a file mmap (page cache warm): {fl['load_s']:.2f} s, "
+              f"file {fl['file_bytes'] / 1e9:.2f} GB, RSS growth {fl['rss_growth_bytes'] / 1e9:.2f} GB "
+              f"({fl['rss_over_file']:.2f} x file)")
+    res["ceilings_gb_s"] = ceilings
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print(f"wrote {args.out}; max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.1f} GB")
+    return res
+
+
+if __name__ == "__main__":
+    main()
