@@ -1,0 +1,125 @@
+"""The whole forward pass against the NumPy reference, the KV cache against full
+recomputation, and the real SmolLM2 model for sense."""
+import numpy as np
+import pytest
+
+import edgellama
+from edgellama.gguf import GGUFFile
+from edgellama.model import KVCache, Transformer
+from edgellama.sampling import SamplingParams
+from reference import load_reference, reference_forward
+from tiny_gguf import write_tiny_gguf
+
+# Max |logit error| relative to the logits' scale. Weights are identical (both sides
+# dequantize the same blocks); differences come from f32 summation order, and for
+# Q4_0/Q4_1/Q8_0 also from int8 activation quantization in the matvec kernels.
+TOL = {"F32": 1e-4, "F16": 1e-4, "BF16": 1e-4, "Q8_0": 2e-2, "Q4_0": 4e-2, "Q4_1": 4e-2}
+TOKENS = np.random.default_rng(7).integers(0, 256, 37)
+
+
+@pytest.fixture(scope="module", params=list(TOL))
+def tiny(request, tmp_path_factory):
+    qtype = request.param
+    path = write_tiny_gguf(tmp_path_factory.mktemp(qtype) / "m.gguf", qtype,
+                           tied=qtype != "Q4_1", embed_type="Q8_0" if qtype == "Q4_0" else None)
+    meta, W = load_reference(path)
+    return qtype, path, reference_forward(meta, W, TOKENS)
+
+
+def _model(path, batch=16, ctx=64):
+    return Transformer(GGUFFile(path), ctx=ctx, batch=batch)
+
+
+def _rel_err(a, b):
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def test_prefill_matches_reference(tiny):
+    qtype, path, ref = tiny
+    out = _model(path).forward(TOKENS, 0, all_logits=True)
+    assert _rel_err(out, ref) < TOL[qtype]
+
+
+def test_decode_with_cache_matches_reference(tiny):
+    qtype, path, ref = tiny
+    m = _model(path)
+    got = np.stack([m.forward(TOKENS[i:i + 1], i).copy() for i in range(len(TOKENS))])
+    assert _rel_err(got, ref) < TOL[qtype]
+    assert m.cache.length == len(TOKENS)
+
+
+def test_prefill_batches_equal_one_batch(tiny):
+    _, path, _ = tiny
+    one = _model(path, batch=64).forward(TOKENS, 0, all_logits=True)
+    several = _model(path, batch=5).forward(TOKENS, 0, all_logits=True)
+    np.testing.assert_allclose(several, one, rtol=0, atol=1e-4 * np.abs(one).max())
+    # and prefix + continuation equals the whole (chunks of 8, 8, 5 | 8, 8: no single-token
+    # chunk, which would take the decode path and its int8 activations)
+    m = _model(path, batch=8)
+    m.forward(TOKENS[:21], 0)
+    rest = m.forward(TOKENS[21:], 21, all_logits=True)
+    np.testing.assert_allclose(rest, one[21:], rtol=0, atol=1e-4 * np.abs(one).max())
+
+
+def test_kv_cache_size_is_the_formula(tiny):
+    _, path, _ = tiny
+    m = _model(path, ctx=48)
+    a = m.args   # 2 (K,V) × layers × kv heads × head dim × ctx × 2 bytes
+    assert m.cache.nbytes == KVCache.bytes_needed(a, 48) == 2 * a.n_layers * a.n_kv_heads * a.head_dim * 48 * 2
+
+
+def test_context_overflow_is_an_error(tiny):
+    _, path, _ = tiny
+    m = _model(path, ctx=16)
+    with pytest.raises(edgellama.EdgeError, match="do not fit the context"):
+        m.forward(TOKENS[:17], 0)
+
+
+def test_llama3_shaped_3b_numbers():
+    # DESIGN.md §2: 3B f16 KV at ctx 8192 = 896 MiB, 112 KiB per token.
+    from edgellama.args import ModelArgs
+    a = ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192, vocab_size=128256,
+                  norm_eps=1e-5, rope_theta=5e5, rope_dim=128, train_ctx=131072, tied_output=True)
+    assert KVCache.bytes_needed(a, 8192) == 896 * 2 ** 20
+    assert KVCache.bytes_needed(a, 1) == 112 * 1024
+
+
+# -- the real model --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf):
+    return edgellama.load(smollm2_gguf, ctx=256)
+
+
+def test_smollm2_knows_the_capital_of_france(smollm2):
+    tok = smollm2.tokenizer
+    ids = tok.encode("The capital of France is")
+    out = list(smollm2.generate(ids, max_tokens=3, sampling=SamplingParams(temperature=0)))
+    assert tok.decode(out).startswith(" Paris")
+
+
+def test_smollm2_chat_answers_and_stops(smollm2):
+    ids = smollm2.chat.encode_messages([{"role": "user", "content": "What is the capital of France?"}])
+    out = list(smollm2.generate(ids, max_tokens=40, sampling=SamplingParams(temperature=0)))
+    assert "Paris" in smollm2.tokenizer.decode(out)
+    assert smollm2.stats.stop_reason == "stop"          # ended at <|im_end|>, not the limit
+    assert not set(out) & smollm2.tokenizer.stop_ids   # and the stop token is not emitted
+
+
+def test_smollm2_matches_reference_logits(smollm2, smollm2_gguf):
+    meta, W = load_reference(smollm2_gguf)
+    ids = smollm2.tokenizer.encode("The capital of France is")
+    ref = reference_forward(meta, W, ids)[-1]
+    got = smollm2.logits(ids)
+    assert _rel_err(got, ref) < 3e-2
+    assert int(np.argmax(got)) == int(np.argmax(ref))
+
+
+def test_prefix_reuse_prefills_only_new_tokens(smollm2):
+    tok = smollm2.tokenizer
+    a = tok.encode("One two three four five")
+    smollm2.logits(a)
+    full = smollm2.logits(a + tok.encode(" six seven"))
+    assert smollm2.stats.prompt_tokens == len(tok.encode(" six seven"))
+    smollm2.reset()
+    fresh = smollm2.logits(a + tok.encode(" six seven"))
+    np.testing.assert_allclose(full, fresh, atol=1e-3 * np.abs(fresh).max())
