@@ -17,8 +17,6 @@ from pathlib import Path
 
 import numpy as np
 
-from quant.kernels import quantize
-
 LLAMA3_SCALING = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192, "rope_type": "llama3"}
 LLAMA3_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
@@ -43,7 +41,9 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray], dtype: str = "
     for name, x in tensors.items():
         x = np.asarray(x, np.float32)
         if dtype == "bf16":
-            raw = quantize(x.reshape(1, -1), "BF16").tobytes()
+            # round to nearest even; unchecked so tests can plant NaN/inf
+            u = x.view(np.uint32).astype(np.uint64)
+            raw = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16).tobytes()
         else:
             raw = x.astype(np.float16 if dtype == "f16" else np.float32).tobytes()
         header[name] = {"dtype": dtype.upper(), "shape": list(x.shape), "data_offsets": [off, off + len(raw)]}
