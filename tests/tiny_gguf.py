@@ -26,9 +26,42 @@ def llama3_rope_freqs(head_dim, theta, factor=32.0, low=1.0, high=4.0, orig=8192
     return np.array(out, np.float32)
 
 
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+          "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+TINY_MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ s", "e n", "l l", "he ll", "hell o"]
+TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TINY_VOCAB = 256 + len(TINY_MERGES) + len(TINY_SPECIALS)   # 271
+
+
+def add_tiny_tokenizer(w: GGUFWriter, vocab: int = TINY_VOCAB, chat_template: str | None = CHATML):
+    """A small SmolLM2-style gpt2 vocabulary: the 256 byte tokens in byte order, the
+    merge results in merge order, then control tokens; unused padding up to `vocab`."""
+    from edgellama.bytelevel import byte_to_unicode
+    b2u = byte_to_unicode()
+    tokens = [b2u[b] for b in range(256)] + [m.replace(" ", "") for m in TINY_MERGES] + TINY_SPECIALS
+    types = [1] * (256 + len(TINY_MERGES)) + [3] * len(TINY_SPECIALS)
+    if vocab < len(tokens):
+        raise ValueError(f"vocab {vocab} < {len(tokens)} tokens of the tiny tokenizer")
+    tokens += [f"<|unused_{i}|>" for i in range(vocab - len(tokens))]
+    types += [5] * (vocab - len(types))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(TINY_MERGES)
+    w.add_bos_token_id(tokens.index("<|im_start|>"))
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_add_bos_token(False)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+
+
 def write_tiny_gguf(path: Path, qtype: str = "Q8_0", *, dim=64, layers=2, heads=4, kv_heads=2,
                     ffn=96, vocab=256, ctx=512, tied=True, rope_scaling=True, embed_type=None,
-                    seed=0, theta=500000.0) -> Path:
+                    seed=0, theta=500000.0, tokenizer=False, chat_template=CHATML) -> Path:
+    """A tiny random llama GGUF. tokenizer=True adds a small gpt2 vocabulary (see
+    add_tiny_tokenizer; `vocab` must then be at least TINY_VOCAB)."""
     rng = np.random.default_rng(seed)
     hd = dim // heads
     w = GGUFWriter(str(path), "llama")
@@ -43,6 +76,8 @@ def write_tiny_gguf(path: Path, qtype: str = "Q8_0", *, dim=64, layers=2, heads=
     w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
+    if tokenizer:
+        add_tiny_tokenizer(w, vocab, chat_template)
 
     def add(name, arr, t):
         t = QT[t]
