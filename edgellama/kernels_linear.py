@@ -208,46 +208,58 @@ def _half(h):
 
 
 # --- prefill: dequantize a run of tiles, transposed, for BLAS -------------------------
+# Serial on purpose: this is a few % of the matmul's time, and a parallel region between BLAS
+# calls fights BLAS's threads (spin-waits) and stalls whenever any core is busy.
 
-@njit(cache=True, fastmath=True, parallel=True)
+@njit(cache=True, fastmath=True)
 def dequant_q4_tiles(q, d, m, m_off, t0, t1, wt):
-    # Q4 tiles t0..t1 -> wt (n, (t1-t0)*R) f32 = W[rows].T ; m_off: Q4_0 -8 (x = (q-8) d), Q4_1 1 (x = q d + m)
+    # Q4 tiles t0..t1 -> wt (n, (t1-t0)*R) f32 = W[rows].T; m_off: Q4_0 -8 (x = (q-8) d),
+    # Q4_1 1 (x = q d + m). Rows of wt are R-wide runs of lanes: contiguous writes.
     nb = wt.shape[0] // 32
     R = d.shape[1] // nb
-    for b in prange(nb):
+    dsc = np.empty(R, f32)
+    msc = np.empty(R, f32)
+    for b in range(nb):
         for t in range(t0, t1):
-            c = (t - t0) * R
             for r in range(R):
-                dd = _half(d[t, b * R + r])
-                mm = _half(m[t, b * R + r]) * m_off if m_off == f32(1) else dd * m_off
-                for j in range(16):
-                    v = q[t, (16 * b + j) * R + r]
-                    wt[32 * b + j, c + r] = f32(v & 15) * dd + mm
-                    wt[32 * b + 16 + j, c + r] = f32(v >> 4) * dd + mm
+                dsc[r] = _half(d[t, b * R + r])
+                msc[r] = _half(m[t, b * R + r]) * m_off
+            c = (t - t0) * R
+            for j in range(16):
+                qj = q[t, (16 * b + j) * R:(16 * b + j + 1) * R]
+                lo = wt[32 * b + j, c:c + R]
+                hi = wt[32 * b + 16 + j, c:c + R]
+                for r in range(R):
+                    lo[r] = f32(qj[r] & 15) * dsc[r] + msc[r]
+                    hi[r] = f32(qj[r] >> 4) * dsc[r] + msc[r]
 
 
-@njit(cache=True, fastmath=True, parallel=True)
+@njit(cache=True, fastmath=True)
 def dequant_q8_tiles(q, d, t0, t1, wt):
     # Q8_0 tiles t0..t1 -> wt (n, (t1-t0)*R) f32 = W[rows].T
     nb = wt.shape[0] // 32
     R = d.shape[1] // nb
-    for b in prange(nb):
+    dsc = np.empty(R, f32)
+    for b in range(nb):
         for t in range(t0, t1):
-            c = (t - t0) * R
             for r in range(R):
-                dd = _half(d[t, b * R + r])
-                for j in range(32):
-                    wt[32 * b + j, c + r] = f32(q[t, (32 * b + j) * R + r]) * dd
+                dsc[r] = _half(d[t, b * R + r])
+            c = (t - t0) * R
+            for j in range(32):
+                qj = q[t, (32 * b + j) * R:(32 * b + j + 1) * R]
+                w = wt[32 * b + j, c:c + R]
+                for r in range(R):
+                    w[r] = f32(qj[r]) * dsc[r]
 
 
 # --- embedding lookup ------------------------------------------------------------------
 
-@njit(cache=True, fastmath=True, parallel=True)
+@njit(cache=True, fastmath=True)
 def rows_q4(q, d, m, m_off, ids, out):
     # Q4 tiles, ids (T,) -> out (T, n) f32 dequantized rows
     nb = out.shape[1] // 32
     R = d.shape[1] // nb
-    for i in prange(ids.size):
+    for i in range(ids.size):
         t = ids[i] // R
         r = ids[i] % R
         row = out[i]
@@ -260,12 +272,12 @@ def rows_q4(q, d, m, m_off, ids, out):
                 row[32 * b + 16 + j] = f32(v >> 4) * dd + mm
 
 
-@njit(cache=True, fastmath=True, parallel=True)
+@njit(cache=True, fastmath=True)
 def rows_q8(q, d, ids, out):
     # Q8_0 tiles, ids (T,) -> out (T, n) f32 dequantized rows
     nb = out.shape[1] // 32
     R = d.shape[1] // nb
-    for i in prange(ids.size):
+    for i in range(ids.size):
         t = ids[i] // R
         r = ids[i] % R
         row = out[i]

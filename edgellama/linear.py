@@ -21,7 +21,8 @@ F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
 _NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", BF16: "BF16"}
 # type -> (f16 halves per block, payload bytes per block of 32)
 _BLOCKS = {Q4_0: (1, 16), Q4_1: (2, 16), Q8_0: (1, 32)}
-_CHUNK_FLOATS = 1 << 20        # prefill dequantizes ~4 MB of W at a time (fits L2+L3)
+_CHUNK_FLOATS = 1 << 20        # prefill dequantizes ~4 MB of W at a time (at least
+_CHUNK_MIN_ROWS = 256          # 256 rows: narrower products run BLAS below its best)
 _U16_COLS = 512                # f16/bf16 rows are widened this many values at a time
 
 
@@ -155,7 +156,8 @@ class Linear:
 
     def _chunk_rows(self) -> int:
         unit = self.R if self.type_id in _BLOCKS else 16
-        return max(unit, _CHUNK_FLOATS // self.in_features // unit * unit)
+        rows = max(_CHUNK_MIN_ROWS, _CHUNK_FLOATS // self.in_features)
+        return max(unit, rows // unit * unit)
 
     def _widen(self, w16: np.ndarray, out: np.ndarray) -> None:
         # f16 / bf16 bits (r, n) -> out (r, n) f32 (NumPy's vectorised casts)

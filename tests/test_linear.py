@@ -61,6 +61,7 @@ def test_matvec(type_, shape):
 def test_matmul(type_, T, monkeypatch):
     shape = (300, 64)
     monkeypatch.setattr(linear, "_CHUNK_FLOATS", 64 * 40)   # several chunks, ragged last
+    monkeypatch.setattr(linear, "_CHUNK_MIN_ROWS", 1)
     lin, ref = make(type_, shape)
     x = np.random.default_rng(2).standard_normal((T, shape[1])).astype(np.float32)
     out = np.full((T, shape[0]), np.nan, np.float32)
