@@ -1,38 +1,52 @@
-"""Numba compile-once bookkeeping: know whether the on-disk JIT cache is warm, and
-compile everything the forward pass needs before the user is waiting on a reply."""
+"""Numba compile-once bookkeeping: know whether the on-disk JIT cache is warm for a
+model, and compile what the forward pass needs before the user waits on a reply."""
 from __future__ import annotations
 
-import os
+import hashlib
 import time
 from collections.abc import Callable
+from pathlib import Path
 
-from numba.core.registry import CPUDispatcher
+import numba
 
+from .default_model import cache_dir
 
-def _dispatchers():
-    from . import kernels, linear
-    for mod in (kernels, linear):
-        for obj in vars(mod).values():
-            if isinstance(obj, CPUDispatcher):
-                yield obj
+_SOURCES = ("kernels.py", "kernels_linear.py", "linear.py", "model.py")
 
 
-def cache_is_warm() -> bool:
-    """True when every kernel has an on-disk cache index (numba internals: best effort)."""
+def _stamp(model) -> Path:
+    """A file whose existence says: these kernels, for these weight types, compiled here."""
+    h = hashlib.sha256(numba.__version__.encode())
+    for name in _SOURCES:
+        h.update((Path(__file__).parent / name).read_bytes())
+    h.update(model.type_summary().encode())
+    return cache_dir() / "jit" / h.hexdigest()[:24]
+
+
+def is_warm(model) -> bool:
+    """Whether this model's kernels were compiled (and cached) here before."""
+    return _stamp(model).exists()
+
+
+def mark_warm(model) -> None:
+    stamp = _stamp(model)
     try:
-        return all(os.path.exists(d._cache._cache_file._index_path) for d in _dispatchers())
-    except AttributeError:
-        return False
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.touch()
+    except OSError:
+        pass   # a read-only cache only costs the announcement
 
 
 def warm_up(llm, announce: Callable[[], None] | None = None) -> float:
-    """Run the prefill and decode paths once (compiling or loading kernels), then
-    clear the cache. Returns the seconds spent; calls announce() first if cold."""
-    if announce and not cache_is_warm():
+    """Run the prefill and decode paths once (compiling, or loading from Numba's
+    cache), then clear the KV cache. Calls announce() first when compiling is likely.
+    Returns the seconds spent."""
+    if announce and not is_warm(llm.model):
         announce()
     t0 = time.perf_counter()
     bos = llm.tokenizer.bos_id if llm.tokenizer.bos_id is not None else 0
     llm.model.forward([bos, bos], 0)     # batched (matmul) path
     llm.model.forward([bos], 2)          # decode (matvec) path
     llm.reset()
+    mark_warm(llm.model)
     return time.perf_counter() - t0
