@@ -90,7 +90,7 @@ def measure_decode(lins: list[Linear], reps: int = 5) -> float:
     return best
 
 
-def measure_prefill(lin: Linear, T: int = 512, reps: int = 2) -> tuple[float, float]:
+def measure_prefill(lin: Linear, T: int = 512, reps: int = 3) -> tuple[float, float]:
     """Best seconds of lin.matmul and of NumPy f32 x @ W.T (W already f32), same shapes."""
     rng = np.random.default_rng(2)
     x = rng.standard_normal((T, lin.in_features)).astype(np.float32)
@@ -160,9 +160,10 @@ def main(argv=None) -> dict:
     rng = np.random.default_rng(0)
     res: dict = {"threads": args.threads, "decode": [], "prefill": [], "jit_first_call_s": {}}
 
-    ceilings = [measure_read_bandwidth(2 << 30, keep=True)]
-    print(f"read-bandwidth ceiling (parallel f32 sum, 2 GiB): {ceilings[0]:.1f} GB/s, "
-          f"{args.threads} threads")
+    c = measure_read_bandwidth(2 << 30, keep=True)
+    ceilings: list = [{"threads": args.threads, "gb_s": [c]}]
+    print(f"read-bandwidth ceiling (parallel f32 sum, 2 GiB): {c:.1f} GB/s, {args.threads} threads"
+          f" (re-measured around every row below; load avg {os.getloadavg()[0]:.1f})")
 
     # JIT: first call of each kernel on a tiny matrix (a cache hit when warm)
     for name in TYPES:
@@ -184,24 +185,28 @@ def main(argv=None) -> dict:
     plan += [("3B", t) for t in ("Q4_0", "Q8_0", "Q4_1", "F16")]
     if args.quick:
         plan = [("1B", t) for t in ("Q4_0", "Q8_0")]
-    print(f"\n{'model':5} {'type':5} {'GB':>6} {'load s':>7} {'ms/tok':>7} {'tok/s':>6} "
+    thread_counts = sorted({1, args.threads})
+    print(f"\n{'model':5} {'type':5} {'GB':>6} {'load s':>7} {'thr':>3} {'ms/tok':>7} {'tok/s':>6} "
           f"{'GB/s':>6} {'ceil':>6} {'ratio':>6}")
     for model, tname in plan:
         lins, t_load = load(tname, model_shapes(model), rng)
         nbytes = sum(l.nbytes for l in lins)
-        measure_decode(lins, reps=1)
-        c0 = measure_read_bandwidth(2 << 30, keep=True)
-        secs = measure_decode(lins)
-        c1 = measure_read_bandwidth(2 << 30, keep=True)
-        ceil = max(c0, c1)                 # the higher ceiling: a conservative ratio
-        ceilings += [c0, c1]
-        gbs = nbytes / secs / 1e9
-        row = {"model": model, "type": tname, "weight_bytes": nbytes, "load_s": t_load,
-               "decode_s": secs, "tok_s": 1 / secs, "gb_s": gbs, "ceiling_gb_s": ceil,
-               "ratio": gbs / ceil}
-        res["decode"].append(row)
-        print(f"{model:5} {tname:5} {nbytes / 1e9:6.2f} {t_load:7.2f} {secs * 1e3:7.1f} "
-              f"{1 / secs:6.1f} {gbs:6.1f} {ceil:6.1f} {gbs / ceil:6.2f}")
+        for th in thread_counts:
+            numba.set_num_threads(th)
+            measure_decode(lins, reps=1)
+            c0 = measure_read_bandwidth(2 << 30, keep=True)
+            secs = measure_decode(lins)
+            c1 = measure_read_bandwidth(2 << 30, keep=True)
+            ceil = max(c0, c1)             # the higher ceiling: a conservative ratio
+            ceilings.append({"threads": th, "gb_s": [c0, c1]})
+            gbs = nbytes / secs / 1e9
+            res["decode"].append({"model": model, "type": tname, "threads": th,
+                                  "weight_bytes": nbytes, "load_s": t_load, "decode_s": secs,
+                                  "tok_s": 1 / secs, "gb_s": gbs, "ceiling_gb_s": ceil,
+                                  "ratio": gbs / ceil})
+            print(f"{model:5} {tname:5} {nbytes / 1e9:6.2f} {t_load:7.2f} {th:3} {secs * 1e3:7.1f} "
+                  f"{1 / secs:6.1f} {gbs:6.1f} {ceil:6.1f} {gbs / ceil:6.2f}")
+        numba.set_num_threads(args.threads)
         if not args.quick or tname == "Q4_0":
             for l in lins[:7]:             # one layer's matrices
                 ours, theirs = measure_prefill(l)

@@ -41,8 +41,13 @@ def _release_pages(data: np.ndarray) -> None:
     and nothing is lost. Anything that is not a file mapping is left alone.
     """
     base = data
-    while isinstance(base, np.ndarray) and base.base is not None:
-        base = base.base
+    while True:                    # np.frombuffer(mmap) -> memoryview -> mmap
+        if isinstance(base, np.ndarray) and base.base is not None:
+            base = base.base
+        elif isinstance(base, memoryview):
+            base = base.obj
+        else:
+            break
     if not isinstance(base, mmap.mmap) or base.closed:
         return
     start = data.ctypes.data - np.frombuffer(base, np.uint8).ctypes.data

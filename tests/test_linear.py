@@ -103,18 +103,26 @@ def test_nbytes_and_bad_size():
         Linear.from_gguf(int(G.Q4_0), np.zeros(10, np.uint8), (300, 64))
 
 
+def _rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * mmap.PAGESIZE
+
+
 def test_repack_releases_file_pages(tmp_path):
     # Weights read from a file mmap are repacked; the mapping's pages are dropped from
     # the process but the data stays intact in the file and in the tiles.
-    shape = (256, 1024)
-    lin0, ref = make(G.Q4_0, shape)
+    shape = (1024, 4096)
+    make(G.Q4_0, (64, 64))       # JIT / cache load outside the RSS window
     data = quantize(np.random.default_rng(0).standard_normal(shape).astype(np.float32), G.Q4_0)
     path = tmp_path / "w.bin"
     path.write_bytes(b"\0" * 100 + data.tobytes())
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     view = np.frombuffer(mm, np.uint8, count=data.size, offset=100)
+    assert int(view.sum()) == int(data.sum())                 # all pages now resident
+    rss0 = _rss()
     lin = Linear.from_gguf(int(G.Q4_0), view, shape)
+    assert _rss() - rss0 < data.nbytes // 2                   # tiles in, file pages out
     np.testing.assert_array_equal(view, data.reshape(-1))   # refaults from the file
     x = np.ones(shape[1], np.float32)
     out = np.zeros(shape[0], np.float32)
