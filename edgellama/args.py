@@ -72,6 +72,9 @@ class ModelArgs:
             raise EdgeError(f"{g.path}: embedding_length {dim}, head_count {n_heads} and "
                             f"head_count_kv {n_kv} are inconsistent (need E % H == 0, H % KV == 0)")
         head_dim = dim // n_heads
+        if head_dim % 2:
+            raise EdgeError(f"{g.path}: head dim {head_dim} (embedding_length / head_count) "
+                            f"must be even for rotary embeddings")
         rope_dim = num("rope.dimension_count", default=head_dim)
         if rope_dim != head_dim:
             raise EdgeError(f"{g.path}: rope.dimension_count {rope_dim} != head dim {head_dim} "
@@ -87,12 +90,16 @@ class ModelArgs:
             freqs = g.tensor_bytes("rope_freqs.weight").view(np.float32).reshape(-1).copy()
             if not np.all(np.isfinite(freqs)) or np.any(freqs <= 0):
                 raise EdgeError(f"{g.path}: rope_freqs.weight holds non-positive or non-finite values")
+        n_layers = num("block_count")
+        if n_layers * 9 > len(g.tensors):
+            raise EdgeError(f"{g.path}: block_count {n_layers} needs {n_layers * 9} layer tensors, "
+                            f"but the file has {len(g.tensors)} tensors in all")
         eps = float(num("attention.layer_norm_rms_epsilon", FLOAT))
         theta = float(num("rope.freq_base", FLOAT, default=10000.0))
         if not (0 < eps < 1) or not theta > 0:
             raise EdgeError(f"{g.path}: rms epsilon {eps} or rope base {theta} out of range")
         return cls(
-            dim=dim, n_layers=num("block_count"), n_heads=n_heads, n_kv_heads=n_kv,
+            dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
             ffn_dim=num("feed_forward_length"), vocab_size=vocab, norm_eps=eps,
             rope_theta=theta, rope_dim=rope_dim, train_ctx=num("context_length"),
             tied_output="output.weight" not in g.tensors, rope_freqs=freqs,

@@ -20,12 +20,15 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import sys
+import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 import jinja2
 from jinja2 import nodes
+from jinja2.compiler import CodeGenerator, Frame
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
@@ -47,12 +50,181 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
+# Limits on what a template may build: a chat prompt is a few hundred KB at most, so a
+# template asking for more is broken or hostile ('a' * 10**10, doubling a string in a loop,
+# nested loops over range(99999)...). Each ends in an EdgeError, in bounded time and memory.
+MAX_TEXT = 16 << 20          # characters (or items) of any one value the template builds
+MAX_OUTPUT = 16 << 20        # characters of rendered output
+MAX_INT_ARG = 1 << 20        # a width/count argument above this is refused before the call
+MAX_STEPS = 1_000_000        # template source lines executed per render (CPU bound)
+MAX_SECONDS = 5.0            # CPU seconds per render
+MAX_MEMORY = 1 << 30         # growth of resident memory during a render (Linux)
+
+
+class TemplateLimitError(SecurityError):
+    """A chat template exceeded one of the limits above."""
+
+
+def _size(x: Any) -> int:
+    return len(x) if isinstance(x, (str, bytes, list, tuple, dict)) else 0
+
+
+def _check_size(x: Any, what: str) -> Any:
+    if _size(x) > MAX_TEXT:
+        raise TemplateLimitError(f"{what} builds a value of {_size(x)} items (limit {MAX_TEXT})")
+    return x
+
+
+def _check_args(args: Sequence[Any], kwargs: Mapping[str, Any], what: str) -> None:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, int) and abs(a) > MAX_INT_ARG:
+            raise TemplateLimitError(f"{what} called with {a} (limit {MAX_INT_ARG})")
+
+
+_HUGE_FIELD = re.compile(r"[%{][^%{}]*?\d{7,}")   # '%9999999s', '{:>9999999}'
+
+
+def _check_format(fmt: Any, what: str) -> None:
+    if isinstance(fmt, str) and _HUGE_FIELD.search(fmt):
+        raise TemplateLimitError(f"{what} asks for a field width of millions of characters")
+
+
+class _BoundedCodeGenerator(CodeGenerator):
+    """`a ~ b` goes through environment.concat_checked, so string building is bounded too."""
+
+    def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:
+        self.write("environment.concat_checked((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
 class _Sandbox(ImmutableSandboxedEnvironment):
-    """Immutable sandbox that fails on an unsafe attribute instead of rendering it empty."""
+    """Immutable sandbox that fails on an unsafe attribute instead of rendering it empty,
+    and bounds the size of what operators, calls and filters build."""
+
+    code_generator_class = _BoundedCodeGenerator
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
         raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} "
                             "object is not allowed")
+
+    def call_binop(self, context: Any, op: str, left: Any, right: Any) -> Any:
+        if op == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 \
+                and right * abs(left).bit_length() > 1 << 16:
+            raise TemplateLimitError(f"{left} ** {right} is too large")
+        if op == "*":
+            seq, n = (left, right) if _size(left) or isinstance(left, (str, list, tuple)) else (right, left)
+            if isinstance(n, int) and _size(seq) * max(n, 0) > MAX_TEXT:
+                raise TemplateLimitError(f"repeating a value of {_size(seq)} items {n} times "
+                                         f"exceeds the limit of {MAX_TEXT}")
+        if op == "+" and _size(left) + _size(right) > MAX_TEXT:
+            raise TemplateLimitError(f"joining values of {_size(left)} and {_size(right)} items "
+                                     f"exceeds the limit of {MAX_TEXT}")
+        if op == "%":
+            _check_format(left, "the % operator")
+        return _check_size(self.binop_table[op](left, right), f"the {op} operator")
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        what = getattr(__obj, "__name__", type(__obj).__name__)
+        _check_args(args, kwargs, what)
+        # the object a method is bound to (jinja wraps str.format, keeping __wrapped__)
+        base = getattr(getattr(__obj, "__wrapped__", __obj), "__self__", None)
+        if what in ("format", "format_map"):
+            _check_format(base, what)
+        if isinstance(base, str) and what in ("replace", "join", "expandtabs"):
+            _check_grow(base, what, args)
+        return _check_size(super().call(__context, __obj, *args, **kwargs), what)
+
+    @staticmethod
+    def concat_checked(parts: Sequence[Any]) -> str:
+        strs = [str(p) for p in parts]
+        if sum(map(len, strs)) > MAX_TEXT:
+            raise TemplateLimitError(f"the ~ operator builds more than {MAX_TEXT} characters")
+        return "".join(strs)
+
+
+def _check_grow(base: str, what: str, args: Sequence[Any]) -> None:
+    """Refuse str.replace / str.join / str.expandtabs calls whose result would be huge."""
+    if what == "replace" and len(args) >= 2 and all(isinstance(a, str) for a in args[:2]):
+        est = len(base) + (base.count(args[0]) if args[0] else len(base) + 1) * len(args[1])
+    elif what == "join" and args and isinstance(args[0], (list, tuple)):
+        est = len(base) * len(args[0]) + sum(_size(x) for x in args[0])
+    elif what == "expandtabs":
+        est = len(base) * (1 + (args[0] if args and isinstance(args[0], int) else 8))
+    else:
+        return
+    if est > MAX_TEXT:
+        raise TemplateLimitError(f"{what} would build {est} characters (limit {MAX_TEXT})")
+
+
+def _bounded_filter(name: str, f: Any) -> Any:
+    skip = 1 if hasattr(f, "jinja_pass_arg") else 0   # context / eval context / environment
+
+    def filt(*args: Any, **kwargs: Any) -> Any:
+        value, params = (args[skip], args[skip + 1:]) if len(args) > skip else (None, ())
+        _check_args(params, kwargs, f"filter {name}")
+        if name == "format":
+            _check_format(value, "filter format")
+        elif name == "replace" and isinstance(value, str):
+            _check_grow(value, "replace", params)
+        return _check_size(f(*args, **kwargs), f"filter {name}")
+    if skip:
+        filt.jinja_pass_arg = f.jinja_pass_arg
+    return filt
+
+
+class _Budget:
+    """A trace function that stops a render after MAX_STEPS template lines or when the
+    process grew by MAX_MEMORY: loops and recursion in a template cannot run away."""
+
+    def __init__(self):
+        self.steps = 0
+        self.rss0 = _rss()
+        self.t0 = time.process_time()
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "call":
+            return self._line if frame.f_code.co_filename == "<template>" else None
+        return None
+
+    def _line(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "line":
+            self.steps += 1
+            if self.steps > MAX_STEPS:
+                raise TemplateLimitError(f"it ran for more than {MAX_STEPS} steps")
+            if self.steps % 256 == 0:
+                if self.rss0 is not None and (_rss() or 0) - self.rss0 > MAX_MEMORY:
+                    raise TemplateLimitError(f"it used more than {MAX_MEMORY >> 20} MiB of memory")
+                if time.process_time() - self.t0 > MAX_SECONDS:
+                    raise TemplateLimitError(f"it ran for more than {MAX_SECONDS:.0f} CPU seconds")
+        return self._line
+
+
+def _rss() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _render_bounded(template: jinja2.Template, **variables: Any) -> str:
+    """template.render under the step/memory budget, with the output size bounded."""
+    budget, old = _Budget(), sys.gettrace()
+    parts, n = [], 0
+    sys.settrace(budget)
+    try:
+        for piece in template.generate(**variables):
+            n += len(piece)
+            if n > MAX_OUTPUT:
+                raise TemplateLimitError(f"its output exceeds {MAX_OUTPUT} characters")
+            parts.append(piece)
+    finally:
+        sys.settrace(old)
+    return "".join(parts)
 
 
 class _GenerationTag(Extension):
@@ -80,6 +252,7 @@ def compile_template(source: str, now: datetime) -> jinja2.Template:
     """Compile a chat template in HF's environment; `strftime_now` always formats `now`."""
     env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
     env.filters["tojson"] = _tojson
+    env.filters = {name: _bounded_filter(name, f) for name, f in env.filters.items()}
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = now.strftime
     try:
@@ -93,6 +266,8 @@ class ChatFormat:
 
     def __init__(self, tokenizer: Tokenizer, template: str | None, now: datetime | None = None):
         self.tokenizer = tokenizer
+        if template is not None and not isinstance(template, str):
+            raise EdgeError(f"tokenizer.chat_template must be a string, got {type(template).__name__}")
         self.is_fallback = not template
         if template:
             self.source = template
@@ -107,9 +282,12 @@ class ChatFormat:
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
         """The template's text for `messages` (dicts with "role" and "content")."""
         try:
-            return self._template.render(messages=[dict(m) for m in messages],
-                                         add_generation_prompt=add_generation_prompt,
-                                         bos_token=self._bos_text, eos_token=self._eos_text)
+            return _render_bounded(self._template, messages=[dict(m) for m in messages],
+                                   add_generation_prompt=add_generation_prompt,
+                                   bos_token=self._bos_text, eos_token=self._eos_text)
+        except TemplateLimitError as exc:
+            raise EdgeError(f"chat template stopped: {exc}; the file's template is broken "
+                            f"or hostile") from None
         except SecurityError as exc:
             raise EdgeError(f"chat template refused: {exc}") from None
         except Exception as exc:  # a broken template in the file, not a bug here

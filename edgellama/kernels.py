@@ -16,7 +16,7 @@ _TILE = 64          # cache positions per attention tile (K/V tile stays in L1)
 _DENORM = F32(2.0 ** -24)
 
 
-@nb.njit(cache=True, fastmath=True)
+@nb.njit(cache=True, error_model="numpy", fastmath=True)
 def rmsnorm(x, w, eps, out):
     # x (T, E), w (E,) -> out (T, E) = x / sqrt(mean(x²) + eps) * w
     T, E = x.shape
@@ -29,7 +29,7 @@ def rmsnorm(x, w, eps, out):
             out[t, i] = x[t, i] * inv * w[i]
 
 
-@nb.njit(cache=True, fastmath=True)
+@nb.njit(cache=True, error_model="numpy", fastmath=True)
 def rope(x, cos, sin):
     # x (T, nh, hd) in place; cos, sin (T, hd/2). Rotates adjacent pairs (2i, 2i+1),
     # the GGUF llama layout (the converter permuted HF's rotate-half rows into it).
@@ -43,7 +43,7 @@ def rope(x, cos, sin):
                 x[t, h, 2 * i + 1] = a * s + b * c
 
 
-@nb.njit(cache=True, fastmath=True)
+@nb.njit(cache=True, error_model="numpy", fastmath=True)
 def swiglu(gate, up):
     # gate, up (T, F) -> gate = silu(gate) * up, in place
     T, F = gate.shape
@@ -53,7 +53,7 @@ def swiglu(gate, up):
             gate[t, i] = g / (F32(1.0) + np.exp(-g)) * up[t, i]
 
 
-@nb.njit(cache=True, fastmath=True, inline="always")
+@nb.njit(cache=True, error_model="numpy", fastmath=True, inline="always")
 def _half_tile(src, n, bits, dst):
     # src (>=n, hd) uint16 half bits -> dst (>=n, hd) f32; bits is dst viewed as uint32.
     # Two branch-free passes so LLVM vectorises both: rebias exponent, then subnormals.
@@ -73,7 +73,7 @@ def _half_tile(src, n, bits, dst):
             dst[p, i] = sub if (h & np.uint32(0x7C00)) == 0 else dst[p, i]
 
 
-@nb.njit(cache=True, fastmath=True, parallel=True)
+@nb.njit(cache=True, error_model="numpy", fastmath=True, parallel=True)
 def attention(q, k_cache, v_cache, pos0, scale, out, scratch):
     # q (T, H, hd) roped queries at positions pos0..pos0+T-1;
     # k_cache, v_cache (KV, ctx, hd) uint16 half bits of one layer, filled up to pos0+T;
@@ -139,7 +139,7 @@ def attention_scratch(n_threads: int, n_heads: int, n_kv_heads: int, head_dim: i
     return np.empty((n_threads, 2 * _TILE * head_dim + g * _TILE + g * head_dim + 2 * g), F32)
 
 
-@nb.njit(cache=True)
+@nb.njit(cache=True, error_model="numpy")
 def add_inplace(x, y):
     # x (T, E) += y (T, E): the residual connection
     T, E = x.shape

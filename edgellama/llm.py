@@ -18,7 +18,7 @@ from .chat_template import ChatFormat
 from .errors import EdgeError
 from .gguf import GGUFFile
 from .machine import available_memory, set_threads
-from .model import DEFAULT_BATCH, KVCache, Transformer
+from .model import DEFAULT_BATCH, KVCache, Transformer, check_tensors
 from .sampling import Sampler, SamplingParams
 from .tokenizer import Tokenizer
 
@@ -140,7 +140,9 @@ def load(path: str | Path | None = None, ctx: int | None = None, threads: int | 
         path = default_model_path()
     n_threads = set_threads(threads)
     g = GGUFFile(path)
-    model_ctx = int(g.get("llama.context_length", 0) or 0) or DEFAULT_CTX
+    args = ModelArgs.from_gguf(g)
+    check_tensors(g, args)
+    model_ctx = args.train_ctx
     if ctx is None:
         ctx = min(model_ctx, DEFAULT_CTX)
     if ctx < 1:
@@ -148,9 +150,14 @@ def load(path: str | Path | None = None, ctx: int | None = None, threads: int | 
     if ctx > model_ctx:
         raise EdgeError(f"--ctx {ctx} is larger than the {model_ctx} tokens this model "
                         f"supports ({g.path.name})")
-    tokenizer = Tokenizer.from_metadata(g.metadata)
-    chat = ChatFormat(tokenizer, g.get("tokenizer.chat_template"))
-    args = ModelArgs.from_gguf(g)
+    try:
+        tokenizer = Tokenizer.from_metadata(g.metadata)
+        chat = ChatFormat(tokenizer, g.get("tokenizer.chat_template"))
+    except EdgeError as e:
+        raise EdgeError(f"{g.path}: {e}") from None
+    if tokenizer.vocab_size != args.vocab_size:
+        raise EdgeError(f"{g.path}: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
+                        f"vocabulary (token_embd.weight) has {args.vocab_size}")
     need = KVCache.bytes_needed(args, ctx)
     avail = available_memory()
     if avail is not None and need > avail:

@@ -88,6 +88,29 @@ def _linear(x: np.ndarray, w: Linear, out: np.ndarray) -> None:
         w.matmul(x, out)
 
 
+def check_tensors(g: GGUFFile, args: ModelArgs) -> None:
+    """Every tensor a llama model with these hyperparameters needs, with its shape and a
+    supported type, and nothing else."""
+    want = args.expected_shapes()
+    missing = [n for n in want if n not in g.tensors]
+    extra = [n for n in g.tensors if n not in want]
+    if missing or extra:
+        what = (f"missing {', '.join(missing[:3])}" if missing else "") + \
+               ("; " if missing and extra else "") + \
+               (f"unexpected {', '.join(extra[:3])}" if extra else "")
+        raise EdgeError(f"{g.path}: tensors do not match a llama model with these "
+                        f"hyperparameters: {what}")
+    for name, shape in want.items():
+        t = g.tensors[name]
+        if t.shape != shape:
+            raise EdgeError(f"{g.path}: tensor {name} has shape {list(t.shape)}, "
+                            f"expected {list(shape)} from the metadata")
+        if type_name(t.type_id) not in SUPPORTED_TYPES:
+            raise EdgeError(f"{g.path}: tensor {name} has type {t.type_name}, which edgellama "
+                            f"does not run (supported: {', '.join(SUPPORTED_TYPES)}); "
+                            f"re-quantize it with `edgellama convert` or llama-quantize")
+
+
 class Transformer:
     def __init__(self, gguf: GGUFFile, ctx: int, batch: int = DEFAULT_BATCH,
                  args: ModelArgs | None = None):
@@ -111,24 +134,7 @@ class Transformer:
 
     # -- loading -------------------------------------------------------------
     def _check_tensors(self):
-        g, want = self.gguf, self.args.expected_shapes()
-        missing = [n for n in want if n not in g.tensors]
-        extra = [n for n in g.tensors if n not in want]
-        if missing or extra:
-            what = (f"missing {', '.join(missing[:3])}" if missing else "") + \
-                   ("; " if missing and extra else "") + \
-                   (f"unexpected {', '.join(extra[:3])}" if extra else "")
-            raise EdgeError(f"{g.path}: tensors do not match a llama model with these "
-                            f"hyperparameters: {what}")
-        for name, shape in want.items():
-            t = g.tensors[name]
-            if t.shape != shape:
-                raise EdgeError(f"{g.path}: tensor {name} has shape {list(t.shape)}, "
-                                f"expected {list(shape)} from the metadata")
-            if type_name(t.type_id) not in SUPPORTED_TYPES:
-                raise EdgeError(f"{g.path}: tensor {name} has type {t.type_name}, which edgellama "
-                                f"does not run (supported: {', '.join(SUPPORTED_TYPES)}); "
-                                f"re-quantize it with `edgellama convert` or llama-quantize")
+        check_tensors(self.gguf, self.args)
 
     def _linear(self, name: str) -> Linear:
         t = self.gguf.tensors[name]

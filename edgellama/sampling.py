@@ -37,8 +37,17 @@ class SamplingParams:
         """Fill from a GGUF's `general.sampling.*` keys (the file's recommendation)."""
         keys = {"temperature": "general.sampling.temp", "top_k": "general.sampling.top_k",
                 "top_p": "general.sampling.top_p", "min_p": "general.sampling.min_p"}
-        found = {f: type(getattr(self, f))(meta[k]) for f, k in keys.items() if k in meta}
-        return replace(self, **found) if found else self
+        found = {}
+        for f, k in keys.items():
+            if k in meta:
+                v = meta[k]
+                if not isinstance(v, (int, float, np.integer, np.floating)) or isinstance(v, (bool, np.bool_)):
+                    raise EdgeError(f"metadata {k} must be a number, got {type(v).__name__}")
+                found[f] = type(getattr(self, f))(v) if np.isfinite(v) else float(v)
+        try:
+            return replace(self, **found) if found else self
+        except EdgeError as e:
+            raise EdgeError(f"the file's recommended sampling (general.sampling.*) is invalid: {e}") from None
 
 
 class Sampler:
@@ -49,6 +58,12 @@ class Sampler:
     def __call__(self, logits: np.ndarray, history: list[int] | None = None) -> int:
         p = self.p
         logits = logits.astype(np.float32, copy=True)
+        if not np.isfinite(logits).all():
+            # Corrupt weights give NaN/inf logits: never sample a NaN, treat +inf as the top.
+            logits = np.nan_to_num(logits, nan=-np.inf, posinf=np.finfo(np.float32).max)
+            if np.isneginf(logits).all():
+                raise EdgeError("the model produced no usable logits (all NaN or -inf): "
+                                "its weights are probably corrupt")
         if p.repeat_penalty != 1.0 and history and p.repeat_last_n:
             seen = np.unique(np.asarray(history[-p.repeat_last_n:], dtype=np.int64))
             v = logits[seen]

@@ -50,6 +50,40 @@ STOP_TOKEN_TEXTS = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>",
 _SPECIAL_ID_KEYS = ("bos", "eos", "eot", "eom", "unknown", "padding", "seperator")
 
 
+_MISSING = object()
+_KIND = {str: "a string", int: "an integer", bool: "a bool", list: "an array of strings",
+         np.ndarray: "an array of integers"}
+
+
+def _meta(meta: Mapping[str, Any], key: str, kind: type, default: Any = _MISSING) -> Any:
+    """meta[key], checked to be of `kind` (str, int, bool, list of str, integer ndarray)."""
+    if key not in meta:
+        if default is _MISSING:
+            raise EdgeError(f"metadata key {key!r} is missing")
+        return default
+    v = meta[key]
+    if kind is int:
+        ok = isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+        v = int(v) if ok else v
+    elif kind is bool:
+        ok = isinstance(v, (bool, np.bool_))
+        v = bool(v) if ok else v
+    elif kind is list:
+        v = list(v) if isinstance(v, (list, tuple)) else v
+        ok = isinstance(v, list) and all(isinstance(x, str) for x in v)
+    elif kind is np.ndarray:
+        v = np.asarray(v) if isinstance(v, (list, tuple, np.ndarray)) else v
+        ok = isinstance(v, np.ndarray) and v.ndim == 1 and (v.dtype.kind in "iu" or v.size == 0)
+        if ok and v.size and (v.min() < 0 or v.max() > BYTE):
+            raise EdgeError(f"metadata {key} holds values outside 0..{BYTE}")
+    else:
+        ok = isinstance(v, kind)
+    if not ok:
+        got = type(v).__name__ if not isinstance(v, np.ndarray) else f"an array of {v.dtype}"
+        raise EdgeError(f"metadata {key} must be {_KIND[kind]}, got {got}")
+    return v
+
+
 class Tokenizer:
     """Encode/decode for one GGUF vocabulary. Build with `from_metadata`."""
 
@@ -93,25 +127,32 @@ class Tokenizer:
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
-        """Build from a GGUF metadata mapping (see edgellama.gguf.GGUFFile.metadata)."""
-        model = meta.get("tokenizer.ggml.model")
+        """Build from a GGUF metadata mapping (see edgellama.gguf.GGUFFile.metadata).
+
+        Every value is type-checked first: the file is untrusted, and a wrong type
+        (a string where an id belongs, an int array for the token list) is an EdgeError.
+        """
+        model = _meta(meta, "tokenizer.ggml.model", str, None)
         if model != "gpt2":
             raise EdgeError(f"unsupported tokenizer model {model!r}: only byte-level BPE "
                             "('gpt2', used by Llama 3 and SmolLM2) is supported")
-        pre = meta.get("tokenizer.ggml.pre")
+        pre = _meta(meta, "tokenizer.ggml.pre", str, None)
         if pre not in PRE_TOKENIZERS:
             raise EdgeError(f"unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre); "
                             f"supported: {', '.join(PRE_TOKENIZERS)}")
-        tokens = list(meta["tokenizer.ggml.tokens"])
-        types = meta.get("tokenizer.ggml.token_type")
-        types = np.full(len(tokens), NORMAL, np.int32) if types is None else np.asarray(types, np.int32)
+        tokens = _meta(meta, "tokenizer.ggml.tokens", list)
+        if not tokens:
+            raise EdgeError("tokenizer.ggml.tokens is empty")
+        types = _meta(meta, "tokenizer.ggml.token_type", np.ndarray, None)
+        types = np.full(len(tokens), NORMAL, np.int32) if types is None else types.astype(np.int32)
         if len(types) != len(tokens):
             raise EdgeError(f"tokenizer.ggml.token_type has {len(types)} entries "
                             f"for {len(tokens)} tokens")
-        special_ids = {k: int(meta[f"tokenizer.ggml.{k}_token_id"]) for k in _SPECIAL_ID_KEYS
+        special_ids = {k: _meta(meta, f"tokenizer.ggml.{k}_token_id", int) for k in _SPECIAL_ID_KEYS
                        if f"tokenizer.ggml.{k}_token_id" in meta}
-        return cls(tokens, types, list(meta.get("tokenizer.ggml.merges", ())), pre, special_ids,
-                   meta.get("tokenizer.ggml.add_bos_token"), meta.get("tokenizer.chat_template"))
+        return cls(tokens, types, _meta(meta, "tokenizer.ggml.merges", list, []), pre, special_ids,
+                   _meta(meta, "tokenizer.ggml.add_bos_token", bool, None),
+                   _meta(meta, "tokenizer.chat_template", str, None))
 
     def _check_special_ids(self, special_ids: Mapping[str, int]) -> None:
         for name, tid in special_ids.items():
