@@ -19,9 +19,8 @@ from numba import njit, prange
 
 from edgellama.errors import EdgeError
 
-from .blocks import FORMATS, QK
+from .blocks import FORMATS
 
-_F16_MAX_EXP = np.uint16(0x7C00)
 
 
 @njit(cache=True, inline="always")
