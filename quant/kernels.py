@@ -22,7 +22,6 @@ from edgellama.errors import EdgeError
 from .blocks import FORMATS
 
 
-
 @njit(cache=True, inline="always")
 def _f16_bits(x):
     # f32 -> IEEE half bits, round to nearest even (NumPy's npy_floatbits_to_halfbits)
