@@ -96,6 +96,26 @@ def test_q4_activation_quantization_is_exact_on_grid():
         check(out, ref, x)
 
 
+@pytest.mark.parametrize("type_", TYPES, ids=lambda t: t.name)
+def test_stacked(type_):
+    # q/k/v-like parts, none a multiple of the tile size: one W, outputs split back
+    datas = [quantize(np.random.default_rng(i).standard_normal((s, 96)).astype(np.float32), type_)
+             for i, s in enumerate((150, 37, 37))]
+    lin = Linear.from_gguf_stacked(int(type_), [(d, d.shape[:1] + (96,)) for d in datas])
+    ref = np.concatenate([dequantize(d, type_).astype(np.float64).reshape(-1, 96) for d in datas])
+    assert lin.out_features == 224 and lin.nbytes == sum(d.nbytes for d in datas)
+    x = np.random.default_rng(5).standard_normal(96).astype(np.float32)
+    out = np.full(224, np.nan, np.float32)
+    lin.matvec(x, out)
+    check(out, ref, x, x_quantized=type_ in (G.Q4_0, G.Q4_1))
+    assert [o.shape for o in lin.split(out)] == [(150,), (37,), (37,)]
+    xs = np.random.default_rng(6).standard_normal((3, 96)).astype(np.float32)
+    outs = np.full((3, 224), np.nan, np.float32)
+    lin.matmul(xs, outs)
+    check(outs, ref, xs)
+    assert lin.split(outs)[2].shape == (3, 37)
+
+
 def test_nbytes_and_bad_size():
     lin, _ = make(G.Q4_0, (300, 64))
     assert lin.nbytes == 300 * 2 * 18
