@@ -20,8 +20,8 @@ from edgellama import linear
 from edgellama.linear import Linear
 
 TYPES = [G.F32, G.F16, G.BF16, G.Q4_0, G.Q4_1, G.Q8_0]
-# (out, in): out not a multiple of any tile size, small in = 32 k, tiny and wider
-SHAPES = [(300, 64), (37, 32), (8, 96), (1030, 160)]
+# (out, in): out not a multiple of any tile size (tiles of 16 to 256 rows), in = 32 k
+SHAPES = [(300, 64), (37, 32), (8, 96), (1030, 160), (2000, 32)]
 EPS = float(np.finfo(np.float32).eps)
 
 
