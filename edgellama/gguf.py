@@ -139,6 +139,8 @@ class GGUFFile:
             raise EdgeError(f"{self.path}: no such file") from None
         except PermissionError:
             raise EdgeError(f"{self.path}: permission denied") from None
+        except OSError as e:   # not a directory, name too long, I/O error, unmappable...
+            raise EdgeError(f"{self.path}: cannot read: {e.strerror or e}") from None
         self.file_size = size
         self.metadata: dict[str, Any] = {}
         self.metadata_types: dict[str, tuple[int, ...]] = {}

@@ -1,0 +1,297 @@
+"""The command line given bad input: exit 0 on success, 1 with one `error:` line on stderr
+(no traceback) for a problem with the user's input or environment, 2 for usage errors;
+`--debug` shows the traceback. Plus convert's "never a partial file" promise under a full
+disk and Ctrl-C. (Converter input validation already covered in test_convert.py is not
+repeated here.)"""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import quant.convert as qconvert
+from cli.main import main
+from edgellama.errors import EdgeError
+from hf_fixtures import write_tiny_llama
+from tiny_gguf import TINY_VOCAB, write_tiny_gguf
+
+EXE = shutil.which("edgellama")
+ENV = dict(os.environ, NUMBA_NUM_THREADS="2")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    """A tiny llama GGUF with a small gpt2 tokenizer and a ChatML template (fast to run)."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", "Q8_0", dim=32, layers=1,
+                           heads=2, kv_heads=1, ffn=32, vocab=TINY_VOCAB, ctx=64, tokenizer=True)
+
+
+def run(*args, stdin: bytes | None = None, timeout=240) -> subprocess.CompletedProcess:
+    assert EXE, "the edgellama command is not on PATH: pip install -e . first"
+    return subprocess.run([EXE, *map(str, args)], input=stdin, capture_output=True,
+                          timeout=timeout, env=ENV)
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def assert_user_error(res, *needles):
+    """Exit 1, one `error:` line on stderr naming the problem, no traceback."""
+    code = getattr(res, "returncode", None)
+    code = res.exit_code if code is None else code
+    err = res.stderr.decode(errors="replace") if isinstance(res.stderr, bytes) else res.stderr
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 1, (code, err)
+    assert lines and lines[-1].startswith("error: "), err
+    assert "Traceback" not in err and "internal error" not in err, err
+    for n in needles:
+        assert n in lines[-1], (n, lines[-1])
+
+
+# -- model files -------------------------------------------------------------------
+def test_missing_model_file_through_the_real_cli(tmp_path):
+    res = run("generate", "-m", tmp_path / "nope.gguf", "-p", "hi")
+    assert_user_error(res, "nope.gguf", "no such file")
+    res = run("--debug", "generate", "-m", tmp_path / "nope.gguf", "-p", "hi")
+    assert res.returncode == 1 and b"Traceback" in res.stderr and b"EdgeError" in res.stderr
+
+
+def test_non_gguf_file_through_the_real_cli(tmp_path):
+    bad = tmp_path / "notes.gguf"
+    bad.write_bytes(b"hello, this is not a model file at all\n" * 4)
+    assert_user_error(run("generate", "-m", bad, "-p", "hi"), "notes.gguf", "not a GGUF file")
+
+
+def test_directory_given_as_model(tmp_path):
+    # click's Path(dir_okay=False) rejects it as a usage error; the API says it clearly too
+    res = invoke("generate", "-m", tmp_path, "-p", "hi")
+    assert res.exit_code == 2 and "is a directory" in res.stderr
+    import edgellama
+    with pytest.raises(EdgeError, match="is a directory"):
+        edgellama.load(tmp_path)
+
+
+def test_unreadable_model(tmp_path, tiny):
+    if os.geteuid() == 0:
+        # root reads a chmod 000 file anyway; a FIFO-free stand-in: a path through a file
+        res = invoke("generate", "-m", tiny / "x.gguf", "-p", "hi")
+        assert_user_error(res, "x.gguf", "cannot read: Not a directory")
+        pytest.skip("running as root: chmod 000 does not stop reads (checked a not-a-directory path instead)")
+    p = tmp_path / "locked.gguf"
+    shutil.copy(tiny, p)
+    p.chmod(0)
+    assert_user_error(invoke("generate", "-m", p, "-p", "hi"), "locked.gguf", "permission denied")
+
+
+def test_truncated_model(tmp_path, tiny):
+    p = tmp_path / "half.gguf"
+    p.write_bytes(tiny.read_bytes()[: tiny.stat().st_size // 2])
+    assert_user_error(invoke("generate", "-m", p, "-p", "hi"), "half.gguf", "truncated")
+
+
+# -- engine options ----------------------------------------------------------------
+def test_context_larger_than_the_model(tiny):
+    assert_user_error(invoke("generate", "-m", tiny, "-p", "hi", "--ctx", 65), "--ctx 65", "64 tokens")
+    assert_user_error(invoke("generate", "-m", tiny, "-p", "hi", "--ctx", 0), "--ctx must be at least 1")
+
+
+def test_context_larger_than_memory(tiny, monkeypatch):
+    import edgellama.llm
+    monkeypatch.setattr(edgellama.llm, "available_memory", lambda: 1 << 10)
+    assert_user_error(invoke("generate", "-m", tiny, "-p", "hi", "--ctx", 64),
+                      "context of 64 tokens needs", "MiB of KV cache", "smaller --ctx")
+
+
+@pytest.mark.parametrize("threads, needle", [("0", "--threads must be at least 1"),
+                                             ("100000", "more than the")])
+def test_threads_out_of_range(tiny, threads, needle):
+    assert_user_error(invoke("generate", "-m", tiny, "-p", "hi", "--threads", threads), needle)
+
+
+def test_threads_not_a_number_is_a_usage_error(tiny):
+    res = invoke("generate", "-m", tiny, "-p", "hi", "--threads", "many")
+    assert res.exit_code == 2 and "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("flag, value, needle", [
+    ("--temp", "-1", "temperature must be >= 0"),
+    ("--temp", "nan", "temperature must be a finite number"),
+    ("--temp", "inf", "temperature must be a finite number"),
+    ("--top-p", "0", "top-p must be in (0, 1]"),
+    ("--top-p", "1.5", "top-p must be in (0, 1]"),
+    ("--min-p", "2", "min-p must be in [0, 1]"),
+    ("--repeat-penalty", "0", "repeat penalty must be > 0"),
+    ("--top-k", "-3", "top-k must be >= 0"),
+])
+def test_invalid_sampling_values(tiny, flag, value, needle):
+    assert_user_error(invoke("generate", "-m", tiny, "-p", "hi", flag, value), "invalid sampling value", needle)
+
+
+def test_prompt_longer_than_the_context(tiny):
+    assert_user_error(invoke("generate", "-m", tiny, "-p", "hello the world " * 40, "--ctx", 32),
+                      "longer than the context of 32 tokens")
+    assert_user_error(invoke("generate", "-m", tiny, "-p", "hello the world " * 40, "--ctx", 32, "--raw"),
+                      "longer than the context of 32 tokens")
+
+
+def test_empty_prompt(tiny):
+    # with the chat template an empty message still makes a prompt: it answers
+    res = invoke("generate", "-m", tiny, "-p", "", "--temp", "0", "-n", "2")
+    assert res.exit_code == 0, res.output
+    # raw, there is nothing to continue from
+    assert_user_error(invoke("generate", "-m", tiny, "-p", "", "--raw", "-n", "2"), "the prompt is empty")
+
+
+def test_generate_works(tiny):
+    res = invoke("generate", "-m", tiny, "-p", "hello", "--temp", "0", "-n", "3")
+    assert res.exit_code == 0, res.output
+    assert "generation:" in res.stderr
+
+
+def test_hostile_chat_template_through_the_cli(tmp_path):
+    """A template reaching for Python internals, or for unbounded memory/CPU, ends in one
+    error line in bounded time, and nothing runs."""
+    marker = tmp_path / "pwned"
+    templates = {
+        "internals": "{{ cycler.__init__.__globals__.os.system('touch " + str(marker) + "') }}",
+        "subclasses": "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "memory": "{{ 'a' * 10**10 }}",
+        "doubling": "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
+                    "{% endfor %}{{ ns.s }}",
+        "range": "{% for i in range(10**9) %}x{% endfor %}",
+        "cpu": "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+    }
+    needles = {"internals": "chat template refused", "subclasses": "chat template refused",
+               "memory": "chat template stopped", "doubling": "chat template stopped",
+               "range": "chat template stopped", "cpu": "it ran for more than"}
+    for name, t in templates.items():
+        p = write_tiny_gguf(tmp_path / f"{name}.gguf", "Q8_0", dim=32, layers=1, heads=2, kv_heads=1,
+                            ffn=32, vocab=TINY_VOCAB, ctx=64, tokenizer=True, chat_template=t)
+        res = invoke("generate", "-m", p, "-p", "hi", "-n", "1")
+        assert_user_error(res, needles[name])
+    assert not marker.exists()
+    # and through the installed command, as a user runs it
+    assert_user_error(run("generate", "-m", tmp_path / "internals.gguf", "-p", "hi"), "chat template refused")
+    assert not marker.exists()
+
+
+def test_chat_with_garbage_bytes_on_stdin(tiny):
+    res = run("chat", "-m", tiny, "--temp", "0", "-n", "4",
+              stdin=b"\xff\xfe hello \x1b[31m\n\x00\x07\n/stats\n\xc3\x28 the \x9b end\n")
+    assert res.returncode == 0, res.stderr
+    assert b"Traceback" not in res.stderr and b"error" not in res.stderr, res.stderr
+    assert b"context: " in res.stderr          # /stats after the first reply
+
+
+# -- convert -----------------------------------------------------------------------
+@pytest.fixture()
+def hf(tmp_path, llama3_tokenizer_dir):
+    return write_tiny_llama(tmp_path / "hf", tokenizer_dir=llama3_tokenizer_dir, hidden=32, heads=2,
+                            kv_heads=1, layers=1, ffn=64, vocab=128256)
+
+
+def test_convert_missing_dir(tmp_path):
+    assert_user_error(run("convert", tmp_path / "nope", "-o", tmp_path / "m.gguf"), "nope", "not a directory")
+
+
+def test_convert_dir_without_config(tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert_user_error(invoke("convert", tmp_path / "empty", "-o", tmp_path / "m.gguf"),
+                      "config.json", "missing")
+
+
+@pytest.mark.parametrize("name", ["consolidated.00.pth", "model.pt", "last.ckpt"])
+def test_convert_refuses_pickle_checkpoints(hf, tmp_path, name):
+    (hf / "model.safetensors").unlink()
+    (hf / name).write_bytes(b"\x80\x04\x95")    # never opened
+    out = tmp_path / "m.gguf"
+    assert_user_error(invoke("convert", hf, "-o", out), name, "pickle", "arbitrary code", ".safetensors")
+    assert not out.exists()
+
+
+def _corrupt_header(hf, header: bytes):
+    st = hf / "model.safetensors"
+    st.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 64)
+
+
+@pytest.mark.parametrize("header, needle", [
+    (b"\xff\xfe not json", "invalid safetensors header"),
+    (b"[1, 2, 3]", "not a JSON object"),
+    (b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [-8, 8]}}', "invalid data_offsets"),
+    (b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16], "x": 1}}', "invalid safetensors header entry"),
+    (b'{"w": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}}', "invalid shape"),
+    (b'{"w": {"dtype": "F32", "shape": [1024], "data_offsets": [0, 4096]}}', "truncated"),
+])
+def test_convert_bad_safetensors_headers(hf, tmp_path, header, needle):
+    _corrupt_header(hf, header)
+    assert_user_error(invoke("convert", hf, "-o", tmp_path / "m.gguf"), "model.safetensors", needle)
+    assert not (tmp_path / "m.gguf").exists()
+
+
+class _FullDisk:
+    """A file object that accepts `room` bytes, then fails like a full disk."""
+
+    def __init__(self, f, room):
+        self.f, self.room = f, room
+
+    def write(self, b):
+        if self.room < len(b):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.f.name)
+        self.room -= len(b)
+        return self.f.write(b)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def test_convert_disk_full_leaves_no_partial_file(hf, tmp_path, monkeypatch):
+    monkeypatch.setattr(qconvert, "open", lambda p, mode="r": _FullDisk(open(p, mode), 200_000),
+                        raising=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    res = invoke("convert", hf, "-o", out / "m.gguf", "--quiet")
+    assert_user_error(res, "No space left on device")
+    assert list(out.iterdir()) == []
+    # an existing output (with --force) is left as it was
+    (out / "m.gguf").write_bytes(b"my old model")
+    with pytest.raises(OSError) as e:
+        qconvert.convert(hf, out / "m.gguf", force=True)
+    assert e.value.errno == errno.ENOSPC
+    assert (out / "m.gguf").read_bytes() == b"my old model"
+    assert [p.name for p in out.iterdir()] == ["m.gguf"]
+
+
+def test_convert_ctrl_c_keeps_existing_output(hf, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "m.gguf").write_bytes(b"my old model")
+
+    def stop(name, done, total):
+        if done > total // 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        qconvert.convert(hf, out / "m.gguf", force=True, progress=stop)
+    assert (out / "m.gguf").read_bytes() == b"my old model"
+    assert [p.name for p in out.iterdir()] == ["m.gguf"]
+
+    # through the CLI: exit 130, "interrupted", no traceback, nothing left behind
+    real = qconvert.convert
+    monkeypatch.setattr("cli.convert.convert", lambda *a, **k: real(*a, **{**k, "progress": stop}))
+    res = invoke("convert", hf, "-o", out / "m.gguf", "--force", "--quiet")
+    assert res.exit_code == 130 and "interrupted" in res.stderr and "Traceback" not in res.stderr
+    assert (out / "m.gguf").read_bytes() == b"my old model"
+    assert [p.name for p in out.iterdir()] == ["m.gguf"]
