@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType as QT
-from gguf import GGUFWriter
+from gguf.constants import GGUFValueType as V
 
 from quant.blocks import FORMATS
+from quant.gguf_write import GGUFStreamWriter
 
 from .default_model import cache_dir
 from .errors import EdgeError
@@ -104,33 +104,32 @@ def shape_file(name: str, qtype: str, quiet: bool = False) -> Path:
     tensors.append(("output_norm.weight", 0, s.dim, "F32", 0))
     tmp = path.with_suffix(".tmp")
     try:
-        w = GGUFWriter(str(tmp), "llama")
-        w.add_name(f"{name} (random weights)")
-        w.add_file_type(int(FORMATS[qtype].file_type))
-        w.add_block_count(s.layers)
-        w.add_context_length(s.train_ctx)
-        w.add_embedding_length(s.dim)
-        w.add_feed_forward_length(s.ffn)
-        w.add_head_count(s.heads)
-        w.add_head_count_kv(s.kv_heads)
-        w.add_rope_dimension_count(hd)
-        w.add_rope_freq_base(s.theta)
-        w.add_layer_norm_rms_eps(1e-5)
-        w.add_vocab_size(s.vocab)
-        for tname, rows, cols, t, _ in tensors:
-            f = FORMATS[t]
-            shape = (rows, cols) if rows else (cols,)
-            nbytes = max(rows, 1) * cols // f.block_size * f.type_size
-            w.add_tensor_info(tname, shape, np.dtype(np.uint8), nbytes, raw_dtype=QT(f.type_id))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        rng = np.random.default_rng(0)
-        for tname, rows, cols, t, scale in tensors:
-            data = (np.ones(cols, np.float32) if not rows
-                    else _random_blocks(rng, rows, cols, t, scale))
-            w.write_tensor_data(data)
-        w.close()
+        with open(tmp, "wb") as f:
+            w = GGUFStreamWriter(f)
+            for key, vtype, value in [
+                ("general.architecture", V.STRING, "llama"),
+                ("general.name", V.STRING, f"{name} (random weights)"),
+                ("general.file_type", V.UINT32, int(FORMATS[qtype].file_type)),
+                ("llama.block_count", V.UINT32, s.layers),
+                ("llama.context_length", V.UINT32, s.train_ctx),
+                ("llama.embedding_length", V.UINT32, s.dim),
+                ("llama.feed_forward_length", V.UINT32, s.ffn),
+                ("llama.attention.head_count", V.UINT32, s.heads),
+                ("llama.attention.head_count_kv", V.UINT32, s.kv_heads),
+                ("llama.rope.dimension_count", V.UINT32, hd),
+                ("llama.rope.freq_base", V.FLOAT32, s.theta),
+                ("llama.attention.layer_norm_rms_epsilon", V.FLOAT32, 1e-5),
+                ("llama.vocab_size", V.UINT32, s.vocab),
+            ]:
+                w.kv(key, vtype, value)
+            for tname, rows, cols, t, _ in tensors:
+                w.tensor(tname, (rows, cols) if rows else (cols,), FORMATS[t].type_id)
+            w.write_header()
+            rng = np.random.default_rng(0)
+            for tname, rows, cols, t, scale in tensors:
+                data = (np.ones(cols, np.float32) if not rows
+                        else _random_blocks(rng, rows, cols, t, scale))
+                w.tensor_data(tname, [data])
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -316,7 +315,7 @@ def format_report(r: dict) -> str:
     m, s = r["memory"], r["speed"]
     size = f"{r['size_bytes'] / GiB:.2f} GiB"
     params = f"{r['params'] / 1e9:.2f} B"
-    name = r["model"] + (" [random weights]" if r["synthetic"] else "")
+    name = r["model"]
     rows = [("model", "size", "params", "threads", "test", "t/s")]
     rows.append((name, size, params, str(r["threads"]), f"pp{r['n_prompt']}",
                  f"{s['pp_tps']:.2f} ± {s['pp_sd']:.2f}"))
