@@ -14,6 +14,7 @@ import json
 import mmap
 import os
 import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -23,7 +24,6 @@ import numba
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from edgellama import kernels_linear as K  # noqa: E402
 from edgellama.linear import Linear  # noqa: E402
 from edgellama.membw import measure_read_bandwidth  # noqa: E402
 
@@ -40,7 +40,8 @@ def model_shapes(name: str) -> list[tuple[int, int]]:
 
 
 def random_tensor(type_name: str, shape: tuple[int, int], rng) -> np.ndarray:
-    """Random bytes of a GGUF tensor of this type and shape; f16 scales set to 0.01."""
+    """Bytes of a GGUF tensor of this type and shape: random quants, f16 scales and
+    unquantized values 0.01 (the kernels' speed does not depend on the values)."""
     out, n = shape
     tid = TYPES[type_name]
     if tid in (0, 1, 30):
@@ -49,6 +50,8 @@ def random_tensor(type_name: str, shape: tuple[int, int], rng) -> np.ndarray:
             raw.view(np.float32)[:] = 0.01
         elif tid == 1:
             raw.view(np.float16)[:] = np.float16(0.01)
+        else:                                   # bf16 = top half of the f32 bits
+            raw.view(np.uint16)[:] = np.float32(0.01).view(np.uint32) >> 16
         return raw
     bs = {2: 18, 3: 20, 8: 34}[tid]
     raw = rng.integers(0, 256, (out, n // 32, bs), dtype=np.uint8)
@@ -74,6 +77,34 @@ def first_call(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def measure_first_calls(rng) -> dict[str, float]:
+    """Seconds of the first matvec + matmul + rows per type (JIT or Numba cache load)."""
+    times = {}
+    for name in TYPES:
+        lin, t_load = load(name, [(64, 64)], rng)
+        l = lin[0]
+        x = np.ones((2, 64), np.float32)
+        o = np.empty((2, 64), np.float32)
+        times[name] = (t_load + first_call(lambda: l.matvec(x[0], o[0]))
+                       + first_call(lambda: l.matmul(x, o)) + first_call(lambda: l.rows(np.arange(2), o)))
+    return times
+
+
+def cold_compile_times() -> dict[str, float]:
+    """measure_first_calls in a fresh process with an empty Numba cache: the JIT cost."""
+    code = ("import json, sys, numpy as np; sys.path.insert(0, %r); import bench_linear as b; "
+            "print(json.dumps(b.measure_first_calls(np.random.default_rng(0))))" % str(Path(__file__).parent))
+    with tempfile.TemporaryDirectory() as d:
+        env = dict(os.environ, NUMBA_CACHE_DIR=d)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                             check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _fmt(times: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.2f}" for k, v in times.items())
 
 
 def measure_decode(lins: list[Linear], reps: int = 5) -> float:
@@ -165,21 +196,10 @@ def main(argv=None) -> dict:
     print(f"read-bandwidth ceiling (parallel f32 sum, 2 GiB): {c:.1f} GB/s, {args.threads} threads"
           f" (re-measured around every row below; load avg {os.getloadavg()[0]:.1f})")
 
-    # JIT: first call of each kernel on a tiny matrix (a cache hit when warm)
-    for name in TYPES:
-        lin, _ = load(name, [(64, 64)], rng)
-        l = lin[0]
-        x = np.ones((2, 64), np.float32)
-        o = np.empty((2, 64), np.float32)
-        res["jit_first_call_s"][name] = (first_call(lambda: l.matvec(x[0], o[0]))
-                                         + first_call(lambda: l.matmul(x, o))
-                                         + first_call(lambda: l.rows(np.arange(2), o)))
-    res["jit_cache_misses"] = sum(sum(f.stats.cache_misses.values()) for f in
-                                  (K.matvec_q4_0, K.matvec_q4_1, K.matvec_q8_0, K.matvec_u16,
-                                   K.matvec_f32, K.repack_blocks))
-    print("first calls (JIT or cache load), s: " +
-          ", ".join(f"{k} {v:.2f}" for k, v in res["jit_first_call_s"].items()),
-          f"(cache misses: {res['jit_cache_misses']})")
+    res["jit_first_call_s"] = measure_first_calls(rng)
+    res["jit_compile_s"] = cold_compile_times()
+    print("first calls, cache warm (s): " + _fmt(res["jit_first_call_s"]))
+    print("first calls, cold cache = JIT compile (s): " + _fmt(res["jit_compile_s"]))
 
     plan = [("1B", t) for t in ("Q4_0", "Q8_0", "Q4_1", "F16", "BF16", "F32")]
     plan += [("3B", t) for t in ("Q4_0", "Q8_0", "Q4_1", "F16")]

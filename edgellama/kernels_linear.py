@@ -4,10 +4,12 @@ Quantized weights are repacked at load into row tiles read with lanes across row
 for a tile of R output rows, byte j of block b of all R rows is contiguous:
     Q4_0 / Q4_1  q (nt, nb, 16, R) u8,  d [, m] (nt, nb, R) u16 (f16 bits)
     Q8_0         q (nt, nb, 32, R) i8,  d (nt, nb, R) u16
-so the inner loop is an R-wide multiply-add of weights by one broadcast x value: no
-per-block horizontal sum, the block scale is one R-wide multiply per block, and the
-bytes read are the file's bytes (4 bits per weight, f16 scales). R is a runtime size
-(a multiple of 16); rows past out_features are zero padding.
+so the inner loop is an R-wide multiply-add of weight bytes by one broadcast x value:
+no per-block horizontal sum, the block scale is one R-wide multiply per block, and
+the bytes read are the file's bytes (4 bits per weight, f16 scales). R (16..256) is a
+runtime size; rows past out_features are zero padding. Q4 sums run in int16 lanes
+against x quantized per block (see prep_q4_x); Q8_0 sums run in f32 (int8 x int8
+products do not fit int16, and Q8_0 is memory-bound already).
 
 Inner loops index 1-D slices with the loop counter itself: an index like o + r into a
 bigger array makes LLVM fear a negative (wrap-around) index and fall back to scalar
