@@ -42,44 +42,48 @@ def half_bits_to_f32(h, bits, out):
 # --- activations prepared once per matvec --------------------------------------------
 
 @njit(cache=True, fastmath=True)
-def prep_q4_x(x, xq, xd, xm, xsum):
-    # x (n,) f32 -> per block of 32 (like llama.cpp's q8_0 activations): xq (n,) int16
-    # = round(x / xd) in [-127, 127], xd (nb,) scale, xm (nb,) int16 = -8 sum(xq),
-    # xsum (nb,) exact float sums of x.
-    # Why: nibbles times xq summed over a block are exact in int16 lanes (16 per
-    # 256-bit vector, vs 8 f32) when the sum starts at xm: partial sums may wrap, but
-    # the final sum((q - 8) xq) is within 32 * 8 * 127 = 32512 < 2^15, so it is exact.
+def prep_q4_x(x, xa, xb, xd, xm, xsum):
+    # x (n,) f32 -> per block of 32, x quantized like llama.cpp's q8_0 activations:
+    # xq = round(x / xd) in [-127, 127], xd (nb,) the scale; then for a nibble byte
+    # v = lo + 16 hi, lo xq_j + hi xq_j+16 = v xa_j + (v >> 4) xb_j with xa (n/2,) int16
+    # = xq_j, xb = xq_j+16 - 16 xq_j (no nibble mask in the inner loop);
+    # xm (nb,) int16 = -8 sum(xq); xsum (nb,) exact float sums of x.
+    # Why int16: the kernels sum in int16 lanes (16 per 256-bit vector, vs 8 f32).
+    # Products and partial sums may wrap, but int16 arithmetic is exact mod 2^16 and the
+    # final sum((q - 8) xq) is within 32 * 8 * 127 = 32512 < 2^15, so it comes out exact.
     nb = xd.size
     for b in range(nb):
-        xb = x[32 * b:32 * b + 32]
+        xblk = x[32 * b:32 * b + 32]
         amax = f32(0)
         s = f32(0)
         for j in range(32):
-            amax = max(amax, abs(xb[j]))
-            s += xb[j]
+            amax = max(amax, abs(xblk[j]))
+            s += xblk[j]
         d = amax / f32(127)
         inv = f32(1) / d if d > 0 else f32(0)
         qs = 0
-        for j in range(32):
-            v = np.int16(np.rint(xb[j] * inv))
-            xq[32 * b + j] = v
-            qs += v
+        for j in range(16):
+            lo = int(np.rint(xblk[j] * inv))
+            hi = int(np.rint(xblk[j + 16] * inv))
+            xa[16 * b + j] = lo
+            xb[16 * b + j] = hi - 16 * lo          # |.| <= 17 * 127
+            qs += lo + hi
         xd[b] = d
-        xm[b] = np.int16(-8 * qs)       # |.| <= 8 * 32 * 127 < 2^15
+        xm[b] = -8 * qs                            # |.| <= 8 * 32 * 127 < 2^15
         xsum[b] = s
 
 
 # --- decode: quantized matvec ----------------------------------------------------------
 
 @njit(cache=True, fastmath=True)
-def _q4_block(qt, o, xq, k, s, m):
+def _q4_block(qt, o, xa, xb, k, s, m):
     # s (R,) int16 = m + sum over one block of nibbles qt[o:o+16R] (16 bytes per row,
-    # lanes across rows) times xq[k:k+32]; 4 bytes of each row per pass over s.
+    # lanes across rows) times x (xa, xb from k = 16 b); 4 bytes of each row per pass.
     R = s.size
     s[:] = m
     for j in range(0, 16, 4):
-        a0 = xq[k + j]; b0 = xq[k + j + 16]; a1 = xq[k + j + 1]; b1 = xq[k + j + 17]
-        a2 = xq[k + j + 2]; b2 = xq[k + j + 18]; a3 = xq[k + j + 3]; b3 = xq[k + j + 19]
+        a0 = xa[k + j]; b0 = xb[k + j]; a1 = xa[k + j + 1]; b1 = xb[k + j + 1]
+        a2 = xa[k + j + 2]; b2 = xb[k + j + 2]; a3 = xa[k + j + 3]; b3 = xb[k + j + 3]
         p = o + j * R
         q0 = qt[p:p + R]; q1 = qt[p + R:p + 2 * R]
         q2 = qt[p + 2 * R:p + 3 * R]; q3 = qt[p + 3 * R:p + 4 * R]
@@ -87,12 +91,12 @@ def _q4_block(qt, o, xq, k, s, m):
             v0 = np.int16(q0[r]); v1 = np.int16(q1[r]); v2 = np.int16(q2[r]); v3 = np.int16(q3[r])
             # computed wide by Numba's typing, but only 16 bits are stored: LLVM narrows
             # the whole expression to int16 vector ops (vpmullw / vpaddw)
-            s[r] = np.int16(s[r] + (v0 & 15) * a0 + (v0 >> 4) * b0 + (v1 & 15) * a1 + (v1 >> 4) * b1
-                            + (v2 & 15) * a2 + (v2 >> 4) * b2 + (v3 & 15) * a3 + (v3 >> 4) * b3)
+            s[r] = np.int16(s[r] + v0 * a0 + (v0 >> 4) * b0 + v1 * a1 + (v1 >> 4) * b1
+                            + v2 * a2 + (v2 >> 4) * b2 + v3 * a3 + (v3 >> 4) * b3)
 
 
 @njit(cache=True, fastmath=True, parallel=True)
-def matvec_q4_0(q, d, xq, xd, xm, out, scratch, s16):
+def matvec_q4_0(q, d, xa, xb, xd, xm, out, scratch, s16):
     # W (nt*R, n) Q4_0 tiles q (nt, nb*16*R), d (nt, nb*R) @ x (prep_q4_x) -> out (d,)
     # scratch (nt, 3, R) f32, s16 (nt, R) int16
     nt = q.shape[0]
@@ -107,7 +111,7 @@ def matvec_q4_0(q, d, xq, xd, xm, out, scratch, s16):
         s = s16[t]
         acc[:] = 0
         for b in range(nb):
-            _q4_block(qt, 16 * b * R, xq, 32 * b, s, xm[b])
+            _q4_block(qt, 16 * b * R, xa, xb, 16 * b, s, xm[b])
             half_bits_to_f32(dt[b * R:(b + 1) * R], scu, sc)
             dx = xd[b]
             for r in range(R):
@@ -117,7 +121,7 @@ def matvec_q4_0(q, d, xq, xd, xm, out, scratch, s16):
 
 
 @njit(cache=True, fastmath=True, parallel=True)
-def matvec_q4_1(q, d, m, xq, xd, xm, xsum, out, scratch, s16):
+def matvec_q4_1(q, d, m, xa, xb, xd, xm, xsum, out, scratch, s16):
     # W (nt*R, n) Q4_1 tiles q (nt, nb*16*R), d, m (nt, nb*R) @ x (prep_q4_x) -> out (d,)
     # row . x = sum_b d_b dx_b sum(q xq) + m_b sum(x); sum(q xq) = s + 8 sum(xq) = s - xm
     nt = q.shape[0]
@@ -131,7 +135,7 @@ def matvec_q4_1(q, d, m, xq, xd, xm, xsum, out, scratch, s16):
         s = s16[t]
         acc[:] = 0
         for b in range(nb):
-            _q4_block(qt, 16 * b * R, xq, 32 * b, s, xm[b])
+            _q4_block(qt, 16 * b * R, xa, xb, 16 * b, s, xm[b])
             half_bits_to_f32(d[t, b * R:(b + 1) * R], scu, sc)
             dx = xd[b]
             off = -f32(xm[b])
@@ -327,11 +331,12 @@ def matvec_u16(w, is_f16, x, out, scratch):
             s = f32(0)
             for c in range(0, n, C):
                 k = min(C, n - c)
+                rc = row[c:c + k]
                 if is_f16:
-                    half_bits_to_f32(row[c:c + k], tu, tf)
+                    half_bits_to_f32(rc, tu, tf)
                 else:
                     for e in range(k):
-                        tu[e] = np.uint32(row[c + e]) << np.uint32(16)
+                        tu[e] = np.uint32(rc[e]) << np.uint32(16)
                 xc = x[c:c + k]
                 for e in range(k):
                     s += tf[e] * xc[e]

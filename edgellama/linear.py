@@ -142,7 +142,8 @@ class Linear:
         self._scratch = np.zeros((nt, 3, R), np.float32)
         if pl == 16:                   # x quantized per block, see prep_q4_x
             self._s16 = np.zeros((nt, R), np.int16)
-            self._xq = np.zeros(n, np.int16)
+            self._xa = np.zeros(n // 2, np.int16)
+            self._xb = np.zeros(n // 2, np.int16)
             self._xd = np.zeros(nb, np.float32)
             self._xm = np.zeros(nb, np.int16)
             self._xsum = np.zeros(nb, np.float32)
@@ -153,13 +154,13 @@ class Linear:
         """out (out_features,) f32 = W @ x, x (in_features,) f32."""
         t = self.type_id
         if t == Q4_0 or t == Q4_1:
-            K.prep_q4_x(x, self._xq, self._xd, self._xm, self._xsum)
+            K.prep_q4_x(x, self._xa, self._xb, self._xd, self._xm, self._xsum)
             if t == Q4_0:
-                K.matvec_q4_0(self.q, self.d, self._xq, self._xd, self._xm, out, self._scratch,
-                              self._s16)
+                K.matvec_q4_0(self.q, self.d, self._xa, self._xb, self._xd, self._xm, out,
+                              self._scratch, self._s16)
             else:
-                K.matvec_q4_1(self.q, self.d, self.m, self._xq, self._xd, self._xm, self._xsum,
-                              out, self._scratch, self._s16)
+                K.matvec_q4_1(self.q, self.d, self.m, self._xa, self._xb, self._xd, self._xm,
+                              self._xsum, out, self._scratch, self._s16)
         elif t == Q8_0:
             K.matvec_q8_0(self.q.view(np.int8), self.d, x, out, self._scratch)
         elif t == F32:
