@@ -17,26 +17,33 @@ byte inserts (3x slower, seen in inspect_asm).
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 f32 = np.float32
-_F16_BIAS = f32(2.0 ** 112)   # f16 bits shifted into an f32 exponent field, times 2^112 = the value
 
 
-# --- f16 bits -> f32 (Numba has no float16) -----------------------------------------
+# --- f16 / bf16 bits -> f32 (Numba has no float16 type) -------------------------------
 
-@njit(cache=True, fastmath=True)
-def half_bits_to_f32(h, bits, out):
-    # h (n,) u16 f16 bits -> out (n,) f32; bits (n,) u32 is out's memory viewed as u32.
-    # Exact for normal and subnormal halves (not inf/nan, which weights never hold).
-    for i in range(h.size):
-        v = np.uint32(h[i])
-        bits[i] = ((v & np.uint32(0x7FFF)) << np.uint32(13)) | ((v & np.uint32(0x8000)) << np.uint32(16))
-    for i in range(h.size):
-        out[i] *= _F16_BIAS
+@intrinsic
+def f16_to_f32(typingctx, h):
+    # u16 f16 bits -> f32: LLVM's fpext half -> float, which is vcvtph2ps (F16C, on
+    # every AVX2 CPU) and vectorises in loops. 5-17% faster Q4_0 matvec than a
+    # bit-twiddling conversion through a scratch buffer.
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def bf16_to_f32(typingctx, h):
+    # u16 bf16 bits -> f32: the top half of the f32 bit pattern
+    def codegen(context, builder, sig, args):
+        bits = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(bits, ir.FloatType())
+    return types.float32(types.uint16), codegen
 
 
 # --- activations prepared once per matvec --------------------------------------------
@@ -98,24 +105,22 @@ def _q4_block(qt, o, xa, xb, k, s, m):
 @njit(cache=True, fastmath=True, parallel=True)
 def matvec_q4_0(q, d, xa, xb, xd, xm, out, scratch, s16):
     # W (nt*R, n) Q4_0 tiles q (nt, nb*16*R), d (nt, nb*R) @ x (prep_q4_x) -> out (d,)
-    # scratch (nt, 3, R) f32, s16 (nt, R) int16
+    # scratch (nt, R) f32 and s16 (nt, R) int16: per-tile sums
     nt = q.shape[0]
-    R = scratch.shape[2]
+    R = s16.shape[1]
     nb = xd.size
     for t in prange(nt):
         qt = q[t]
         dt = d[t]
-        acc = scratch[t, 0]
-        sc = scratch[t, 1]
-        scu = sc.view(np.uint32)
+        acc = scratch[t]
         s = s16[t]
         acc[:] = 0
         for b in range(nb):
             _q4_block(qt, 16 * b * R, xa, xb, 16 * b, s, xm[b])
-            half_bits_to_f32(dt[b * R:(b + 1) * R], scu, sc)
+            db = dt[b * R:(b + 1) * R]
             dx = xd[b]
             for r in range(R):
-                acc[r] += sc[r] * dx * f32(s[r])
+                acc[r] += f16_to_f32(db[r]) * dx * f32(s[r])
         n = min(R, out.size - t * R)
         out[t * R:t * R + n] = acc[:n]
 
@@ -125,26 +130,22 @@ def matvec_q4_1(q, d, m, xa, xb, xd, xm, xsum, out, scratch, s16):
     # W (nt*R, n) Q4_1 tiles q (nt, nb*16*R), d, m (nt, nb*R) @ x (prep_q4_x) -> out (d,)
     # row . x = sum_b d_b dx_b sum(q xq) + m_b sum(x); sum(q xq) = s + 8 sum(xq) = s - xm
     nt = q.shape[0]
-    R = scratch.shape[2]
+    R = s16.shape[1]
     nb = xd.size
     for t in prange(nt):
         qt = q[t]
-        acc = scratch[t, 0]
-        sc = scratch[t, 1]
-        scu = sc.view(np.uint32)
+        acc = scratch[t]
         s = s16[t]
         acc[:] = 0
         for b in range(nb):
             _q4_block(qt, 16 * b * R, xa, xb, 16 * b, s, xm[b])
-            half_bits_to_f32(d[t, b * R:(b + 1) * R], scu, sc)
+            db = d[t, b * R:(b + 1) * R]
+            mb = m[t, b * R:(b + 1) * R]
             dx = xd[b]
             off = -f32(xm[b])
-            for r in range(R):
-                acc[r] += sc[r] * dx * (f32(s[r]) + off)
-            half_bits_to_f32(m[t, b * R:(b + 1) * R], scu, sc)
             xs = xsum[b]
             for r in range(R):
-                acc[r] += sc[r] * xs
+                acc[r] += f16_to_f32(db[r]) * dx * (f32(s[r]) + off) + f16_to_f32(mb[r]) * xs
         n = min(R, out.size - t * R)
         out[t * R:t * R + n] = acc[:n]
 
@@ -152,6 +153,7 @@ def matvec_q4_1(q, d, m, xa, xb, xd, xm, xsum, out, scratch, s16):
 @njit(cache=True, fastmath=True, parallel=True)
 def matvec_q8_0(q, d, x, out, scratch):
     # W (nt*R, n) Q8_0 tiles q (nt, nb*32*R) i8, d (nt, nb*R) u16 @ x (n,) -> out (d,)
+    # scratch (nt, 2, R) f32: per-tile sums
     nt = q.shape[0]
     R = scratch.shape[2]
     nb = x.size // 32
@@ -160,8 +162,6 @@ def matvec_q8_0(q, d, x, out, scratch):
         dt = d[t]
         acc = scratch[t, 0]
         s = scratch[t, 1]
-        sc = scratch[t, 2]
-        scu = sc.view(np.uint32)
         acc[:] = 0
         for b in range(nb):
             s[:] = 0
@@ -173,9 +173,9 @@ def matvec_q8_0(q, d, x, out, scratch):
                 q2 = qt[o + 2 * R:o + 3 * R]; q3 = qt[o + 3 * R:o + 4 * R]
                 for r in range(R):
                     s[r] += f32(q0[r]) * x0 + f32(q1[r]) * x1 + f32(q2[r]) * x2 + f32(q3[r]) * x3
-            half_bits_to_f32(dt[b * R:(b + 1) * R], scu, sc)
+            db = dt[b * R:(b + 1) * R]
             for r in range(R):
-                acc[r] += sc[r] * s[r]
+                acc[r] += f16_to_f32(db[r]) * s[r]
         n = min(R, out.size - t * R)
         out[t * R:t * R + n] = acc[:n]
 
@@ -214,15 +214,6 @@ def repack_blocks(raw, row0, nh, pl, q, h):
                     dst[r] = col[r]
 
 
-@njit(cache=True)
-def _half(h):
-    # one f16 bit pattern (as int) -> f32, for the scalar paths (rows, dequantize)
-    e = (h >> 10) & 31
-    m = h & 1023
-    v = math.ldexp(f32(m), -24) if e == 0 else math.ldexp(f32(1024 + m), e - 25)
-    return f32(-v) if h & 0x8000 else f32(v)
-
-
 # --- prefill: dequantize a run of tiles, transposed, for BLAS -------------------------
 # Serial on purpose: this is a few % of the matmul's time, and a parallel region between BLAS
 # calls fights BLAS's threads (spin-waits) and stalls whenever any core is busy.
@@ -238,8 +229,8 @@ def dequant_q4_tiles(q, d, m, m_off, t0, t1, wt):
     for b in range(nb):
         for t in range(t0, t1):
             for r in range(R):
-                dsc[r] = _half(d[t, b * R + r])
-                msc[r] = _half(m[t, b * R + r]) * m_off
+                dsc[r] = f16_to_f32(d[t, b * R + r])
+                msc[r] = f16_to_f32(m[t, b * R + r]) * m_off
             c = (t - t0) * R
             for j in range(16):
                 qj = q[t, (16 * b + j) * R:(16 * b + j + 1) * R]
@@ -259,7 +250,7 @@ def dequant_q8_tiles(q, d, t0, t1, wt):
     for b in range(nb):
         for t in range(t0, t1):
             for r in range(R):
-                dsc[r] = _half(d[t, b * R + r])
+                dsc[r] = f16_to_f32(d[t, b * R + r])
             c = (t - t0) * R
             for j in range(32):
                 qj = q[t, (32 * b + j) * R:(32 * b + j + 1) * R]
@@ -280,8 +271,8 @@ def rows_q4(q, d, m, m_off, ids, out):
         r = ids[i] % R
         row = out[i]
         for b in range(nb):
-            dd = _half(d[t, b * R + r])
-            mm = _half(m[t, b * R + r]) * m_off if m_off == f32(1) else dd * m_off
+            dd = f16_to_f32(d[t, b * R + r])
+            mm = f16_to_f32(m[t, b * R + r]) * m_off if m_off == f32(1) else dd * m_off
             for j in range(16):
                 v = q[t, (16 * b + j) * R + r]
                 row[32 * b + j] = f32(v & 15) * dd + mm
@@ -298,7 +289,7 @@ def rows_q8(q, d, ids, out):
         r = ids[i] % R
         row = out[i]
         for b in range(nb):
-            dd = _half(d[t, b * R + r])
+            dd = f16_to_f32(d[t, b * R + r])
             for j in range(32):
                 row[32 * b + j] = f32(q[t, (32 * b + j) * R + r]) * dd
 
@@ -317,27 +308,22 @@ def matvec_f32(w, x, out):
 
 
 @njit(cache=True, fastmath=True, parallel=True)
-def matvec_u16(w, is_f16, x, out, scratch):
-    # W (d, n) f16 or bf16 bits (u16) @ x (n,) -> out (d,); scratch (ng, C) f32, one per
-    # group of G rows: each row is widened C values at a time, then dotted with x.
-    d, n = w.shape
-    ng, C = scratch.shape
-    G = -(-d // ng)
-    for g in prange(ng):
-        tf = scratch[g]
-        tu = tf.view(np.uint32)
-        for i in range(g * G, min(d, (g + 1) * G)):
-            row = w[i]
-            s = f32(0)
-            for c in range(0, n, C):
-                k = min(C, n - c)
-                rc = row[c:c + k]
-                if is_f16:
-                    half_bits_to_f32(rc, tu, tf)
-                else:
-                    for e in range(k):
-                        tu[e] = np.uint32(rc[e]) << np.uint32(16)
-                xc = x[c:c + k]
-                for e in range(k):
-                    s += tf[e] * xc[e]
-            out[i] = s
+def matvec_f16(w, x, out):
+    # W (d, n) f16 bits (u16) @ x (n,) -> out (d,)
+    for i in prange(w.shape[0]):
+        row = w[i]
+        s = f32(0)
+        for k in range(x.size):
+            s += f16_to_f32(row[k]) * x[k]
+        out[i] = s
+
+
+@njit(cache=True, fastmath=True, parallel=True)
+def matvec_bf16(w, x, out):
+    # W (d, n) bf16 bits (u16) @ x (n,) -> out (d,)
+    for i in prange(w.shape[0]):
+        row = w[i]
+        s = f32(0)
+        for k in range(x.size):
+            s += bf16_to_f32(row[k]) * x[k]
+        out[i] = s

@@ -24,7 +24,6 @@ _NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", BF16
 _BLOCKS = {Q4_0: (1, 16), Q4_1: (2, 16), Q8_0: (1, 32)}
 _CHUNK_FLOATS = 1 << 20        # prefill dequantizes ~4 MB of W at a time (at least
 _CHUNK_MIN_ROWS = 256          # 256 rows: narrower products run BLAS below its best)
-_U16_COLS = 512                # f16/bf16 rows are widened this many values at a time
 
 
 def _tile_rows(out_features: int) -> int:
@@ -103,9 +102,6 @@ class Linear:
                 for r in raws:
                     _release_pages(r)
             self.nbytes = self.w.nbytes
-            if type_id != F32:
-                ng = min(self.out_features, 64)
-                self._u16_scratch = np.zeros((ng, min(_U16_COLS, in_f)), np.float32)
         return self
 
     def split(self, out: np.ndarray) -> list[np.ndarray]:
@@ -139,7 +135,7 @@ class Linear:
         self.d = h[0]
         self.m = h[1] if nh == 2 else h[0]
         self.m_off = np.float32(1.0 if nh == 2 else -8.0)   # Q4_1 adds m; Q4_0 adds -8 d
-        self._scratch = np.zeros((nt, 3, R), np.float32)
+        self._scratch = np.zeros((nt, 2, R) if pl == 32 else (nt, R), np.float32)
         if pl == 16:                   # x quantized per block, see prep_q4_x
             self._s16 = np.zeros((nt, R), np.int16)
             self._xa = np.zeros(n // 2, np.int16)
@@ -165,8 +161,10 @@ class Linear:
             K.matvec_q8_0(self.q.view(np.int8), self.d, x, out, self._scratch)
         elif t == F32:
             K.matvec_f32(self.w, x, out)
+        elif t == F16:
+            K.matvec_f16(self.w, x, out)
         else:
-            K.matvec_u16(self.w, t == F16, x, out, self._u16_scratch)
+            K.matvec_bf16(self.w, x, out)
 
     # --- prefill --------------------------------------------------------------------
 
