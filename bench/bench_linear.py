@@ -159,6 +159,7 @@ def measure_file_load(type_name: str, model: str, rng) -> dict:
             while f.read(1 << 26):
                 pass
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        Linear.from_gguf(TYPES[type_name], random_tensor(type_name, (16, 32), rng), (16, 32))
         rss0 = rss_bytes()
         t = time.perf_counter()
         lins = []
@@ -174,6 +175,15 @@ def measure_file_load(type_name: str, model: str, rng) -> dict:
         os.unlink(path)
     return {"type": type_name, "model": model, "file_bytes": size, "load_s": secs,
             "rss_growth_bytes": rss, "rss_over_file": rss / size}
+
+
+def file_load_fresh_process(type_name: str, model: str) -> dict:
+    """measure_file_load in a new process, so RSS growth is not hidden by reused heap."""
+    code = ("import json, sys, numpy as np; sys.path.insert(0, %r); import bench_linear as b; "
+            "print(json.dumps(b.measure_file_load(%r, %r, np.random.default_rng(0))))"
+            % (str(Path(__file__).parent), type_name, model))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def _tensor_bytes(type_name: str, shape) -> int:
@@ -243,7 +253,7 @@ def main(argv=None) -> dict:
               f"{p['numpy_gflops']:8.1f} {p['ratio']:6.2f}")
 
     if not args.quick:
-        fl = measure_file_load("Q4_0", "3B", rng)
+        fl = file_load_fresh_process("Q4_0", "3B")
         res["file_load"] = fl
         print(f"\nload 3B Q4_0 from a file mmap (page cache warm): {fl['load_s']:.2f} s, "
               f"file {fl['file_bytes'] / 1e9:.2f} GB, RSS growth {fl['rss_growth_bytes'] / 1e9:.2f} GB "
