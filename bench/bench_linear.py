@@ -24,7 +24,7 @@ import numba
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from edgellama.linear import Linear  # noqa: E402
+from edgellama.linear import Linear  # noqa: E402  (after the sys.path line)
 from edgellama.membw import measure_read_bandwidth  # noqa: E402
 
 TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "BF16": 30}
@@ -246,7 +246,7 @@ def main(argv=None) -> dict:
                                        "gflops": fl / ours / 1e9, "numpy_gflops": fl / theirs / 1e9,
                                        "ratio": theirs / ours})
         del lins
-    print(f"\nprefill T=512 (x @ W.T), ours / NumPy f32 matmul on the same shapes:")
+    print("\nprefill T=512 (x @ W.T), ours / NumPy f32 matmul on the same shapes:")
     print(f"{'model':5} {'type':5} {'shape':>12} {'GFLOP/s':>8} {'numpy':>8} {'ratio':>6}")
     for p in res["prefill"]:
         print(f"{p['model']:5} {p['type']:5} {str(tuple(p['shape'])):>12} {p['gflops']:8.1f} "
