@@ -26,6 +26,18 @@ _CHUNK_FLOATS = 1 << 20        # prefill dequantizes ~4 MB of W at a time (at le
 _CHUNK_MIN_ROWS = 256          # 256 rows: narrower products run BLAS below its best)
 
 
+_scratch = np.empty(0, np.float32)
+
+
+def _prefill_scratch(size: int) -> np.ndarray:
+    # One dequantization buffer shared by every Linear (a few MB, grown on demand):
+    # per-layer buffers would add ~100 x 4-8 MB for a 1B model.
+    global _scratch
+    if _scratch.size < size:
+        _scratch = np.empty(size, np.float32)
+    return _scratch
+
+
 def _tile_rows(out_features: int) -> int:
     # Widest tile that still gives every thread 2+ tiles and pads <= 1/8 of the rows:
     # wide tiles amortise each pass's loop overhead (one thread, GB/s per CPU-second,
@@ -184,20 +196,19 @@ class Linear:
             return
         n, d = self.in_features, self.out_features
         step = self._chunk_rows()
-        if not hasattr(self, "_wt"):
-            self._wt = np.empty(n * step, np.float32)   # allocated on first prefill only
+        wbuf = _prefill_scratch(n * step)
         for r0 in range(0, d, step):
             r1 = min(d, r0 + step)
             if self.type_id in _BLOCKS:
                 t0, t1 = r0 // self.R, -(-r1 // self.R)
-                wt = self._wt[:n * (t1 - t0) * self.R].reshape(n, -1)
+                wt = wbuf[:n * (t1 - t0) * self.R].reshape(n, -1)
                 if self.type_id == Q8_0:
                     K.dequant_q8_tiles(self.q.view(np.int8), self.d, t0, t1, wt)
                 else:
                     K.dequant_q4_tiles(self.q, self.d, self.m, self.m_off, t0, t1, wt)
                 np.matmul(x, wt[:, :r1 - r0], out=out[:, r0:r1])
             else:
-                ws = self._wt[:(r1 - r0) * n].reshape(r1 - r0, n)
+                ws = wbuf[:(r1 - r0) * n].reshape(r1 - r0, n)
                 self._widen(self.w[r0:r1], ws)
                 np.matmul(x, ws.T, out=out[:, r0:r1])
 
