@@ -78,15 +78,26 @@ def test_directory_given_as_model(tmp_path):
         edgellama.load(tmp_path)
 
 
-def test_unreadable_model(tmp_path, tiny):
-    if os.geteuid() == 0:
-        # root reads a chmod 000 file anyway; a FIFO-free stand-in: a path through a file
-        res = invoke("generate", "-m", tiny / "x.gguf", "-p", "hi")
-        assert_user_error(res, "x.gguf", "cannot read: Not a directory")
-        pytest.skip("running as root: chmod 000 does not stop reads (checked a not-a-directory path instead)")
+def test_path_through_a_file(tiny):
+    res = invoke("generate", "-m", tiny / "x.gguf", "-p", "hi")
+    assert_user_error(res, "x.gguf", "cannot read: Not a directory")
+
+
+def test_unreadable_model(tmp_path, tiny, monkeypatch):
     p = tmp_path / "locked.gguf"
     shutil.copy(tiny, p)
     p.chmod(0)
+    if os.geteuid() == 0:
+        # root reads a chmod 000 file anyway: make the open fail the way it does for a user
+        import builtins
+
+        import edgellama.gguf
+
+        def no_read(path, *a, **k):
+            if str(path) == str(p):
+                raise PermissionError(13, "Permission denied", str(path))
+            return builtins.open(path, *a, **k)
+        monkeypatch.setattr(edgellama.gguf, "open", no_read, raising=False)
     assert_user_error(invoke("generate", "-m", p, "-p", "hi"), "locked.gguf", "permission denied")
 
 
