@@ -44,15 +44,5 @@ def main(ctx, debug):
     ctx.ensure_object(dict)["debug"] = debug
 
 
-def _register():
-    # Each command module adds itself to `main`; imported here so `cli.main:main` sees all.
-    import importlib
-    for name in ("convert", "generate", "chat", "bench"):
-        try:
-            importlib.import_module(f"cli.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"cli.{name}":
-                raise
-
-
-_register()
+# Each command module adds itself to `main` when imported.
+from . import bench, chat, convert, generate  # noqa: E402,F401
