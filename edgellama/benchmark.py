@@ -167,8 +167,7 @@ def _mean_sd(xs: list[float]) -> tuple[float, float]:
 
 def _numpy_matmul_gflops(model: Transformer, T: int) -> float:
     """NumPy float32 matmul throughput on one layer's weight shapes, x (T, in) @ W.T."""
-    shapes = [(w.out_features, w.in_features) for w in vars(model.layers[0]).values()
-              if hasattr(w, "out_features")]
+    shapes = [(w.out_features, w.in_features) for w in model.layer_linears(model.layers[0])]
     rng = np.random.default_rng(0)
     mats = [(rng.standard_normal((T, i), np.float32), rng.standard_normal((o, i), np.float32))
             for o, i in shapes]
@@ -183,17 +182,13 @@ def _numpy_matmul_gflops(model: Transformer, T: int) -> float:
 
 def _linear_params(model: Transformer) -> int:
     """Weights multiplied per token: every linear layer plus the output matrix."""
-    n = sum(w.out_features * w.in_features for layer in model.layers
-            for w in vars(layer).values() if hasattr(w, "out_features"))
-    return n + model.output.out_features * model.output.in_features
+    return sum(w.out_features * w.in_features for w in model.linears())
 
 
 def _decode_bytes(model: Transformer, depth: int) -> int:
     """Bytes read per decoded token: all linear weights, the output matrix and the
     K/V of `depth` cached positions (the one embedding row is negligible)."""
-    weights = sum(w.nbytes for layer in model.layers for w in vars(layer).values()
-                  if hasattr(w, "nbytes")) + model.output.nbytes
-    return weights + KVCache.bytes_needed(model.args, depth)
+    return sum(w.nbytes for w in model.linears()) + KVCache.bytes_needed(model.args, depth)
 
 
 def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, depth: int | None = None,
@@ -201,6 +196,9 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
         progress=lambda msg: None) -> dict:
     """Measure one model file; returns every figure as a dict (the --json output)."""
     n_threads = set_threads(threads)
+    # BLAS allocates per-thread work buffers on first use: count them in the baseline
+    w = np.ones((512, 512), np.float32)
+    w @ w
     _reset_peak_rss()
     base = _proc_status().get("VmRSS", 0)
     t0 = time.perf_counter()
@@ -264,7 +262,8 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
     for t in g.tensors.values():
         by_type[t.type_name] += t.nbytes
     kv = KVCache.bytes_needed(a, ctx)
-    scratch = model.buf.nbytes + sum(getattr(w, "scratch_nbytes", 0) for w in _linears(model))
+    own, shared = zip(*(w.scratch_nbytes for w in model.linears()))
+    scratch = model.buf.nbytes + sum(own) + max(shared)
     weights = sum(by_type.values())
     predicted = base + weights + kv + scratch
     params = sum(int(np.prod(t.shape)) for t in g.tensors.values())
@@ -300,14 +299,6 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
             "pp_vs_numpy": ours_gflops / np_gflops,
         },
     }
-
-
-def _linears(model: Transformer):
-    for layer in model.layers:
-        for w in vars(layer).values():
-            if hasattr(w, "out_features"):
-                yield w
-    yield model.output
 
 
 def format_report(r: dict) -> str:

@@ -44,13 +44,13 @@ def rope(x, cos, sin):
 
 
 @nb.njit(cache=True, error_model="numpy", fastmath=True)
-def swiglu(gate, up):
-    # gate, up (T, F) -> gate = silu(gate) * up, in place
+def swiglu(gate, up, out):
+    # gate, up (T, F) -> out (T, F) = silu(gate) * up
     T, F = gate.shape
     for t in range(T):
         for i in range(F):
             g = gate[t, i]
-            gate[t, i] = g / (F32(1.0) + np.exp(-g)) * up[t, i]
+            out[t, i] = g / (F32(1.0) + np.exp(-g)) * up[t, i]
 
 
 @nb.njit(cache=True, error_model="numpy", fastmath=True, inline="always")

@@ -212,6 +212,14 @@ class Linear:
                 self._widen(self.w[r0:r1], ws)
                 np.matmul(x, ws.T, out=out[:, r0:r1])
 
+    @property
+    def scratch_nbytes(self) -> tuple[int, int]:
+        """(bytes of this matrix's own decode buffers, bytes of the prefill
+        dequantization buffer it needs — shared by all Linears: count the max once)."""
+        own = sum(v.nbytes for k, v in vars(self).items()
+                  if k.startswith("_") and isinstance(v, np.ndarray))
+        return own, self.in_features * self._chunk_rows() * 4
+
     def _chunk_rows(self) -> int:
         unit = self.R if self.type_id in _BLOCKS else 16
         rows = max(_CHUNK_MIN_ROWS, _CHUNK_FLOATS // self.in_features)

@@ -49,12 +49,9 @@ class KVCache:
 class Layer:
     attn_norm: np.ndarray      # (E,) f32
     ffn_norm: np.ndarray       # (E,) f32
-    wq: Linear                 # (H·hd, E)
-    wk: Linear                 # (KV·hd, E)
-    wv: Linear                 # (KV·hd, E)
+    wqkv: list[Linear]         # (H·hd + 2·KV·hd, E): q, k, v rows stacked (one launch)
     wo: Linear                 # (E, H·hd)
-    w_gate: Linear             # (F, E)
-    w_up: Linear               # (F, E)
+    w_gate_up: list[Linear]    # (2F, E): gate and up rows stacked
     w_down: Linear             # (E, F)
 
 
@@ -65,13 +62,11 @@ class _Buffers:
         f = np.float32
         self.x = np.empty((batch, a.dim), f)            # residual stream
         self.h = np.empty((batch, a.dim), f)            # normed input of a sublayer
-        self.q = np.empty((batch, a.n_heads * a.head_dim), f)
-        self.k = np.empty((batch, a.kv_dim), f)
-        self.v = np.empty((batch, a.kv_dim), f)
+        self.qkv = np.empty((batch, a.n_heads * a.head_dim + 2 * a.kv_dim), f)
         self.att = np.empty((batch, a.n_heads * a.head_dim), f)
         self.o = np.empty((batch, a.dim), f)            # sublayer output
-        self.gate = np.empty((batch, a.ffn_dim), f)
-        self.up = np.empty((batch, a.ffn_dim), f)
+        self.gate_up = np.empty((batch, 2 * a.ffn_dim), f)
+        self.act = np.empty((batch, a.ffn_dim), f)      # silu(gate) * up
         self.logits = np.empty(a.vocab_size, f)
         self.att_scratch = K.attention_scratch(n_threads, a.n_heads, a.n_kv_heads, a.head_dim)
 
@@ -86,6 +81,14 @@ def _linear(x: np.ndarray, w: Linear, out: np.ndarray) -> None:
         w.matvec(x[0], out[0])
     else:
         w.matmul(x, out)
+
+
+def _linears(x: np.ndarray, ws: list[Linear], out: np.ndarray) -> None:
+    # x (T, in) -> out (T, Σ out_features): each stacked Linear fills its columns
+    c = 0
+    for w in ws:
+        _linear(x, w, out[:, c:c + w.out_features])
+        c += w.out_features
 
 
 def check_tensors(g: GGUFFile, args: ModelArgs) -> None:
@@ -123,9 +126,12 @@ class Transformer:
         self.output = self.embed if a.tied_output else self._linear("output.weight")
         self.output_norm = self._vector("output_norm.weight")
         self.layers = [
-            Layer(*(self._vector(f"blk.{i}.{n}.weight") for n in ("attn_norm", "ffn_norm")),
-                  *(self._linear(f"blk.{i}.{n}.weight") for n in
-                    ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")))
+            Layer(self._vector(f"blk.{i}.attn_norm.weight"), self._vector(f"blk.{i}.ffn_norm.weight"),
+                  self._stacked(f"blk.{i}.attn_q.weight", f"blk.{i}.attn_k.weight",
+                                f"blk.{i}.attn_v.weight"),
+                  self._linear(f"blk.{i}.attn_output.weight"),
+                  self._stacked(f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight"),
+                  self._linear(f"blk.{i}.ffn_down.weight"))
             for i in range(a.n_layers)
         ]
         self.inv_freq = a.inv_freq()
@@ -140,12 +146,32 @@ class Transformer:
         t = self.gguf.tensors[name]
         return Linear.from_gguf(t.type_id, self.gguf.tensor_bytes(name), t.shape)
 
+    def _stacked(self, *names: str) -> list[Linear]:
+        """Matrices applied to the same input, rows stacked so one launch does them all;
+        a run of tensors of another type (mixed-type files) gets a Linear of its own."""
+        out, run = [], []
+        for t in (self.gguf.tensors[n] for n in names):
+            if run and t.type_id != run[0].type_id:
+                out.append(run)
+                run = []
+            run.append(t)
+        out.append(run)
+        return [Linear.from_gguf_stacked(r[0].type_id, [(self.gguf.tensor_bytes(t.name), t.shape)
+                                                        for t in r]) for r in out]
+
     def _vector(self, name: str) -> np.ndarray:
         t = self.gguf.tensors[name]
         if t.type_id != FORMATS["F32"].type_id:
             raise EdgeError(f"{self.gguf.path}: tensor {name} is {t.type_name}; "
                             f"1-D tensors must be F32")
         return self.gguf.tensor_bytes(name).view(np.float32).reshape(-1)
+
+    def layer_linears(self, layer: Layer) -> list[Linear]:
+        return [*layer.wqkv, layer.wo, *layer.w_gate_up, layer.w_down]
+
+    def linears(self) -> list[Linear]:
+        """Every matrix a decoded token multiplies: all layers' and the output's."""
+        return [w for layer in self.layers for w in self.layer_linears(layer)] + [self.output]
 
     def type_summary(self) -> str:
         """Weight types by tensor count, most common first, e.g. "Q4_1 ×210, Q8_0 ×1"."""
@@ -184,34 +210,32 @@ class Transformer:
     def _forward_chunk(self, tokens: np.ndarray, pos: int, need_all: bool):
         a, b, cache = self.args, self.buf, self.cache
         T, hd = len(tokens), a.head_dim
+        qd, kvd = a.n_heads * hd, a.kv_dim
         x, h, o = b.x[:T], b.h[:T], b.o[:T]
-        q, k, v, att = b.q[:T], b.k[:T], b.v[:T], b.att[:T]
-        gate, up = b.gate[:T], b.up[:T]
+        qkv, att, gate_up, act = b.qkv[:T], b.att[:T], b.gate_up[:T], b.act[:T]
         angles = np.arange(pos, pos + T, dtype=np.float64)[:, None] * self.inv_freq[None, :]
         cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
         scale = np.float32(1.0 / np.sqrt(hd))
         self.embed.rows(tokens, x)
         for li, layer in enumerate(self.layers):
             K.rmsnorm(x, layer.attn_norm, a.norm_eps, h)
-            _linear(h, layer.wq, q)
-            _linear(h, layer.wk, k)
-            _linear(h, layer.wv, v)
-            q3 = q.reshape(T, a.n_heads, hd)
-            k3 = k.reshape(T, a.n_kv_heads, hd)
+            _linears(h, layer.wqkv, qkv)
+            q3 = qkv[:, :qd].reshape(T, a.n_heads, hd)
+            k3 = qkv[:, qd:qd + kvd].reshape(T, a.n_kv_heads, hd)
+            v3 = qkv[:, qd + kvd:].reshape(T, a.n_kv_heads, hd)
             K.rope(q3, cos, sin)
             K.rope(k3, cos, sin)
             # (T, KV, hd) -> cache (KV, pos:pos+T, hd); numpy rounds f32 -> f16 to nearest even
             cache.k[li, :, pos:pos + T] = k3.transpose(1, 0, 2)
-            cache.v[li, :, pos:pos + T] = v.reshape(T, a.n_kv_heads, hd).transpose(1, 0, 2)
+            cache.v[li, :, pos:pos + T] = v3.transpose(1, 0, 2)
             K.attention(q3, cache.k_bits[li], cache.v_bits[li], pos, scale,
                         att.reshape(T, a.n_heads, hd), b.att_scratch)
             _linear(att, layer.wo, o)
             K.add_inplace(x, o)
             K.rmsnorm(x, layer.ffn_norm, a.norm_eps, h)
-            _linear(h, layer.w_gate, gate)
-            _linear(h, layer.w_up, up)
-            K.swiglu(gate, up)
-            _linear(gate, layer.w_down, o)
+            _linears(h, layer.w_gate_up, gate_up)
+            K.swiglu(gate_up[:, :a.ffn_dim], gate_up[:, a.ffn_dim:], act)
+            _linear(act, layer.w_down, o)
             K.add_inplace(x, o)
         cache.length = pos + T
         if need_all:
