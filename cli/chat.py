@@ -102,6 +102,11 @@ def chat(model, ctx, threads, max_tokens, system, **sampling):
                 sys.stdout.write(piece)
                 sys.stdout.flush()
             sys.stdout.write("\n")
+            if llm.stats.stop_reason == "length":
+                click.echo(f"(reply cut at --max-tokens {max_tokens})", err=True)
+            elif llm.stats.stop_reason == "context full":
+                click.echo("(reply cut: the context is full; the next message drops old turns)",
+                           err=True)
         except KeyboardInterrupt:
             sys.stdout.write("\n")
             click.echo("(reply stopped)", err=True)

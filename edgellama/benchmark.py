@@ -244,10 +244,7 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
         tg.append(decode(1))
     tg_depth = []
     if depth > 1:
-        # Synthetic K/V for the first `depth` positions: speed does not depend on values.
-        for arr in (model.cache.k, model.cache.v):
-            arr[:, :, :depth] = (rng.standard_normal((a.n_kv_heads, depth, a.head_dim),
-                                                     np.float32) * 0.5).astype(np.float16)[None]
+        model.cache.fill_random(depth, rng)   # speed does not depend on the values
         for r in range(reps):
             progress(f"tg{n_gen} @ depth {depth} {r + 1}/{reps}")
             model.cache.length = depth

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
-from numba import prange
+from llvmlite import ir
+from numba import prange, types
+from numba.extending import intrinsic
+
+from .kernels_linear import f16_to_f32
 
 F32 = np.float32
-_TILE = 64          # cache positions per attention tile (K/V tile stays in L1)
-_DENORM = F32(2.0 ** -24)
+_TILE = 1024        # positions per chunk: long contiguous runs of each K/V row (prefetch),
+                    # scores of the chunk stay in L1 (g × 4 KiB)
 
 
 @nb.njit(cache=True, error_model="numpy", fastmath=True)
@@ -53,90 +57,101 @@ def swiglu(gate, up, out):
             out[t, i] = g / (F32(1.0) + np.exp(-g)) * up[t, i]
 
 
+@intrinsic
+def _bits_as_f32(typingctx, bits):
+    # int32 bit pattern -> the f32 with those bits (a register move, vectorises)
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.int32), codegen
+
+
 @nb.njit(cache=True, error_model="numpy", fastmath=True, inline="always")
-def _half_tile(src, n, bits, dst):
-    # src (>=n, hd) uint16 half bits -> dst (>=n, hd) f32; bits is dst viewed as uint32.
-    # Two branch-free passes so LLVM vectorises both: rebias exponent, then subnormals.
-    hd = src.shape[1]
-    for p in range(n):
-        for i in range(hd):
-            h = np.uint32(src[p, i])
-            em = h & np.uint32(0x7FFF)
-            b = (em << np.uint32(13)) + np.uint32(0x38000000)
-            b = b + np.uint32(0x38000000) if em >= np.uint32(0x7C00) else b   # inf / nan
-            b = np.uint32(0) if em < np.uint32(0x0400) else b                  # zero / subnormal
-            bits[p, i] = b | ((h & np.uint32(0x8000)) << np.uint32(16))
-        for i in range(hd):
-            h = np.uint32(src[p, i])
-            sub = F32(h & np.uint32(0x3FF)) * _DENORM
-            sub = -sub if h & np.uint32(0x8000) else sub
-            dst[p, i] = sub if (h & np.uint32(0x7C00)) == 0 else dst[p, i]
+def _exp_neg(x):
+    # e^x for x <= 0 to ~1e-7 relative, branch-free so softmax loops vectorise (Numba
+    # has no vector math library: np.exp would be one libm call per element).
+    # e^x = 2^k · e^y with k = round(x·log2 e), y = x - k·ln 2 in [-0.35, 0.35];
+    # e^y by its Taylor series to y^7 (truncation < 5e-9).
+    x = max(x, F32(-87.0))
+    k = np.rint(x * F32(1.4426950408889634))
+    y = x - k * F32(0.6931471805599453)
+    p = F32(1.0 / 5040)
+    p = p * y + F32(1.0 / 720)
+    p = p * y + F32(1.0 / 120)
+    p = p * y + F32(1.0 / 24)
+    p = p * y + F32(1.0 / 6)
+    p = p * y + F32(0.5)
+    p = p * y + F32(1.0)
+    p = p * y + F32(1.0)
+    return p * _bits_as_f32((np.int32(k) + np.int32(127)) << np.int32(23))
 
 
 @nb.njit(cache=True, error_model="numpy", fastmath=True, parallel=True)
-def attention(q, k_cache, v_cache, pos0, scale, out, scratch):
+def attention(q, kt_cache, vt_cache, pos0, scale, out, scratch):
     # q (T, H, hd) roped queries at positions pos0..pos0+T-1;
-    # k_cache, v_cache (KV, ctx, hd) uint16 half bits of one layer, filled up to pos0+T;
-    # out (T, H, hd). Causal: token t sees cache positions 0..pos0+t.
-    # scratch (threads, 2·TILE·hd + g·TILE + g·hd + 2g) f32, one row per worker thread.
-    # GQA: the g query heads of a KV head share each converted K/V tile; repeated K/V
-    # is never materialised. Online softmax over tiles keeps memory O(TILE).
+    # kt_cache, vt_cache (KV, hd, ctx): K and V of one layer transposed, f16 bits,
+    # filled up to pos0+T. Positions are contiguous, so scores are multiply-adds over
+    # positions and each output value is one long dot product over positions.
+    # out (T, H, hd). Causal: token t sees positions 0..pos0+t.
+    # scratch (threads, g·ctx + TILE) f32, one row per worker thread.
+    # GQA: the g query heads of a KV head share every K and V row converted; repeated
+    # K/V is never materialised.
     T, H, hd = q.shape
-    KV = k_cache.shape[0]
+    KV, _, ctx = kt_cache.shape
     g = H // KV
     for item in prange(T * KV):
         t, kvh = item // KV, item % KV
         n = pos0 + t + 1
         buf = scratch[nb.get_thread_id()]
-        kf = buf[:_TILE * hd].reshape((_TILE, hd))
-        vf = buf[_TILE * hd:2 * _TILE * hd].reshape((_TILE, hd))
-        o = 2 * _TILE * hd
-        s = buf[o:o + g * _TILE].reshape((g, _TILE))
-        o += g * _TILE
-        acc = buf[o:o + g * hd].reshape((g, hd))
-        o += g * hd
-        m, l = buf[o:o + g], buf[o + g:o + 2 * g]
-        acc[:] = 0
-        m[:] = -np.inf
-        l[:] = 0
-        for start in range(0, n, _TILE):
-            cnt = min(_TILE, n - start)
-            _half_tile(k_cache[kvh, start:start + cnt], cnt, kf.view(np.uint32), kf)
+        s = buf[:g * ctx].reshape((g, ctx))
+        row = buf[g * ctx:g * ctx + _TILE]    # one converted K or V row chunk
+        kt, vt = kt_cache[kvh], vt_cache[kvh]
+        # scores s[j, p] = scale · q_j · k_p, positions in L1-sized chunks
+        for c0 in range(0, n, _TILE):
+            m = min(n, c0 + _TILE) - c0
             for j in range(g):
-                qh = q[t, kvh * g + j]
-                mx = m[j]
-                for p in range(cnt):
-                    d = F32(0.0)
-                    for i in range(hd):
-                        d += qh[i] * kf[p, i]
-                    d *= scale
-                    s[j, p] = d
-                    mx = max(mx, d)
-                corr = np.exp(m[j] - mx)
-                m[j] = mx
-                tot = F32(0.0)
-                for p in range(cnt):
-                    e = np.exp(s[j, p] - mx)
-                    s[j, p] = e
-                    tot += e
-                l[j] = l[j] * corr + tot
-                for i in range(hd):
-                    acc[j, i] *= corr
-            _half_tile(v_cache[kvh, start:start + cnt], cnt, vf.view(np.uint32), vf)
-            for j in range(g):
-                for p in range(cnt):
-                    w = s[j, p]
-                    for i in range(hd):
-                        acc[j, i] += w * vf[p, i]
-        for j in range(g):
-            inv = F32(1.0) / l[j]
+                s[j, c0:c0 + m] = 0
             for i in range(hd):
-                out[t, kvh * g + j, i] = acc[j, i] * inv
+                ki = kt[i, c0:c0 + m]
+                for p in range(m):
+                    row[p] = f16_to_f32(ki[p])
+                for j in range(g):
+                    qi = q[t, kvh * g + j, i] * scale
+                    sj = s[j, c0:c0 + m]
+                    for p in range(m):
+                        sj[p] += qi * row[p]
+        # softmax over the n positions of each head
+        for j in range(g):
+            sj = s[j, :n]
+            mx = sj[0]
+            for p in range(n):
+                mx = max(mx, sj[p])
+            tot = F32(0.0)
+            for p in range(n):
+                e = _exp_neg(sj[p] - mx)
+                sj[p] = e
+                tot += e
+            inv = F32(1.0) / tot
+            for p in range(n):
+                sj[p] *= inv
+        # out[j, i] = Σ_p w[j, p] · v[i, p]
+        for j in range(g):
+            out[t, kvh * g + j] = 0
+        for c0 in range(0, n, _TILE):
+            m = min(n, c0 + _TILE) - c0
+            for i in range(hd):
+                vi = vt[i, c0:c0 + m]
+                for p in range(m):
+                    row[p] = f16_to_f32(vi[p])
+                for j in range(g):
+                    sj = s[j, c0:c0 + m]
+                    d = F32(0.0)
+                    for p in range(m):
+                        d += sj[p] * row[p]
+                    out[t, kvh * g + j, i] += d
 
 
-def attention_scratch(n_threads: int, n_heads: int, n_kv_heads: int, head_dim: int) -> np.ndarray:
-    g = n_heads // n_kv_heads
-    return np.empty((n_threads, 2 * _TILE * head_dim + g * _TILE + g * head_dim + 2 * g), F32)
+def attention_scratch(n_threads: int, n_heads: int, n_kv_heads: int, ctx: int) -> np.ndarray:
+    return np.zeros((n_threads, n_heads // n_kv_heads * ctx + _TILE), F32)
 
 
 @nb.njit(cache=True, error_model="numpy")

@@ -36,7 +36,8 @@ class SamplingParams:
     def with_defaults_from(self, meta: dict) -> "SamplingParams":
         """Fill from a GGUF's `general.sampling.*` keys (the file's recommendation)."""
         keys = {"temperature": "general.sampling.temp", "top_k": "general.sampling.top_k",
-                "top_p": "general.sampling.top_p", "min_p": "general.sampling.min_p"}
+                "top_p": "general.sampling.top_p", "min_p": "general.sampling.min_p",
+                "repeat_penalty": "general.sampling.penalty_repeat"}
         found = {}
         for f, k in keys.items():
             if k in meta:

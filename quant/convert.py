@@ -261,7 +261,26 @@ def _chunks(p: _Plan, progress: Progress | None, total: int, done: list[int]):
         p.src.release()
 
 
-def _metadata(w: GGUFStreamWriter, hp: HParams, name: str, qtype: str, tok) -> None:
+# generation_config.json field -> GGUF key and type, as llama.cpp's converter writes them
+_SAMPLING_KEYS = {"temperature": ("general.sampling.temp", V.FLOAT32),
+                  "top_p": ("general.sampling.top_p", V.FLOAT32),
+                  "top_k": ("general.sampling.top_k", V.INT32),
+                  "min_p": ("general.sampling.min_p", V.FLOAT32)}
+
+
+def _sampling_defaults(hf_dir: Path) -> list[tuple[str, V, float | int]]:
+    """The model's recommended sampling (generation_config.json), as GGUF keys."""
+    path = hf_dir / "generation_config.json"
+    if not path.is_file():
+        return []
+    cfg = load_json(path, "generation config")
+    return [(key, vt, int(v) if vt == V.INT32 else float(v))
+            for field, (key, vt) in _SAMPLING_KEYS.items()
+            if isinstance(v := cfg.get(field), (int, float)) and not isinstance(v, bool)]
+
+
+def _metadata(w: GGUFStreamWriter, hp: HParams, name: str, qtype: str, tok,
+              sampling: list[tuple[str, V, float | int]]) -> None:
     w.kv("general.architecture", V.STRING, "llama")
     w.kv("general.type", V.STRING, "model")
     w.kv("general.name", V.STRING, name)
@@ -291,6 +310,8 @@ def _metadata(w: GGUFStreamWriter, hp: HParams, name: str, qtype: str, tok) -> N
         w.kv(f"tokenizer.ggml.add_{typ}_token", V.BOOL, on)
     if tok.chat_template is not None:
         w.kv("tokenizer.chat_template", V.STRING, tok.chat_template)
+    for key, vt, value in sampling:
+        w.kv(key, vt, value)
     w.kv("general.quantization_version", V.UINT32, 2)
 
 
@@ -330,7 +351,7 @@ def convert(hf_dir, out_path, qtype: str = "q8_0", embed_type: str | None = None
         warnings += tok.warnings
         with open(tmp, "wb") as f:
             w = GGUFStreamWriter(f)
-            _metadata(w, hp, _model_name(hf_dir), qtype, tok)
+            _metadata(w, hp, _model_name(hf_dir), qtype, tok, _sampling_defaults(hf_dir))
             infos = [w.tensor(p.name, p.shape, FORMATS[p.fmt].type_id) for p in plans]
             w.write_header()
             total, done = sum(i.nbytes for i in infos), [0]

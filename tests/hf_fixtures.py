@@ -124,7 +124,8 @@ def write_tiny_llama(d, *, tokenizer_dir=None, hidden: int = 64, layers: int = 2
             tcfg["eos_token"] = "<|eot_id|>"
             tcfg["chat_template"] = LLAMA3_TEMPLATE
             (d / "generation_config.json").write_text(json.dumps(
-                {"bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]}))
+                {"bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+                 "do_sample": True, "temperature": 0.6, "top_p": 0.9}))
         (d / "tokenizer_config.json").write_text(json.dumps(tcfg))
         shutil.copy(src / ("tokenizer.json" if tokenizer == "llama3" else "tokenizer.model"), d)
     return d

@@ -100,6 +100,9 @@ def test_convert_every_type(tiny, tiny_weights, llama3_tokenizer_json, tmp_path,
         "tokenizer.ggml.add_bos_token": (V.BOOL, True),
         "tokenizer.chat_template": (V.STRING, json.loads((tiny / "tokenizer_config.json").read_text())["chat_template"]),
         "general.quantization_version": (V.UINT32, 2),
+        # generation_config.json's recommendation, as llama.cpp writes it
+        "general.sampling.temp": (V.FLOAT32, pytest.approx(0.6)),
+        "general.sampling.top_p": (V.FLOAT32, pytest.approx(0.9)),
     }
     arrays = {"tokenizer.ggml.tokens": V.ARRAY, "tokenizer.ggml.token_type": V.ARRAY,
               "tokenizer.ggml.merges": V.ARRAY}
