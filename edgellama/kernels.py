@@ -18,6 +18,7 @@ from .kernels_linear import f16_to_f32
 F32 = np.float32
 _TILE = 1024        # positions per chunk: long contiguous runs of each K/V row (prefetch),
                     # scores of the chunk stay in L1 (g × 4 KiB)
+_MIN_LOGIT = F32(-30.0)   # softmax weights below e^-30 of the max count as zero
 
 
 @nb.njit(cache=True, error_model="numpy", fastmath=True)
@@ -92,7 +93,7 @@ def attention(q, kt_cache, vt_cache, pos0, scale, out, scratch):
     # filled up to pos0+T. Positions are contiguous, so scores are multiply-adds over
     # positions and each output value is one long dot product over positions.
     # out (T, H, hd). Causal: token t sees positions 0..pos0+t.
-    # scratch (threads, g·ctx + TILE) f32, one row per worker thread.
+    # scratch (threads, g·ctx + TILE + g) f32, one row per worker thread.
     # GQA: the g query heads of a KV head share every K and V row converted; repeated
     # K/V is never materialised.
     T, H, hd = q.shape
@@ -104,6 +105,7 @@ def attention(q, kt_cache, vt_cache, pos0, scale, out, scratch):
         buf = scratch[nb.get_thread_id()]
         s = buf[:g * ctx].reshape((g, ctx))
         row = buf[g * ctx:g * ctx + _TILE]    # one converted K or V row chunk
+        tot_inv = buf[g * ctx + _TILE:g * ctx + _TILE + g]
         kt, vt = kt_cache[kvh], vt_cache[kvh]
         # scores s[j, p] = scale · q_j · k_p, positions in L1-sized chunks
         for c0 in range(0, n, _TILE):
@@ -119,7 +121,9 @@ def attention(q, kt_cache, vt_cache, pos0, scale, out, scratch):
                     sj = s[j, c0:c0 + m]
                     for p in range(m):
                         sj[p] += qi * row[p]
-        # softmax over the n positions of each head
+        # softmax weights e^(s - max), unnormalised: out is divided by their sum at the end.
+        # Weights below e^-30 (1e-13, far under f32 resolution next to the max's 1) are
+        # zero: tiny weights would make subnormal products, ~100x slower on x86.
         for j in range(g):
             sj = s[j, :n]
             mx = sj[0]
@@ -127,15 +131,14 @@ def attention(q, kt_cache, vt_cache, pos0, scale, out, scratch):
                 mx = max(mx, sj[p])
             tot = F32(0.0)
             for p in range(n):
-                e = _exp_neg(sj[p] - mx)
+                x = sj[p] - mx
+                e = _exp_neg(max(x, _MIN_LOGIT))
+                e = e if x > _MIN_LOGIT else F32(0.0)
                 sj[p] = e
                 tot += e
-            inv = F32(1.0) / tot
-            for p in range(n):
-                sj[p] *= inv
-        # out[j, i] = Σ_p w[j, p] · v[i, p]
-        for j in range(g):
             out[t, kvh * g + j] = 0
+            tot_inv[j] = F32(1.0) / tot
+        # out[j, i] = Σ_p w[j, p] · v[i, p] / Σ_p w[j, p]
         for c0 in range(0, n, _TILE):
             m = min(n, c0 + _TILE) - c0
             for i in range(hd):
@@ -148,10 +151,14 @@ def attention(q, kt_cache, vt_cache, pos0, scale, out, scratch):
                     for p in range(m):
                         d += sj[p] * row[p]
                     out[t, kvh * g + j, i] += d
+        for j in range(g):
+            for i in range(hd):
+                out[t, kvh * g + j, i] *= tot_inv[j]
 
 
 def attention_scratch(n_threads: int, n_heads: int, n_kv_heads: int, ctx: int) -> np.ndarray:
-    return np.zeros((n_threads, n_heads // n_kv_heads * ctx + _TILE), F32)
+    g = n_heads // n_kv_heads
+    return np.zeros((n_threads, g * ctx + _TILE + g), F32)
 
 
 @nb.njit(cache=True, error_model="numpy")

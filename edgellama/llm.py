@@ -17,8 +17,8 @@ from .args import ModelArgs
 from .chat_template import ChatFormat
 from .errors import EdgeError
 from .gguf import GGUFFile
-from .machine import available_memory, set_threads
-from .model import DEFAULT_BATCH, KVCache, Transformer, check_tensors
+from .machine import set_threads
+from .model import DEFAULT_BATCH, Transformer
 from .sampling import Sampler, SamplingParams
 from .tokenizer import Tokenizer
 
@@ -141,7 +141,6 @@ def load(path: str | Path | None = None, ctx: int | None = None, threads: int | 
     n_threads = set_threads(threads)
     g = GGUFFile(path)
     args = ModelArgs.from_gguf(g)
-    check_tensors(g, args)
     model_ctx = args.train_ctx
     if ctx is None:
         ctx = min(model_ctx, DEFAULT_CTX)
@@ -158,10 +157,5 @@ def load(path: str | Path | None = None, ctx: int | None = None, threads: int | 
     if tokenizer.vocab_size != args.vocab_size:
         raise EdgeError(f"{g.path}: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
                         f"vocabulary (token_embd.weight) has {args.vocab_size}")
-    need = KVCache.bytes_needed(args, ctx)
-    avail = available_memory()
-    if avail is not None and need > avail:
-        raise EdgeError(f"a context of {ctx} tokens needs {need / 2**20:.0f} MiB of KV cache, "
-                        f"but only {avail / 2**20:.0f} MiB of memory is available; use a smaller --ctx")
     model = Transformer(g, ctx, batch=batch, args=args)
     return LLM(Path(path), g, model, tokenizer, chat, n_threads, time.perf_counter() - t0)

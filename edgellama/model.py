@@ -14,6 +14,7 @@ from .args import ModelArgs
 from .errors import EdgeError
 from .gguf import GGUFFile
 from .linear import Linear
+from .machine import available_memory
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 DEFAULT_BATCH = 512   # prefill chunk: measured on 1B Q4_0, pp512 runs 44 / 56 / 61 tok/s at
@@ -134,7 +135,12 @@ class Transformer:
                  args: ModelArgs | None = None):
         self.gguf = gguf
         self.args = a = args or ModelArgs.from_gguf(gguf)
-        self._check_tensors()
+        check_tensors(gguf, a)
+        need, avail = KVCache.bytes_needed(a, ctx), available_memory()
+        if avail is not None and need > avail:
+            raise EdgeError(f"a context of {ctx} tokens needs {need / 2**20:.0f} MiB of KV cache, "
+                            f"but only {avail / 2**20:.0f} MiB of memory is available; "
+                            f"use a smaller --ctx")
         self.ctx = ctx
         self.batch = batch = max(1, min(batch, ctx))
         self.embed = self._linear("token_embd.weight")
@@ -154,9 +160,6 @@ class Transformer:
         self.buf = _Buffers(a, batch, numba.config.NUMBA_NUM_THREADS, ctx)
 
     # -- loading -------------------------------------------------------------
-    def _check_tensors(self):
-        check_tensors(self.gguf, self.args)
-
     def _linear(self, name: str) -> Linear:
         t = self.gguf.tensors[name]
         return Linear.from_gguf(t.type_id, self.gguf.tensor_bytes(name), t.shape)

@@ -114,8 +114,8 @@ def test_context_larger_than_the_model(tiny):
 
 
 def test_context_larger_than_memory(tiny, monkeypatch):
-    import edgellama.llm
-    monkeypatch.setattr(edgellama.llm, "available_memory", lambda: 1 << 10)
+    import edgellama.model
+    monkeypatch.setattr(edgellama.model, "available_memory", lambda: 1 << 10)
     assert_user_error(invoke("generate", "-m", tiny, "-p", "hi", "--ctx", 64),
                       "context of 64 tokens needs", "MiB of KV cache", "smaller --ctx")
 
