@@ -53,7 +53,7 @@ def chat(model, ctx, threads, max_tokens, system, **sampling):
     """Chat with a model in the terminal."""
     llm = edgellama.load(model, ctx=ctx, threads=threads)
     compile_s = warm_up(llm, announce=lambda: click.echo(
-        "Compiling kernels (first run only, about a minute)...", err=True))
+        "Compiling kernels (first run only, 10-30 s)...", err=True))
     kv = llm.model.cache
     click.echo(f"{llm.gguf.get('general.name') or llm.path.name} | {llm.model.type_summary()} | "
                f"ctx {llm.ctx} | weights {llm.model.weight_bytes / 2**20:.0f} MiB + "
