@@ -31,7 +31,8 @@ class KVCache:
 
     def __init__(self, args: ModelArgs, ctx: int):
         shape = (args.n_layers, args.n_kv_heads, args.head_dim, ctx)
-        # np.zeros maps untouched pages lazily: resident memory grows as the cache fills.
+        # np.zeros maps pages on first touch; as each (head, dim) row spans ctx positions,
+        # residency grows in steps of 2048 positions (one 4 KiB page of every row).
         self.kt = np.zeros(shape, np.float16)
         self.vt = np.zeros(shape, np.float16)
         self.kt_bits, self.vt_bits = self.kt.view(np.uint16), self.vt.view(np.uint16)
