@@ -20,6 +20,7 @@ from . import kernels_linear as K
 
 F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
 _NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", BF16: "BF16"}
+SUPPORTED_TYPES = tuple(_NAMES.values())   # the weight types the runtime computes with
 # type -> (f16 halves per block, payload bytes per block of 32)
 _BLOCKS = {Q4_0: (1, 16), Q4_1: (2, 16), Q8_0: (1, 32)}
 _CHUNK_FLOATS = 1 << 20        # prefill dequantizes ~4 MB of W at a time (at least

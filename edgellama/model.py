@@ -13,10 +13,9 @@ from . import kernels as K
 from .args import ModelArgs
 from .errors import EdgeError
 from .gguf import GGUFFile
-from .linear import Linear
+from .linear import SUPPORTED_TYPES, Linear
 from .machine import available_memory
 
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 DEFAULT_BATCH = 512   # prefill chunk: measured on 1B Q4_0, pp512 runs 44 / 56 / 61 tok/s at
                       # 128 / 256 / 512 (BLAS needs tall products); scratch 70 MiB (1B), 80 (3B)
 
