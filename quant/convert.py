@@ -22,7 +22,7 @@ from gguf.constants import GGUFValueType as V
 from edgellama.errors import EdgeError
 
 from . import kernels
-from .blocks import FORMATS
+from .blocks import FORMATS, row_bytes
 from .gguf_write import GGUFStreamWriter
 from .hf import TensorRef, load_json, open_checkpoint
 from .hf_tokenizer import load_tokenizer
@@ -88,7 +88,10 @@ class ConvertSummary:
 
     @property
     def bits_per_weight(self) -> float:
-        return self.file_size * 8 / max(self.n_params, 1)
+        """Tensor data bits per weight (metadata, e.g. a 128k-token vocabulary, excluded)."""
+        data = sum(math.prod(shape[:-1]) * row_bytes(FORMATS[fmt].type_id, shape[-1])
+                   for _, fmt, shape in self.tensors)
+        return data * 8 / max(self.n_params, 1)
 
 
 def read_hparams(hf_dir: Path) -> HParams:

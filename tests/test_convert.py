@@ -138,6 +138,8 @@ def test_convert_every_type(tiny, tiny_weights, llama3_tokenizer_json, tmp_path,
         else:
             assert fmt == FORMAT_OF[qtype], t.name
     assert s.type_counts[FORMAT_OF[qtype]] >= 14
+    # bits per weight count tensor data only, not the 128k-token vocabulary
+    assert s.bits_per_weight == pytest.approx(sum(int(t.n_bytes) for t in r.tensors) * 8 / s.n_params)
 
     # rope_freqs from the llama3 formula (DESIGN §3)
     _, rf = _tensor(r, "rope_freqs.weight")
