@@ -29,7 +29,8 @@ from .default_model import cache_dir
 from .errors import EdgeError
 from .gguf import GGUFFile
 from .jit import is_warm, mark_warm
-from .machine import cpu_name, set_threads, total_memory
+from .machine import (cpu_name, peak_resident_memory, reset_peak_resident_memory,
+                      resident_memory, set_threads, total_memory)
 from .membw import measure_read_bandwidth
 from .model import KVCache, Transformer
 
@@ -137,29 +138,6 @@ def shape_file(name: str, qtype: str, quiet: bool = False) -> Path:
 
 
 # -- measuring -------------------------------------------------------------------
-def _proc_status() -> dict[str, int]:
-    """VmRSS and VmHWM (peak) of this process in bytes, from /proc (Linux)."""
-    out = {}
-    try:
-        for line in open("/proc/self/status"):
-            key = line.split(":")[0]
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return out
-
-
-def _reset_peak_rss():
-    """Start VmHWM afresh (Linux: "5" to clear_refs), so generating a shape file in
-    this process does not count toward the model's peak."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
 def _mean_sd(xs: list[float]) -> tuple[float, float]:
     a = np.asarray(xs, np.float64)
     return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else 0.0
@@ -199,8 +177,8 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
     # BLAS allocates per-thread work buffers on first use: count them in the baseline
     w = np.ones((512, 512), np.float32)
     w @ w
-    _reset_peak_rss()
-    base = _proc_status().get("VmRSS", 0)
+    reset_peak_resident_memory()   # generating a shape file here must not count
+    base = resident_memory() or 0
     t0 = time.perf_counter()
     g = GGUFFile(path)
     model = Transformer(g, ctx)
@@ -210,7 +188,7 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
         raise EdgeError(f"-p {n_prompt} does not fit --ctx {ctx}")
     depth = ctx - n_gen if depth is None else depth
     depth = max(0, min(depth, ctx - n_gen))
-    rss_load = _proc_status().get("VmRSS", 0)
+    rss_load = resident_memory() or 0
 
     progress("compiling / loading kernels")
     warm = is_warm(model)
@@ -228,7 +206,7 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
         t0 = time.perf_counter()
         model.forward(prompt, 0)
         pp.append(n_prompt / (time.perf_counter() - t0))
-    rss_prefill = _proc_status().get("VmRSS", 0)
+    rss_prefill = resident_memory() or 0
 
     def decode(start: int) -> float:
         tok = int(prompt[0])
@@ -249,7 +227,7 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
             progress(f"tg{n_gen} @ depth {depth} {r + 1}/{reps}")
             model.cache.length = depth
             tg_depth.append(decode(depth))
-    status = _proc_status()
+    peak = peak_resident_memory() or 0
 
     progress("measuring read bandwidth and NumPy matmul")
     ceiling = measure_read_bandwidth()
@@ -281,7 +259,7 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
             "weights_by_type": dict(by_type), "weights": weights,
             "kv_cache": kv, "kv_per_token": kv // ctx, "scratch": scratch, "baseline": base,
             "predicted_total": predicted, "rss_after_load": rss_load,
-            "rss_after_prefill": rss_prefill, "rss_peak": status.get("VmHWM", 0),
+            "rss_after_prefill": rss_prefill, "rss_peak": peak,
             "budget": int(budget_gib * GiB),
         },
         "speed": {

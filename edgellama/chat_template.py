@@ -33,6 +33,7 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from edgellama.errors import EdgeError
+from edgellama.machine import resident_memory
 from edgellama.tokenizer import Tokenizer
 
 # Used when the file has no tokenizer.chat_template (DESIGN.md §3 turn format).
@@ -182,7 +183,7 @@ class _Budget:
 
     def __init__(self):
         self.steps = 0
-        self.rss0 = _rss()
+        self.rss0 = resident_memory()
         self.t0 = time.process_time()
 
     def __call__(self, frame: Any, event: str, arg: Any) -> Any:
@@ -196,19 +197,11 @@ class _Budget:
             if self.steps > MAX_STEPS:
                 raise TemplateLimitError(f"it ran for more than {MAX_STEPS} steps")
             if self.steps % 256 == 0:
-                if self.rss0 is not None and (_rss() or 0) - self.rss0 > MAX_MEMORY:
+                if self.rss0 is not None and (resident_memory() or 0) - self.rss0 > MAX_MEMORY:
                     raise TemplateLimitError(f"it used more than {MAX_MEMORY >> 20} MiB of memory")
                 if time.process_time() - self.t0 > MAX_SECONDS:
                     raise TemplateLimitError(f"it ran for more than {MAX_SECONDS:.0f} CPU seconds")
         return self._line
-
-
-def _rss() -> int | None:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * 4096
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _render_bounded(template: jinja2.Template, **variables: Any) -> str:

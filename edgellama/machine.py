@@ -28,6 +28,35 @@ def total_memory() -> int | None:
     return _meminfo("MemTotal")
 
 
+def resident_memory() -> int | None:
+    """Bytes of this process resident in memory now (Linux; cheap enough to poll)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def peak_resident_memory() -> int | None:
+    """The most bytes this process has had resident (VmHWM, Linux)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_resident_memory() -> None:
+    """Start the peak afresh (Linux: "5" to clear_refs); a no-op elsewhere."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def cpu_name() -> str:
     try:
         for line in open("/proc/cpuinfo"):
