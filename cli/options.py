@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import click
 
@@ -10,16 +9,14 @@ from edgellama.sampling import SamplingParams
 
 
 def model_options(f):
-    @click.option("-m", "--model", "model", type=click.Path(dir_okay=False, path_type=str),
-                  default=None, help="GGUF file (default: SmolLM2-135M-Instruct, fetched once).")
-    @click.option("-c", "--ctx", type=int, default=None,
-                  help="Context length in tokens (default: the model's, at most 8192).")
-    @click.option("-t", "--threads", type=int, default=None,
-                  help="Worker threads (default: physical cores).")
-    @functools.wraps(f)
-    def wrapper(*args, **kwargs):
-        return f(*args, **kwargs)
-    return wrapper
+    """-m/--model, -c/--ctx, -t/--threads: which model and how to run it."""
+    f = click.option("-t", "--threads", type=int, default=None,
+                     help="Worker threads (default: physical cores).")(f)
+    f = click.option("-c", "--ctx", type=int, default=None,
+                     help="Context length in tokens (default: the model's, at most 8192).")(f)
+    return click.option("-m", "--model", "model", type=click.Path(dir_okay=False, path_type=str),
+                        default=None,
+                        help="GGUF file (default: SmolLM2-135M-Instruct, fetched once).")(f)
 
 
 _SAMPLING = {
