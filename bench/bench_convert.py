@@ -149,7 +149,7 @@ def _make_3b(d: Path) -> Path:
 
 def _convert_3b(d: Path) -> dict:
     out = d.parent / "bench-3b-q4_0.gguf"
-    code = ("import sys; from quant.convert import convert; "
+    code = ("import sys; from edgellama.quant.convert import convert; "
             f"s = convert({str(d)!r}, {str(out)!r}, qtype='q4_0', force=True); "
             "print(s.file_size, s.n_params, s.seconds)")
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss

@@ -6,8 +6,8 @@ import time
 
 import click
 
-from cli.main import main
-from quant.convert import QTYPES, convert
+from .main import main
+from edgellama.quant.convert import QTYPES, convert
 
 
 class _Bar:

@@ -22,12 +22,11 @@ from pathlib import Path
 import numpy as np
 from gguf.constants import GGUFValueType as V
 
-from quant.blocks import FORMATS
-from quant.gguf_write import GGUFStreamWriter
-
 from .default_model import cache_dir
 from .errors import EdgeError
+from .formats import FORMATS
 from .gguf import GGUFFile
+from .gguf_write import GGUFStreamWriter
 from .jit import is_warm, mark_warm
 from .machine import (cpu_name, peak_resident_memory, reset_peak_resident_memory,
                       resident_memory, set_threads, total_memory)

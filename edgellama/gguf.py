@@ -20,9 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from quant.blocks import block_shape, type_name
-
 from .errors import EdgeError
+from .formats import block_shape, type_name
 
 MAGIC = b"GGUF"
 MAX_DIMS = 4

@@ -11,7 +11,8 @@ import numba
 
 from .default_model import cache_dir
 
-_SOURCES = ("kernels.py", "kernels_linear.py", "linear.py", "model.py")
+_SOURCES = ("kernels.py", "fp.py", "model.py", *(f"formats/{p.name}" for p in
+                                                   sorted((Path(__file__).parent / "formats").glob("*.py"))))
 
 
 def _stamp(model) -> Path:

@@ -13,7 +13,7 @@ from llvmlite import ir
 from numba import prange, types
 from numba.extending import intrinsic
 
-from .kernels_linear import f16_to_f32
+from .fp import f16_to_f32
 
 F32 = np.float32
 _TILE = 1024        # positions per chunk: long contiguous runs of each K/V row (prefetch),

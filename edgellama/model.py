@@ -7,13 +7,11 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from quant.blocks import FORMATS, type_name
-
 from . import kernels as K
 from .args import ModelArgs
 from .errors import EdgeError
 from .gguf import GGUFFile
-from .linear import SUPPORTED_TYPES, Linear
+from .formats import FORMATS, SUPPORTED, Linear, linear, type_name
 from .machine import available_memory
 
 DEFAULT_BATCH = 512   # prefill chunk: measured on 1B Q4_0, pp512 runs 44 / 56 / 61 tok/s at
@@ -124,9 +122,9 @@ def check_tensors(g: GGUFFile, args: ModelArgs) -> None:
         if t.shape != shape:
             raise EdgeError(f"{g.path}: tensor {name} has shape {list(t.shape)}, "
                             f"expected {list(shape)} from the metadata")
-        if type_name(t.type_id) not in SUPPORTED_TYPES:
+        if type_name(t.type_id) not in SUPPORTED:
             raise EdgeError(f"{g.path}: tensor {name} has type {t.type_name}, which edgellama "
-                            f"does not run (supported: {', '.join(SUPPORTED_TYPES)}); "
+                            f"does not run (supported: {', '.join(SUPPORTED)}); "
                             f"re-quantize it with `edgellama convert` or llama-quantize")
 
 
@@ -162,7 +160,7 @@ class Transformer:
     # -- loading -------------------------------------------------------------
     def _linear(self, name: str) -> Linear:
         t = self.gguf.tensors[name]
-        return Linear.from_gguf(t.type_id, self.gguf.tensor_bytes(name), t.shape)
+        return linear(t.type_id, [(self.gguf.tensor_bytes(name), t.shape)])
 
     def _stacked(self, *names: str) -> list[Linear]:
         """Matrices applied to the same input, rows stacked so one launch does them all;
@@ -174,8 +172,8 @@ class Transformer:
                 run = []
             run.append(t)
         out.append(run)
-        return [Linear.from_gguf_stacked(r[0].type_id, [(self.gguf.tensor_bytes(t.name), t.shape)
-                                                        for t in r]) for r in out]
+        return [linear(r[0].type_id, [(self.gguf.tensor_bytes(t.name), t.shape) for t in r])
+                for r in out]
 
     def _vector(self, name: str) -> np.ndarray:
         t = self.gguf.tensors[name]

@@ -21,9 +21,8 @@ from gguf.constants import GGUFValueType as V
 
 from edgellama.errors import EdgeError
 
-from . import kernels
-from .blocks import FORMATS, row_bytes
-from .gguf_write import GGUFStreamWriter
+from edgellama.formats import FORMATS, quantize, row_bytes
+from edgellama.gguf_write import GGUFStreamWriter
 from .hf import TensorRef, load_json, open_checkpoint
 from .hf_tokenizer import load_tokenizer
 
@@ -243,7 +242,7 @@ def _plan(hf_dir: Path, hp: HParams, tensors: dict[str, TensorRef], qtype: str,
 def _chunks(p: _Plan, progress: Progress | None, total: int, done: list[int]):
     """Converted bytes of one tensor, a chunk of rows at a time."""
     if p.data is not None:
-        out = kernels.quantize(p.data, p.fmt, p.name)
+        out = quantize(p.data, p.fmt, p.name)
         done[0] += out.nbytes
         yield out
         return
@@ -253,7 +252,7 @@ def _chunks(p: _Plan, progress: Progress | None, total: int, done: list[int]):
     try:
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
-            out = kernels.quantize(p.src.rows(r0, r1, p.index), p.fmt, p.name)
+            out = quantize(p.src.rows(r0, r1, p.index), p.fmt, p.name)
             done[0] += out.nbytes
             if progress:
                 progress(p.name, done[0], total)

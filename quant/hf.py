@@ -22,7 +22,7 @@ import numpy as np
 
 from edgellama.errors import EdgeError
 
-from .kernels import bf16_to_f32
+from edgellama.formats.floats import dequantize_bf16
 
 _DTYPES = {"BF16": (np.uint16, 2), "F16": (np.float16, 2), "F32": (np.float32, 4)}
 _PICKLE = ("*.bin", "*.pth", "*.pt", "*.ckpt", "*.pkl")
@@ -58,7 +58,7 @@ class TensorRef:
         part = src[index[r0:r1]] if index is not None else src[r0:r1]
         if self.dtype == "BF16":
             out = np.empty(part.shape, np.float32)
-            bf16_to_f32(np.ascontiguousarray(part).reshape(-1), out.reshape(-1).view(np.uint32))
+            dequantize_bf16(np.ascontiguousarray(part).reshape(-1).view(np.uint8), out.reshape(-1))
             return out
         return part.astype(np.float32)
 

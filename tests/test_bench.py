@@ -5,7 +5,7 @@ from functools import partial
 from click.testing import CliRunner
 
 import edgellama.benchmark as B
-from cli.main import main
+from edgellama.cli.main import main
 from edgellama.membw import measure_read_bandwidth
 from tiny_gguf import write_tiny_gguf
 

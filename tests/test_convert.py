@@ -14,9 +14,9 @@ from gguf.quants import dequantize
 
 from edgellama.errors import EdgeError
 from hf_fixtures import LLAMA3_SCALING, gguf_to_hf_checkpoint, write_safetensors, write_tiny_llama
-from quant.convert import convert
-from quant.hf import open_checkpoint
-from quant.hf_tokenizer import load_tokenizer, merges_from_ranks, tiktoken_ranks
+from edgellama.quant.convert import convert
+from edgellama.quant.hf import open_checkpoint
+from edgellama.quant.hf_tokenizer import load_tokenizer, merges_from_ranks, tiktoken_ranks
 
 FORMAT_OF = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0", "f16": "F16", "bf16": "BF16", "f32": "F32"}
 FILE_TYPE = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "f16": 1, "bf16": 32, "f32": 0}
@@ -248,7 +248,7 @@ def test_tiktoken_only_tokenizer(tmp_path, llama3_tokenizer_dir, llama3_tokenize
 # ---- errors through the real CLI: exit 1, one line, no traceback, nothing left behind ----
 
 def _run_cli(args):
-    from cli.main import main
+    from edgellama.cli.main import main
     return CliRunner().invoke(main, ["convert", *map(str, args)])
 
 

@@ -9,7 +9,7 @@ from gguf.quants import quantize as ref_quantize
 
 from edgellama.errors import EdgeError
 from quant import kernels as K
-from quant.blocks import FORMATS
+from edgellama.quant.blocks import FORMATS
 
 TYPES = {"Q8_0": T.Q8_0, "Q4_0": T.Q4_0, "Q4_1": T.Q4_1, "F16": T.F16, "BF16": T.BF16}
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import quant.convert as qconvert
-from cli.main import main
+import edgellama.quant.convert as qconvert
+from edgellama.cli.main import main
 from edgellama.errors import EdgeError
 from hf_fixtures import write_tiny_llama
 from tiny_gguf import TINY_VOCAB, write_tiny_gguf

@@ -5,7 +5,7 @@ import pytest
 import edgellama
 from edgellama.sampling import SamplingParams
 from hf_fixtures import gguf_to_hf_checkpoint
-from quant.convert import convert
+from edgellama.quant.convert import convert
 
 GREEDY = SamplingParams(temperature=0)
 

@@ -155,7 +155,7 @@ def _converter_metadata(tok) -> dict:
 
 @pytest.mark.parametrize("source", ["tokenizer.json", "tokenizer.model"])
 def test_llama3_through_hf_converter(source, llama3, llama3_tokenizer_dir, tmp_path, corpus):
-    from quant.hf_tokenizer import load_tokenizer
+    from edgellama.quant.hf_tokenizer import load_tokenizer
     for name in (source, "tokenizer_config.json"):
         (tmp_path / name).write_bytes((llama3_tokenizer_dir / name).read_bytes())
     tok = Tokenizer.from_metadata(_converter_metadata(load_tokenizer(tmp_path, 128256, {})))

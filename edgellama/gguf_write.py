@@ -1,7 +1,7 @@
 """A small streaming GGUF v3 writer: header first, then tensor data one piece at a time.
 
 Every metadata value is written with the type given by the caller (llama.cpp checks
-them strictly: u32 not i32, f32 not f64). Tensor sizes come from quant.blocks, so the
+them strictly: u32 not i32, f32 not f64). Tensor sizes come from the format registry, so the
 header can be written before any tensor is converted; `tensor_data` checks that the
 bytes written for each tensor match the size announced in the header.
 """
@@ -13,7 +13,7 @@ from typing import Any, BinaryIO
 
 from gguf.constants import GGUF_MAGIC, GGUFValueType
 
-from .blocks import BY_ID, row_bytes
+from .formats import block_shape, row_bytes
 
 ALIGNMENT = 32
 
@@ -77,7 +77,7 @@ class GGUFStreamWriter:
         self.kvs.append(_string(key) + struct.pack("<I", vtype) + _value(vtype, value, item_type))
 
     def tensor(self, name: str, shape: tuple[int, ...], type_id: int) -> TensorInfo:
-        assert type_id in BY_ID and all(d > 0 for d in shape), (name, shape, type_id)
+        assert block_shape(type_id) is not None and all(d > 0 for d in shape), (name, shape, type_id)
         info = TensorInfo(name, tuple(shape), type_id, self._size)
         self._size += info.nbytes + _pad(info.nbytes)
         self.tensors.append(info)

@@ -1,0 +1,171 @@
+"""F32, F16 and BF16: one element per "block", used in place from the file.
+
+Rows stay contiguous in the file layout; the matvec kernels widen f16 / bf16 bits to
+f32 in registers, and prefill widens a few MB of rows at a time with NumPy's casts.
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf.constants import LlamaFileType
+from numba import njit, prange
+
+from ..fp import bf16_to_f32, f16_bits, f16_to_f32
+from .base import Linear, WeightFormat, release_pages
+
+f32 = np.float32
+
+
+def quantize_f32(x, out):
+    # x (n,) f32 -> out (4n,) u8; returns (non-finite values, 0)
+    out.view(np.float32)[:] = x
+    return int(np.count_nonzero(~np.isfinite(x))), 0
+
+
+@njit(parallel=True, cache=True)
+def _quantize_f16(x, o16):
+    # x (n,) f32 -> o16 (n,) u16 fp16 bits; returns (non-finite values, overflows to inf)
+    bad = 0
+    over = 0
+    for i in prange(x.size):
+        v = x[i]
+        if not (abs(v) <= f32(3.4028235e38)):
+            bad += 1
+        h = f16_bits(v)
+        if (h & 0x7FFF) == 0x7C00:
+            over += 1
+        o16[i] = h
+    return bad, over
+
+
+@njit(parallel=True, cache=True)
+def _quantize_bf16(xb, o16):
+    # xb (n,) f32 bits -> o16 (n,) u16 bf16, nearest even (ggml_compute_fp32_to_bf16);
+    # returns (non-finite values, overflows to inf)
+    bad = 0
+    over = 0
+    for i in prange(xb.size):
+        n = xb[i]
+        if (n & 0x7FFFFFFF) >= 0x7F800000:
+            bad += 1
+            h = np.uint16(((n & 0xFFFF0000) | (64 << 16)) >> 16)   # quiet NaN / inf as is
+        else:
+            h = np.uint16((np.uint64(n) + np.uint64(0x7FFF + ((n >> 16) & 1))) >> 16)
+            if (h & 0x7FFF) == 0x7F80:
+                over += 1
+        o16[i] = h
+    return bad, over
+
+
+def dequantize_f32(q, out):
+    out[:] = q.view(np.float32)
+
+
+def quantize_f16(x, out):
+    return _quantize_f16(x, out.view(np.uint16))
+
+
+def quantize_bf16(x, out):
+    return _quantize_bf16(x.view(np.uint32), out.view(np.uint16))
+
+
+@njit(parallel=True, cache=True)
+def _widen_f16(h, out):
+    # h (n,) u16 f16 bits -> out (n,) f32
+    for i in prange(out.size):
+        out[i] = f16_to_f32(h[i])
+
+
+@njit(parallel=True, cache=True)
+def _widen_bf16(h, out):
+    # h (n,) u16 bf16 bits -> out (n,) f32 (exact: bf16 is the top half of f32)
+    for i in prange(out.size):
+        out[i] = bf16_to_f32(h[i])
+
+
+def dequantize_f16(q, out):
+    _widen_f16(q.view(np.uint16), out)
+
+
+def dequantize_bf16(q, out):
+    _widen_bf16(q.view(np.uint16), out)
+
+
+@njit(cache=True, fastmath=True, parallel=True)
+def matvec_f32(w, x, out):
+    # W (d, n) f32 @ x (n,) -> out (d,)
+    for i in prange(w.shape[0]):
+        row = w[i]
+        s = f32(0)
+        for k in range(x.size):
+            s += row[k] * x[k]
+        out[i] = s
+
+
+@njit(cache=True, fastmath=True, parallel=True)
+def matvec_f16(w, x, out):
+    # W (d, n) f16 bits (u16) @ x (n,) -> out (d,)
+    for i in prange(w.shape[0]):
+        row = w[i]
+        s = f32(0)
+        for k in range(x.size):
+            s += f16_to_f32(row[k]) * x[k]
+        out[i] = s
+
+
+@njit(cache=True, fastmath=True, parallel=True)
+def matvec_bf16(w, x, out):
+    # W (d, n) bf16 bits (u16) @ x (n,) -> out (d,)
+    for i in prange(w.shape[0]):
+        row = w[i]
+        s = f32(0)
+        for k in range(x.size):
+            s += bf16_to_f32(row[k]) * x[k]
+        out[i] = s
+
+
+class FloatLinear(Linear):
+    """F32 / F16 / BF16 rows, views of the file (concatenated when stacked)."""
+
+    def _load(self, raws):
+        dtype = np.float32 if self.type_name == "F32" else np.uint16
+        ws = [r.view(dtype) for r in raws]
+        self.w = ws[0] if len(ws) == 1 else np.concatenate(ws)
+        if len(ws) > 1:
+            for r in raws:
+                release_pages(r)
+
+    def matvec(self, x, out):
+        kernel = {"F32": matvec_f32, "F16": matvec_f16, "BF16": matvec_bf16}[self.type_name]
+        kernel(self.w, x, out)
+
+    def matmul(self, x, out):
+        if self.type_name == "F32":
+            np.matmul(x, self.w.T, out=out)       # no copy needed
+        else:
+            super().matmul(x, out)
+
+    def _dequant_rows_t(self, r0, r1, buf):
+        ws = buf[:(r1 - r0) * self.in_features].reshape(r1 - r0, self.in_features)
+        self._widen(self.w[r0:r1], ws)
+        return ws.T
+
+    def _rows(self, ids, out):
+        if self.type_name == "F32":
+            np.take(self.w, ids, axis=0, out=out)
+        else:
+            self._widen(self.w[ids], out)
+
+    def _widen(self, w16, out):
+        # f16 / bf16 bits (r, n) -> out (r, n) f32 (NumPy's vectorised casts)
+        if self.type_name == "F16":
+            out[:] = w16.view(np.float16)
+        else:
+            np.left_shift(w16, 16, out=out.view(np.uint32), dtype=np.uint32)
+
+
+F32 = WeightFormat("F32", 0, 1, 4, "f32", FloatLinear, dequantize_f32, quantize_f32,
+                   LlamaFileType.ALL_F32)
+F16 = WeightFormat("F16", 1, 1, 2, "f16 (IEEE half)", FloatLinear, dequantize_f16, quantize_f16,
+                   LlamaFileType.MOSTLY_F16)
+BF16 = WeightFormat("BF16", 30, 1, 2, "bf16 (top half of f32)", FloatLinear, dequantize_bf16,
+                    quantize_bf16, LlamaFileType.MOSTLY_BF16)

@@ -1,0 +1,92 @@
+"""Float conversions usable inside Numba kernels (Numba has no float16 type).
+
+Weights and the KV cache hold IEEE half (f16) or bfloat16 bits as uint16; these
+helpers turn them into float32 in registers, and round float32 to f16 bits exactly
+as NumPy and ggml do (nearest even) when a block scale is written.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+
+@intrinsic
+def f16_to_f32(typingctx, h):
+    # u16 f16 bits -> f32: LLVM's fpext half -> float, which is vcvtph2ps (F16C, on
+    # every AVX2 CPU) and vectorises in loops. 5-17% faster Q4_0 matvec than a
+    # bit-twiddling conversion through a scratch buffer.
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def bf16_to_f32(typingctx, h):
+    # u16 bf16 bits -> f32: the top half of the f32 bit pattern
+    def codegen(context, builder, sig, args):
+        bits = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(bits, ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+@njit(cache=True, inline="always")
+def f16_bits(x):
+    # f32 -> IEEE half bits, round to nearest even (NumPy's npy_floatbits_to_halfbits)
+    f = np.float32(x).view(np.uint32)
+    sign = np.uint16((f >> 16) & 0x8000)
+    e = (f >> 23) & 0xFF
+    mant = f & 0x7FFFFF
+    if e == 0xFF:
+        if mant == 0:
+            return sign | np.uint16(0x7C00)
+        return sign | np.uint16(0x7E00)
+    if e >= 143:
+        return sign | np.uint16(0x7C00)          # overflow to inf
+    if e <= 112:                                 # half subnormal or zero
+        if e < 102:
+            return sign
+        full = mant | 0x800000
+        shift = 126 - e
+        h = full >> shift
+        rem = full & ((np.uint32(1) << shift) - 1)
+        half = np.uint32(1) << (shift - 1)
+        if rem > half or (rem == half and (h & 1) == 1):
+            h += 1
+        return sign | np.uint16(h)
+    h = ((e - 112) << 10) | (mant >> 13)
+    rem = mant & 0x1FFF
+    if rem > 0x1000 or (rem == 0x1000 and (h & 1) == 1):
+        h += 1                                   # a carry into the exponent is correct
+    return sign | np.uint16(h)
+
+
+@njit(cache=True, inline="always")
+def put_f16(out, o, x):
+    # store x as little-endian fp16 at out[o:o+2] (u8); True if it overflowed to inf
+    h = f16_bits(x)
+    out[o] = np.uint8(h & 0xFF)
+    out[o + 1] = np.uint8(h >> 8)
+    return (h & 0x7FFF) == 0x7C00
+
+
+@njit(cache=True, inline="always")
+def get_f16(q, o):
+    # little-endian fp16 at q[o:o+2] (u8) -> f32
+    return f16_to_f32(np.uint16(q[o]) | (np.uint16(q[o + 1]) << np.uint16(8)))
+
+
+@njit(cache=True, inline="always")
+def wrap_u8(v):
+    # NumPy's f32 -> int8/uint8 cast on x86: NaN/inf/|v| >= 2**31 -> 0, else wrap mod 256
+    if not (abs(v) < np.float32(2147483648.0)):
+        return np.uint8(0)
+    return np.uint8(np.int64(v) & 0xFF)
+
+
+@njit(cache=True, inline="always")
+def nearest_int(v):
+    # ggml's nearest_int: round half to even via the 1.5 * 2^23 trick (|v| < 2^22)
+    val = np.float32(v) + np.float32(12582912.0)
+    return np.int32(val.view(np.int32) & 0x007FFFFF) - np.int32(0x00400000)
