@@ -24,10 +24,11 @@ import numba
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from edgellama.linear import Linear  # noqa: E402  (after the sys.path line)
+from edgellama.benchmark import random_weights  # noqa: E402  (after the sys.path line)
+from edgellama.formats import FORMATS, WRITABLE, Linear, linear  # noqa: E402
 from edgellama.membw import measure_read_bandwidth  # noqa: E402
 
-TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "BF16": 30}
+TYPES = {t: FORMATS[t].type_id for t in WRITABLE}   # those we can make random tensors of
 # (layers, hidden, q rows, kv rows, ffn, vocab)
 MODELS = {"1B": (16, 2048, 2048, 512, 8192, 128256), "3B": (28, 3072, 3072, 1024, 8192, 128256)}
 
@@ -40,26 +41,8 @@ def model_shapes(name: str) -> list[tuple[int, int]]:
 
 
 def random_tensor(type_name: str, shape: tuple[int, int], rng) -> np.ndarray:
-    """Bytes of a GGUF tensor of this type and shape: random quants, f16 scales and
-    unquantized values 0.01 (the kernels' speed does not depend on the values)."""
-    out, n = shape
-    tid = TYPES[type_name]
-    if tid in (0, 1, 30):
-        raw = rng.integers(0, 256, out * n * (4 if tid == 0 else 2), dtype=np.uint8)
-        if tid == 0:
-            raw.view(np.float32)[:] = 0.01
-        elif tid == 1:
-            raw.view(np.float16)[:] = np.float16(0.01)
-        else:                                   # bf16 = top half of the f32 bits
-            raw.view(np.uint16)[:] = np.float32(0.01).view(np.uint32) >> 16
-        return raw
-    bs = {2: 18, 3: 20, 8: 34}[tid]
-    raw = rng.integers(0, 256, (out, n // 32, bs), dtype=np.uint8)
-    h = np.float16(0.01).view(np.uint16)
-    for k in range(2 if tid == 3 else 1):
-        raw[:, :, 2 * k] = h & 0xFF
-        raw[:, :, 2 * k + 1] = h >> 8
-    return raw.reshape(-1)
+    """Bytes of a GGUF tensor of this type and shape (see benchmark.random_weights)."""
+    return random_weights(rng, shape[0], shape[1], type_name, shape[1] ** -0.5)
 
 
 def load(type_name: str, shapes, rng) -> tuple[list[Linear], float]:
@@ -68,7 +51,7 @@ def load(type_name: str, shapes, rng) -> tuple[list[Linear], float]:
     for s in shapes:
         raw = random_tensor(type_name, s, rng)
         t = time.perf_counter()
-        lins.append(Linear.from_gguf(TYPES[type_name], raw, s))
+        lins.append(linear(TYPES[type_name], [(raw, s)]))
         t_load += time.perf_counter() - t
     return lins, t_load
 
@@ -83,10 +66,10 @@ def measure_first_calls(rng) -> dict[str, float]:
     """Seconds of the first matvec + matmul + rows per type (JIT or Numba cache load)."""
     times = {}
     for name in TYPES:
-        lin, t_load = load(name, [(64, 64)], rng)
+        lin, t_load = load(name, [(64, 256)], rng)
         l = lin[0]
-        x = np.ones((2, 64), np.float32)
-        o = np.empty((2, 64), np.float32)
+        x = np.ones((2, 256), np.float32)
+        o = np.empty((2, 256), np.float32)
         times[name] = (t_load + first_call(lambda: l.matvec(x[0], o[0]))
                        + first_call(lambda: l.matmul(x, o)) + first_call(lambda: l.rows(np.arange(2), o)))
     return times
@@ -159,13 +142,13 @@ def measure_file_load(type_name: str, model: str, rng) -> dict:
             while f.read(1 << 26):
                 pass
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        Linear.from_gguf(TYPES[type_name], random_tensor(type_name, (16, 32), rng), (16, 32))
+        linear(TYPES[type_name], [(random_tensor(type_name, (16, 256), rng), (16, 256))])
         rss0 = rss_bytes()
         t = time.perf_counter()
         lins = []
         for s, off in zip(shapes, offsets):
             view = np.frombuffer(mm, np.uint8, count=_tensor_bytes(type_name, s), offset=off)
-            lins.append(Linear.from_gguf(TYPES[type_name], view, s))
+            lins.append(linear(TYPES[type_name], [(view, s)]))
             del view
         secs = time.perf_counter() - t
         rss = rss_bytes() - rss0
@@ -187,8 +170,7 @@ def file_load_fresh_process(type_name: str, model: str) -> dict:
 
 
 def _tensor_bytes(type_name: str, shape) -> int:
-    out, n = shape
-    return out * n // 32 * {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[type_name]
+    return shape[0] * FORMATS[type_name].row_bytes(shape[1])
 
 
 def main(argv=None) -> dict:
@@ -211,10 +193,10 @@ def main(argv=None) -> dict:
     print("first calls, cache warm (s): " + _fmt(res["jit_first_call_s"]))
     print("first calls, cold cache = JIT compile (s): " + _fmt(res["jit_compile_s"]))
 
-    plan = [("1B", t) for t in ("Q4_0", "Q8_0", "Q4_1", "F16", "BF16", "F32")]
-    plan += [("3B", t) for t in ("Q4_0", "Q8_0", "Q4_1", "F16")]
+    quantized = [t for t in TYPES if FORMATS[t].block_size > 1]
+    plan = [("1B", t) for t in TYPES] + [("3B", t) for t in quantized]
     if args.quick:
-        plan = [("1B", t) for t in ("Q4_0", "Q8_0")]
+        plan = [("1B", t) for t in quantized]
     thread_counts = sorted({1, args.threads})
     print(f"\n{'model':5} {'type':5} {'GB':>6} {'load s':>7} {'thr':>3} {'ms/tok':>7} {'tok/s':>6} "
           f"{'GB/s':>6} {'ceil':>6} {'ratio':>6}")

@@ -17,7 +17,7 @@ from .main import main
               default=None, help="GGUF file to measure.")
 @click.option("--shape", type=click.Choice(sorted(benchmark.SHAPES)), default=None,
               help="Measure a random-weight file with these real shapes (generated once).")
-@click.option("--type", "qtype", type=click.Choice(["q4_0", "q4_1", "q8_0", "f16"]),
+@click.option("--type", "qtype", type=click.Choice([t.lower() for t in benchmark.SHAPE_TYPES]),
               default="q4_0", show_default=True, help="Weight type for --shape.")
 @click.option("-c", "--ctx", type=click.IntRange(min=16), default=8192, show_default=True,
               help="Context length the KV cache is sized for.")

@@ -24,7 +24,7 @@ from gguf.constants import GGUFValueType as V
 
 from .default_model import cache_dir
 from .errors import EdgeError
-from .formats import FORMATS
+from .formats import FORMATS, WRITABLE, quantize
 from .gguf import GGUFFile
 from .gguf_write import GGUFStreamWriter
 from .jit import is_warm, mark_warm
@@ -49,6 +49,7 @@ class Shape:
     train_ctx: int = 131072
 
 
+SHAPE_TYPES = tuple(t for t in WRITABLE if t not in ("F32", "BF16"))   # --type for --shape
 SHAPES = {
     "llama-3.2-1b": Shape(dim=2048, layers=16, heads=32, kv_heads=8, ffn=8192),
     "llama-3.2-3b": Shape(dim=3072, layers=28, heads=24, kv_heads=8, ffn=8192),
@@ -56,20 +57,13 @@ SHAPES = {
 
 
 # -- random-weight files with real shapes ---------------------------------------
-def _random_blocks(rng, rows: int, cols: int, qtype: str, scale: float) -> np.ndarray:
-    """(rows, row_bytes) uint8 of a valid `qtype` tensor with random values whose
-    magnitude is about `scale` (so activations stay finite and normal)."""
-    f = FORMATS[qtype]
-    nb = cols // f.block_size
-    if qtype in ("F32", "F16"):
-        dt = np.float32 if qtype == "F32" else np.float16
-        return (rng.standard_normal((rows, cols), np.float32) * scale).astype(dt).view(np.uint8)
-    raw = rng.integers(0, 256, size=(rows, nb, f.type_size), dtype=np.uint8)
-    d = rng.uniform(0.5, 1.5, size=(rows, nb)).astype(np.float16) * np.float16(scale / 4)
-    raw[:, :, 0:2] = d.view(np.uint8).reshape(rows, nb, 2)
-    if qtype == "Q4_1":   # min m: centre the values around zero
-        raw[:, :, 2:4] = (-d * np.float16(7.5)).view(np.uint8).reshape(rows, nb, 2)
-    return raw.reshape(rows, nb * f.type_size)
+def random_weights(rng, rows: int, cols: int, qtype: str, scale: float) -> np.ndarray:
+    """(rows, row_bytes) uint8 of a valid `qtype` tensor with values of magnitude about
+    `scale` (so activations stay finite and normal): each row is one of 64 random
+    normal rows quantized with the format's own quantizer (speed ignores the values,
+    and quantizing every row of a 3B model with a K-quant would take minutes)."""
+    pool = quantize(rng.standard_normal((64, cols), np.float32) * np.float32(scale), qtype)
+    return pool[rng.integers(0, 64, rows)]
 
 
 def shape_file(name: str, qtype: str, quiet: bool = False) -> Path:
@@ -78,8 +72,9 @@ def shape_file(name: str, qtype: str, quiet: bool = False) -> Path:
     if name not in SHAPES:
         raise EdgeError(f"unknown --shape {name!r} (known: {', '.join(SHAPES)})")
     qtype = qtype.upper()
-    if qtype not in ("Q4_0", "Q4_1", "Q8_0", "F16"):
-        raise EdgeError(f"--type {qtype.lower()} is not offered for --shape (q4_0, q4_1, q8_0, f16)")
+    if qtype not in SHAPE_TYPES:
+        raise EdgeError(f"--type {qtype.lower()} is not offered for --shape "
+                        f"({', '.join(t.lower() for t in SHAPE_TYPES)})")
     s = SHAPES[name]
     path = cache_dir() / "bench" / f"{name}-random-{qtype.lower()}.gguf"
     if path.is_file():
@@ -128,7 +123,7 @@ def shape_file(name: str, qtype: str, quiet: bool = False) -> Path:
             rng = np.random.default_rng(0)
             for tname, rows, cols, t, scale in tensors:
                 data = (np.ones(cols, np.float32) if not rows
-                        else _random_blocks(rng, rows, cols, t, scale))
+                        else random_weights(rng, rows, cols, t, scale))
                 w.tensor_data(tname, [data])
         os.replace(tmp, path)
     finally:

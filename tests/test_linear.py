@@ -16,8 +16,7 @@ import pytest
 from gguf import GGMLQuantizationType as G
 from gguf.quants import dequantize, quantize
 
-from edgellama import linear
-from edgellama.linear import Linear
+from edgellama.formats import base, linear
 
 TYPES = [G.F32, G.F16, G.BF16, G.Q4_0, G.Q4_1, G.Q8_0]
 # (out, in): out not a multiple of any tile size (tiles of 16 to 256 rows), in = 32 k
@@ -32,7 +31,7 @@ def make(type_, shape, seed=0):
     data = quantize(w, type_)    # uint8 (out, row bytes) as stored in a GGUF file
     ref = dequantize(data, type_).astype(np.float64).reshape(shape)
     data.setflags(write=False)
-    return Linear.from_gguf(int(type_), data, shape), ref
+    return linear(int(type_), [(data, shape)]), ref
 
 
 def check(got, ref_w, x, x_quantized=False):
@@ -60,8 +59,8 @@ def test_matvec(type_, shape):
 @pytest.mark.parametrize("T", [1, 7])
 def test_matmul(type_, T, monkeypatch):
     shape = (300, 64)
-    monkeypatch.setattr(linear, "_CHUNK_FLOATS", 64 * 40)   # several chunks, ragged last
-    monkeypatch.setattr(linear, "_CHUNK_MIN_ROWS", 1)
+    monkeypatch.setattr(base, "_CHUNK_FLOATS", 64 * 40)   # several chunks, ragged last
+    monkeypatch.setattr(base, "_CHUNK_MIN_ROWS", 1)
     lin, ref = make(type_, shape)
     x = np.random.default_rng(2).standard_normal((T, shape[1])).astype(np.float32)
     out = np.full((T, shape[0]), np.nan, np.float32)
@@ -101,7 +100,7 @@ def test_stacked(type_):
     # q/k/v-like parts, none a multiple of the tile size: one W, outputs split back
     datas = [quantize(np.random.default_rng(i).standard_normal((s, 96)).astype(np.float32), type_)
              for i, s in enumerate((150, 37, 37))]
-    lin = Linear.from_gguf_stacked(int(type_), [(d, d.shape[:1] + (96,)) for d in datas])
+    lin = linear(int(type_), [(d, d.shape[:1] + (96,)) for d in datas])
     ref = np.concatenate([dequantize(d, type_).astype(np.float64).reshape(-1, 96) for d in datas])
     assert lin.out_features == 224 and lin.nbytes == sum(d.nbytes for d in datas)
     x = np.random.default_rng(5).standard_normal(96).astype(np.float32)
@@ -120,7 +119,7 @@ def test_nbytes_and_bad_size():
     lin, _ = make(G.Q4_0, (300, 64))
     assert lin.nbytes == 300 * 2 * 18
     with pytest.raises(ValueError):
-        Linear.from_gguf(int(G.Q4_0), np.zeros(10, np.uint8), (300, 64))
+        linear(int(G.Q4_0), [(np.zeros(10, np.uint8), (300, 64))])
 
 
 def _rss_file():
@@ -142,7 +141,7 @@ def test_repack_releases_file_pages(tmp_path):
     view = np.frombuffer(mm, np.uint8, count=data.size, offset=100)
     assert int(view.sum()) == int(data.sum())                 # all pages now resident
     rss0 = _rss_file()
-    lin = Linear.from_gguf(int(G.Q4_0), view, shape)
+    lin = linear(int(G.Q4_0), [(view, shape)])
     assert rss0 - _rss_file() > data.nbytes // 2              # the file's pages are out
     np.testing.assert_array_equal(view, data.reshape(-1))   # refaults from the file
     x = np.ones(shape[1], np.float32)

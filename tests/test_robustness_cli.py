@@ -300,7 +300,7 @@ def test_convert_ctrl_c_keeps_existing_output(hf, tmp_path, monkeypatch):
 
     # through the CLI: exit 130, "interrupted", no traceback, nothing left behind
     real = qconvert.convert
-    monkeypatch.setattr("cli.convert.convert", lambda *a, **k: real(*a, **{**k, "progress": stop}))
+    monkeypatch.setattr("edgellama.cli.convert.convert", lambda *a, **k: real(*a, **{**k, "progress": stop}))
     res = invoke("convert", hf, "-o", out / "m.gguf", "--force", "--quiet")
     assert res.exit_code == 130 and "interrupted" in res.stderr and "Traceback" not in res.stderr
     assert (out / "m.gguf").read_bytes() == b"my old model"
