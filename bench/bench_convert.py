@@ -1,14 +1,17 @@
 """Benchmark `edgellama convert`: quantization throughput and a 3B-shaped conversion.
 
-    python bench/bench_convert.py [--skip-3b] [--out bench/results/convert.json]
+    python bench/bench_convert.py [--skip-3b] [--types q4_k_m,q4_0] [--out bench/results/convert.json]
 
-1. JIT: first call of each kernel in a fresh process with an empty Numba cache
-   (compile time), and with the cache warm (load time).
-2. Throughput: Q4_0 quantization of ~3.2 B values (a 64 M-value f32 buffer, 47
-   times; Q8_0/Q4_1 5 times) against gguf.quants.quantize on a 16 M-value sample, same run.
+1. JIT: first call of each writable format's quantizer in a fresh process with an empty
+   Numba cache (compile time), and with the cache warm (load time).
+2. Throughput: Q4_0 quantization of ~3.2 B values (a 64 M-value f32 buffer, 47 times;
+   every other format 5 times), against ggml's own quantizer (ggml_quantize_chunk, one
+   thread, when llama-cpp-python is installed) and gguf.quants.quantize (where it has
+   the type) on a 16 M-value sample, same run.
 3. Convert a random Llama-3.2-3B-shaped bf16 checkpoint (6.4 GB, generated once into
-   the cache dir) to Q4_0 in a subprocess: wall time and peak RSS of the child
-   (resource.getrusage(RUSAGE_CHILDREN).ru_maxrss).
+   the cache dir) to each of --types in a subprocess: wall time and peak RSS of the
+   child (resource.getrusage(RUSAGE_CHILDREN).ru_maxrss; each in its own grandchild so
+   the peaks are separate), and the summary's plan lines.
 Results go to JSON and a table on stdout.
 """
 from __future__ import annotations
@@ -17,7 +20,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import struct
 import subprocess
 import sys
@@ -39,12 +41,11 @@ BUF_VALUES = 64 << 20
 
 def _jit_times() -> dict:
     code = ("import time, numpy as np\n"
-            "t=time.perf_counter()\n"
-            "from quant import kernels as K\n"
-            "x=np.ones((1,64),np.float32)\n"
+            "from edgellama.formats import WRITABLE, quantize\n"
+            "x=np.ones((1,256),np.float32)\n"
             "r={}\n"
-            "for f in ('Q4_0','Q4_1','Q8_0','F16','BF16'):\n"
-            "    t0=time.perf_counter(); K.quantize(x,f); r[f]=time.perf_counter()-t0\n"
+            "for f in WRITABLE:\n"
+            "    t0=time.perf_counter(); quantize(x,f); r[f]=time.perf_counter()-t0\n"
             "print(__import__('json').dumps(r))\n")
     out = {}
     with tempfile.TemporaryDirectory() as cold:
@@ -55,32 +56,41 @@ def _jit_times() -> dict:
     return out
 
 
+def _rate(fn, x) -> float:
+    t0 = time.perf_counter()
+    fn(x)
+    return x.size / (time.perf_counter() - t0)
+
+
 def _throughput() -> dict:
     from gguf import GGMLQuantizationType as T
-    from gguf.quants import quantize as ref_quantize
+    from gguf.quants import quantize as gguf_quantize
 
-    from quant import kernels as K
+    import ggml_oracle
+    from edgellama.formats import WRITABLE, quantize
 
     rng = np.random.default_rng(0)
     buf = rng.standard_normal((BUF_VALUES // 4096, 4096), dtype=np.float32)
     sample = buf[: (16 << 20) // 4096]
     res = {}
-    for fmt, t in (("Q4_0", T.Q4_0), ("Q8_0", T.Q8_0), ("Q4_1", T.Q4_1)):
-        K.quantize(buf[:1], fmt)                       # JIT / cache load outside the timing
+    for fmt in (f for f in WRITABLE if f not in ("F32", "F16", "BF16")):
+        quantize(buf[:1], fmt)                       # JIT / cache load outside the timing
         reps = TOTAL_VALUES // buf.size if fmt == "Q4_0" else 5
         t0 = time.perf_counter()
         for _ in range(reps):
-            K.quantize(buf, fmt)
+            quantize(buf, fmt)
         dt = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        ref_quantize(sample, t)
-        ref_dt = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        K.quantize(sample, fmt)
-        ours_sample = time.perf_counter() - t0
-        res[fmt] = {"values": reps * buf.size, "seconds": dt, "values_per_s": reps * buf.size / dt,
-                    "gguf_py_values_per_s": sample.size / ref_dt,
-                    "speedup_vs_gguf_py": ref_dt / ours_sample}
+        ours = _rate(lambda x: quantize(x, fmt), sample)
+        r = {"values": reps * buf.size, "seconds": dt, "values_per_s": reps * buf.size / dt}
+        if ggml_oracle.available():
+            r["ggml_values_per_s"] = _rate(lambda x: ggml_oracle.quantize(x, fmt), sample)
+            r["speedup_vs_ggml"] = ours / r["ggml_values_per_s"]
+        try:
+            r["gguf_py_values_per_s"] = _rate(lambda x: gguf_quantize(x, T[fmt]), sample)
+            r["speedup_vs_gguf_py"] = ours / r["gguf_py_values_per_s"]
+        except NotImplementedError:
+            pass
+        res[fmt] = r
     return res
 
 
@@ -147,29 +157,39 @@ def _make_3b(d: Path) -> Path:
     return d
 
 
-def _convert_3b(d: Path) -> dict:
-    out = d.parent / "bench-3b-q4_0.gguf"
-    code = ("import sys; from edgellama.quant.convert import convert; "
-            f"s = convert({str(d)!r}, {str(out)!r}, qtype='q4_0', force=True); "
-            "print(s.file_size, s.n_params, s.seconds)")
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
+# Runs in a child, which converts in a grandchild: RUSAGE_CHILDREN of the child is then
+# the peak RSS of this one conversion (in the parent it is the max over all children).
+_CONVERT_CHILD = """
+import json, resource, subprocess, sys, time
+code = ("import json; from edgellama.quant.convert import convert; "
+        "s = convert(%r, %r, qtype=%r, force=True); "
+        "print(json.dumps([s.file_size, s.n_params, s.seconds, s.bits_per_weight, s.plan_lines()]))")
+t0 = time.perf_counter()
+res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+wall = time.perf_counter() - t0
+if res.returncode:
+    sys.exit(res.stderr.strip())
+print(json.dumps([json.loads(res.stdout), wall, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss]))
+"""
+
+
+def _convert_3b(d: Path, qtype: str) -> dict:
+    out = d.parent / f"bench-3b-{qtype}.gguf"
+    res = subprocess.run([sys.executable, "-c", _CONVERT_CHILD % (str(d), str(out), qtype)],
+                         cwd=ROOT, capture_output=True, text=True)
     if res.returncode:
         raise SystemExit(f"convert failed: {res.stderr.strip()}")
-    peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    size, n_params, secs = res.stdout.split()
+    (size, n_params, secs, bpw, plan), wall, peak_kb = json.loads(res.stdout)
     out.unlink()
     ckpt = sum(p.stat().st_size for p in d.glob("*.safetensors"))
-    return {"checkpoint_bytes": ckpt, "output_bytes": int(size), "n_params": int(n_params),
-            "convert_seconds": float(secs), "wall_seconds": wall, "peak_rss_mb": peak_kb / 1024,
-            "peak_rss_note": None if peak_kb > before else "an earlier child had a higher peak"}
+    return {"checkpoint_bytes": ckpt, "output_bytes": size, "n_params": n_params, "bits_per_weight": bpw,
+            "convert_seconds": secs, "wall_seconds": wall, "peak_rss_mb": peak_kb / 1024, "plan": plan}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--skip-3b", action="store_true", help="Skip generating/converting the 6.4 GB checkpoint.")
+    ap.add_argument("--types", default="q4_k_m,q4_0", help="Comma-separated --type values for the 3B conversion.")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "convert.json"))
     args = ap.parse_args()
 
@@ -181,22 +201,24 @@ def main():
         t0 = time.perf_counter()
         d = _make_3b(cache_dir() / "bench-3b-bf16")
         results["generate_3b_seconds"] = time.perf_counter() - t0
-        results["convert_3b_q4_0"] = _convert_3b(d)
+        results["convert_3b"] = {t: _convert_3b(d, t) for t in args.types.split(",")}
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(f"{'kernel':8} {'compile s':>10} {'cached s':>9}")
     for f, v in results["jit"]["compile_s"].items():
         print(f"{f:8} {v:10.2f} {results['jit']['cached_load_s'][f]:9.3f}")
-    print(f"\n{'format':8} {'values':>14} {'seconds':>8} {'Mvalues/s':>10} {'gguf-py M/s':>12} {'speedup':>8}")
+    print(f"\n{'format':8} {'values':>14} {'seconds':>8} {'Mvalues/s':>10} {'ggml M/s':>9} {'vs ggml':>8}")
     for f, r in results["quantize"].items():
-        print(f"{f:8} {r['values']:14,d} {r['seconds']:8.2f} {r['values_per_s'] / 1e6:10.1f} "
-              f"{r['gguf_py_values_per_s'] / 1e6:12.1f} {r['speedup_vs_gguf_py']:7.1f}x")
-    if "convert_3b_q4_0" in results:
-        c = results["convert_3b_q4_0"]
-        print(f"\nconvert 3B bf16 ({c['checkpoint_bytes'] / 1e9:.1f} GB) -> Q4_0 ({c['output_bytes'] / 1e9:.2f} GB): "
-              f"{c['convert_seconds']:.1f} s convert, {c['wall_seconds']:.1f} s wall incl. start-up, "
-              f"peak RSS {c['peak_rss_mb']:.0f} MB")
+        ggml = (f"{r['ggml_values_per_s'] / 1e6:9.1f} {r['speedup_vs_ggml']:7.1f}x" if "ggml_values_per_s" in r
+                else f"{'-':>9} {'-':>8}")
+        print(f"{f:8} {r['values']:14,d} {r['seconds']:8.2f} {r['values_per_s'] / 1e6:10.1f} {ggml}")
+    for t, c in results.get("convert_3b", {}).items():
+        print(f"\nconvert 3B bf16 ({c['checkpoint_bytes'] / 1e9:.1f} GB) -> {t} ({c['output_bytes'] / 1e9:.2f} GB, "
+              f"{c['bits_per_weight']:.2f} bits/weight): {c['convert_seconds']:.1f} s convert, "
+              f"{c['wall_seconds']:.1f} s wall incl. start-up, peak RSS {c['peak_rss_mb']:.0f} MB")
+        for line in c["plan"]:
+            print(f"  {line}")
     print(f"\nwrote {args.out}")
 
 

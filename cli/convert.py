@@ -7,7 +7,7 @@ import time
 import click
 
 from .main import main
-from edgellama.quant.convert import QTYPES, convert
+from edgellama.quant.convert import QTYPES, SINGLE_TYPES, convert
 
 
 class _Bar:
@@ -37,9 +37,11 @@ class _Bar:
 @click.argument("hf_dir", type=click.Path(file_okay=False, path_type=str))
 @click.option("-o", "--output", "out", required=True, type=click.Path(dir_okay=False), help="Output .gguf path.")
 @click.option("--type", "qtype", type=click.Choice(QTYPES, case_sensitive=False), default="q8_0",
-              show_default=True, help="Format of the 2-D weight matrices (1-D norms stay f32).")
-@click.option("--embed-type", type=click.Choice(QTYPES, case_sensitive=False), default=None,
-              help="Format of token_embd/output (default: q8_0 for q4_0/q4_1, else --type).")
+              show_default=True,
+              help="Format of the 2-D weight matrices (1-D norms stay f32), or a llama.cpp K-quant "
+                   "mix (q2_k ... q6_k: a type per tensor, the file llama-quantize makes).")
+@click.option("--embed-type", type=click.Choice(SINGLE_TYPES, case_sensitive=False), default=None,
+              help="Format of token_embd/output (default: the mix's; q8_0 for q4_0/q4_1; else --type).")
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
 @click.option("--quiet", is_flag=True, help="No progress bar, summary or warnings.")
 def convert_cmd(hf_dir, out, qtype, embed_type, force, quiet):
@@ -54,11 +56,7 @@ def convert_cmd(hf_dir, out, qtype, embed_type, force, quiet):
         return
     for w in s.warnings:
         click.echo(f"warning: {w}", err=True)
-    by_fmt: dict[str, list[str]] = {}
-    for name, fmt, _ in s.tensors:
-        by_fmt.setdefault(fmt, []).append(name)
-    click.echo(f"wrote {s.out_path}: {len(s.tensors)} tensors, {s.file_size / 1e6:.1f} MB, "
+    click.echo(f"wrote {s.out_path} ({s.qtype}): {len(s.tensors)} tensors, {s.file_size / 1e6:.1f} MB, "
                f"{s.n_params / 1e6:.1f} M weights, {s.bits_per_weight:.2f} bits/weight, {s.seconds:.1f} s")
-    for fmt, names in by_fmt.items():
-        kinds = sorted({n.split(".")[-2] if n.startswith("blk.") else n.rsplit(".", 1)[0] for n in names})
-        click.echo(f"  {fmt:5} {len(names):4} tensors: {', '.join(kinds)}")
+    for line in s.plan_lines():
+        click.echo(f"  {line}")

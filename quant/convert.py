@@ -5,6 +5,12 @@ llama3 rope_freqs), a shape check on every tensor against config.json, and the
 metadata. Everything is validated before the output is created; tensors are then
 streamed one chunk of rows at a time from the memory-mapped shards into a temp file
 beside the output, which is renamed into place only when complete.
+
+`--type` is one format for every matrix (q4_0 ... f32), or one of llama.cpp's K-quant
+mixes (q4_k_m ...: a type per tensor, see mix.py). A mix's file is the one llama.cpp's
+llama-quantize makes from our f32 file: same tensor order, types and bytes, and the two
+keys llama-quantize rewrites (general.quantization_version, general.file_type) moved
+last as it does.
 """
 from __future__ import annotations
 
@@ -21,13 +27,15 @@ from gguf.constants import GGUFValueType as V
 
 from edgellama.errors import EdgeError
 
-from edgellama.formats import FORMATS, quantize, row_bytes
+from edgellama.formats import FORMATS, WRITABLE, quantize, row_bytes
 from edgellama.gguf_write import GGUFStreamWriter
+from . import mix
 from .hf import TensorRef, load_json, open_checkpoint
 from .hf_tokenizer import load_tokenizer
 
 SUPPORTED_ARCHS = ("LlamaForCausalLM",)
-QTYPES = ("q4_0", "q4_1", "q8_0", "f16", "bf16", "f32")
+SINGLE_TYPES = ("q4_0", "q4_1", "q8_0", "f16", "bf16", "f32")   # one format for every matrix
+QTYPES = SINGLE_TYPES + tuple(mix.MIXES)
 CHUNK_ELEMS = 1 << 23            # rows per chunk ~ 8M values: 32 MB of f32 in flight
 
 # HF name (with {i} for the layer) -> GGUF name
@@ -88,9 +96,62 @@ class ConvertSummary:
     @property
     def bits_per_weight(self) -> float:
         """Tensor data bits per weight (metadata, e.g. a 128k-token vocabulary, excluded)."""
-        data = sum(math.prod(shape[:-1]) * row_bytes(FORMATS[fmt].type_id, shape[-1])
-                   for _, fmt, shape in self.tensors)
+        data = sum(_nbytes(fmt, shape) for _, fmt, shape in self.tensors)
         return data * 8 / max(self.n_params, 1)
+
+    def plan_lines(self) -> list[str]:
+        """What each tensor became: one line per format, widest first, with its tensor
+        and weight counts, its bits per weight and the tensors (layers, when not all)."""
+        groups: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+        for name, fmt, shape in self.tensors:
+            groups.setdefault(fmt, []).append((name, shape))
+        n_layer = len({n.split(".")[1] for n, _, _ in self.tensors if n.startswith("blk.")})
+        lines = []
+        for fmt, items in sorted(groups.items(), key=lambda g: -_bpw(g[0])):
+            weights = sum(math.prod(shape) for _, shape in items)
+            lines.append(f"{fmt:6} {len(items):4} tensor{'s' if len(items) > 1 else ' '} "
+                         f"{weights / 1e6:9.1f} M weights "
+                         f"{_bpw(fmt):5.2f} bpw  {_describe([n for n, _ in items], n_layer)}")
+        return lines
+
+
+def _nbytes(fmt: str, shape: tuple[int, ...]) -> int:
+    return math.prod(shape[:-1]) * row_bytes(FORMATS[fmt].type_id, shape[-1])
+
+
+def _bpw(fmt: str) -> float:
+    f = FORMATS[fmt]
+    return f.type_size * 8 / f.block_size
+
+
+def _layer_runs(layers: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
+
+
+def _describe(names: list[str], n_layer: int) -> str:
+    """Tensor names -> "token_embd; attn_v, ffn_down (layers 0-1, 3)": per-layer kinds
+    sharing a set of layers are listed together, "all layers" left unsaid."""
+    single = sorted(n.removesuffix(".weight") for n in names if not n.startswith("blk."))
+    layers: dict[str, list[int]] = {}
+    for n in names:
+        if n.startswith("blk."):
+            _, i, kind, _ = n.split(".")
+            layers.setdefault(kind, []).append(int(i))
+    by_set: dict[tuple[int, ...], list[str]] = {}
+    for kind, ls in sorted(layers.items()):
+        by_set.setdefault(tuple(sorted(ls)), []).append(kind)
+    parts = [", ".join(single)] if single else []
+    for ls, kinds in sorted(by_set.items(), key=lambda g: (len(g[0]) != n_layer, g[0])):
+        where = "" if len(ls) == n_layer else f" (layer{'s' if len(ls) > 1 else ''} {_layer_runs(list(ls))})"
+        parts.append(", ".join(kinds) + where)
+    return "; ".join(parts)
 
 
 def read_hparams(hf_dir: Path) -> HParams:
@@ -193,8 +254,24 @@ def _gguf_name(hf_name: str) -> str | None:
     return target.format(i=m.group(1)) if target and m else target
 
 
+def _mix_types(hp: HParams, shapes: dict[str, tuple[int, ...]], qtype: str,
+               warnings: list[str]) -> dict[str, str]:
+    """{name: format} of mix `qtype` (in llama-quantize's file order), with one warning
+    summing up the tensors that fell back to another type, as llama-quantize does."""
+    choices = mix.plan(qtype, shapes, hp.n_layer, hp.n_head, hp.n_head_kv)
+    fell: dict[tuple[str, str], int] = {}
+    for c in choices:
+        if c.wanted:
+            fell[c.wanted, c.type] = fell.get((c.wanted, c.type), 0) + 1
+    if fell:
+        how = ", ".join(f"{a} -> {b} ({k})" for (a, b), k in fell.items())
+        warnings.append(f"{sum(fell.values())} of {len(choices)} tensors fell back to a type whose "
+                        f"block fits their rows, as llama-quantize does: {how}")
+    return {c.name: c.type for c in choices}
+
+
 def _plan(hf_dir: Path, hp: HParams, tensors: dict[str, TensorRef], qtype: str,
-          embed_type: str, warnings: list[str]) -> list[_Plan]:
+          embed_type: str | None, warnings: list[str]) -> list[_Plan]:
     expected = _expected_shapes(hp)
     found: dict[str, TensorRef] = {}
     for hf_name, ref in tensors.items():
@@ -219,13 +296,20 @@ def _plan(hf_dir: Path, hp: HParams, tensors: dict[str, TensorRef], qtype: str,
     if hp.rope_scaling is not None:
         plans.append(_Plan("rope_freqs.weight", (hp.head_dim // 2,), "F32",
                            data=llama3_rope_factors(hp)[None, :]))
+    mix_types = None
+    if qtype.lower() in mix.MIXES:
+        shapes = {p.name: p.shape for p in plans} | expected
+        mix_types = _mix_types(hp, shapes, qtype.lower(), warnings)
     for name, shape in expected.items():
         if len(shape) == 1:
             fmt = "F32"
-        elif name in ("token_embd.weight", "output.weight"):
+        elif name in ("token_embd.weight", "output.weight") and embed_type:
             fmt = embed_type
         else:
-            fmt = qtype
+            fmt = mix_types[name] if mix_types else qtype
+        if fmt not in WRITABLE:
+            raise EdgeError(f"{name}: --type {qtype.lower()} needs {fmt}, which edgellama cannot "
+                            f"write yet (writable: {', '.join(WRITABLE)})")
         if FORMATS[fmt].block_size > 1 and shape[-1] % FORMATS[fmt].block_size:
             warnings.append(f"{name}: row length {shape[-1]} is not a multiple of "
                             f"{FORMATS[fmt].block_size}; written as F16 instead of {fmt}")
@@ -236,6 +320,9 @@ def _plan(hf_dir: Path, hp: HParams, tensors: dict[str, TensorRef], qtype: str,
         elif name.endswith("attn_k.weight"):
             index = permute_index(shape[0], hp.n_head_kv)
         plans.append(_Plan(name, shape, fmt, src=found[name], index=index))
+    if mix_types:
+        at = {n: i for i, n in enumerate(mix_types)}
+        plans.sort(key=lambda p: at[p.name])
     return plans
 
 
@@ -283,6 +370,10 @@ def _sampling_defaults(hf_dir: Path) -> list[tuple[str, V, float | int]]:
 
 def _metadata(w: GGUFStreamWriter, hp: HParams, name: str, qtype: str, tok,
               sampling: list[tuple[str, V, float | int]]) -> None:
+    # A mix's keys are those of our f32 file as llama-quantize rewrites them: it sets
+    # general.quantization_version, then general.file_type, each by removing the key
+    # and appending it (gguf_set_val_u32), so both end up last.
+    m = mix.MIXES.get(qtype)
     w.kv("general.architecture", V.STRING, "llama")
     w.kv("general.type", V.STRING, "model")
     w.kv("general.name", V.STRING, name)
@@ -297,7 +388,8 @@ def _metadata(w: GGUFStreamWriter, hp: HParams, name: str, qtype: str, tok,
     if hp.explicit_head_dim:
         w.kv("llama.attention.key_length", V.UINT32, hp.head_dim)
         w.kv("llama.attention.value_length", V.UINT32, hp.head_dim)
-    w.kv("general.file_type", V.UINT32, int(FORMATS[qtype.upper()].file_type))
+    if m is None:
+        w.kv("general.file_type", V.UINT32, int(FORMATS[qtype.upper()].file_type))
     w.kv("llama.vocab_size", V.UINT32, hp.n_vocab)
     w.kv("llama.rope.dimension_count", V.UINT32, hp.head_dim)
     w.kv("tokenizer.ggml.model", V.STRING, "gpt2")
@@ -315,6 +407,8 @@ def _metadata(w: GGUFStreamWriter, hp: HParams, name: str, qtype: str, tok,
     for key, vt, value in sampling:
         w.kv(key, vt, value)
     w.kv("general.quantization_version", V.UINT32, 2)
+    if m is not None:
+        w.kv("general.file_type", V.UINT32, int(m.ftype))
 
 
 def _model_name(hf_dir: Path) -> str:
@@ -325,17 +419,21 @@ def convert(hf_dir, out_path, qtype: str = "q8_0", embed_type: str | None = None
             force: bool = False, progress: Progress | None = None) -> ConvertSummary:
     """Convert the HF checkpoint in `hf_dir` to a GGUF file at `out_path`.
 
-    qtype: format of the 2-D weights (q4_0, q4_1, q8_0, f16, bf16, f32); 1-D tensors
-    are always F32. embed_type: format of token_embd/output (default: q8_0 when qtype
-    is a 4-bit type, else qtype). progress(name, bytes_done, bytes_total) is called
+    qtype: format of the 2-D weights (q4_0, q4_1, q8_0, f16, bf16, f32), or a
+    llama.cpp K-quant mix (q2_k, q3_k_m, q4_k_s, q4_k_m, q5_k_s, q5_k_m, q6_k: a format
+    per tensor, as llama-quantize picks them); 1-D tensors are always F32.
+    embed_type: format of token_embd/output (default: the mix's choice; q8_0 when qtype
+    is a 4-bit type; else qtype). progress(name, bytes_done, bytes_total) is called
     after every chunk."""
     t0 = time.perf_counter()
     hf_dir, out_path = Path(hf_dir), Path(out_path)
     qtype = qtype.lower()
-    embed_type = (embed_type or ("q8_0" if qtype in ("q4_0", "q4_1") else qtype)).lower()
-    for opt, v in (("type", qtype), ("embed type", embed_type)):
-        if v not in QTYPES:
-            raise EdgeError(f"unknown {opt} {v!r} (choose from {', '.join(QTYPES)})")
+    if qtype not in QTYPES:
+        raise EdgeError(f"unknown type {qtype!r} (choose from {', '.join(QTYPES)})")
+    if embed_type is None and qtype not in mix.MIXES:
+        embed_type = "q8_0" if qtype in ("q4_0", "q4_1") else qtype
+    if embed_type is not None and embed_type.lower() not in SINGLE_TYPES:
+        raise EdgeError(f"unknown embed type {embed_type!r} (choose from {', '.join(SINGLE_TYPES)})")
     if not hf_dir.is_dir():
         raise EdgeError(f"{hf_dir}: not a directory")
     if out_path.exists() and not force:
@@ -348,7 +446,7 @@ def convert(hf_dir, out_path, qtype: str = "q8_0", embed_type: str | None = None
     warnings: list[str] = []
     tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
     try:
-        plans = _plan(hf_dir, hp, tensors, qtype.upper(), embed_type.upper(), warnings)
+        plans = _plan(hf_dir, hp, tensors, qtype.upper(), embed_type and embed_type.upper(), warnings)
         tok = load_tokenizer(hf_dir, hp.n_vocab, load_json(hf_dir / "config.json", "model config"))
         warnings += tok.warnings
         with open(tmp, "wb") as f:
