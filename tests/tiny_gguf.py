@@ -57,6 +57,9 @@ def add_tiny_tokenizer(w: GGUFWriter, vocab: int = TINY_VOCAB, chat_template: st
         w.add_chat_template(chat_template)
 
 
+GGUF_PY_QUANTIZES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+
+
 def write_tiny_gguf(path: Path, qtype: str = "Q8_0", *, dim=64, layers=2, heads=4, kv_heads=2,
                     ffn=96, vocab=256, ctx=512, tied=True, rope_scaling=True, embed_type=None,
                     seed=0, theta=500000.0, tokenizer=False, chat_template=CHATML) -> Path:
@@ -85,8 +88,11 @@ def write_tiny_gguf(path: Path, qtype: str = "Q8_0", *, dim=64, layers=2, heads=
             w.add_tensor(name, arr.astype(np.float32))
         elif t == QT.F16:
             w.add_tensor(name, arr.astype(np.float16))
-        else:
+        elif t.name in GGUF_PY_QUANTIZES:
             w.add_tensor(name, quantize(arr.astype(np.float32), t), raw_dtype=t)
+        else:   # gguf-py has no quantizer for K-quants / IQ4_NL: ours (bit-exact with ggml)
+            from edgellama.formats import quantize as ours
+            w.add_tensor(name, ours(arr.astype(np.float32), t.name), raw_dtype=t)
 
     def mat(o, i, s=None):
         return (rng.standard_normal((o, i)) * (s or 1 / np.sqrt(i))).astype(np.float32)
