@@ -226,43 +226,38 @@ def repack_q6_k(raw, row0, w, sc, d):
 
 # --- decode: x prepared once per matvec, then int16 group sums --------------------------
 
-@njit(cache=True)
-def prep_q6_k_x(x, xc, xd):
+@njit(cache=True, fastmath=True)
+def prep_q6_k_x(x, xq, xc, xd):
     # x (n,) f32 -> per sub-block of 16, x quantized to int8 like llama.cpp's activations
     # but with a scale per 16 (xd (n/16,) f32 = amax/127; llama.cpp's q8_K uses one per
-    # 256), and xc (n/16*24,) int16: 12 coefficients per group of 8 (x0..x7 = xq):
+    # 256), xq (n,) int32 scratch, and xc (n/16*24,) int16: 12 coefficients per group of
+    # 8 weights (x0..x7 = xq):
     #   A: x0, x1 - 64 x0, x6 - 64 x1     B: x2, x3 - 64 x2, x7 - 64 x3
     #   C: x4, x5 - 64 x4, 16 x6 - 64 x5, 16 x7 - 64 x6     -32 sum(x), 0
     # so that A c0 + (A >> 6) c1 + (A >> 12) c2 + (B ...) + (C ...) + (C >> 14) c9 + c10
     # = sum (q_i - 32) x_i: each shift exposes the next field and its coefficient cancels
     # the fields above it. In int16 every term may wrap, but the arithmetic is exact mod
     # 2^16 and the true sum is within 8 * 32 * 127 = 32512 < 2^15, so it comes out exact.
-    xq = np.empty(16, np.int64)
     for k in range(xd.size):
-        xs = x[16 * k:16 * k + 16]
         amax = f32(0)
-        for i in range(16):
-            amax = max(amax, abs(xs[i]))
+        for i in range(16 * k, 16 * k + 16):
+            amax = max(amax, abs(x[i]))
         d = amax / f32(127)
         inv = f32(1) / d if d > 0 else f32(0)
-        for i in range(16):
-            xq[i] = int(np.rint(xs[i] * inv))
         xd[k] = d
-        for g in range(2):
-            v = xq[8 * g:8 * g + 8]
-            c = xc[24 * k + 12 * g:24 * k + 12 * g + 12]
-            c[0] = v[0]
-            c[1] = v[1] - 64 * v[0]
-            c[2] = v[6] - 64 * v[1]
-            c[3] = v[2]
-            c[4] = v[3] - 64 * v[2]
-            c[5] = v[7] - 64 * v[3]
-            c[6] = v[4]
-            c[7] = v[5] - 64 * v[4]
-            c[8] = 16 * v[6] - 64 * v[5]
-            c[9] = 16 * v[7] - 64 * v[6]
-            c[10] = -32 * (v[0] + v[1] + v[2] + v[3] + v[4] + v[5] + v[6] + v[7])
-            c[11] = 0
+        for i in range(16 * k, 16 * k + 16):
+            xq[i] = np.int32(np.rint(x[i] * inv))
+    v = xq.reshape(-1, 8)
+    c = xc.reshape(-1, 12)
+    for m in range(v.shape[0]):
+        v0 = v[m, 0]; v1 = v[m, 1]; v2 = v[m, 2]; v3 = v[m, 3]
+        v4 = v[m, 4]; v5 = v[m, 5]; v6 = v[m, 6]; v7 = v[m, 7]
+        c[m, 0] = v0; c[m, 1] = v1 - 64 * v0; c[m, 2] = v6 - 64 * v1
+        c[m, 3] = v2; c[m, 4] = v3 - 64 * v2; c[m, 5] = v7 - 64 * v3
+        c[m, 6] = v4; c[m, 7] = v5 - 64 * v4; c[m, 8] = 16 * v6 - 64 * v5
+        c[m, 9] = 16 * v7 - 64 * v6
+        c[m, 10] = -32 * (v0 + v1 + v2 + v3 + v4 + v5 + v6 + v7)
+        c[m, 11] = 0
 
 
 @njit(cache=True, inline="always")
@@ -330,22 +325,21 @@ def matvec_q6_k(w, sc, d, xc, xd, out, scratch, s16):
 
 @njit(cache=True, inline="always")
 def group_values(a, b, c, ds):
-    # one group's words a, b, c (u16 values) of one lane, scale ds -> its 8 weights (f32);
-    # each q - 32 through int32 so LLVM converts in 32-bit lanes, not 64
+    # one group's words a, b, c (u16 values) of one lane, scale ds -> its 8 weights (f32)
     a = np.int64(a)
     b = np.int64(b)
     c = np.int64(c)
-    return (ds * f32(np.int32((a & 63) - 32)), ds * f32(np.int32(((a >> 6) & 63) - 32)),
-            ds * f32(np.int32((b & 63) - 32)), ds * f32(np.int32(((b >> 6) & 63) - 32)),
-            ds * f32(np.int32((c & 63) - 32)), ds * f32(np.int32(((c >> 6) & 63) - 32)),
-            ds * f32(np.int32(((a >> 12) | (((c >> 12) & 3) << 4)) - 32)),
-            ds * f32(np.int32(((b >> 12) | ((c >> 14) << 4)) - 32)))
+    return (ds * f32((a & 63) - 32), ds * f32(((a >> 6) & 63) - 32),
+            ds * f32((b & 63) - 32), ds * f32(((b >> 6) & 63) - 32),
+            ds * f32((c & 63) - 32), ds * f32(((c >> 6) & 63) - 32),
+            ds * f32(((a >> 12) | (((c >> 12) & 3) << 4)) - 32),
+            ds * f32(((b >> 12) | ((c >> 14) << 4)) - 32))
 
 
 @njit(cache=True, inline="always")
 def dequant_word_pair(wd, ds, lo, hi):
     # the two 6-bit fields at bits 0 and 6 of the words wd (R,) u16, scales ds (R,) f32
-    # -> lo, hi (R,) f32
+    # -> lo, hi (R,) f32; q - 32 through int32: converted in 32-bit lanes, not 64
     for r in range(wd.size):
         v = np.int64(wd[r])
         lo[r] = ds[r] * f32(np.int32((v & 63) - 32))
@@ -425,11 +419,12 @@ class Q6KLinear(TiledLinear):
         self.sc = sc.view(np.int8)
         self._scratch = np.zeros((nt, 2, R), f32)
         self._s16 = np.zeros((nt, 2, R), np.int16)
+        self._xq = np.zeros(n, np.int32)
         self._xc = np.zeros(n // 16 * 24, np.int16)
         self._xd = np.zeros(n // 16, f32)
 
     def matvec(self, x, out):
-        prep_q6_k_x(x, self._xc, self._xd)
+        prep_q6_k_x(x, self._xq, self._xc, self._xd)
         matvec_q6_k(self.w, self.sc, self.d, self._xc, self._xd, out, self._scratch,
                     self._s16)
 
