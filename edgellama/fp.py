@@ -85,8 +85,17 @@ def wrap_u8(v):
     return np.uint8(np.int64(v) & 0xFF)
 
 
+@intrinsic
+def f32_bits(typingctx, v):
+    # f32 -> its IEEE bit pattern as int32 (a register bitcast; Numba's scalar .view
+    # does not compile inside njit functions)
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.int32(types.float32), codegen
+
+
 @njit(cache=True, inline="always")
 def nearest_int(v):
     # ggml's nearest_int: round half to even via the 1.5 * 2^23 trick (|v| < 2^22)
-    val = np.float32(v) + np.float32(12582912.0)
-    return np.int32(val.view(np.int32) & 0x007FFFFF) - np.int32(0x00400000)
+    return ((f32_bits(np.float32(v) + np.float32(12582912.0)) & np.int32(0x007FFFFF))
+            - np.int32(0x00400000))
