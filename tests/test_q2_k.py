@@ -1,0 +1,176 @@
+"""Q2_K against ggml and gguf-py (inputs and Linear checks shared with test_q3_k.py).
+
+- quantize: bit-exact with ggml's quantize_row_q2_K_ref (make_qkx2_quants with nmax 3,
+  rmin -0.5, rdelta 0.1, 15 steps, mean absolute error), what llama-quantize writes without
+  an importance matrix (ggml_quantize_chunk -> quantize_q2_K -> the _ref function when
+  imatrix is NULL): golden files in every run, the live library when installed.
+  Regenerate the files with `python tests/test_q2_k.py`.
+- dequantize: bit-exact with gguf-py, on ggml's bytes and on random bytes.
+- runtime Linear: as test_q3_k.py.
+"""
+import sys
+
+import ggml_oracle
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as G
+from gguf.quants import dequantize as gguf_dequantize
+from test_q3_k import (
+    CASES,
+    EPS,
+    SHAPES,
+    assert_same_bits,
+    check_linear,
+    check_stacked,
+    dequantize,
+    linear,
+    live,
+    live_input,
+    normalish,
+    quantize,
+    random_blocks,
+    regenerate,
+    resident_bytes,
+    u24,
+)
+
+from edgellama.formats.q2_k import Q2_K
+
+
+def parts(q, shape):
+    """(d sc q, dmin m) of every weight, float64 (gguf-py with dmin, then d, zeroed)."""
+    q = q.reshape(-1, 84)
+    only_d, only_m = q.copy(), q.copy()
+    only_d[:, 82:84] = 0
+    only_m[:, 80:82] = 0
+    return (gguf_dequantize(only_d, G.Q2_K).astype(np.float64).reshape(shape),
+            -gguf_dequantize(only_m, G.Q2_K).astype(np.float64).reshape(shape))
+
+
+def q2_mag(q, shape):
+    dq, m = parts(q, shape)
+    return np.abs(dq) + np.abs(m)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_quantize_matches_ggml_golden(case):
+    x = CASES[case]()
+    golden = ggml_oracle.load_golden("Q2_K", case, x.shape)
+    assert golden is not None, f"missing golden file: run `python {__file__}` with llama-cpp-python"
+    np.testing.assert_array_equal(quantize(Q2_K, x), golden)
+
+
+@live
+def test_golden_files_are_ggml_today():
+    for case, make in CASES.items():
+        x = make()
+        np.testing.assert_array_equal(ggml_oracle.quantize(x, "Q2_K"),
+                                      ggml_oracle.load_golden("Q2_K", case, x.shape))
+
+
+@live
+@pytest.mark.parametrize("seed", [11, 12])
+def test_quantize_matches_ggml_live(seed):
+    x = live_input(seed)
+    np.testing.assert_array_equal(quantize(Q2_K, x), ggml_oracle.quantize(x, "Q2_K"))
+
+
+@live
+def test_large_but_representable_matches_ggml():
+    x = normalish((4, 512), 21) * np.float32(1e5)       # d, dmin up to ~1e4 (f16 max 65504)
+    x[2] = np.abs(x[2]) - np.float32(4e5)               # dmin near its range
+    np.testing.assert_array_equal(quantize(Q2_K, x), ggml_oracle.quantize(x, "Q2_K"))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_blocks_counted(bad):
+    x = normalish((3, 512), 5)
+    x[1, 300] = bad
+    x[2, 0] = bad
+    out = np.empty(x.size // 256 * 84, np.uint8)
+    assert Q2_K.quantize(x.reshape(-1), out)[0] == 2
+
+
+def test_scale_overflow_counted():
+    x = normalish((4, 512), 6)
+    x[0, :256] *= np.float32(1e9)                       # d overflows f16
+    x[2, 256:] = np.abs(x[2, 256:]) - np.float32(5e9)   # dmin overflows f16
+    x[3, :256] *= np.float32(1e30)                      # ggml's search overflows f32
+    assert Q2_K.quantize(x.reshape(-1), np.empty(8 * 84, np.uint8)) == (0, 3)
+
+
+def test_levels_are_nearest():
+    # independent of ggml: with the stored d sc and dmin m of each sub-block (d sc > 0),
+    # every level strictly inside 0..3 is the nearest to (x + dmin m) / (d sc), and one at
+    # an end is on its side
+    x = np.concatenate([c().reshape(-1) for c in CASES.values()]).astype(np.float64)
+    q = quantize(Q2_K, x.reshape(-1, 256))
+    dq, m = parts(q, x.shape)
+    probe = q.reshape(-1, 84).copy()
+    probe[:, 16:80] = 0x55                               # every level 1: gives d sc - dmin m
+    dl = parts(probe, x.shape)[0].reshape(-1, 16, 16)[:, :, :1]
+    x, dq, m = (v.reshape(-1, 16, 16) for v in (x, dq, m))
+    lev = np.divide(dq, dl, out=np.zeros_like(dq), where=dl > 0)
+    r = x + m - dq
+    tol = 0.5 * dl * (1 + 1e-6) + 4 * EPS * (np.abs(x) + m)
+    on = np.broadcast_to(dl > 0, lev.shape)
+    inner = on & (lev > 0) & (lev < 3)
+    assert np.all(np.abs(r)[inner] <= tol[inner])
+    assert np.all(r[on & (lev == 0)] <= tol[on & (lev == 0)])
+    assert np.all(r[on & (lev == 3)] >= -tol[on & (lev == 3)])
+
+
+def test_dequantize_matches_gguf():
+    for x in (CASES["random"](), CASES["edge"]()):
+        q = quantize(Q2_K, x)
+        assert_same_bits(dequantize(Q2_K, q), gguf_dequantize(q, G.Q2_K))
+    q = random_blocks(Q2_K, 300, 40, [80, 82])
+    assert_same_bits(dequantize(Q2_K, q), gguf_dequantize(q, G.Q2_K).reshape(300, -1))
+    assert not dequantize(Q2_K, np.zeros((2, 84), np.uint8)).any()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_linear(shape, monkeypatch):
+    check_linear(Q2_K, shape, q2_mag, monkeypatch)
+
+
+def test_stacked():
+    check_stacked(Q2_K, q2_mag)
+
+
+def test_matvec_int16_sums_at_their_bounds():
+    # levels 0 or 3 with the extreme scale and min codes 0 or 15, x = +-127 (xq = x, the
+    # x scale 1): row 0, all 3 with scale and min 15, reaches the int16 sub-block sum
+    # 16 * 3 * 127 = 6096 and the int32 sums 16 * 15 * 6096 and 16 * 15 * 16 * 127 per
+    # super-block; W @ x is then exact
+    n, d = 512, 40
+    blk = np.zeros((d, n // 256, 84), np.uint8)
+    lvl = (u24(d * n, 50).reshape(d, n // 256, 256) % 2).astype(np.uint8) * 3   # 0 or 3
+    lvl[0] = 3
+    for e in range(256):
+        blk[:, :, 16 + 32 * (e // 128) + e % 32] |= lvl[:, :, e] << (2 * ((e % 128) // 32))
+    code = (u24(d * n // 16, 51).reshape(d, n // 256, 16) % 4).astype(np.uint8)
+    blk[:, :, :16] = np.where(code & 1, 15, 0) | np.where(code & 2, 0xF0, 0)
+    blk[0, :, :16] = 0xFF
+    blk[:, :, 80:84] = np.array([0x3C00, 0x3C00], np.uint16).view(np.uint8)     # d = dmin = 1
+    q = blk.reshape(d, -1)
+    w = gguf_dequantize(q, G.Q2_K).astype(np.float64)
+    assert np.all(w[0] == 30) and w.min() == -15
+    lin = linear(Q2_K, [q], n)
+    for x in (np.full(n, 127, np.float32), np.where(w[3] > 0, 127, -127).astype(np.float32)):
+        out = np.empty(d, np.float32)
+        lin.matvec(x, out)
+        np.testing.assert_array_equal(out, w @ x)
+
+
+def test_resident_memory_is_file_size():
+    q = quantize(Q2_K, normalish((1024, 1024), 60))
+    lin = linear(Q2_K, [q], 1024)
+    assert lin.nt * lin.R == 1024
+    assert resident_bytes(lin) == q.nbytes
+
+
+if __name__ == "__main__":
+    if not ggml_oracle.available():
+        sys.exit("needs llama-cpp-python (ggml's quantizer)")
+    regenerate(Q2_K)
