@@ -12,13 +12,13 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import EdgeError
-from . import floats, q4, q6_k, q8_0
+from . import floats, q2_k, q3_k, q4, q6_k, q8_0
 from .base import Linear, WeightFormat
 
 FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     floats.F32, floats.F16, floats.BF16,
     q4.Q4_0, q4.Q4_1, q8_0.Q8_0,
-    q6_k.Q6_K,
+    q2_k.Q2_K, q3_k.Q3_K, q6_k.Q6_K,
 )}
 BY_ID: dict[int, WeightFormat] = {f.type_id: f for f in FORMATS.values()}
 SUPPORTED = tuple(FORMATS)          # the weight types the runtime computes with

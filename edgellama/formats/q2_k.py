@@ -23,7 +23,7 @@ import numpy as np
 from gguf.constants import LlamaFileType
 from numba import njit, prange
 
-from ..fp import f16_to_f32, get_f16, put_f16
+from ..fp import f16_to_f32, get_f16, nearest_int, put_f16
 from .base import (
     TiledLinear,
     WeightFormat,
@@ -32,7 +32,7 @@ from .base import (
     repack_bytes,
     repack_halves,
 )
-from .q3_k import QK, nearest_int, put_scale, quantize_x_block, tile_span
+from .q3_k import QK, put_scale, quantize_x_block, tile_span
 
 f32 = np.float32
 BS = 84                    # bytes per super-block

@@ -26,11 +26,9 @@ from functools import cache
 
 import numpy as np
 from gguf.constants import LlamaFileType
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba import njit, prange
 
-from ..fp import f16_to_f32, get_f16, put_f16
+from ..fp import f16_to_f32, get_f16, nearest_int, put_f16
 from .base import TiledLinear, WeightFormat, anon_array, release_pages, repack_halves
 
 f32 = np.float32
@@ -41,22 +39,6 @@ _CHUNK = 64                # super-blocks per parallel work item of the referenc
 
 
 # --- shared with q2_k: ggml's rounding and the K-quant activation side --------------------
-
-@intrinsic
-def _f32_bits(typingctx, v):
-    # f32 -> its bit pattern as int32
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-    return types.int32(types.float32), codegen
-
-
-@njit(cache=True, inline="always")
-def nearest_int(v):
-    # ggml's nearest_int, bit for bit: the low mantissa bits of v + 1.5 * 2^23 (round half
-    # to even for |v| < 2^22; beyond, the same bits as the C). fp.nearest_int does not
-    # compile (.view of an f32 scalar), hence this copy.
-    return (_f32_bits(f32(v) + f32(12582912.0)) & np.int32(0x007FFFFF)) - np.int32(0x00400000)
-
 
 @njit(cache=True, inline="always")
 def quantize_x_block(x, b, xq):

@@ -1,0 +1,477 @@
+"""IQ4_NL and IQ4_XS: 4-bit indices into a fixed non-linear table of 16 int8 values.
+
+    IQ4_NL   32 per block,  18 bytes  d:f16, qs:u8[16]
+             x_j = d * KVALUES[nibble_j]
+    IQ4_XS  256 per block, 136 bytes  d:f16, scales_h:u16, scales_l:u8[4], qs:u8[128]
+             sub-block i (32 weights, qs[16i:16i+16]) has the 6-bit scale
+             ls_i = (scales_l[i/2] >> 4(i%2)) & 15 | ((scales_h >> 2i) & 3) << 4
+             x_j = d * (ls_i - 32) * KVALUES[nibble_j]
+Nibble j < 16 of a 32-block is the low nibble of its qs[j], j >= 16 the high one of
+qs[j - 16] (Q4 order).
+
+Runtime tiles (lanes across rows, see base.TiledLinear): the nibbles exactly as Q4_0,
+    q (nt, nb*16*R) u8,  d (nt, nd*R) u16 f16 bits (per 32 for NL, per 256 for XS),
+    XS: sc (nt, nb*R) i8 = ls - 32 per 32 weights (8 bytes per 256 where the file has 6).
+Decode: x is quantized to int8 per 32 (q4.prep_q4_x, as llama.cpp's q8 activations), and
+each weight costs a lookup in the 16-entry table KVALUES * xq_j of its x value and an add.
+Numba has no vector table lookup (an indexed load becomes a gather, ~15x slower than the
+Q4_0 kernel here), so `kv_dot_acc` writes the inner step in target-independent LLVM IR,
+which LLVM lowers to one permute per vector (vpermw with AVX-512BW, pshufb-based with
+AVX2, tbl on AArch64).
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf.constants import LlamaFileType
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ..fp import f16_to_f32, get_f16, put_f16
+from .base import (
+    TiledLinear,
+    WeightFormat,
+    anon_array,
+    release_pages,
+    repack_bytes,
+    repack_halves,
+)
+from .q4 import prep_q4_x
+
+f32 = np.float32
+KVALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                   np.int8)
+_KVF = KVALUES.astype(np.float32)
+GROUP_MAX_EPS = f32(1e-15)      # ggml: a sub-block with max |x| below this is all zero
+NTRY = 7                        # llama-quantize's scale search (quantize_iq4_nl / _xs)
+
+
+# --- reference quantize / dequantize (bit-exact with ggml's quantize_iq4_nl / _xs without
+# an importance matrix, i.e. quantize_row_iq4_nl_impl with ntry = 7 and weights x^2) -----
+
+@njit(cache=True, inline="always")
+def best_index(x):
+    # ggml's best_index_int8(16, kvalues_iq4nl, x): the nearest table value, ties upward
+    if x <= _KVF[0]:
+        return 0
+    if x >= _KVF[15]:
+        return 15
+    ml = 0
+    mu = 15
+    while mu - ml > 1:
+        mav = (ml + mu) // 2
+        if x < _KVF[mav]:
+            mu = mav
+        else:
+            ml = mav
+    return mu - 1 if x - _KVF[mu - 1] < _KVF[mu] - x else mu
+
+
+@njit(cache=True, error_model="numpy")
+def fit_scale(x, base):
+    # Scale of the 32 weights x[base:base+32] (0 if all below GROUP_MAX_EPS): the
+    # weighted (w = x^2) least-squares scale for the table grid at d = max/127, then the
+    # best of 2 NTRY + 1 grids id = (itry - 127) / max. All float32 in ggml's order.
+    amax = f32(0)
+    mx = f32(0)
+    for j in range(32):
+        ax = abs(x[base + j])
+        if ax > amax:
+            amax = ax
+            mx = x[base + j]
+    if amax < GROUP_MAX_EPS:
+        return f32(0)
+    idv = f32(1) / (-mx / _KVF[0])
+    sumqx = f32(0)
+    sumq2 = f32(0)
+    for j in range(32):
+        v = x[base + j]
+        q = _KVF[best_index(idv * v)]
+        w = v * v
+        sumqx += w * q * v
+        sumq2 += w * q * q
+    d = sumqx / sumq2 if sumq2 > 0 else f32(0)
+    best = d * sumqx
+    for itry in range(-NTRY, NTRY + 1):
+        idv = f32(itry + np.int64(KVALUES[0])) / mx
+        sumqx = f32(0)
+        sumq2 = f32(0)
+        for j in range(32):
+            v = x[base + j]
+            q = _KVF[best_index(idv * v)]
+            w = v * v
+            sumqx += w * q * v
+            sumq2 += w * q * q
+        if sumq2 > 0 and sumqx * sumqx > best * sumq2:
+            d = sumqx / sumq2
+            best = d * sumqx
+    return d
+
+
+@njit(cache=True, inline="always")
+def _put_nibbles(x, base, idv, out, o):
+    # the 32 weights x[base:] as table indices of x * idv, packed in Q4 order at out[o:o+16]
+    for j in range(16):
+        out[o + j] = (best_index(idv * x[base + j])
+                      | (best_index(idv * x[base + 16 + j]) << 4))
+
+
+@njit(cache=True, inline="always")
+def _non_finite(x, base, n):
+    chk = f32(0)
+    for j in range(n):
+        chk += x[base + j] * f32(0)             # NaN iff some value is NaN or inf
+    return np.isnan(chk)
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def quantize_iq4_nl(x, out):
+    # x (nb*32,) f32 -> out (nb*18,) u8; returns (non-finite blocks, overflowing scales)
+    nb = x.size // 32
+    bad = 0
+    over = 0
+    for b in prange(nb):
+        if _non_finite(x, 32 * b, 32):
+            bad += 1
+        d = fit_scale(x, 32 * b)
+        if put_f16(out, 18 * b, d):
+            over += 1
+        _put_nibbles(x, 32 * b, f32(1) / d if d != 0 else f32(0), out, 18 * b + 2)
+    return bad, over
+
+
+@njit(cache=True, inline="always")
+def _nearest_int(v, buf, bits):
+    # ggml's nearest_int bit for bit, NaN included (an overflowing d makes id * scale
+    # NaN: ggml then gets 0): the low mantissa bits of v + 1.5 * 2^23, through buf (1,) f32
+    # and its int32 view bits
+    buf[0] = v + f32(12582912.0)
+    return (bits[0] & 0x007FFFFF) - 0x00400000
+
+
+@njit(cache=True, error_model="numpy")
+def quantize_xs_block(x, base, out, o):
+    # the 256 weights x[base:] -> the IQ4_XS block at out[o:o+136]; True if d overflows f16
+    buf = np.empty(1, np.float32)
+    bits = buf.view(np.int32)
+    scales = np.empty(8, np.float32)
+    amax = f32(0)
+    smax = f32(0)                                # the scale of largest magnitude, signed
+    for i in range(8):
+        scales[i] = fit_scale(x, base + 32 * i)
+        if abs(scales[i]) > amax:
+            amax = abs(scales[i])
+            smax = scales[i]
+    d = -smax / f32(32)
+    over = put_f16(out, o, d)
+    idv = f32(1) / d if d != 0 else f32(0)
+    sh = 0
+    for i in range(8):
+        ls = min(31, max(-32, _nearest_int(idv * scales[i], buf, bits)))
+        dl = d * f32(ls)                         # the unrounded d, as ggml
+        _put_nibbles(x, base + 32 * i, f32(1) / dl if dl != 0 else f32(0), out, o + 8 + 16 * i)
+        ls += 32
+        if i % 2 == 0:
+            out[o + 4 + i // 2] = ls & 15
+        else:
+            out[o + 4 + i // 2] |= (ls & 15) << 4
+        sh |= (ls >> 4) << (2 * i)
+    out[o + 2] = sh & 0xFF
+    out[o + 3] = sh >> 8
+    return over
+
+
+@njit(parallel=True, cache=True)
+def quantize_iq4_xs(x, out):
+    # x (nb*256,) f32 -> out (nb*136,) u8; returns (non-finite blocks, overflowing scales)
+    nb = x.size // 256
+    bad = 0
+    over = 0
+    for b in prange(nb):
+        if _non_finite(x, 256 * b, 256):
+            bad += 1
+        if quantize_xs_block(x, 256 * b, out, 136 * b):
+            over += 1
+    return bad, over
+
+
+@njit(parallel=True, cache=True)
+def dequantize_iq4_nl(q, out):
+    # q (nb*18,) u8 -> out (nb*32,) f32
+    for b in prange(out.size // 32):
+        d = get_f16(q, 18 * b)
+        for j in range(16):
+            v = q[18 * b + 2 + j]
+            out[32 * b + j] = d * _KVF[v & 15]
+            out[32 * b + 16 + j] = d * _KVF[v >> 4]
+
+
+@njit(cache=True, inline="always")
+def xs_scale(q, o, i):
+    # ls - 32 of sub-block i of the IQ4_XS block at q[o]
+    lo = (q[o + 4 + i // 2] >> (4 * (i % 2))) & 15
+    hi = (q[o + 2 + i // 4] >> (2 * (i % 4))) & 3
+    return np.int32(lo | (hi << 4)) - 32
+
+
+@njit(parallel=True, cache=True)
+def dequantize_iq4_xs(q, out):
+    # q (nb*136,) u8 -> out (nb*256,) f32
+    for b in prange(out.size // 256):
+        o = 136 * b
+        d = get_f16(q, o)
+        for i in range(8):
+            dl = d * f32(xs_scale(q, o, i))
+            for j in range(16):
+                v = q[o + 8 + 16 * i + j]
+                out[256 * b + 32 * i + j] = dl * _KVF[v & 15]
+                out[256 * b + 32 * i + 16 + j] = dl * _KVF[v >> 4]
+
+
+# --- decode: a 16-entry table lookup per weight --------------------------------------------
+
+@intrinsic(prefer_literal=True)
+def kv_dot_acc(typingctx, xq, xo, src, so, stride, acc, nr, lanes, nbytes):
+    """acc[:nr] (int32) += sum over i < nbytes of KVALUES[v & 15] xq[xo + i] +
+    KVALUES[v >> 4] xq[xo + 16 + i], v = src[so + i stride:][:nr]: nbytes nibble bytes
+    (j = xo % 32, j+1, ..) of one block, lanes across nr rows; xq int16 in [-127, 127];
+    lanes (the vector width, dividing nr) and nbytes constants.
+
+    Numba cannot express a vector table lookup, so this is LLVM IR without target
+    intrinsics: the tables T[u] = KVALUES[u] xq (16 x int16, one vector per weight, made
+    once per call), and per lane vector a vector built from `extractelement(T, index)`,
+    which LLVM's backends lower to one variable permute (vpermw with AVX-512BW, pshufb-
+    based with AVX2, tbl on AArch64). A pair of table values fits int16 (127 * 127 * 2 =
+    32258); it is widened to int32 before the next pair is added."""
+    if not isinstance(lanes, types.IntegerLiteral) or not isinstance(nbytes, types.IntegerLiteral):
+        return None
+    n = lanes.literal_value
+    m = nbytes.literal_value
+
+    def codegen(context, builder, sig, args):
+        i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+        tv, nv, wide = ir.VectorType(i16, 16), ir.VectorType(i16, n), ir.VectorType(i32, n)
+        i64 = args[1].type
+        k64 = lambda v: ir.Constant(i64, v)
+        kvals = ir.Constant(tv, [int(v) for v in KVALUES])
+
+        def ptr(k, off, ty):
+            data = context.make_array(sig.args[k])(context, builder, args[k]).data
+            return builder.bitcast(builder.gep(data, [off]), ty.as_pointer())
+
+        def table(off):
+            one = builder.insert_element(ir.Constant(tv, None), builder.load(ptr(0, off, i16)),
+                                         ir.Constant(i32, 0))
+            x = builder.shuffle_vector(one, ir.Constant(tv, None),
+                                       ir.Constant(ir.VectorType(i32, 16), [0] * 16))
+            return builder.mul(kvals, x)
+
+        def lookup(tab, idx):
+            res = ir.Constant(nv, None)
+            for k in range(n):
+                kk = ir.Constant(i32, k)
+                res = builder.insert_element(
+                    res, builder.extract_element(tab, builder.extract_element(idx, kk)), kk)
+            return res
+
+        tabs = [(table(builder.add(args[1], k64(i))), table(builder.add(args[1], k64(16 + i))))
+                for i in range(m)]
+        with cgutils.for_range(builder, builder.udiv(args[6], k64(n))) as loop:
+            r0 = builder.mul(loop.index, k64(n))
+            a = ptr(5, r0, wide)
+            total = builder.load(a, align=4)
+            for i, (t_lo, t_hi) in enumerate(tabs):
+                so = builder.add(builder.add(args[3], builder.mul(args[4], k64(i))), r0)
+                v = builder.zext(builder.load(ptr(2, so, ir.VectorType(i8, n)), align=1), nv)
+                pair = builder.add(lookup(t_lo, builder.and_(v, ir.Constant(nv, [15] * n))),
+                                   lookup(t_hi, builder.lshr(v, ir.Constant(nv, [4] * n))))
+                total = builder.add(total, builder.sext(pair, wide))
+            builder.store(total, a, align=4)
+        return context.get_dummy_value()
+
+    return types.void(xq, xo, src, so, stride, acc, nr, lanes, nbytes), codegen
+
+
+@njit(cache=True)
+def prep_iq4_x(x, xa, xb, xd, xm, xsum, xq):
+    # x (n,) f32 -> prep_q4_x's int8 x per block of 32 (scale xd), as xq (n,) int16:
+    # xq_j = xa_j, xq_j+16 = xb_j + 16 xa_j
+    prep_q4_x(x, xa, xb, xd, xm, xsum)
+    for b in range(xd.size):
+        for j in range(16):
+            xq[32 * b + j] = xa[16 * b + j]
+            xq[32 * b + 16 + j] = xb[16 * b + j] + 16 * xa[16 * b + j]
+
+
+@njit(cache=True, inline="always")
+def iq4_block(qt, o, xq, b, a32, R):
+    # a32 (R,) int32 += sum over the 16 nibble bytes of block b at qt[o:o+16R] (lanes
+    # across rows) of KVALUES[nibble] xq: two passes of 8 bytes (16 tables; 4 bytes a
+    # pass: 7% slower, 16: register spills)
+    for j in range(0, 16, 8):
+        if R % 32 == 0:
+            kv_dot_acc(xq, 32 * b + j, qt, o + j * R, R, a32, R, 32, 8)
+        else:
+            kv_dot_acc(xq, 32 * b + j, qt, o + j * R, R, a32, R, 16, 8)
+
+
+@njit(cache=True, fastmath=True, parallel=True)
+def matvec_iq4_nl(q, d, xq, xd, out, scratch, s32):
+    # W (nt*R, n) IQ4_NL tiles q (nt, nb*16*R), d (nt, nb*R) @ x (prep_iq4_x) -> out (d,)
+    # scratch (nt, R) f32, s32 (nt, R) int32: per-tile sums
+    nt = q.shape[0]
+    R = scratch.shape[1]
+    for t in prange(nt):
+        qt = q[t]
+        acc = scratch[t]
+        a32 = s32[t]
+        acc[:] = 0
+        a32[:] = 0
+        for b in range(xd.size):
+            iq4_block(qt, 16 * b * R, xq, b, a32, R)
+            db = d[t, b * R:(b + 1) * R]
+            dx = xd[b]
+            for r in range(R):
+                acc[r] += f16_to_f32(db[r]) * dx * f32(a32[r])
+                a32[r] = 0
+        n = min(R, out.size - t * R)
+        out[t * R:t * R + n] = acc[:n]
+
+
+@njit(cache=True, fastmath=True, parallel=True)
+def matvec_iq4_xs(q, d, sc, xq, xd, out, scratch, s32):
+    # W (nt*R, n) IQ4_XS tiles q (nt, nb*16*R), d (nt, nb/8*R), sc (nt, nb*R) i8
+    # @ x (prep_iq4_x) -> out (d,); nb = n / 32, scratch / s32 (nt, R) as matvec_iq4_nl
+    nt = q.shape[0]
+    R = scratch.shape[1]
+    for t in prange(nt):
+        qt = q[t]
+        acc = scratch[t]
+        a32 = s32[t]
+        acc[:] = 0
+        a32[:] = 0
+        for b in range(xd.size):
+            iq4_block(qt, 16 * b * R, xq, b, a32, R)
+            db = d[t, (b // 8) * R:(b // 8 + 1) * R]
+            sb = sc[t, b * R:(b + 1) * R]
+            dx = xd[b]
+            for r in range(R):
+                acc[r] += f16_to_f32(db[r]) * f32(sb[r]) * dx * f32(a32[r])
+                a32[r] = 0
+        n = min(R, out.size - t * R)
+        out[t * R:t * R + n] = acc[:n]
+
+
+# --- prefill and embedding: dequantize from tiles (serial: see q4.py) ---------------------
+
+@njit(cache=True)
+def dequant_iq4_tiles(q, d, sc, per_d, t0, t1, wt):
+    # IQ4 tiles t0..t1 -> wt (n, (t1-t0)*R) f32 = W[rows].T, gguf's values exactly:
+    # block b's scale is d[b // per_d] (times sc[b] if sc has a row, IQ4_XS)
+    nb = wt.shape[0] // 32
+    R = q.shape[1] // (16 * nb)
+    dsc = np.empty(R, f32)
+    for b in range(nb):
+        for t in range(t0, t1):
+            for r in range(R):
+                dsc[r] = f16_to_f32(d[t, (b // per_d) * R + r])
+                if sc.shape[0]:
+                    dsc[r] *= f32(sc[t, b * R + r])
+            c = (t - t0) * R
+            for j in range(16):
+                qj = q[t, (16 * b + j) * R:(16 * b + j + 1) * R]
+                lo = wt[32 * b + j, c:c + R]
+                hi = wt[32 * b + 16 + j, c:c + R]
+                for r in range(R):
+                    lo[r] = dsc[r] * _KVF[qj[r] & 15]
+                    hi[r] = dsc[r] * _KVF[qj[r] >> 4]
+
+
+@njit(cache=True)
+def rows_iq4(q, d, sc, per_d, ids, out):
+    # IQ4 tiles, ids (T,) -> out (T, n) f32 dequantized rows (values as dequant_iq4_tiles)
+    nb = out.shape[1] // 32
+    R = q.shape[1] // (16 * nb)
+    for i in range(ids.size):
+        t = ids[i] // R
+        r = ids[i] % R
+        row = out[i]
+        for b in range(nb):
+            dd = f16_to_f32(d[t, (b // per_d) * R + r])
+            if sc.shape[0]:
+                dd *= f32(sc[t, b * R + r])
+            for j in range(16):
+                v = q[t, (16 * b + j) * R + r]
+                row[32 * b + j] = dd * _KVF[v & 15]
+                row[32 * b + 16 + j] = dd * _KVF[v >> 4]
+
+
+@njit(cache=True, parallel=True)
+def repack_xs_scales(raw, row0, dst):
+    # ls - 32 of every sub-block of raw (rows, nb*136) u8 IQ4_XS -> rows row0.. of
+    # dst (nt, nb*8*R) i8 (lanes across rows)
+    rows = raw.shape[0]
+    nb = raw.shape[1] // 136
+    R = dst.shape[1] // (nb * 8)
+    for t in prange(row0 // R, (row0 + rows - 1) // R + 1):
+        r0 = max(0, row0 - t * R)
+        r1 = min(R, row0 + rows - t * R)
+        for b in range(nb):
+            for i in range(8):
+                lane = dst[t, (8 * b + i) * R + r0:(8 * b + i) * R + r1]
+                for r in range(r1 - r0):
+                    lane[r] = xs_scale(raw[t * R + r0 - row0 + r], 136 * b, i)
+
+
+class IQ4Linear(TiledLinear):
+    """IQ4_NL / IQ4_XS in row tiles: q (nt, nb*16*R) u8 nibbles, d (nt, nd*R) u16,
+    IQ4_XS sc (nt, nb*R) i8 (nb = in_features / 32)."""
+
+    def _load(self, raws):
+        n = self.in_features
+        nb, nt, R = n // 32, self.nt, self.R
+        bs = self.fmt.type_size
+        xs = self.type_name == "IQ4_XS"
+        self.per_d = 8 if xs else 1                       # 32-blocks per f16 scale
+        self.q = anon_array((nt, nb * 16 * R), np.uint8)  # zeroed: pad rows add nothing
+        self.d = anon_array((nt, nb // self.per_d * R), np.uint16)
+        self.sc = anon_array((nt, nb * R) if xs else (0, 0), np.int8)
+        row0 = 0
+        for raw in raws:
+            repack_halves(raw, row0, bs, 0, self.d)
+            repack_bytes(raw, row0, bs, bs - 16 * self.per_d, bs, self.q)
+            if xs:
+                repack_xs_scales(raw, row0, self.sc)
+            release_pages(raw)
+            row0 += raw.shape[0]
+        self._scratch = np.zeros((nt, R), f32)
+        self._s32 = np.zeros((nt, R), np.int32)
+        self._xa = np.zeros(n // 2, np.int16)
+        self._xb = np.zeros(n // 2, np.int16)
+        self._xd = np.zeros(nb, f32)
+        self._xm = np.zeros(nb, np.int16)
+        self._xsum = np.zeros(nb, f32)
+        self._xq = np.zeros(n, np.int16)
+
+    def matvec(self, x, out):
+        prep_iq4_x(x, self._xa, self._xb, self._xd, self._xm, self._xsum, self._xq)
+        if self.per_d == 1:
+            matvec_iq4_nl(self.q, self.d, self._xq, self._xd, out, self._scratch, self._s32)
+        else:
+            matvec_iq4_xs(self.q, self.d, self.sc, self._xq, self._xd, out, self._scratch,
+                          self._s32)
+
+    def _dequant_tiles(self, t0, t1, wt):
+        dequant_iq4_tiles(self.q, self.d, self.sc, self.per_d, t0, t1, wt)
+
+    def _rows(self, ids, out):
+        rows_iq4(self.q, self.d, self.sc, self.per_d, ids, out)
+
+
+IQ4_NL = WeightFormat("IQ4_NL", 20, 32, 18, "d:f16, qs:u8[16]; x=d*KVALUES[nibble]", IQ4Linear,
+                      dequantize_iq4_nl, quantize_iq4_nl, LlamaFileType.MOSTLY_IQ4_NL)
+IQ4_XS = WeightFormat("IQ4_XS", 23, 256, 136,
+                      "d:f16, scales_h:u16, scales_l:u8[4], qs:u8[128]; "
+                      "x=d*(ls-32)*KVALUES[nibble], ls 6 bits per 32", IQ4Linear,
+                      dequantize_iq4_xs, quantize_iq4_xs, LlamaFileType.MOSTLY_IQ4_XS)
