@@ -28,7 +28,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..fp import f16_to_f32, get_f16, put_f16
+from ..fp import f16_to_f32, get_f16, nearest_int, put_f16
 from .base import (
     TiledLinear,
     WeightFormat,
@@ -141,20 +141,9 @@ def quantize_iq4_nl(x, out):
     return bad, over
 
 
-@njit(cache=True, inline="always")
-def _nearest_int(v, buf, bits):
-    # ggml's nearest_int bit for bit, NaN included (an overflowing d makes id * scale
-    # NaN: ggml then gets 0): the low mantissa bits of v + 1.5 * 2^23, through buf (1,) f32
-    # and its int32 view bits
-    buf[0] = v + f32(12582912.0)
-    return (bits[0] & 0x007FFFFF) - 0x00400000
-
-
 @njit(cache=True, error_model="numpy")
 def quantize_xs_block(x, base, out, o):
     # the 256 weights x[base:] -> the IQ4_XS block at out[o:o+136]; True if d overflows f16
-    buf = np.empty(1, np.float32)
-    bits = buf.view(np.int32)
     scales = np.empty(8, np.float32)
     amax = f32(0)
     smax = f32(0)                                # the scale of largest magnitude, signed
@@ -168,7 +157,8 @@ def quantize_xs_block(x, base, out, o):
     idv = f32(1) / d if d != 0 else f32(0)
     sh = 0
     for i in range(8):
-        ls = min(31, max(-32, _nearest_int(idv * scales[i], buf, bits)))
+        # bit for bit ggml's, NaN included (an overflowing d makes id * scale NaN -> 0)
+        ls = min(31, max(-32, nearest_int(idv * scales[i])))
         dl = d * f32(ls)                         # the unrounded d, as ggml
         _put_nibbles(x, base + 32 * i, f32(1) / dl if dl != 0 else f32(0), out, o + 8 + 16 * i)
         ls += 32
