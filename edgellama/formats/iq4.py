@@ -220,6 +220,36 @@ def dequantize_iq4_xs(q, out):
 
 
 # --- decode: a 16-entry table lookup per weight --------------------------------------------
+# Numba cannot express a vector table lookup, so the two intrinsics below are LLVM IR
+# without target intrinsics: per vector of lanes, a vector built from
+# `extractelement(table, index)`, which LLVM's backends lower to a variable permute.
+
+def _ir_ptr(context, builder, aty, arr, off, ty):
+    # pointer to arr[off] (array of Numba type aty) as a ty*
+    data = context.make_array(aty)(context, builder, arr).data
+    return builder.bitcast(builder.gep(data, [off]), ty.as_pointer())
+
+
+def _ir_nibbles(builder, p, n):
+    # the n bytes at p (i8*) -> their low and high nibbles as two <n x i16>
+    nv = ir.VectorType(ir.IntType(16), n)
+    v = builder.zext(builder.load(builder.bitcast(p, ir.VectorType(ir.IntType(8), n).as_pointer()),
+                                  align=1), nv)
+    return builder.and_(v, ir.Constant(nv, [15] * n)), builder.lshr(v, ir.Constant(nv, [4] * n))
+
+
+def _ir_lookup(builder, table, idx):
+    # <n x i16>: table[idx[k]] per lane k, table <16 x i16>, idx <n x i16> in [0, 16)
+    res = ir.Constant(idx.type, None)
+    for k in range(idx.type.count):
+        kk = ir.Constant(ir.IntType(32), k)
+        res = builder.insert_element(
+            res, builder.extract_element(table, builder.extract_element(idx, kk)), kk)
+    return res
+
+
+_KV_IR = ir.Constant(ir.VectorType(ir.IntType(16), 16), [int(v) for v in KVALUES])
+
 
 @intrinsic(prefer_literal=True)
 def kv_dot_acc(typingctx, xq, xo, src, so, stride, acc, nr, lanes, nbytes):
@@ -228,42 +258,26 @@ def kv_dot_acc(typingctx, xq, xo, src, so, stride, acc, nr, lanes, nbytes):
     (j = xo % 32, j+1, ..) of one block, lanes across nr rows; xq int16 in [-127, 127];
     lanes (the vector width, dividing nr) and nbytes constants.
 
-    Numba cannot express a vector table lookup, so this is LLVM IR without target
-    intrinsics: the tables T[u] = KVALUES[u] xq (16 x int16, one vector per weight, made
-    once per call), and per vector of lanes a vector built from `extractelement(T, index)`,
-    which LLVM's backends lower to a variable permute (module docstring). A pair of table
-    values fits int16 (127 * 127 * 2 = 32258); it is widened to int32 before the next pair
-    is added."""
+    The tables KVALUES * xq (one <16 x i16> per weight) are made once per call. A pair of
+    table values fits int16 (127 * 127 * 2 = 32258); it is widened to int32 before the next
+    pair is added."""
     if not isinstance(lanes, types.IntegerLiteral) or not isinstance(nbytes, types.IntegerLiteral):
         return None
     n = lanes.literal_value
     m = nbytes.literal_value
 
     def codegen(context, builder, sig, args):
-        i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
-        tv, nv, wide = ir.VectorType(i16, 16), ir.VectorType(i16, n), ir.VectorType(i32, n)
-        i64 = args[1].type
-        k64 = lambda v: ir.Constant(i64, v)
-        kvals = ir.Constant(tv, [int(v) for v in KVALUES])
-
-        def ptr(k, off, ty):
-            data = context.make_array(sig.args[k])(context, builder, args[k]).data
-            return builder.bitcast(builder.gep(data, [off]), ty.as_pointer())
+        i16, i32 = ir.IntType(16), ir.IntType(32)
+        tv, wide = ir.VectorType(i16, 16), ir.VectorType(i32, n)
+        k64 = lambda v: ir.Constant(args[1].type, v)
+        ptr = lambda k, off, ty: _ir_ptr(context, builder, sig.args[k], args[k], off, ty)
 
         def table(off):
             one = builder.insert_element(ir.Constant(tv, None), builder.load(ptr(0, off, i16)),
                                          ir.Constant(i32, 0))
             x = builder.shuffle_vector(one, ir.Constant(tv, None),
                                        ir.Constant(ir.VectorType(i32, 16), [0] * 16))
-            return builder.mul(kvals, x)
-
-        def lookup(tab, idx):
-            res = ir.Constant(nv, None)
-            for k in range(n):
-                kk = ir.Constant(i32, k)
-                res = builder.insert_element(
-                    res, builder.extract_element(tab, builder.extract_element(idx, kk)), kk)
-            return res
+            return builder.mul(_KV_IR, x)
 
         tabs = [(table(builder.add(args[1], k64(i))), table(builder.add(args[1], k64(16 + i))))
                 for i in range(m)]
@@ -273,14 +287,35 @@ def kv_dot_acc(typingctx, xq, xo, src, so, stride, acc, nr, lanes, nbytes):
             total = builder.load(a, align=4)
             for i, (t_lo, t_hi) in enumerate(tabs):
                 so = builder.add(builder.add(args[3], builder.mul(args[4], k64(i))), r0)
-                v = builder.zext(builder.load(ptr(2, so, ir.VectorType(i8, n)), align=1), nv)
-                pair = builder.add(lookup(t_lo, builder.and_(v, ir.Constant(nv, [15] * n))),
-                                   lookup(t_hi, builder.lshr(v, ir.Constant(nv, [4] * n))))
+                lo, hi = _ir_nibbles(builder, ptr(2, so, ir.IntType(8)), n)
+                pair = builder.add(_ir_lookup(builder, t_lo, lo), _ir_lookup(builder, t_hi, hi))
                 total = builder.add(total, builder.sext(pair, wide))
             builder.store(total, a, align=4)
         return context.get_dummy_value()
 
     return types.void(xq, xo, src, so, stride, acc, nr, lanes, nbytes), codegen
+
+
+@intrinsic(prefer_literal=True)
+def kv_values(typingctx, src, so, lo, hi, nr, lanes):
+    """lo[:nr], hi[:nr] (int16) = KVALUES[v & 15], KVALUES[v >> 4] for the nibble bytes
+    v = src[so:so+nr]; lanes (the vector width, dividing nr) a constant."""
+    if not isinstance(lanes, types.IntegerLiteral):
+        return None
+    n = lanes.literal_value
+
+    def codegen(context, builder, sig, args):
+        nv = ir.VectorType(ir.IntType(16), n)
+        k64 = lambda v: ir.Constant(args[1].type, v)
+        ptr = lambda k, off, ty: _ir_ptr(context, builder, sig.args[k], args[k], off, ty)
+        with cgutils.for_range(builder, builder.udiv(args[4], k64(n))) as loop:
+            r0 = builder.mul(loop.index, k64(n))
+            v_lo, v_hi = _ir_nibbles(builder, ptr(0, builder.add(args[1], r0), ir.IntType(8)), n)
+            builder.store(_ir_lookup(builder, _KV_IR, v_lo), ptr(2, r0, nv), align=2)
+            builder.store(_ir_lookup(builder, _KV_IR, v_hi), ptr(3, r0, nv), align=2)
+        return context.get_dummy_value()
+
+    return types.void(src, so, lo, hi, nr, lanes), codegen
 
 
 @njit(cache=True)
@@ -362,6 +397,8 @@ def dequant_iq4_tiles(q, d, sc, per_d, t0, t1, wt):
     nb = wt.shape[0] // 32
     R = q.shape[1] // (16 * nb)
     dsc = np.empty(R, f32)
+    vlo = np.empty(R, np.int16)
+    vhi = np.empty(R, np.int16)
     for b in range(nb):
         for t in range(t0, t1):
             for r in range(R):
@@ -370,12 +407,15 @@ def dequant_iq4_tiles(q, d, sc, per_d, t0, t1, wt):
                     dsc[r] *= f32(sc[t, b * R + r])
             c = (t - t0) * R
             for j in range(16):
-                qj = q[t, (16 * b + j) * R:(16 * b + j + 1) * R]
+                if R % 32 == 0:
+                    kv_values(q[t], (16 * b + j) * R, vlo, vhi, R, 32)
+                else:
+                    kv_values(q[t], (16 * b + j) * R, vlo, vhi, R, 16)
                 lo = wt[32 * b + j, c:c + R]
                 hi = wt[32 * b + 16 + j, c:c + R]
                 for r in range(R):
-                    lo[r] = dsc[r] * _KVF[qj[r] & 15]
-                    hi[r] = dsc[r] * _KVF[qj[r] >> 4]
+                    lo[r] = dsc[r] * f32(vlo[r])
+                    hi[r] = dsc[r] * f32(vhi[r])
 
 
 @njit(cache=True)
