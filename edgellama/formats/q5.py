@@ -282,12 +282,11 @@ def _value(u, d, m, has_m):
 @njit(cache=True)
 def dequant_q5_tiles(w, d, m, has_m, t0, t1, wt):
     # Q5 tiles t0..t1 -> wt (n, (t1-t0)*R) f32 = W[rows].T, exactly gguf's values
-    # (no fastmath: no fused multiply-add)
+    # (no fastmath: no fused multiply-add). The has_m branches sit outside the lane loops.
     nb = wt.shape[0] // 32
     R = d.shape[1] // nb
     dsc = np.empty(R, f32)
     msc = np.empty(R, f32)
-    top = np.empty(R, np.int32)
     for b in range(nb):
         for t in range(t0, t1):
             for r in range(R):
@@ -295,22 +294,36 @@ def dequant_q5_tiles(w, d, m, has_m, t0, t1, wt):
                 msc[r] = f16_to_f32(m[t, b * R + r])
             c = (t - t0) * R
             for g in range(2):
-                top[:] = 0
+                o = (10 * b + 5 * g) * R
+                e = 32 * b + 16 * g
                 for k in range(5):
-                    wk = w[t, (10 * b + 5 * g + k) * R:(10 * b + 5 * g + k + 1) * R]
-                    e = 32 * b + 16 * g + 3 * k
-                    x0 = wt[e, c:c + R]
-                    x1 = wt[e + 1, c:c + R]
-                    x2 = wt[e + 2, c:c + R]
-                    for r in range(R):
-                        v = np.int32(wk[r])
-                        x0[r] = _value(v & 31, dsc[r], msc[r], has_m)
-                        x1[r] = _value((v >> 5) & 31, dsc[r], msc[r], has_m)
-                        x2[r] = _value((v >> 10) & 31, dsc[r], msc[r], has_m)
-                        top[r] |= (v >> 15) << k
-                x15 = wt[32 * b + 16 * g + 15, c:c + R]
+                    wk = w[t, o + k * R:o + (k + 1) * R]
+                    x0 = wt[e + 3 * k, c:c + R]
+                    x1 = wt[e + 3 * k + 1, c:c + R]
+                    x2 = wt[e + 3 * k + 2, c:c + R]
+                    if has_m:
+                        for r in range(R):
+                            v = np.int32(wk[r])
+                            x0[r] = f32(v & 31) * dsc[r] + msc[r]
+                            x1[r] = f32((v >> 5) & 31) * dsc[r] + msc[r]
+                            x2[r] = f32((v >> 10) & 31) * dsc[r] + msc[r]
+                    else:
+                        for r in range(R):
+                            v = np.int32(wk[r])
+                            x0[r] = f32((v & 31) - 16) * dsc[r]
+                            x1[r] = f32(((v >> 5) & 31) - 16) * dsc[r]
+                            x2[r] = f32(((v >> 10) & 31) - 16) * dsc[r]
+                w0 = w[t, o:o + R]
+                w1 = w[t, o + R:o + 2 * R]
+                w2 = w[t, o + 2 * R:o + 3 * R]
+                w3 = w[t, o + 3 * R:o + 4 * R]
+                w4 = w[t, o + 4 * R:o + 5 * R]
+                x15 = wt[e + 15, c:c + R]               # its 5 bits: the words' top bits
                 for r in range(R):
-                    x15[r] = _value(top[r], dsc[r], msc[r], has_m)
+                    u = (np.int32(w0[r] >> 15) | (np.int32(w1[r] >> 15) << 1)
+                         | (np.int32(w2[r] >> 15) << 2) | (np.int32(w3[r] >> 15) << 3)
+                         | (np.int32(w4[r] >> 15) << 4))
+                    x15[r] = _value(u, dsc[r], msc[r], has_m)
 
 
 @njit(cache=True)
