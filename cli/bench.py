@@ -8,8 +8,26 @@ from pathlib import Path
 import click
 
 from edgellama import benchmark
+from edgellama.args import ModelArgs
+from edgellama.errors import EdgeError
+from edgellama.machine import available_memory
+from edgellama.model import KVCache
 
 from .main import main
+
+
+def _refuse_unfitting(shape: str, ctx: int, n_prompt: int) -> None:
+    """The checks loading would make, made on the shape alone."""
+    if n_prompt + 1 > ctx:
+        raise click.UsageError(f"-p {n_prompt} does not fit --ctx {ctx}")
+    s = benchmark.SHAPES[shape]
+    args = ModelArgs(dim=s.dim, n_layers=s.layers, n_heads=s.heads, n_kv_heads=s.kv_heads,
+                     ffn_dim=s.ffn, vocab_size=s.vocab, norm_eps=1e-5, rope_theta=s.theta,
+                     rope_dim=s.dim // s.heads, train_ctx=s.train_ctx, tied_output=True)
+    need, avail = KVCache.bytes_needed(args, ctx), available_memory()
+    if avail is not None and need > avail:
+        raise EdgeError(f"--ctx {ctx} needs {need / 2**20:.0f} MiB of KV cache for {shape}, but "
+                        f"only {avail / 2**20:.0f} MiB of memory is available; use a smaller --ctx")
 
 
 @main.command()
@@ -39,7 +57,9 @@ def bench(model, shape, qtype, ctx, n_prompt, n_gen, depth, threads, reps, budge
         raise click.UsageError("give either -m or --shape, not both")
     synthetic = model is None
     if synthetic:
-        model = benchmark.shape_file(shape or "llama-3.2-3b", qtype, quiet=as_json)
+        shape = shape or "llama-3.2-3b"
+        _refuse_unfitting(shape, ctx, n_prompt)   # before generating gigabytes of weights
+        model = benchmark.shape_file(shape, qtype, quiet=as_json)
     tty = sys.stderr.isatty()
 
     def progress(msg):

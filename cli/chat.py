@@ -5,14 +5,14 @@ import sys
 
 import click
 
-import edgellama
+from edgellama import jit
 from edgellama.chat_session import ChatSession
 from edgellama.default_model import cache_dir
 from edgellama.errors import EdgeError
 from edgellama.jit import warm_up
 
 from .main import main
-from .options import model_options, sampling_from, sampling_options
+from .options import Output, load, model_options, one_line, sampling_from, sampling_options
 
 HELP = """commands:
   /system TEXT   set the system prompt (starts a new conversation)
@@ -51,17 +51,21 @@ def _clean(text: str) -> str:
 @click.option("-s", "--system", default=None, help="System prompt.")
 def chat(model, ctx, threads, max_tokens, system, **sampling):
     """Chat with a model in the terminal."""
-    llm = edgellama.load(model, ctx=ctx, threads=threads)
+    llm = load(model, ctx, threads)
+    session = ChatSession(llm, sampling_from(llm.default_sampling(), sampling),
+                          max_tokens=max_tokens, system=system)
     compile_s = warm_up(llm, announce=lambda: click.echo(
+        "Compiling kernels (10-30 s)..." if jit.cache_note else
         "Compiling kernels (first run only, 10-30 s)...", err=True))
     kv = llm.model.cache
-    click.echo(f"{llm.gguf.get('general.name') or llm.path.name} | {llm.model.type_summary()} | "
+    name = llm.gguf.get("general.name")
+    click.echo(f"{one_line(name) if isinstance(name, str) and name else llm.path.name} | "
+               f"{llm.model.type_summary()} | "
                f"ctx {llm.ctx} | weights {llm.model.weight_bytes / 2**20:.0f} MiB + "
                f"KV {kv.nbytes / 2**20:.0f} MiB | loaded in {llm.load_seconds:.1f} s"
                + (f" (+{compile_s:.0f} s compile)" if compile_s > 1 else "")
                + " | /help for commands", err=True)
-    session = ChatSession(llm, sampling_from(llm.default_sampling(), sampling),
-                          max_tokens=max_tokens, system=system)
+    out = Output(sys.stdout)
     rl = _readline_setup()
     while True:
         try:
@@ -99,19 +103,18 @@ def chat(model, ctx, threads, max_tokens, system, **sampling):
             continue
         try:
             for piece in session.send(text):
-                sys.stdout.write(piece)
-                sys.stdout.flush()
-            sys.stdout.write("\n")
+                out.write(piece)
+            out.write("\n")
             if llm.stats.stop_reason == "length":
                 click.echo(f"(reply cut at --max-tokens {max_tokens})", err=True)
             elif llm.stats.stop_reason == "context full":
                 click.echo("(reply cut: the context is full; the next message drops old turns)",
                            err=True)
         except KeyboardInterrupt:
-            sys.stdout.write("\n")
+            out.write("\n")
             click.echo("(reply stopped)", err=True)
         except EdgeError as e:
-            click.echo(f"error: {e}", err=True)
+            click.echo(f"error: {one_line(str(e))}", err=True)
         for note in session.notices:
             click.echo(f"({note})", err=True)
         session.notices.clear()

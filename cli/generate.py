@@ -5,11 +5,8 @@ import sys
 
 import click
 
-import edgellama
-from edgellama.tokenizer import StreamDecoder
-
 from .main import main
-from .options import model_options, sampling_from, sampling_options
+from .options import Output, load, model_options, sampling_from, sampling_options
 
 
 @main.command()
@@ -22,7 +19,7 @@ from .options import model_options, sampling_from, sampling_options
 @click.option("--system", default=None, help="System prompt (chat template only).")
 def generate(model, ctx, threads, prompt, max_tokens, raw, system, **sampling):
     """Complete PROMPT with the model and print the reply as it is generated."""
-    llm = edgellama.load(model, ctx=ctx, threads=threads)
+    llm = load(model, ctx, threads)
     params = sampling_from(llm.default_sampling(), sampling)
     if raw:
         ids = llm.tokenizer.encode(prompt)
@@ -32,13 +29,12 @@ def generate(model, ctx, threads, prompt, max_tokens, raw, system, **sampling):
         messages = ([{"role": "system", "content": system}] if system else []) + \
                    [{"role": "user", "content": prompt}]
         ids = llm.chat.encode_messages(messages)
-    out = StreamDecoder(llm.tokenizer)
+    out = Output(sys.stdout)
     if raw:
-        sys.stdout.write(prompt)
+        out.write(prompt)
     for tok in llm.generate(ids, max_tokens=max_tokens, sampling=params):
-        sys.stdout.write(out.push(tok))
-        sys.stdout.flush()
-    sys.stdout.write(out.flush() + "\n")
+        out.write(llm.tokenizer.shown_bytes(tok))
+    out.finish()
     s = llm.stats
     click.echo(f"prompt: {s.prompt_tokens} tokens, {s.prompt_tps:.1f} tok/s | "
                f"generation: {s.gen_tokens} tokens, {s.gen_tps:.1f} tok/s ({s.stop_reason})",

@@ -5,11 +5,16 @@ stderr), 2 usage errors (click). `--debug` shows tracebacks.
 """
 from __future__ import annotations
 
+import os
+import signal
 import sys
 
 import click
 
+from edgellama import jit
 from edgellama.errors import EdgeError
+
+from .options import one_line
 
 
 class _Group(click.Group):
@@ -23,16 +28,26 @@ class _Group(click.Group):
         except KeyboardInterrupt:
             click.echo("\ninterrupted", err=True)
             sys.exit(130)
+        except BrokenPipeError:
+            # The reader went away (`edgellama generate ... | head -1`): end quietly, with
+            # the status of a program stopped by SIGPIPE. Both streams go to /dev/null, or
+            # Python's final flush would complain ("Exception ignored ...").
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            for stream in (sys.stdout, sys.stderr):
+                os.dup2(devnull, stream.fileno())
+            sys.exit(128 + getattr(signal, "SIGPIPE", 13))
         except Exception as e:  # noqa: BLE001 - the top level decides how errors look
             if ctx.obj and ctx.obj.get("debug"):
                 raise
             if isinstance(e, EdgeError):
-                click.echo(f"error: {e}", err=True)
+                message = str(e)
             elif isinstance(e, OSError):
-                click.echo(f"error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), err=True)
+                message = f"{e.strerror or e}: {e.filename or ''}".rstrip(": ")
             else:
-                click.echo(f"error: internal error {type(e).__name__}: {e} "
-                           f"(run with --debug for the traceback)", err=True)
+                message = (f"internal error {type(e).__name__}: {e} "
+                           f"(run with --debug for the traceback)")
+            # messages quote the model file (template errors, names): one line, no escapes
+            click.echo(f"error: {one_line(message)}", err=True)
             sys.exit(1)
 
 
@@ -42,6 +57,8 @@ class _Group(click.Group):
 def main(ctx, debug):
     """edgellama: run quantized Llama models on a CPU."""
     ctx.ensure_object(dict)["debug"] = debug
+    if jit.cache_note:
+        click.echo(f"note: {jit.cache_note}", err=True)
 
 
 # Each command module adds itself to `main` when imported.

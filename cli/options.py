@@ -1,10 +1,13 @@
-"""Options shared by the commands that run the engine."""
+"""Options and output helpers shared by the commands that run the engine."""
 from __future__ import annotations
 
+import codecs
 import dataclasses
+import re
 
 import click
 
+import edgellama
 from edgellama.sampling import SamplingParams
 
 
@@ -19,13 +22,22 @@ def model_options(f):
                         help="GGUF file (default: SmolLM2-135M-Instruct, fetched once).")(f)
 
 
+def load(model, ctx, threads) -> edgellama.LLM:
+    """edgellama.load, then what the file gave reason to warn about, on stderr."""
+    llm = edgellama.load(model, ctx=ctx, threads=threads)
+    for warning in llm.warnings:
+        click.echo(f"warning: {one_line(warning)}", err=True)
+    return llm
+
+
 _SAMPLING = {
     "temperature": ("--temp", "--temperature", float, "Sampling temperature; 0 = greedy."),
     "top_k": ("--top-k", None, int, "Keep the k most likely tokens; 0 = off."),
     "top_p": ("--top-p", None, float, "Nucleus sampling threshold; 1 = off."),
     "min_p": ("--min-p", None, float, "Drop tokens below min-p × p(best); 0 = off."),
     "repeat_penalty": ("--repeat-penalty", None, float, "Penalise recent tokens; 1 = off."),
-    "seed": ("--seed", None, int, "Random seed for reproducible sampling."),
+    "seed": ("--seed", None, click.IntRange(min=-1),
+             "Random seed for reproducible sampling; -1 = a random seed (the default)."),
 }
 
 
@@ -39,5 +51,57 @@ def sampling_options(f):
 
 def sampling_from(defaults: SamplingParams, kwargs: dict) -> SamplingParams:
     """The model's defaults overridden by the flags the user gave (pops them from kwargs)."""
-    given = {k: kwargs.pop(k) for k in _SAMPLING}
-    return dataclasses.replace(defaults, **{k: v for k, v in given.items() if v is not None})
+    given = {k: v for k in _SAMPLING if (v := kwargs.pop(k)) is not None}
+    if given.get("seed") == -1:   # as in llama.cpp
+        given["seed"] = None
+    return dataclasses.replace(defaults, **given)
+
+
+# C0 controls but tab and newline, DEL, C1 controls: ESC and CSI start the sequences that
+# set a terminal's title, write its clipboard (OSC 52), clear or redraw the screen.
+_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _picture(m: re.Match) -> str:
+    c = ord(m.group())
+    if c == 0x0D:
+        return ""                              # a bare carriage return could overwrite a line
+    return chr(0x2400 + c) if c < 0x20 else "\u2421" if c == 0x7F else "\ufffd"
+
+
+def for_terminal(text: str) -> str:
+    """Text from an untrusted file, safe to show on a terminal: its control characters are
+    shown as symbols (ESC as ␛) instead of obeyed."""
+    return _CONTROLS.sub(_picture, text)
+
+
+def one_line(text: str) -> str:
+    """A message for one line of stderr: line breaks become spaces, controls symbols."""
+    return for_terminal(re.sub(r"[\r\n\t]+", " ", text))
+
+
+class Output:
+    """Where a command streams model output: on a terminal, text with its control
+    characters neutralised; anywhere else (a pipe, a file), the model's bytes exactly."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.terminal = stream.isatty()
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def write(self, data: bytes | str) -> None:
+        if isinstance(data, str):   # command-line text: surrogateescape restores its bytes
+            data = data.encode("utf-8", "surrogateescape")
+        if self.terminal:
+            self.stream.write(for_terminal(self._utf8.decode(data)))
+        else:
+            self.stream.flush()
+            self.stream.buffer.write(data)
+        self.stream.flush()
+
+    def finish(self) -> None:
+        """End the output: on a terminal, what an unfinished UTF-8 sequence held back
+        (as U+FFFD) and a line break."""
+        if self.terminal:
+            self.stream.write(for_terminal(self._utf8.decode(b"", final=True)) + "\n")
+            self.stream.flush()

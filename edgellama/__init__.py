@@ -1,6 +1,10 @@
 """edgellama: quantized Llama inference on ordinary CPUs (GGUF, NumPy + Numba)."""
-from .errors import EdgeError
-from .llm import LLM, load
-from .sampling import SamplingParams
+from .jit import use_user_cache as _use_user_cache
+
+_use_user_cache()   # before any module with kernels is imported
+
+from .errors import EdgeError  # noqa: E402
+from .llm import LLM, load  # noqa: E402
+from .sampling import SamplingParams  # noqa: E402
 
 __all__ = ["EdgeError", "LLM", "SamplingParams", "load"]

@@ -24,18 +24,41 @@ class ChatSession:
     messages: list[dict] = field(default_factory=list)   # user/assistant turns only
     notices: list[str] = field(default_factory=list)     # things the UI should tell the user
 
+    def __post_init__(self):
+        # The smallest turn (the system prompt and an empty message) must leave room for a
+        # reply, or every message would be refused; the advice leaves 64 tokens for one.
+        need = len(self._render([{"role": "user", "content": ""}]))
+        if need > self._limit(self.llm.ctx):
+            enough, largest = need + 64, self.llm.model.args.train_ctx
+            while self._limit(enough) < need + 64:
+                enough += 1
+            if need > self._limit(largest):
+                what = f"even the model's largest context, {largest} tokens, leaves no room for a reply"
+            elif enough < largest:
+                what = f"use --ctx {enough} or more"
+            else:
+                what = f"use --ctx {largest}, the model's largest"
+            raise EdgeError(f"a context of {self.llm.ctx} tokens is too small for this model's chat "
+                            f"template: an empty message "
+                            f"{'with the system prompt ' if self.system else ''}already takes "
+                            f"{need} tokens; {what}")
+
     def _render(self, messages: list[dict]) -> list[int]:
         sys_msg = [{"role": "system", "content": self.system}] if self.system else []
         return self.llm.chat.encode_messages(sys_msg + messages)
 
-    def reply_budget(self) -> int:
+    def reply_budget(self, ctx: int | None = None) -> int:
         """Tokens kept free for the reply: the max, but at most a quarter of the context."""
-        return max(1, min(self.max_tokens, self.llm.ctx // 4))
+        return max(1, min(self.max_tokens, (self.llm.ctx if ctx is None else ctx) // 4))
+
+    def _limit(self, ctx: int) -> int:
+        """The most prompt tokens a context of `ctx` takes."""
+        return ctx - self.reply_budget(ctx)
 
     def _fit(self) -> list[int]:
         """Token ids of the conversation with a generation prompt, dropping the oldest
         turns until they leave room for a reply."""
-        limit = self.llm.ctx - self.reply_budget()
+        limit = self._limit(self.llm.ctx)
         ids = self._render(self.messages)
         dropped = 0
         while len(ids) > limit and len(self.messages) > 1:

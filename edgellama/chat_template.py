@@ -1,7 +1,23 @@
 """Chat prompts: the GGUF's Jinja chat template rendered as HF transformers does, then tokenized.
 
-Templates come from downloaded files, so they run in Jinja's immutable sandbox, and any
-reach for Python internals is an error rather than a silently empty string.
+Templates come from downloaded files, so they are compiled and rendered in a separate
+process, the renderer, and never in ours:
+
+- jinja2's immutable sandbox there makes any reach for Python internals an error;
+- hard limits hold for any template, including work done inside one filter or operator
+  call in C (`indent`, `tojson(indent=...)`, `sum(start=...)`, the repr of a list nested
+  a thousand times in itself...): LIMIT_SECONDS of wall time per compile or render,
+  MAX_MEMORY resident (polled from here on Linux, macOS and Windows; on Linux also an
+  address-space rlimit in the renderer, so one huge allocation fails at once), and the
+  renderer cannot write to files. A request over a limit kills the renderer, and the next
+  one starts a fresh renderer: a hostile template costs one error, never a hang.
+
+Patching filters one by one cannot bound a single C call, and no trace hook sees inside
+one; a process boundary can. One renderer serves the whole process: starting it costs
+Python plus jinja2 (~50 ms on an idle machine, once, overlapping the model load); a
+render costs one pipe round trip (~0.2 ms) on top of the template itself. The template
+is compiled once, when the ChatFormat is made (so a broken one fails at load), and kept
+compiled in the renderer.
 
 Special tokens in the prompt must come from the template only: a user who types
 `<|eot_id|>` must not end their turn. Before rendering, special-token strings inside
@@ -17,24 +33,33 @@ at midnight, so `strftime_now` returns the time the ChatFormat was created.
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
+import os
+import queue
 import re
 import secrets
+import signal
+import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import jinja2
 from jinja2 import nodes
-from jinja2.compiler import CodeGenerator, Frame
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from edgellama.errors import EdgeError
 from edgellama.machine import resident_memory
-from edgellama.tokenizer import Tokenizer
+
+if TYPE_CHECKING:   # the renderer imports this module: it stays free of NumPy and Numba
+    from edgellama.tokenizer import Tokenizer
 
 # Used when the file has no tokenizer.chat_template (DESIGN.md §3 turn format).
 LLAMA3_TEMPLATE = (
@@ -50,174 +75,36 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
-
-# Limits on what a template may build: a chat prompt is a few hundred KB at most, so a
-# template asking for more is broken or hostile ('a' * 10**10, doubling a string in a loop,
-# nested loops over range(99999)...). Each ends in an EdgeError, in bounded time and memory.
-MAX_TEXT = 16 << 20          # characters (or items) of any one value the template builds
-MAX_OUTPUT = 16 << 20        # characters of rendered output
-MAX_INT_ARG = 1 << 20        # a width/count argument above this is refused before the call
-MAX_STEPS = 1_000_000        # template source lines executed per render (CPU bound)
-MAX_SECONDS = 5.0            # CPU seconds per render
-MAX_MEMORY = 1 << 30         # growth of resident memory during a render (Linux)
-
-
-class TemplateLimitError(SecurityError):
-    """A chat template exceeded one of the limits above."""
+# Real chat templates are 1-30 KB, render in milliseconds to a few hundred KB, and need
+# a few MB. A template asking for far more is broken or hostile.
+MAX_SOURCE = 1 << 20          # characters of template source (checked before compiling)
+MAX_OUTPUT = 16 << 20         # characters of rendered text
+MAX_MEMORY = 512 << 20        # resident bytes of the renderer
+LIMIT_SECONDS = 2.0           # wall time of one compile or render
+START_SECONDS = 60.0          # starting the renderer (slow disks, busy machines)
+_INTERPRETER_SPACE = 512 << 20   # address space of Python itself, over MAX_MEMORY
+_MAX_FRAME = 6 * MAX_OUTPUT + (1 << 16)   # a reply: the text JSON-escaped (\u0001: 6 bytes)
+_POLL_SECONDS = 0.02
 
 
-def _size(x: Any) -> int:
-    return len(x) if isinstance(x, (str, bytes, list, tuple, dict)) else 0
+def _stopped(why: str) -> str:
+    return f"chat template stopped: {why}; the file's template is broken or hostile"
 
 
-def _check_size(x: Any, what: str) -> Any:
-    if _size(x) > MAX_TEXT:
-        raise TemplateLimitError(f"{what} builds a value of {_size(x)} items (limit {MAX_TEXT})")
-    return x
+def _one_line(text: str, limit: int = 300) -> str:
+    """A message from the template, fit for one line of an error."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _check_args(args: Sequence[Any], kwargs: Mapping[str, Any], what: str) -> None:
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, int) and abs(a) > MAX_INT_ARG:
-            raise TemplateLimitError(f"{what} called with {a} (limit {MAX_INT_ARG})")
-
-
-_HUGE_FIELD = re.compile(r"[%{][^%{}]*?\d{7,}")   # '%9999999s', '{:>9999999}'
-
-
-def _check_format(fmt: Any, what: str) -> None:
-    if isinstance(fmt, str) and _HUGE_FIELD.search(fmt):
-        raise TemplateLimitError(f"{what} asks for a field width of millions of characters")
-
-
-class _BoundedCodeGenerator(CodeGenerator):
-    """`a ~ b` goes through environment.concat_checked, so string building is bounded too."""
-
-    def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:
-        self.write("environment.concat_checked((")
-        for arg in node.nodes:
-            self.visit(arg, frame)
-            self.write(", ")
-        self.write("))")
-
+# -- the renderer process -----------------------------------------------------------------------
 
 class _Sandbox(ImmutableSandboxedEnvironment):
-    """Immutable sandbox that fails on an unsafe attribute instead of rendering it empty,
-    and bounds the size of what operators, calls and filters build."""
-
-    code_generator_class = _BoundedCodeGenerator
-    intercepted_binops = frozenset({"*", "**", "+", "%"})
+    """Immutable sandbox that fails on an unsafe attribute instead of rendering it empty."""
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
         raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} "
                             "object is not allowed")
-
-    def call_binop(self, context: Any, op: str, left: Any, right: Any) -> Any:
-        if op == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 \
-                and right * abs(left).bit_length() > 1 << 16:
-            raise TemplateLimitError(f"{left} ** {right} is too large")
-        if op == "*":
-            seq, n = (left, right) if _size(left) or isinstance(left, (str, list, tuple)) else (right, left)
-            if isinstance(n, int) and _size(seq) * max(n, 0) > MAX_TEXT:
-                raise TemplateLimitError(f"repeating a value of {_size(seq)} items {n} times "
-                                         f"exceeds the limit of {MAX_TEXT}")
-        if op == "+" and _size(left) + _size(right) > MAX_TEXT:
-            raise TemplateLimitError(f"joining values of {_size(left)} and {_size(right)} items "
-                                     f"exceeds the limit of {MAX_TEXT}")
-        if op == "%":
-            _check_format(left, "the % operator")
-        return _check_size(self.binop_table[op](left, right), f"the {op} operator")
-
-    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
-        what = getattr(__obj, "__name__", type(__obj).__name__)
-        _check_args(args, kwargs, what)
-        # the object a method is bound to (jinja wraps str.format, keeping __wrapped__)
-        base = getattr(getattr(__obj, "__wrapped__", __obj), "__self__", None)
-        if what in ("format", "format_map"):
-            _check_format(base, what)
-        if isinstance(base, str) and what in ("replace", "join", "expandtabs"):
-            _check_grow(base, what, args)
-        return _check_size(super().call(__context, __obj, *args, **kwargs), what)
-
-    @staticmethod
-    def concat_checked(parts: Sequence[Any]) -> str:
-        strs = [str(p) for p in parts]
-        if sum(map(len, strs)) > MAX_TEXT:
-            raise TemplateLimitError(f"the ~ operator builds more than {MAX_TEXT} characters")
-        return "".join(strs)
-
-
-def _check_grow(base: str, what: str, args: Sequence[Any]) -> None:
-    """Refuse str.replace / str.join / str.expandtabs calls whose result would be huge."""
-    if what == "replace" and len(args) >= 2 and all(isinstance(a, str) for a in args[:2]):
-        est = len(base) + (base.count(args[0]) if args[0] else len(base) + 1) * len(args[1])
-    elif what == "join" and args and isinstance(args[0], (list, tuple)):
-        est = len(base) * len(args[0]) + sum(_size(x) for x in args[0])
-    elif what == "expandtabs":
-        est = len(base) * (1 + (args[0] if args and isinstance(args[0], int) else 8))
-    else:
-        return
-    if est > MAX_TEXT:
-        raise TemplateLimitError(f"{what} would build {est} characters (limit {MAX_TEXT})")
-
-
-def _bounded_filter(name: str, f: Any) -> Any:
-    skip = 1 if hasattr(f, "jinja_pass_arg") else 0   # context / eval context / environment
-
-    def filt(*args: Any, **kwargs: Any) -> Any:
-        value, params = (args[skip], args[skip + 1:]) if len(args) > skip else (None, ())
-        _check_args(params, kwargs, f"filter {name}")
-        if name == "format":
-            _check_format(value, "filter format")
-        elif name == "replace" and isinstance(value, str):
-            _check_grow(value, "replace", params)
-        return _check_size(f(*args, **kwargs), f"filter {name}")
-    if skip:
-        filt.jinja_pass_arg = f.jinja_pass_arg
-    return filt
-
-
-class _Budget:
-    """A trace function that stops a render after MAX_STEPS template lines or when the
-    process grew by MAX_MEMORY: loops and recursion in a template cannot run away."""
-
-    def __init__(self):
-        self.steps = 0
-        self.rss0 = resident_memory()
-        self.t0 = time.process_time()
-
-    def __call__(self, frame: Any, event: str, arg: Any) -> Any:
-        if event == "call":
-            return self._line if frame.f_code.co_filename == "<template>" else None
-        return None
-
-    def _line(self, frame: Any, event: str, arg: Any) -> Any:
-        if event == "line":
-            self.steps += 1
-            if self.steps > MAX_STEPS:
-                raise TemplateLimitError(f"it ran for more than {MAX_STEPS} steps")
-            if self.steps % 256 == 0:
-                if self.rss0 is not None and (resident_memory() or 0) - self.rss0 > MAX_MEMORY:
-                    raise TemplateLimitError(f"it used more than {MAX_MEMORY >> 20} MiB of memory")
-                if time.process_time() - self.t0 > MAX_SECONDS:
-                    raise TemplateLimitError(f"it ran for more than {MAX_SECONDS:.0f} CPU seconds")
-        return self._line
-
-
-def _render_bounded(template: jinja2.Template, **variables: Any) -> str:
-    """template.render under the step/memory budget, with the output size bounded."""
-    budget, old = _Budget(), sys.gettrace()
-    parts, n = [], 0
-    sys.settrace(budget)
-    try:
-        for piece in template.generate(**variables):
-            n += len(piece)
-            if n > MAX_OUTPUT:
-                raise TemplateLimitError(f"its output exceeds {MAX_OUTPUT} characters")
-            parts.append(piece)
-    finally:
-        sys.settrace(old)
-    return "".join(parts)
 
 
 class _GenerationTag(Extension):
@@ -242,16 +129,239 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
 
 
 def compile_template(source: str, now: datetime) -> jinja2.Template:
-    """Compile a chat template in HF's environment; `strftime_now` always formats `now`."""
+    """Compile a chat template in HF's environment; `strftime_now` always formats `now`.
+    Runs in the renderer process only: compiling is as unbounded as rendering."""
     env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
     env.filters["tojson"] = _tojson
-    env.filters = {name: _bounded_filter(name, f) for name, f in env.filters.items()}
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = now.strftime
+    return env.from_string(source)
+
+
+def _render(template: jinja2.Template, variables: Mapping[str, Any]) -> str:
+    parts, n = [], 0
+    for piece in template.generate(**variables):
+        n += len(piece)
+        if n > MAX_OUTPUT:
+            raise OverflowError(f"its output exceeds {MAX_OUTPUT} characters")
+        parts.append(piece)
+    return "".join(parts)
+
+
+def _handle(request: Mapping[str, Any], compiled: dict[tuple[str, str], jinja2.Template]) -> dict:
+    """One request: compile (cached) and, when it has variables, render."""
+    key = (request["source"], request["now"])
     try:
-        return env.from_string(source)
+        template = compiled.get(key)
+        if template is None:
+            template = compile_template(request["source"], datetime.fromisoformat(request["now"]))
+            if len(compiled) >= 8:
+                del compiled[next(iter(compiled))]
+            compiled[key] = template
+        if request["vars"] is None:
+            return {"text": ""}
+        return {"text": _render(template, request["vars"])}
     except jinja2.TemplateSyntaxError as exc:
-        raise EdgeError(f"chat template has a syntax error on line {exc.lineno}: {exc.message}") from None
+        error = f"chat template has a syntax error on line {exc.lineno}: {_one_line(exc.message or '')}"
+    except SecurityError as exc:
+        error = f"chat template refused: {_one_line(str(exc))}"
+    except MemoryError:
+        error = _stopped(f"it used more than {MAX_MEMORY >> 20} MiB of memory")
+    except RecursionError:
+        error = _stopped("it nests or recurses too deeply")
+    except OverflowError as exc:
+        error = _stopped(_one_line(str(exc)))
+    except Exception as exc:  # noqa: BLE001 - a broken template in the file, not a bug here
+        error = f"chat template failed: {type(exc).__name__}: {_one_line(str(exc))}"
+    return {"error": error}
+
+
+def _limit_resources(address_space: int) -> None:
+    """Hard limits on this process: memory (where the OS enforces RLIMIT_AS), no byte
+    written to any file, no core dumps."""
+    try:
+        import resource
+    except ImportError:   # Windows: the parent's polling is the memory bound
+        return
+    for what, value in ((resource.RLIMIT_AS, address_space), (resource.RLIMIT_FSIZE, 0),
+                        (resource.RLIMIT_CORE, 0)):
+        hard = resource.getrlimit(what)[1]
+        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        try:
+            resource.setrlimit(what, (value, value))
+        except (ValueError, OSError):   # macOS refuses RLIMIT_AS: polling bounds memory there
+            pass
+
+
+def _serve(address_space: int) -> None:
+    """The renderer's main loop: a reply on stdout for each request on stdin, until EOF."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C stops a reply, not the renderer
+    requests, replies = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)   # nothing else can write into the replies
+    _limit_resources(address_space)
+    compiled: dict[tuple[str, str], jinja2.Template] = {}
+    _send(replies, {"ready": True})
+    while (request := _receive(requests, limit=None)) is not None:
+        _send(replies, _handle(request, compiled))
+
+
+def _send(pipe: BinaryIO, message: Mapping[str, Any]) -> None:
+    body = json.dumps(message, ensure_ascii=False).encode("utf-8", "surrogatepass")
+    pipe.write(len(body).to_bytes(8, "little") + body)
+    pipe.flush()
+
+
+def _receive(pipe: BinaryIO, limit: int | None) -> dict | None:
+    """The next message, or None at end of file (or a frame over `limit` bytes)."""
+    head = pipe.read(8)
+    if len(head) < 8:
+        return None
+    n = int.from_bytes(head, "little")
+    if limit is not None and n > limit:
+        return None
+    body = pipe.read(n)
+    return json.loads(body.decode("utf-8", "surrogatepass")) if len(body) == n else None
+
+
+# -- our side -----------------------------------------------------------------------------------
+
+# Started without the package's __init__, which loads Numba (seconds); `-c` puts the
+# working directory first on sys.path, where a stray jinja2.py must not be imported.
+_BOOT = ("import sys, types\n"
+         "if sys.path and sys.path[0] == '': del sys.path[0]\n"
+         "pkg = types.ModuleType('edgellama'); pkg.__path__ = [{package!r}]\n"
+         "sys.modules['edgellama'] = pkg\n"
+         "from edgellama.chat_template import _serve; _serve({address_space})\n")
+
+
+class _Renderer:
+    """The renderer process: started on first use, and again after it was stopped."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._ready = False
+        self._replies: queue.SimpleQueue = queue.SimpleQueue()
+
+    def start(self) -> None:
+        """Start the renderer without waiting for it."""
+        with self._lock:
+            if self._proc is None:
+                self._start()
+
+    def request(self, message: Mapping[str, Any]) -> dict:
+        """Send one request; its reply, within the limits."""
+        try:
+            body = json.dumps(message, ensure_ascii=False).encode("utf-8", "surrogatepass")
+        except (TypeError, ValueError) as exc:
+            raise EdgeError(f"chat messages must hold only strings, numbers, lists and "
+                            f"dicts: {exc}") from None
+        with self._lock:
+            try:
+                reply = self._exchange(len(body).to_bytes(8, "little") + body)
+            except BaseException:
+                # an error or Ctrl-C mid-request: a late reply must not answer the next one
+                self._stop()
+                raise
+        if isinstance(reply, str):
+            raise EdgeError(_stopped(reply))
+        return reply
+
+    def _exchange(self, frame: bytes) -> dict | str:
+        for _ in range(2):
+            if self._proc is None:
+                self._start()
+            if not self._ready:
+                ready = self._wait(START_SECONDS)
+                if not isinstance(ready, dict):
+                    raise EdgeError(f"cannot start the chat template renderer ({sys.executable} "
+                                    f"with jinja2): {ready}")
+                self._ready = True
+            try:
+                self._proc.stdin.write(frame)
+                self._proc.stdin.flush()
+            except OSError:   # it died while idle (killed from outside): start another
+                self._stop()
+                continue
+            return self._wait(LIMIT_SECONDS)
+        raise EdgeError("the chat template renderer exits as soon as it starts")
+
+    def _start(self) -> None:
+        boot = _BOOT.format(package=str(Path(__file__).parent),
+                            address_space=MAX_MEMORY + _INTERPRETER_SPACE)
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-B", "-c", boot], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        except OSError as exc:
+            raise EdgeError(f"cannot start the chat template renderer ({sys.executable}): "
+                            f"{exc.strerror or exc}") from None
+        self._ready = False
+        self._replies = queue.SimpleQueue()
+        threading.Thread(target=_read_replies, args=(self._proc.stdout, self._replies),
+                         daemon=True).start()
+
+    def _wait(self, seconds: float) -> dict | str:
+        """The next reply; or, with the renderer stopped, what went wrong."""
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                reply = self._replies.get(timeout=_POLL_SECONDS)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    self._stop()
+                    return f"it ran for more than {seconds:g} s"
+                rss = resident_memory(self._proc.pid)
+                if rss is not None and rss > MAX_MEMORY:
+                    self._stop()
+                    return f"it used more than {MAX_MEMORY >> 20} MiB of memory"
+                continue
+            if reply is None:
+                return f"the renderer exited (status {self._stop()})"
+            return reply
+
+    def _stop(self) -> int | None:
+        """Kill the renderer, if there is one; its exit status."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return None
+        proc.kill()
+        code = proc.wait()
+        for pipe in (proc.stdin, proc.stdout):
+            with contextlib.suppress(OSError):
+                pipe.close()
+        return code
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop()
+
+    def forget(self) -> None:
+        """In a forked child: the renderer is the parent's; the child starts its own."""
+        self._lock = threading.Lock()
+        self._proc = None
+
+
+def _read_replies(pipe: BinaryIO, replies: queue.SimpleQueue) -> None:
+    while True:
+        try:
+            reply = _receive(pipe, limit=_MAX_FRAME)
+        except (OSError, ValueError):
+            reply = None
+        replies.put(reply)
+        if reply is None:
+            return
+
+
+_renderer = _Renderer()
+atexit.register(_renderer.close)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_renderer.forget)
+
+
+def start_renderer() -> None:
+    """Start the renderer in the background: load() calls this first, so that Python and
+    jinja2 start while the model loads."""
+    _renderer.start()
 
 
 class ChatFormat:
@@ -266,25 +376,27 @@ class ChatFormat:
             self.source = template
         else:
             self.source = LLAMA3_TEMPLATE if tokenizer.is_llama3 else CHATML_TEMPLATE
-        self._template = compile_template(self.source, now or datetime.now())
+        if len(self.source) > MAX_SOURCE:
+            raise EdgeError(f"the chat template is {len(self.source)} characters long, more than "
+                            f"the {MAX_SOURCE} allowed; the file's template is broken or hostile")
+        self._now = (now or datetime.now()).isoformat()
         self._bos_text = "" if tokenizer.bos_id is None else tokenizer.tokens[tokenizer.bos_id]
         self._eos_text = "" if tokenizer.eos_id is None else tokenizer.tokens[tokenizer.eos_id]
         by_length = sorted(tokenizer.special_tokens, key=len, reverse=True)
         self._special_re = re.compile("(" + "|".join(map(re.escape, by_length)) + ")") if by_length else None
+        self._run(None)   # compile now: a broken template fails at load, not at the first message
+
+    def _run(self, variables: Mapping[str, Any] | None) -> str:
+        reply = _renderer.request({"source": self.source, "now": self._now, "vars": variables})
+        if "error" in reply:
+            raise EdgeError(reply["error"])
+        return reply["text"]
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
         """The template's text for `messages` (dicts with "role" and "content")."""
-        try:
-            return _render_bounded(self._template, messages=[dict(m) for m in messages],
-                                   add_generation_prompt=add_generation_prompt,
-                                   bos_token=self._bos_text, eos_token=self._eos_text)
-        except TemplateLimitError as exc:
-            raise EdgeError(f"chat template stopped: {exc}; the file's template is broken "
-                            f"or hostile") from None
-        except SecurityError as exc:
-            raise EdgeError(f"chat template refused: {exc}") from None
-        except Exception as exc:  # a broken template in the file, not a bug here
-            raise EdgeError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+        return self._run({"messages": [dict(m) for m in messages],
+                          "add_generation_prompt": bool(add_generation_prompt),
+                          "bos_token": self._bos_text, "eos_token": self._eos_text})
 
     def encode_messages(self, messages: Sequence[Mapping[str, Any]],
                         add_generation_prompt: bool = True) -> list[int]:

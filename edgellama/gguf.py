@@ -13,6 +13,8 @@ memory-mapped, never read into memory here.
 from __future__ import annotations
 
 import mmap
+import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,15 @@ _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4",
 TYPE_NAMES = {0: "u8", 1: "i8", 2: "u16", 3: "i16", 4: "u32", 5: "i32", 6: "f32", 7: "bool",
               8: "string", 9: "array", 10: "u64", 11: "i64", 12: "f64"}
 STRING, ARRAY, BOOL = 8, 9, 7
+_U64 = struct.Struct("<Q")
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "a special file"
 
 
 @dataclass(frozen=True)
@@ -89,6 +100,28 @@ class _Cursor:
         except UnicodeDecodeError:
             self.fail(f"{what} is not valid UTF-8")
 
+    def _strings(self, count: int, key: str) -> list[str]:
+        """`count` strings: self.string in a tight loop (vocabularies hold 10^5 of them)."""
+        buf, pos, size, length = self.buf, self.pos, self.size, _U64.unpack_from
+        out, i = [], 0
+        try:
+            for i in range(count):
+                if pos + 8 > size:
+                    break
+                (n,) = length(buf, pos)
+                if n > size - pos - 8:
+                    break
+                out.append(buf[pos + 8:pos + 8 + n].decode("utf-8"))
+                pos += 8 + n
+        except UnicodeDecodeError:
+            self.pos = pos + 8
+            self.fail(f"{key}[{i}] is not valid UTF-8")
+        if len(out) < count:   # ran out of file: the checks of self.string say where
+            self.pos = pos
+            self.string(f"{key}[{len(out)}]")
+        self.pos = pos
+        return out
+
     def value(self, vtype: int, key: str) -> Any:
         if vtype in _SCALARS:
             fmt, size = _SCALARS[vtype]
@@ -107,7 +140,7 @@ class _Cursor:
         if etype == STRING:
             # Each string needs at least its 8-byte length: bound the count before looping.
             self.need(count * 8, f"array {key} ({count} strings)")
-            return [self.string(f"{key}[{i}]") for i in range(count)]
+            return self._strings(count, key)
         if etype in _SCALARS:
             size = _SCALARS[etype][1]
             self.need(count * size, f"array {key} ({count} × {TYPE_NAMES[etype]})")
@@ -127,11 +160,21 @@ class GGUFFile:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         try:
-            with open(self.path, "rb") as f:
-                size = self.path.stat().st_size
+            # O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused below)
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+            try:
+                st = os.fstat(fd)
+                if stat.S_ISDIR(st.st_mode):
+                    raise IsADirectoryError
+                if not stat.S_ISREG(st.st_mode):
+                    raise EdgeError(f"{self.path}: is {_file_kind(st.st_mode)}, not a regular file; "
+                                    "expected a .gguf file")
+                size = st.st_size
                 if size < 24:
                     raise EdgeError(f"{self.path}: file is too small to be GGUF ({size} bytes)")
-                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                self._mmap = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            finally:
+                os.close(fd)
         except IsADirectoryError:
             raise EdgeError(f"{self.path}: is a directory; expected a .gguf file") from None
         except FileNotFoundError:

@@ -7,14 +7,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from .args import ModelArgs
-from .chat_template import ChatFormat
+from .chat_template import ChatFormat, start_renderer
 from .errors import EdgeError
 from .gguf import GGUFFile
 from .machine import set_threads
@@ -53,17 +53,19 @@ class LLM:
     load_seconds: float
     cached: list[int] = field(default_factory=list)   # the tokens whose K/V the cache holds
     stats: Stats = field(default_factory=Stats)
+    warnings: list[str] = field(default_factory=list)  # about the file, for the user
 
     @property
     def ctx(self) -> int:
         return self.model.ctx
 
-    def default_sampling(self) -> SamplingParams:
-        """The file's `general.sampling.*` when present, else per-family defaults
-        (Llama 3.2 Instruct ships temperature 0.6, top-p 0.9)."""
+    def default_sampling(self, warn: Callable[[str], None] = lambda message: None) -> SamplingParams:
+        """The file's `general.sampling.*` where valid (`warn` hears about the others; load()
+        puts them in `warnings`), else per-family defaults (Llama 3.2 Instruct ships
+        temperature 0.6, top-p 0.9)."""
         base = SamplingParams(temperature=0.6, top_p=0.9) if self.tokenizer.is_llama3 \
             else SamplingParams()
-        return base.with_defaults_from(self.gguf.metadata)
+        return base.with_defaults_from(self.gguf.metadata, warn)
 
     def _prefill(self, ids: list[int]) -> np.ndarray:
         """Bring the cache to hold `ids`, reusing the longest common prefix; returns
@@ -135,6 +137,7 @@ def load(path: str | Path | None = None, ctx: int | None = None, threads: int | 
          batch: int = DEFAULT_BATCH) -> LLM:
     """Load a llama GGUF (memory-mapped). path None = the default model (fetched once)."""
     t0 = time.perf_counter()
+    start_renderer()   # the chat template process starts while the file loads
     if path is None:
         from .default_model import default_model_path
         path = default_model_path()
@@ -149,13 +152,19 @@ def load(path: str | Path | None = None, ctx: int | None = None, threads: int | 
     if ctx > model_ctx:
         raise EdgeError(f"--ctx {ctx} is larger than the {model_ctx} tokens this model "
                         f"supports ({g.path.name})")
+    # Counted before the tokenizer is built: building one for a hostile token array takes
+    # minutes and gigabytes.
+    tokens, embd = g.get("tokenizer.ggml.tokens"), g.tensors.get("token_embd.weight")
+    for vocab in (args.vocab_size, embd.shape[0] if embd else args.vocab_size):
+        if isinstance(tokens, list) and len(tokens) != vocab:
+            raise EdgeError(f"{g.path}: the tokenizer has {len(tokens)} tokens but the model's "
+                            f"vocabulary (token_embd.weight) has {vocab}")
     try:
         tokenizer = Tokenizer.from_metadata(g.metadata)
         chat = ChatFormat(tokenizer, g.get("tokenizer.chat_template"))
     except EdgeError as e:
         raise EdgeError(f"{g.path}: {e}") from None
-    if tokenizer.vocab_size != args.vocab_size:
-        raise EdgeError(f"{g.path}: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
-                        f"vocabulary (token_embd.weight) has {args.vocab_size}")
     model = Transformer(g, ctx, batch=batch, args=args)
-    return LLM(Path(path), g, model, tokenizer, chat, n_threads, time.perf_counter() - t0)
+    llm = LLM(Path(path), g, model, tokenizer, chat, n_threads, time.perf_counter() - t0)
+    llm.default_sampling(warn=llm.warnings.append)
+    return llm

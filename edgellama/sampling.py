@@ -1,7 +1,9 @@
 """Token sampling: repetition penalty, top-k, top-p, min-p, temperature (llama.cpp's order)."""
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -19,36 +21,53 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        for name in ("temperature", "top_p", "min_p", "repeat_penalty"):
-            if not np.isfinite(getattr(self, name)):
-                raise EdgeError(f"invalid sampling value: {name} must be a finite number")
-        for ok, msg in [
-            (self.temperature >= 0, "temperature must be >= 0 (0 means greedy)"),
-            (self.top_k >= 0, "top-k must be >= 0 (0 turns it off)"),
-            (0 < self.top_p <= 1, "top-p must be in (0, 1]"),
-            (0 <= self.min_p <= 1, "min-p must be in [0, 1]"),
-            (self.repeat_penalty > 0, "repeat penalty must be > 0 (1 turns it off)"),
-            (self.repeat_last_n >= 0, "repeat-last-n must be >= 0"),
-        ]:
-            if not ok:
-                raise EdgeError(f"invalid sampling value: {msg}")
+        problem = _problem(vars(self))
+        if problem:
+            raise EdgeError(f"invalid sampling value: {problem}")
 
-    def with_defaults_from(self, meta: dict) -> "SamplingParams":
-        """Fill from a GGUF's `general.sampling.*` keys (the file's recommendation)."""
+    def with_defaults_from(self, meta: Mapping[str, Any],
+                           warn: Callable[[str], None] = lambda message: None) -> SamplingParams:
+        """Fill from a GGUF's `general.sampling.*` keys (the file's recommendation). A value
+        that is not a finite number in range is skipped, and `warn` told why: a bad
+        recommendation must not make the model unusable."""
         keys = {"temperature": "general.sampling.temp", "top_k": "general.sampling.top_k",
                 "top_p": "general.sampling.top_p", "min_p": "general.sampling.min_p",
                 "repeat_penalty": "general.sampling.penalty_repeat"}
         found = {}
         for f, k in keys.items():
-            if k in meta:
-                v = meta[k]
-                if not isinstance(v, (int, float, np.integer, np.floating)) or isinstance(v, (bool, np.bool_)):
-                    raise EdgeError(f"metadata {k} must be a number, got {type(v).__name__}")
-                found[f] = type(getattr(self, f))(v) if np.isfinite(v) else float(v)
-        try:
-            return replace(self, **found) if found else self
-        except EdgeError as e:
-            raise EdgeError(f"the file's recommended sampling (general.sampling.*) is invalid: {e}") from None
+            if k not in meta:
+                continue
+            v = meta[k]
+            if not isinstance(v, (int, float, np.integer, np.floating)) or isinstance(v, (bool, np.bool_)):
+                warn(f"ignoring the file's {k}: it is not a number ({type(v).__name__})")
+                continue
+            value = type(getattr(self, f))(v) if np.isfinite(v) else float(v)
+            problem = _problem({**vars(self), **found, f: value})
+            if problem:
+                warn(f"ignoring the file's {k} = {v:g}: {problem}")
+            else:
+                found[f] = value
+        return replace(self, **found)
+
+
+def _problem(fields: Mapping[str, Any]) -> str | None:
+    """What is wrong with these SamplingParams field values, if anything."""
+    for name in ("temperature", "top_p", "min_p", "repeat_penalty"):
+        if not np.isfinite(fields[name]):
+            return f"{name} must be a finite number"
+    seed = fields["seed"]
+    for ok, msg in [
+        (fields["temperature"] >= 0, "temperature must be >= 0 (0 means greedy)"),
+        (fields["top_k"] >= 0, "top-k must be >= 0 (0 turns it off)"),
+        (0 < fields["top_p"] <= 1, "top-p must be in (0, 1]"),
+        (0 <= fields["min_p"] <= 1, "min-p must be in [0, 1]"),
+        (fields["repeat_penalty"] > 0, "repeat penalty must be > 0 (1 turns it off)"),
+        (fields["repeat_last_n"] >= 0, "repeat-last-n must be >= 0"),
+        (seed is None or seed >= 0, "seed must be >= 0, or None for a random one"),
+    ]:
+        if not ok:
+            return msg
+    return None
 
 
 class Sampler:

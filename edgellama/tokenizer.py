@@ -110,6 +110,7 @@ class Tokenizer:
         # Text -> id of every token that encode_special recognises.
         self.special_tokens = {tokens[i]: i for i in
                                np.flatnonzero(np.isin(token_types, (CONTROL, USER_DEFINED))).tolist()}
+        _check_special_tokens(self.special_tokens)
         # Byte-level tokens by text: what bytes and merges refer to.
         level = np.flatnonzero((token_types == NORMAL) | (token_types == BYTE)).tolist()
         by_text = dict(zip([tokens[i] for i in level], level))
@@ -185,8 +186,11 @@ class Tokenizer:
         mergeable = {bytes([b]): r for b, r in enumerate(byte_ranks)}
         mergeable.update(zip([self._bytes[i] for i in merged_ids.tolist()], merged_ranks.tolist()))
         specials = dict(zip(self.special_tokens, special_ranks.tolist()))
-        enc = tiktoken.Encoding(name="gguf", pat_str=pattern, mergeable_ranks=mergeable,
-                                special_tokens=specials)
+        try:
+            enc = tiktoken.Encoding(name="gguf", pat_str=pattern, mergeable_ranks=mergeable,
+                                    special_tokens=specials)
+        except ValueError as e:   # its regex of the special tokens would not compile
+            raise EdgeError(f"the tokenizer cannot be built from this vocabulary: {e}") from None
         return enc, rank_to_id
 
     # -- encoding -------------------------------------------------------------------------
@@ -251,6 +255,20 @@ class StreamDecoder:
     def flush(self) -> str:
         """Whatever is held back (an unfinished sequence becomes U+FFFD)."""
         return self._utf8.decode(b"", final=True)
+
+
+# Control and user-defined tokens become one regex (tiktoken's, and the chat prompt's).
+# Real vocabularies have a few hundred to a few thousand, of a few dozen characters.
+MAX_SPECIAL_TOKENS = 1 << 14
+MAX_SPECIAL_CHARS = 1 << 18
+
+
+def _check_special_tokens(special: Mapping[str, int]) -> None:
+    chars = sum(map(len, special))
+    if len(special) > MAX_SPECIAL_TOKENS or chars > MAX_SPECIAL_CHARS:
+        raise EdgeError(f"the vocabulary has {len(special)} control/user-defined tokens of "
+                        f"{chars} characters in all; at most {MAX_SPECIAL_TOKENS} tokens and "
+                        f"{MAX_SPECIAL_CHARS} characters are supported")
 
 
 def _merge_result_ids(merges: list[str], by_text: dict[str, int]) -> np.ndarray:

@@ -1,12 +1,22 @@
-"""Chat templates: HF-compatible rendering, sandboxing, special tokens only from the template."""
+"""Chat templates: HF-compatible rendering, sandboxing, special tokens only from the template,
+and hostile templates bounded in time and memory by the renderer process."""
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 from datetime import datetime
 
 import pytest
 
+from edgellama import chat_template
 from edgellama.chat_template import CHATML_TEMPLATE, LLAMA3_TEMPLATE, ChatFormat
 from edgellama.errors import EdgeError
+from edgellama.machine import resident_memory
+from test_fuzz_gguf import mutated_templates, random_templates
 from test_tokenizer import llama3, smol, smollm2_metadata  # noqa: F401 (session fixtures)
 
 NOW = datetime(2024, 7, 26, 9, 30)
@@ -270,3 +280,179 @@ def test_rendering_is_prefix_stable(chat):
         assert longer_ids[:len(prompt_ids)] == prompt_ids
         reply_ids = chat.tokenizer.encode(reply)
         assert longer_ids[len(prompt_ids):len(prompt_ids) + len(reply_ids)] == reply_ids
+
+
+# -- hostile templates: bounded time and memory, in the renderer process --------------------------
+
+HOSTILE = {
+    # work inside a single filter or operator call, which no step counter sees
+    "indent": "{{ ('x\\n' * 100000) | indent(1000000) }}",
+    "center": "{{ ('x' * 1000) | center(10**6) | center(10**9) }}",
+    "wordwrap": "{{ ('x' * 1000000) | wordwrap(1) }}",
+    "join": "{{ (['x' * 1000000] * 1000) | join('y' * 1000000) }}",
+    "tojson indent": "{{ ([[1] * 1000] * 1000) | tojson(indent=1000000) }}",
+    "sum start": "{{ ([[1]] * 16000000) | sum(start=[]) }}",
+    "% width": "{{ ('%*s' * 100) % ((1000000, 'x') * 100) }}",
+    "% width 2": "{{ '%*d' % (10**9, 1) }}",
+    "format width": "{{ '{:>999999999}'.format('x') }}",
+    "str times": "{{ 'a' * 10**10 }}",
+    "list times": "{{ [1, 2] * 10**9 }}",
+    "nested repr": "{{ [[[1] * 1000] * 1000] * 1000 }}",
+    "nested concat": "{% set a = [[[1] * 1000] * 1000] * 1000 %}{{ a ~ '' }}",
+    "power": "{{ 10 ** (10 ** 10) }}",
+    "doubling": "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
+                "{% endfor %}{{ ns.s | length }}",
+    "growing list": "{% set ns = namespace(l=[]) %}{% for i in range(1000) %}"
+                    "{% set ns.l = ns.l + ['x' * 10000000 ~ i] %}{% endfor %}",
+    "loops": "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+    "recursion": "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}",
+    "deep parens": "{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}",
+    "deep lists": "{{ " + "[" * 3000 + "]" * 3000 + " }}",
+    "deep ifs": "{% if true %}" * 300 + "x" + "{% endif %}" * 300,
+    "long unary": "{{ " + "-" * 100000 + "1 }}",
+    "output": "{{ 'x' * 20000000 }}",
+    "1 MB source": "{{ messages[0].content }}" * 40000,
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_hostile_template_fails_fast_with_one_error(llama3, name, monkeypatch):
+    """Each ends in an EdgeError in bounded time, our process never holds what the template
+    builds, and the next template renders as if nothing happened."""
+    monkeypatch.setattr(chat_template, "LIMIT_SECONDS", 1.0)
+    rss0 = resident_memory()
+    t0 = time.perf_counter()
+    with pytest.raises(EdgeError, match="^chat template (stopped|failed|has a syntax error)") as e:
+        ChatFormat(llama3, HOSTILE[name]).render([{"role": "user", "content": "hi"}])
+    assert time.perf_counter() - t0 < 1.0 + 5.0, "the limit did not hold"
+    assert "\n" not in str(e.value) and len(str(e.value)) < 400
+    assert resident_memory() - rss0 < 64 << 20
+    assert ChatFormat(llama3, CHATML_TEMPLATE).render([{"role": "user", "content": "ok"}]).endswith(
+        "assistant\n")
+
+
+def test_template_source_size_is_checked_before_compiling(llama3):
+    t0 = time.perf_counter()
+    with pytest.raises(EdgeError, match="10485760 characters long, more than the 1048576 allowed"):
+        ChatFormat(llama3, "x" * (10 << 20))
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_limit_messages_name_the_limit(llama3, monkeypatch):
+    monkeypatch.setattr(chat_template, "LIMIT_SECONDS", 0.5)
+    cases = {HOSTILE["loops"]: "it ran for more than 0.5 s", HOSTILE["str times"]: "512 MiB of memory",
+             HOSTILE["recursion"]: "nests or recurses too deeply", HOSTILE["output"]: "output exceeds",
+             "{% for i in range(10**9) %}x{% endfor %}": "Range too big"}
+    for template, needle in cases.items():
+        with pytest.raises(EdgeError, match="chat template stopped: .*" + re.escape(needle)):
+            ChatFormat(llama3, template).render([])
+
+
+def test_memory_is_bounded_by_polling_where_rlimit_is_not_enforced(llama3, monkeypatch):
+    """macOS and Windows enforce no address-space limit: the parent's polling of the
+    renderer's resident memory is the bound there. Here, with the rlimit made useless."""
+    monkeypatch.setattr(chat_template, "_INTERPRETER_SPACE", 1 << 45)
+    monkeypatch.setattr(chat_template, "MAX_MEMORY", 128 << 20)
+    monkeypatch.setattr(chat_template, "_renderer", chat_template._Renderer())
+    try:
+        with pytest.raises(EdgeError, match="it used more than 128 MiB of memory"):
+            ChatFormat(llama3, HOSTILE["growing list"]).render([])
+        assert chat_template._renderer._proc is None   # killed, not left to grow
+    finally:
+        chat_template._renderer.close()
+
+
+def test_a_syntax_error_is_found_at_load(llama3):
+    with pytest.raises(EdgeError, match="chat template has a syntax error on line 1"):
+        ChatFormat(llama3, "{% for")
+    with pytest.raises(EdgeError, match="nests or recurses too deeply"):
+        ChatFormat(llama3, HOSTILE["deep parens"])
+
+
+def test_renderer_ignores_ctrl_c_and_survives_being_killed(llama3):
+    fmt = ChatFormat(llama3, CHATML_TEMPLATE)
+    proc = chat_template._renderer._proc
+    os.kill(proc.pid, signal.SIGINT)           # Ctrl-C in the terminal reaches it too
+    assert fmt.render([{"role": "user", "content": "a"}]).startswith("<|im_start|>user\na")
+    assert chat_template._renderer._proc is proc
+    proc.kill()                                # the OOM killer, say
+    proc.wait()
+    assert fmt.render([{"role": "user", "content": "b"}]).startswith("<|im_start|>user\nb")
+    assert chat_template._renderer._proc is not proc
+
+
+def test_rendering_costs_a_pipe_round_trip(llama3):
+    fmt = ChatFormat(llama3, LLAMA32_TEMPLATE, now=NOW)
+    fmt.render(CONVERSATION)
+    t0 = time.perf_counter()
+    for _ in range(50):
+        fmt.render(CONVERSATION)
+    assert (time.perf_counter() - t0) / 50 < 0.02
+
+
+def test_messages_must_be_plain_data(llama3):
+    with pytest.raises(EdgeError, match="chat messages must hold only strings, numbers"):
+        ChatFormat(llama3, CHATML_TEMPLATE).render([{"role": "user", "content": object()}])
+
+
+def test_error_text_from_the_template_is_one_line(llama3):
+    fmt = ChatFormat(llama3, "{{ raise_exception('line one\\nline two ' ~ 'x' * 100000) }}")
+    with pytest.raises(EdgeError) as e:
+        fmt.render([])
+    assert str(e.value).startswith("chat template failed: TemplateError: line one line two xxx")
+    assert len(str(e.value)) < 400
+
+
+def test_mutated_templates_render_or_fail_cleanly(llama3, monkeypatch):
+    monkeypatch.setattr(chat_template, "LIMIT_SECONDS", 0.5)
+    outcomes = {"ok": 0, "error": 0}
+    for source in (LLAMA32_TEMPLATE, CHATML_TEMPLATE):
+        for s in mutated_templates(source, 60, seed=len(source)):
+            t0 = time.perf_counter()
+            try:
+                ChatFormat(llama3, s, now=NOW).render(CONVERSATION)
+                outcomes["ok"] += 1
+            except EdgeError as e:
+                assert str(e).startswith(("chat template ", "the chat template")), str(e)
+                outcomes["error"] += 1
+            assert time.perf_counter() - t0 < 0.5 + 5.0, s
+    assert outcomes["ok"] >= 5 and outcomes["error"] >= 20, outcomes
+
+
+def test_random_templates_render_or_fail_cleanly(llama3, monkeypatch):
+    """Generated templates reach every filter and operator with small and huge arguments."""
+    monkeypatch.setattr(chat_template, "LIMIT_SECONDS", 0.5)
+    outcomes = {"ok": 0, "stopped": 0, "error": 0}
+    for s in random_templates(100, seed=7):
+        t0 = time.perf_counter()
+        try:
+            ChatFormat(llama3, s).render([{"role": "user", "content": "hello"}])
+            outcomes["ok"] += 1
+        except EdgeError as e:
+            assert str(e).startswith("chat template "), str(e)
+            outcomes["stopped" if str(e).startswith("chat template stopped") else "error"] += 1
+        assert time.perf_counter() - t0 < 0.5 + 5.0, s
+    assert min(outcomes.values()) >= 5, outcomes
+
+
+def test_renderer_cannot_write_files(tmp_path):
+    """Defence in depth, should a template ever get past the sandbox."""
+    target = tmp_path / "written"
+    res = subprocess.run([sys.executable, "-c", "from edgellama.chat_template import _limit_resources\n"
+                          "_limit_resources(1 << 30)\n"
+                          f"with open({str(target)!r}, 'w') as f: f.write('x')\n"],
+                         capture_output=True, text=True)
+    assert res.returncode != 0 and "File too large" in res.stderr, res.stderr
+    assert not target.exists() or target.stat().st_size == 0
+
+
+def test_renderer_ignores_modules_in_the_working_directory(llama3, tmp_path, monkeypatch):
+    marker = tmp_path / "imported"
+    (tmp_path / "jinja2.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(chat_template, "_renderer", chat_template._Renderer())
+    try:
+        assert ChatFormat(llama3, CHATML_TEMPLATE).render([]) == "<|im_start|>assistant\n"
+    finally:
+        chat_template._renderer.close()
+    assert not marker.exists()

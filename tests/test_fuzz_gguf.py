@@ -4,7 +4,7 @@ A tiny valid llama GGUF with tokenizer metadata and a chat template is mutated a
 thousand ways (seeded, deterministic): bit flips and byte overwrites in the header,
 truncation at every section boundary, huge counts/lengths/dims/offsets, swapped type
 ids, and structural edits (keys dropped, duplicated or retyped, tensor offsets shuffled,
-NaN/inf weights...). Every file goes through `edgellama.load`, a 2-token forward,
+NaN/inf weights, hostile, random and mutated chat templates...). Every file goes through `edgellama.load`, a 2-token forward,
 sampling, a chat prompt and a short generation; each must either work or raise
 EdgeError. Anything else is a bug in edgellama, reported with its traceback.
 
@@ -166,6 +166,85 @@ def parse(raw: bytes) -> Doc:
     return Doc(version, kvs, tis, raw[start:])
 
 
+# -- random chat templates -----------------------------------------------------------
+_LEAVES = ["messages", "messages[0]", "messages[0]['content']", "messages[-1].role", "'ab'", "'%s'",
+           "'{}'", "[1, 2, 3]", "{'a': [1, 'b']}", "none", "true", "ns.v", "bos_token",
+           "add_generation_prompt", "range(3)"]
+_NUMBERS = ["0", "1", "-1", "2", "3", "messages|length"]
+_HUGE = ["99999", "10**6", "10**9", "2**62"]
+_FILTERS = ["indent({n})", "center({n})", "wordwrap({n})", "join({e})", "tojson(indent={n})", "tojson",
+            "sum(start={e})", "list", "string", "length", "first", "last", "reverse", "sort",
+            "unique", "batch({n})", "slice({n})", "replace('a', {e})", "format({e})", "trim",
+            "upper", "truncate({n})", "map('string')", "select", "dictsort", "items", "int",
+            "float", "abs", "round", "default({e})", "attr('role')", "pprint", "wordcount",
+            "striptags", "urlize", "title", "xmlattr", "filesizeformat", "random", "min", "max"]
+_OPERATORS = ["+", "-", "*", "/", "//", "%", "**", "~", "in", "==", "<", "and", "or"]
+
+
+def random_templates(n: int, seed: int) -> list[str]:
+    """Random, mostly well-formed chat templates: loops, conditions, macros and every
+    jinja filter and operator, with arguments from tiny to huge."""
+    rng = random.Random(seed)
+
+    def num() -> str:
+        return rng.choice(_HUGE if rng.random() < 0.15 else _NUMBERS)
+
+    def expr(depth: int = 0) -> str:
+        if depth > 3 or rng.random() < 0.3:
+            return rng.choice(_LEAVES + _NUMBERS)
+        kind = rng.randrange(5)
+        if kind == 0:
+            return f"({expr(depth + 1)} {rng.choice(_OPERATORS)} {expr(depth + 1)})"
+        if kind == 1:
+            f = rng.choice(_FILTERS).format(n=num(), e=expr(depth + 1))
+            return f"({expr(depth + 1)} | {f})"
+        if kind == 2:
+            return f"{expr(depth + 1)}[{num()}]"
+        if kind == 3:
+            return f"('%*s' % ({num()}, {expr(depth + 1)}))"
+        return f"[{expr(depth + 1)}] * {num()}"
+
+    def block(depth: int = 0) -> str:
+        kind = rng.randrange(6) if depth < 3 else 0
+        if kind <= 1:
+            return "{{ " + expr() + " }}"
+        if kind == 2:
+            return f"{{% for x in {expr()} %}}{block(depth + 1)}{{% endfor %}}"
+        if kind == 3:
+            return f"{{% if {expr()} %}}{block(depth + 1)}{{% else %}}{block(depth + 1)}{{% endif %}}"
+        if kind == 4:
+            return f"{{% set ns.v = {expr()} %}}{block(depth + 1)}"
+        return f"{{% macro f(a) %}}{block(depth + 1)}{{{{ f(a) }}}}{{% endmacro %}}{{{{ f(1) }}}}"
+
+    return ["{% set ns = namespace(v=1) %}" + "".join(block() for _ in range(rng.randint(1, 4)))
+            for _ in range(n)]
+
+
+def mutated_templates(source: str, n: int, seed: int):
+    """Random edits of a real template: deleted, repeated and swapped pieces, and
+    pieces of template syntax dropped in."""
+    rng = random.Random(seed)
+    bits = ["{{", "}}", "{%", "%}", "(", ")", "[", "]", "|", "~", "*", "**", "%", " 999999999 ",
+            "range(99999)", "|tojson(indent=99999)", "|indent(99999)", "|center(99999)",
+            "|wordwrap(1)", "|sum(start=[])", "messages", "loop", "for m in messages",
+            "endfor", "if", "endif", "macro f()", "f()", "endmacro", "'", '"', "\\", "\x00", "\x1b"]
+    for _ in range(n):
+        s = source
+        for _ in range(rng.randint(1, 2)):
+            i, j = sorted(rng.randrange(len(s) + 1) for _ in range(2))
+            op = rng.randrange(4)
+            if op == 0:
+                s = s[:i] + s[j:]
+            elif op == 1:
+                s = s[:j] + s[i:j] * rng.randint(2, 50) + s[j:]
+            elif op == 2:
+                s = s[:i] + rng.choice(bits) + s[i:]
+            else:
+                k = rng.randrange(len(s) + 1)
+                s = s[:i] + s[k:] + s[i:k]
+        yield s
+
+
 # -- mutations ---------------------------------------------------------------------
 def base_file(tmp: Path) -> bytes:
     sys.path.insert(0, str(HERE))
@@ -255,6 +334,10 @@ def semantic_cases(doc: Doc) -> list[tuple[str, Doc]]:
     add(("tokens: byte token replaced", _set(doc, "tokenizer.ggml.tokens", ARR, (STR, ["zz"] + toks[1:]))))
     add(("tokens: non-alphabet", _set(doc, "tokenizer.ggml.tokens", ARR, (STR, ["\u4e2d"] + toks[1:]))))
     add(("tokens: as u32", _set(doc, "tokenizer.ggml.tokens", ARR, (U32, list(range(len(toks)))))))
+    add(("tokens: 100000 more", _set(_set(doc, "tokenizer.ggml.tokens", ARR, (STR, toks + ["x"] * 100000)),
+                                     "tokenizer.ggml.token_type", ARR, (I32, types + [1] * 100000))))
+    add(("specials: 300k characters", _set(doc, "tokenizer.ggml.tokens", ARR,
+                                           (STR, toks[:-3] + ["<|" + c * 100000 + "|>" for c in "xyz"]))))
     add(("tokens: all the same special", _set(doc, "tokenizer.ggml.token_type", ARR, (I32, [3] * len(types)))))
     add(("token_type: short", _set(doc, "tokenizer.ggml.token_type", ARR, (I32, types[:-1]))))
     add(("token_type: as str", _set(doc, "tokenizer.ggml.token_type", ARR, (STR, ["1"] * len(types)))))
@@ -277,8 +360,18 @@ def semantic_cases(doc: Doc) -> list[tuple[str, Doc]]:
               "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
               "{% endfor %}{{ ns.s|length }}",
               "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
-              "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}"):
+              "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}",
+              # work inside one filter or operator call
+              "{{ ('x\n' * 100000) | indent(1000000) }}", "{{ ('x' * 1000000) | wordwrap(1) }}",
+              "{{ ([[1] * 1000] * 1000) | tojson(indent=1000000) }}",
+              "{{ ([[1]] * 16000000) | sum(start=[]) }}", "{{ '%*d' % (10**9, 1) }}",
+              "{{ [[[1] * 1000] * 1000] * 1000 }}", "{{ (['x' * 10**6] * 1000) | join('y' * 10**6) }}",
+              "{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}", "x" * (10 << 20)):
         add((f"template {t[:40]!r}", _set(doc, tmpl, STR, t)))
+    for i, t in enumerate(random_templates(60, SEED)):
+        add((f"random template {i}: {t[:60]!r}", _set(doc, tmpl, STR, t)))
+    for i, t in enumerate(mutated_templates(_kv(doc, tmpl).value, 40, SEED)):
+        add((f"mutated template {i}: {t[:60]!r}", _set(doc, tmpl, STR, t)))
     add(("template: array", _set(doc, tmpl, ARR, (STR, ["x"]))))
     add(("template: u32", _set(doc, tmpl, U32, 1)))
     add(("sampling temp nan", _set(doc, "general.sampling.temp", F32, float("nan"))))
@@ -460,6 +553,8 @@ def child(out_dir: Path, save_failures: bool) -> None:
     cases += byte_cases(raw, lay, n_flip=700, n_over=350)
 
     import edgellama  # noqa: F401  (import time is not a case's time)
+    from edgellama import chat_template
+    chat_template.LIMIT_SECONDS = 0.5   # a hostile template's case stays under CASE_SECONDS
     results = {"cases": len(cases), "outcomes": {}, "failures": [], "slow": []}
     path = out_dir / "case.gguf"
     t_all = time.perf_counter()

@@ -1,14 +1,20 @@
 """The command line given bad input: exit 0 on success, 1 with one `error:` line on stderr
 (no traceback) for a problem with the user's input or environment, 2 for usage errors;
-`--debug` shows the traceback. Plus convert's "never a partial file" promise under a full
-disk and Ctrl-C. (Converter input validation already covered in test_convert.py is not
-repeated here.)"""
+`--debug` shows the traceback. Hostile model files and environments (issue 12): special
+files, oversized vocabularies, bad sampling defaults, escape sequences in model output,
+closed pipes, unwritable caches. Plus convert's "never a partial file" promise under a
+full disk and Ctrl-C. (Converter input validation already covered in test_convert.py is
+not repeated here.)"""
 from __future__ import annotations
 
 import errno
 import os
+import pty
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +23,7 @@ from click.testing import CliRunner
 import edgellama.quant.convert as qconvert
 from edgellama.cli.main import main
 from edgellama.errors import EdgeError
+from edgellama.sampling import SamplingParams
 from hf_fixtures import write_tiny_llama
 from tiny_gguf import TINY_VOCAB, write_tiny_gguf
 
@@ -88,15 +95,13 @@ def test_unreadable_model(tmp_path, tiny, monkeypatch):
     p.chmod(0)
     if os.geteuid() == 0:
         # root reads a chmod 000 file anyway: make the open fail the way it does for a user
-        import builtins
-
-        import edgellama.gguf
+        real_open = os.open
 
         def no_read(path, *a, **k):
             if str(path) == str(p):
                 raise PermissionError(13, "Permission denied", str(path))
-            return builtins.open(path, *a, **k)
-        monkeypatch.setattr(edgellama.gguf, "open", no_read, raising=False)
+            return real_open(path, *a, **k)
+        monkeypatch.setattr(os, "open", no_read)
     assert_user_error(invoke("generate", "-m", p, "-p", "hi"), "locked.gguf", "permission denied")
 
 
@@ -305,3 +310,193 @@ def test_convert_ctrl_c_keeps_existing_output(hf, tmp_path, monkeypatch):
     assert res.exit_code == 130 and "interrupted" in res.stderr and "Traceback" not in res.stderr
     assert (out / "m.gguf").read_bytes() == b"my old model"
     assert [p.name for p in out.iterdir()] == ["m.gguf"]
+
+
+# -- hostile input, the runtime's half (issue 12) -----------------------------------
+def _tiny_with(tiny: Path, path: Path, **keys) -> Path:
+    """The tiny model with metadata keys set: key=(gguf value type, value)."""
+    from test_fuzz_gguf import _set, parse, serialize
+    doc = parse(tiny.read_bytes())
+    for key, (vtype, value) in keys.items():
+        doc = _set(doc, key.replace("__", "."), vtype, value)
+    path.write_bytes(serialize(doc)[0])
+    return path
+
+
+def test_fifo_or_device_as_model_is_refused_at_once(tmp_path):
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    t0 = time.perf_counter()
+    res = run("generate", "-m", fifo, "-p", "hi", timeout=120)   # used to block in open()
+    assert_user_error(res, "model.gguf", "is a FIFO (named pipe), not a regular file")
+    assert time.perf_counter() - t0 < 60
+    assert_user_error(invoke("generate", "-m", "/dev/zero", "-p", "hi"), "/dev/zero",
+                      "is a character device, not a regular file")
+
+
+def test_token_array_larger_than_the_embedding_is_refused_first(tiny, tmp_path, monkeypatch):
+    from test_fuzz_gguf import ARR, I32, STR, _kv, parse
+    import edgellama.tokenizer
+    doc = parse(tiny.read_bytes())
+    tokens, types = _kv(doc, "tokenizer.ggml.tokens").value[1], _kv(doc, "tokenizer.ggml.token_type").value[1]
+    n = 300_000
+    p = _tiny_with(tiny, tmp_path / "vocab.gguf",
+                   tokenizer__ggml__tokens=(ARR, (STR, tokens + [f"t{i}" for i in range(n)])),
+                   tokenizer__ggml__token_type=(ARR, (I32, types + [1] * n)))
+
+    def never(meta):
+        raise AssertionError("the tokenizer was built")
+    monkeypatch.setattr(edgellama.tokenizer.Tokenizer, "from_metadata", never)
+    t0 = time.perf_counter()
+    assert_user_error(invoke("generate", "-m", p, "-p", "hi"),
+                      f"the tokenizer has {len(tokens) + n} tokens", f"token_embd.weight) has {len(tokens)}")
+    assert time.perf_counter() - t0 < 5
+
+
+def test_bad_sampling_defaults_in_the_file_are_ignored_with_a_warning(tiny, tmp_path):
+    from test_fuzz_gguf import F32, STR
+    p = _tiny_with(tiny, tmp_path / "sampling.gguf", general__sampling__temp=(F32, float("nan")),
+                   general__sampling__top_p=(F32, 2.0), general__sampling__top_k=(STR, "40"))
+    res = invoke("generate", "-m", p, "-p", "hello", "-n", "4")
+    assert res.exit_code == 0, res.output
+    warnings = [ln for ln in res.stderr.splitlines() if ln.startswith("warning: ")]
+    assert warnings == ["warning: ignoring the file's general.sampling.temp = nan: temperature must "
+                        "be a finite number",
+                        "warning: ignoring the file's general.sampling.top_k: it is not a number (str)",
+                        "warning: ignoring the file's general.sampling.top_p = 2: top-p must be in (0, 1]"]
+    # the command line overrides the file, valid or not: greedy here, greedy there
+    greedy = invoke("generate", "-m", tiny, "-p", "hello", "-n", "8", "--temp", "0")
+    assert invoke("generate", "-m", p, "-p", "hello", "-n", "8", "--temp", "0").stdout == greedy.stdout
+    q = _tiny_with(tiny, tmp_path / "greedy.gguf", general__sampling__temp=(F32, 0.0))
+    assert invoke("generate", "-m", q, "-p", "hello", "-n", "8").stdout == greedy.stdout
+    hot = invoke("generate", "-m", q, "-p", "hello", "-n", "8", "--temp", "5", "--top-k", "0",
+                 "--top-p", "1", "--min-p", "0", "--seed", "1")
+    assert hot.exit_code == 0 and hot.stdout != greedy.stdout
+
+
+def test_seed_minus_one_is_a_random_seed(tiny):
+    res = invoke("generate", "-m", tiny, "-p", "hello", "-n", "3", "--seed", "-1")
+    assert res.exit_code == 0, res.output
+    res = invoke("generate", "-m", tiny, "-p", "hello", "--seed", "-2")
+    assert res.exit_code == 2 and "'--seed': -2 is not in the range x>=-1" in res.stderr
+    with pytest.raises(EdgeError, match="seed must be >= 0"):
+        SamplingParams(seed=-1)
+
+
+def test_chat_context_too_small_for_the_template(tiny):
+    res = CliRunner().invoke(main, ["chat", "-m", str(tiny), "--ctx", "2"], input="hello\n")
+    assert_user_error(res, "a context of 2 tokens is too small for this model's chat template",
+                      "an empty message already takes", "use --ctx")
+    assert "Compiling" not in res.stderr
+    res = CliRunner().invoke(main, ["chat", "-m", str(tiny), "--ctx", "20", "-s", "be brief " * 20],
+                             input="hello\n")
+    assert_user_error(res, "an empty message with the system prompt already takes",
+                      "leaves no room for a reply")
+
+
+def test_bench_context_that_cannot_fit_is_refused_before_generating(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGELLAMA_CACHE", str(tmp_path))
+    assert_user_error(invoke("bench", "--ctx", 10**9), "--ctx 1000000000 needs", "MiB of KV cache",
+                      "use a smaller --ctx")
+    res = invoke("bench", "--ctx", 64, "-p", 512)
+    assert res.exit_code == 2 and "-p 512 does not fit --ctx 64" in res.stderr
+    assert not (tmp_path / "bench").exists()
+
+
+def test_closed_pipe_ends_quietly(tiny):
+    proc = subprocess.Popen([EXE, "generate", "-m", str(tiny), "-p", "hello", "--raw", "-n", "60",
+                             "--temp", "2", "--top-k", "0", "--ctx", "64"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    proc.stdout.read(1)             # `| head -c 1`
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 128 + signal.SIGPIPE, err
+    assert err == b"", err          # no "Exception ignored", no "error: Broken pipe"
+
+
+def _escaping_generation(tiny, n: int = 60) -> tuple[bytes, list[str]]:
+    """A `generate --raw -p hello` command whose output holds an ESC, and that output's
+    bytes (found with the API: the first seed that makes one)."""
+    import edgellama
+    from edgellama.cli.options import sampling_from
+    llm = edgellama.load(tiny, threads=1)
+    ids = llm.tokenizer.encode("hello")
+    for seed in range(100):
+        flags = {"temperature": 3.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.5,
+                 "seed": seed}
+        toks = llm.generate(ids, max_tokens=n, sampling=sampling_from(llm.default_sampling(), flags))
+        out = b"hello" + b"".join(llm.tokenizer.shown_bytes(t) for t in toks)
+        if b"\x1b" in out:
+            return out, ["generate", "-m", str(tiny), "-p", "hello", "--raw", "-n", str(n), "--temp", "3",
+                         "--top-k", "0", "--top-p", "1", "--min-p", "0", "--repeat-penalty", "1.5",
+                         "--seed", str(seed)]
+    raise AssertionError("no seed makes the tiny model write an escape character")
+
+
+def test_raw_output_to_a_pipe_is_byte_exact(tiny):
+    expected, cli = _escaping_generation(tiny)
+    res = run(*cli)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == expected
+
+
+def test_terminal_output_neutralises_control_characters(tiny):
+    expected, cli = _escaping_generation(tiny)
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([EXE, *cli], stdout=slave, stderr=subprocess.PIPE, env=ENV)
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 1 << 16)
+        except OSError:             # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    assert proc.wait(timeout=240) == 0, proc.stderr.read()
+    # colorama (loaded by Numba) resets the terminal's colours at exit: not model output
+    text = out.decode().removesuffix("\x1b[0m")
+    assert not [c for c in text if ord(c) < 32 and c not in "\t\r\n" or 0x7F <= ord(c) <= 0x9F], text
+    assert text.replace("\r\n", "\n").startswith("hello") and "\u241b" in text   # ESC shown as ␛
+    assert len(text.replace("\r\n", "\n")) == len(expected.decode("utf-8", "replace").replace("\r", "")) + 1
+
+
+def test_error_text_from_the_file_is_one_harmless_line(tmp_path):
+    t = "{{ raise_exception('\\x1b]0;owned\\x07\\x1b[2J\\nsecond line') }}"
+    p = write_tiny_gguf(tmp_path / "t.gguf", "Q8_0", dim=32, layers=1, heads=2, kv_heads=1, ffn=32,
+                        vocab=TINY_VOCAB, ctx=64, tokenizer=True, chat_template=t)
+    res = invoke("generate", "-m", p, "-p", "hi")
+    assert_user_error(res, "\u241b]0;owned\u2407\u241b[2J second line")
+    assert "\x1b" not in res.stderr and len(res.stderr.splitlines()) == 1
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**ENV, **env})
+
+
+def test_compiled_kernels_live_in_the_user_cache(tmp_path):
+    res = _python("import edgellama.kernels as k; print(k.rmsnorm._cache._cache_path)",
+                  EDGELLAMA_CACHE=str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    assert Path(res.stdout.strip()).is_relative_to(tmp_path / "numba")
+
+
+def test_unwritable_cache_and_home_still_run(tiny, tmp_path):
+    """Read-only home (and install): kernels compile in memory, with one note."""
+    home = tmp_path / "home"
+    home.write_text("not a directory: nothing can be created under it, not even by root")
+    env = {k: v for k, v in ENV.items() if k not in ("EDGELLAMA_CACHE", "XDG_CACHE_HOME")}
+    env["HOME"] = str(home)
+    res = subprocess.run([sys.executable, "-c", "import edgellama.kernels as k; "
+                          "print(type(k.rmsnorm._cache).__name__)"],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert res.stdout.strip() == "NullCache", res.stderr     # nothing written beside the sources
+    res = subprocess.run([EXE, "generate", "-m", str(tiny), "-p", "hello", "-n", "3"],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stderr
+    notes = [ln for ln in res.stderr.splitlines() if ln.startswith("note: ")]
+    assert len(notes) == 1 and "kernels compile in memory" in notes[0], res.stderr
+    assert "Traceback" not in res.stderr and "error" not in res.stderr

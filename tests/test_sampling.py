@@ -68,3 +68,27 @@ def test_defaults_from_the_file():
     p = SamplingParams().with_defaults_from(meta)
     assert (p.temperature, p.top_p, p.top_k, p.repeat_penalty) == \
         (pytest.approx(0.6), pytest.approx(0.9), 20, pytest.approx(1.1))
+
+
+@pytest.mark.parametrize("key,value,why", [
+    ("general.sampling.temp", float("nan"), "temperature must be a finite number"),
+    ("general.sampling.temp", float("inf"), "temperature must be a finite number"),
+    ("general.sampling.temp", -0.5, "temperature must be >= 0"),
+    ("general.sampling.top_p", 2.0, "top-p must be in (0, 1]"),
+    ("general.sampling.top_k", -3, "top-k must be >= 0"),
+    ("general.sampling.min_p", "0.1", "it is not a number (str)"),
+    ("general.sampling.penalty_repeat", True, "it is not a number (bool)"),
+])
+def test_bad_defaults_in_the_file_are_skipped_with_a_warning(key, value, why):
+    meta = {key: value, "general.sampling.top_k": 20} if key != "general.sampling.top_k" else {key: value}
+    warnings = []
+    p = SamplingParams().with_defaults_from(meta, warnings.append)
+    assert len(warnings) == 1 and warnings[0].startswith(f"ignoring the file's {key}") and why in warnings[0]
+    assert p.top_k == (40 if key == "general.sampling.top_k" else 20)   # the valid keys still apply
+    assert p.temperature == SamplingParams().temperature or key != "general.sampling.temp"
+
+
+def test_seed():
+    assert SamplingParams(seed=0).seed == 0
+    with pytest.raises(EdgeError, match="seed must be >= 0, or None for a random one"):
+        SamplingParams(seed=-1)

@@ -366,3 +366,16 @@ def test_malformed_vocabularies_are_errors(smollm2_gguf):
     with pytest.raises(EdgeError, match="add_bos_token is set"):
         Tokenizer.from_metadata({k: v for k, v in _smol_meta_with(smollm2_gguf, add_bos_token=True).items()
                                  if k != "tokenizer.ggml.bos_token_id"})
+
+
+@pytest.mark.parametrize("count,length", [(20000, 8), (3, 100000), (2100, 128)])
+def test_special_tokens_beyond_what_a_regex_takes_are_refused(smollm2_gguf, count, length):
+    """Control tokens become one regex; a hostile vocabulary must not make it take seconds
+    and gigabytes (or fail inside tiktoken)."""
+    meta = smollm2_metadata(smollm2_gguf)
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    types = np.array(meta["tokenizer.ggml.token_type"])
+    tokens[-count:] = [f"<{i:0{length - 2}d}>" for i in range(count)]
+    types[-count:] = CONTROL
+    with pytest.raises(EdgeError, match="control/user-defined tokens of .* characters in all; at most"):
+        Tokenizer.from_metadata(_smol_meta_with(smollm2_gguf, tokens=tokens, token_type=types))
