@@ -32,8 +32,8 @@ def quantize_q4_0(x, out):
     over = 0
     for b in prange(nb):
         base = b * 32
-        mx = x[base]                             # all-zero block: d keeps x[0]'s sign
-        amax = abs(mx)
+        mx = f32(0.0)                            # all-zero block: d = 0 / -8 = -0.0, as
+        amax = f32(0.0)                          # ggml (gguf-py keeps x[0]'s sign there)
         chk = f32(0.0)
         for j in range(32):
             v = x[base + j]
