@@ -40,4 +40,6 @@ def test_converted_q8_0_agrees_on_the_answer(smol_hf, original_text, tmp_path):
     convert(smol_hf, out, qtype="q8_0")   # different weights (8-bit), same model
     chat, raw = _greedy(out)
     assert chat == original_text[0]
-    assert raw[:20] == original_text[1][:20]
+    # greedy continuations of different weights part ways after the answer (where depends
+    # on the CPU's f32 rounding): the answer itself must be the same
+    assert raw.startswith(" Paris.") and original_text[1].startswith(" Paris.")
