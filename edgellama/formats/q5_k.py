@@ -4,14 +4,20 @@
     x = d * sc_s * (q + 16 h) - dmin * m_s   for element e of sub-block s
 q and the 6-bit scales as in Q4_K (q4_k.py); h, the fifth bit, is bit s of qh[e].
 
-Runtime tiles: Q4_K's (q4_k.Q4KLinear) plus the fifth bits,
-    qh (nt, nsub*2*R) u16  word w of sub-block s of a row: bit k = h of element 16 w + k
-5.625 bits per weight resident (5.5 in the file). Decode adds sum(h xq) per sub-block to
-Q4_K's sum: an int16 sum over the two words, sum_k (v >> k) c_k with c_0 = xq_0,
-c_k = xq_k - 2 xq_k-1 (no masks: bit i of v enters (v >> k) with weight 2^(i-k), and
-those weights telescope to xq_i). Products wrap, but int16 arithmetic is exact mod 2^16
-and the result, at most 32 * 127 = 4064 in magnitude, comes out exact; the 4-bit part
-keeps its own sum (a 5-bit one, up to 16 * 32 * 127, would not fit int16).
+Runtime tiles: q4_k.KLinear's, S = 22: per row and sub-block, ten u16 words (20 bytes)
+then sc and m. 5.625 bits per weight resident (5.5 in the file). The words are q5.py's
+(Q5_0 / Q5_1): per group of 16 weights (half a sub-block), word k holds values 3k, 3k+1,
+3k+2 in bits 0-4, 5-9, 10-14 and bit k of value 15 in bit 15; each word summed in int16
+lanes as w a0 + (w >> 5) a1 + (w >> 10) a2 + (w >> 15) a3 with coefficients from
+q5.prep_q5_x. A group sums (q - 16) xq, within 16*16*127 < 2^15: exact in int16 however
+the partial sums wrap (one sum over all 32 could reach 65024 and would not fit). Q5_K
+sub-blocks are Q5's blocks of 32 with a 6-bit scale and min instead of f16 ones, so the
+activation prep is q5.py's unchanged.
+Measured (2048 x 8192, Q4_0 in the same run, this 2-core VM): decode 0.88-1.04x Q4_0's
+bytes/s from DRAM and 0.71-0.79x from L3 with 2 threads (0.88x and 0.8x with one), so
+1.2-1.4x and 1.5-1.7x Q4_0's time per weight; prefill (T = 512) 1.0x Q4_0's time.
+Q4_K's nibble kernel plus a separate int16 sum over a plane of fifth bits read 0.6-0.7x
+from L3; words summed one at a time over the lanes (5 passes), 0.6x from DRAM.
 """
 from __future__ import annotations
 
@@ -20,9 +26,10 @@ from gguf.constants import LlamaFileType
 from numba import njit, prange
 
 from ..fp import f16_to_f32, get_f16
-from .base import WeightFormat, anon_array
-from .q4 import prep_q4_x
-from .q4_k import _CHUNK, QK_K, KLinear, k_scales, k_tile_scales, quantize_k_scales
+from .base import WeightFormat
+from .q4_k import (_CHUNK, QK_K, KLinear, k_scales, k_tile_scales, prefetch_run,
+                   quantize_k_scales, repack_k_tile_scales)
+from .q5 import prep_q5_x
 
 f32 = np.float32
 
@@ -83,110 +90,109 @@ def dequantize_q5_k(q, out):
 
 @njit(cache=True, inline="always")
 def q5_word(raw, o, s, w):
-    # word w (0..9) of sub-block s (0..7) of the Q5_K block at raw[o:o+176] (see module doc)
-    h = w // 5
-    i = w % 5
+    # word w (0..9) of sub-block s (0..7) of the Q5_K block at raw[o:o+176] (module doc):
+    # group g = w // 5, k = w % 5: values 16g+3k, +1, +2 at bits 0, 5, 10, bit k of 16g+15
+    ql = o + 48 + 32 * (s >> 1)
     v = 0
-    for f in range(3):
-        e = 15 * h + 3 * i + f
-        q = ((raw[o + 48 + 32 * (s >> 1) + e] >> (4 * (s & 1))) & 15) | (((raw[o + 16 + e] >> s) & 1) << 4)
-        v |= q << (5 * f)
-    e = 30 + h
-    q = ((raw[o + 48 + 32 * (s >> 1) + e] >> (4 * (s & 1))) & 15) | (((raw[o + 16 + e] >> s) & 1) << 4)
-    return v | (((q >> i) & 1) << 15)
+    for f in range(4):
+        e = 16 * (w // 5) + (3 * (w % 5) + f if f < 3 else 15)
+        q = ((raw[ql + e] >> (4 * (s & 1))) & 15) | (((raw[o + 16 + e] >> s) & 1) << 4)
+        v |= q << (5 * f) if f < 3 else ((q >> (w % 5)) & 1) << 15
+    return v
 
 
 @njit(cache=True, parallel=True)
-def repack_q5_k_words(raw, row0, q5):
-    # Q5_K rows raw (rows, nsb*176) u8 -> rows row0.. of q5 (nt, nsub*10*R) u16:
-    # q5[t, (10 s + w) R + r] = q5_word of sub-block s of row t*R + r
+def repack_q5_k(raw, row0, q, q16, d, dmin):
+    # Q5_K rows raw (rows, nsb*176) u8 -> rows row0.. of the tiles q (nt, nsub*22*R) u8
+    # (q16 its u16 view), d, dmin (nt, nsb*R): per sub-block s of row t*R + r,
+    # q16[t, (11 s + w) R + r] = q5_word w (w < 10), then sc and m. One pass per tile,
+    # column by column (the tile's rows stay in L2; contiguous writes)
     rows = raw.shape[0]
     nsb = raw.shape[1] // 176
-    R = q5.shape[1] // (80 * nsb)
+    R = d.shape[1] // nsb
     for t in prange(row0 // R, (row0 + rows - 1) // R + 1):
         r0 = max(0, row0 - t * R)
         r1 = min(R, row0 + rows - t * R)
-        qt = q5[t]
-        for r in range(r1 - r0):
-            row = raw[t * R + r0 + r - row0]
-            for u in range(8 * nsb):
-                for w in range(10):
-                    qt[(10 * u + w) * R + r0 + r] = q5_word(row, (u >> 3) * 176, u & 7, w)
+        tile = raw[t * R + r0 - row0:t * R + r1 - row0]
+        repack_k_tile_scales(tile, 176, 22, r0, q[t], d[t], dmin[t])
+        ht = q16[t]
+        for u in range(8 * nsb):
+            for w in range(10):
+                lane = ht[(11 * u + w) * R + r0:(11 * u + w) * R + r1]
+                for r in range(r1 - r0):
+                    lane[r] = q5_word(tile[r], (u >> 3) * 176, u & 7, w)
 
 
 # --- decode ---------------------------------------------------------------------------------
 
-@njit(cache=True)
-def prep_q5_x(xa, xb, xc, xm5):
-    # From prep_q4_x's xa, xb (per block of 32, xq_j = xa_j, xq_j+16 = xb_j + 16 xa_j):
-    # xc (nsub*40,) int16, the coefficients of the fields of the 10 words of a sub-block
-    # (fields y_0..y_3 at bits 0, 5, 10, 15: c_0 = y_0, c_f = y_f - 32 y_f-1, |.| <= 6096),
-    # xm5 (nsub, 2) int16, -16 sum(xq) over the 16 elements of each half (|.| <= 32512)
-    xq = np.empty(32, np.int64)
-    for u in range(xm5.shape[0]):
-        for j in range(16):
-            xq[j] = xa[16 * u + j]
-            xq[16 + j] = xb[16 * u + j] + 16 * xa[16 * u + j]
-        for h in range(2):
-            xm5[u, h] = -16 * (xq[15 * h:15 * h + 15].sum() + xq[30 + h])
-            for i in range(5):
-                c = xc[40 * u + 4 * (5 * h + i):40 * u + 4 * (5 * h + i) + 4]
-                e = 15 * h + 3 * i
-                c[0] = xq[e]
-                c[1] = xq[e + 1] - 32 * xq[e]
-                c[2] = xq[e + 2] - 32 * xq[e + 1]
-                c[3] = (xq[30 + h] << i) - 32 * xq[e + 2]
-
-
 @njit(cache=True, fastmath=True)
-def q5_block(qt, o, xc, k, sa, sb, ma, mb):
-    # sa, sb (R,) int16 = ma, mb + sum over the two halves of one sub-block of
-    # (q - 16) xq: words qt[o:o+10R] (lanes across rows), coefficients xc[k:k+40]
-    R = sa.size
-    sa[:] = ma
-    sb[:] = mb
-    for i in range(5):
-        a0 = xc[k + 4 * i]; a1 = xc[k + 4 * i + 1]; a2 = xc[k + 4 * i + 2]; a3 = xc[k + 4 * i + 3]
-        b0 = xc[k + 20 + 4 * i]; b1 = xc[k + 21 + 4 * i]
-        b2 = xc[k + 22 + 4 * i]; b3 = xc[k + 23 + 4 * i]
-        pa = qt[o + i * R:o + (i + 1) * R]
-        pb = qt[o + (5 + i) * R:o + (6 + i) * R]
-        for r in range(R):
-            v = np.int32(pa[r])
-            u = np.int32(pb[r])
-            # wide in Numba's typing, 16 bits stored: int16 vector ops (as q4_block)
-            sa[r] = np.int16(sa[r] + v * a0 + (v >> 5) * a1 + (v >> 10) * a2 + (v >> 15) * a3)
-            sb[r] = np.int16(sb[r] + u * b0 + (u >> 5) * b1 + (u >> 10) * b2 + (u >> 15) * b3)
+def q5_block(q16, o, c, k, s0, s1, m0, m1):
+    # s0, s1 (R,) int16 = m0, m1 + the words q16[o:o+5R], q16[o+5R:o+10R] (groups 0 and 1
+    # of one sub-block, lanes across rows) times their coefficients c[k:k+20], c[k+20:k+40]
+    R = s0.size
+    a00 = c[k]; a01 = c[k + 1]; a02 = c[k + 2]; a03 = c[k + 3]
+    a10 = c[k + 4]; a11 = c[k + 5]; a12 = c[k + 6]; a13 = c[k + 7]
+    a20 = c[k + 8]; a21 = c[k + 9]; a22 = c[k + 10]; a23 = c[k + 11]
+    a30 = c[k + 12]; a31 = c[k + 13]; a32 = c[k + 14]; a33 = c[k + 15]
+    a40 = c[k + 16]; a41 = c[k + 17]; a42 = c[k + 18]; a43 = c[k + 19]
+    b00 = c[k + 20]; b01 = c[k + 21]; b02 = c[k + 22]; b03 = c[k + 23]
+    b10 = c[k + 24]; b11 = c[k + 25]; b12 = c[k + 26]; b13 = c[k + 27]
+    b20 = c[k + 28]; b21 = c[k + 29]; b22 = c[k + 30]; b23 = c[k + 31]
+    b30 = c[k + 32]; b31 = c[k + 33]; b32 = c[k + 34]; b33 = c[k + 35]
+    b40 = c[k + 36]; b41 = c[k + 37]; b42 = c[k + 38]; b43 = c[k + 39]
+    w0 = q16[o:o + R]; w1 = q16[o + R:o + 2 * R]; w2 = q16[o + 2 * R:o + 3 * R]
+    w3 = q16[o + 3 * R:o + 4 * R]; w4 = q16[o + 4 * R:o + 5 * R]
+    y0 = q16[o + 5 * R:o + 6 * R]; y1 = q16[o + 6 * R:o + 7 * R]
+    y2 = q16[o + 7 * R:o + 8 * R]; y3 = q16[o + 8 * R:o + 9 * R]
+    y4 = q16[o + 9 * R:o + 10 * R]
+    for r in range(R):
+        # wide in Numba's typing, 16 bits stored: int16 vector ops (as q4.q4_block)
+        v0 = w0[r]; v1 = w1[r]; v2 = w2[r]; v3 = w3[r]; v4 = w4[r]
+        s0[r] = np.int16(m0 + v0 * a00 + (v0 >> 5) * a01 + (v0 >> 10) * a02 + (v0 >> 15) * a03
+                         + v1 * a10 + (v1 >> 5) * a11 + (v1 >> 10) * a12 + (v1 >> 15) * a13
+                         + v2 * a20 + (v2 >> 5) * a21 + (v2 >> 10) * a22 + (v2 >> 15) * a23
+                         + v3 * a30 + (v3 >> 5) * a31 + (v3 >> 10) * a32 + (v3 >> 15) * a33
+                         + v4 * a40 + (v4 >> 5) * a41 + (v4 >> 10) * a42 + (v4 >> 15) * a43)
+        v0 = y0[r]; v1 = y1[r]; v2 = y2[r]; v3 = y3[r]; v4 = y4[r]
+        s1[r] = np.int16(m1 + v0 * b00 + (v0 >> 5) * b01 + (v0 >> 10) * b02 + (v0 >> 15) * b03
+                         + v1 * b10 + (v1 >> 5) * b11 + (v1 >> 10) * b12 + (v1 >> 15) * b13
+                         + v2 * b20 + (v2 >> 5) * b21 + (v2 >> 10) * b22 + (v2 >> 15) * b23
+                         + v3 * b30 + (v3 >> 5) * b31 + (v3 >> 10) * b32 + (v3 >> 15) * b33
+                         + v4 * b40 + (v4 >> 5) * b41 + (v4 >> 10) * b42 + (v4 >> 15) * b43)
 
 
 @njit(cache=True, fastmath=True, parallel=True)
-def matvec_q5_k(q5, sc, mn, d, dmin, xc, xd, xm5, xsum, out, scratch, s16):
-    # W (nt*R, n) Q5_K tiles @ x (prep_q4_x, prep_q5_x) -> out (d,); scratch (nt, 3, R)
-    # f32, s16 (nt, 2, R) int16. As matvec_q4_k, with sum(q xq) = sa + sb - xm5_0 - xm5_1
-    nt = q5.shape[0]
+def matvec_q5_k(q, q16, d, dmin, xc, xd, xm5, xsum, out, scratch, s16):
+    # W (nt*R, n) Q5_K tiles q (q16 its u16 view) @ x (q5.prep_q5_x) -> out (d,);
+    # scratch (nt, 3, R) f32, s16 (nt, 2, R) int16. As matvec_q4_k, with
+    # sum(q xq) = s0 + s1 - xm5[2u] - xm5[2u+1]
+    nt = q.shape[0]
     R = s16.shape[2]
     nsb = xd.size // 8
     for t in prange(nt):
-        qt = q5[t]
+        qt = q[t]
+        ht = q16[t]
         acc = scratch[t, 0]
         a1 = scratch[t, 1]
         a2 = scratch[t, 2]
-        sa = s16[t, 0]
-        sb = s16[t, 1]
+        s0 = s16[t, 0]
+        s1 = s16[t, 1]
         acc[:] = 0
         for b in range(nsb):
             a1[:] = 0
             a2[:] = 0
             for k in range(8):
                 u = 8 * b + k
-                q5_block(qt, 10 * u * R, xc, 40 * u, sa, sb, xm5[u, 0], xm5[u, 1])
-                scu = sc[t, u * R:(u + 1) * R]
-                mu = mn[t, u * R:(u + 1) * R]
+                o = 22 * u * R
+                prefetch_run(qt, o + 22 * R, 22 * R)
+                q5_block(ht, 11 * u * R, xc, 40 * u, s0, s1, xm5[2 * u], xm5[2 * u + 1])
+                scu = qt[o + 20 * R:o + 21 * R]
+                mu = qt[o + 21 * R:o + 22 * R]
                 dx = xd[u]
-                off = -f32(np.int32(xm5[u, 0]) + np.int32(xm5[u, 1]))
+                off = -f32(np.int32(xm5[2 * u]) + np.int32(xm5[2 * u + 1]))
                 xs = xsum[u]
                 for r in range(R):
-                    qx = f32(np.int32(sa[r]) + np.int32(sb[r])) + off
+                    qx = f32(np.int32(s0[r]) + np.int32(s1[r])) + off
                     a1[r] += f32(scu[r]) * (dx * qx)
                     a2[r] += f32(mu[r]) * xs
             db = d[t, b * R:(b + 1) * R]
@@ -200,86 +206,87 @@ def matvec_q5_k(q5, sc, mn, d, dmin, xc, xd, xm5, xsum, out, scratch, s16):
 # --- prefill and embedding (serial, exact) --------------------------------------------------
 
 @njit(cache=True)
-def dequant_q5_k_tiles(q5, sc, mn, d, dmin, t0, t1, wt):
+def dequant_q5_k_tiles(q, q16, d, dmin, t0, t1, wt):
     # Q5_K tiles t0..t1 -> wt (n, (t1-t0)*R) f32 = W[rows].T
     nsub = wt.shape[0] // 32
-    R = sc.shape[1] // nsub
+    R = d.shape[1] * 8 // nsub
     dsc = np.empty(R, f32)
     msc = np.empty(R, f32)
     top = np.empty((2, R), np.int32)
     for u in range(nsub):
         for t in range(t0, t1):
-            k_tile_scales(sc, mn, d, dmin, t, u, R, dsc, msc)
+            k_tile_scales(q, d, dmin, 22, t, u, R, dsc, msc)
             c = (t - t0) * R
             top[:] = 0
             for w in range(10):
-                h = w // 5
-                i = w % 5
-                qw = q5[t, (10 * u + w) * R:(10 * u + w + 1) * R]
+                g = w // 5
+                k = w % 5
+                qw = q16[t, (11 * u + w) * R:(11 * u + w + 1) * R]
                 for f in range(3):
-                    y = wt[32 * u + 15 * h + 3 * i + f, c:c + R]
+                    y = wt[32 * u + 16 * g + 3 * k + f, c:c + R]
                     for r in range(R):
                         y[r] = dsc[r] * f32((qw[r] >> (5 * f)) & 31) - msc[r]
                 for r in range(R):
-                    top[h, r] |= (qw[r] >> 15) << i
-            for h in range(2):
-                y = wt[32 * u + 30 + h, c:c + R]
+                    top[g, r] |= (qw[r] >> 15) << k
+            for g in range(2):
+                y = wt[32 * u + 16 * g + 15, c:c + R]
                 for r in range(R):
-                    y[r] = dsc[r] * f32(top[h, r]) - msc[r]
+                    y[r] = dsc[r] * f32(top[g, r]) - msc[r]
 
 
 @njit(cache=True)
-def rows_q5_k(q5, sc, mn, d, dmin, ids, out):
+def rows_q5_k(q, q16, d, dmin, ids, out):
     # Q5_K tiles, ids (T,) -> out (T, n) f32 dequantized rows
     nsub = out.shape[1] // 32
-    R = sc.shape[1] // nsub
+    R = d.shape[1] * 8 // nsub
     for i in range(ids.size):
         t = ids[i] // R
         r = ids[i] % R
         row = out[i]
         for u in range(nsub):
             b = u // 8
-            ds = f16_to_f32(d[t, b * R + r]) * f32(sc[t, u * R + r])
-            ms = f16_to_f32(dmin[t, b * R + r]) * f32(mn[t, u * R + r])
-            top0 = 0
-            top1 = 0
+            ds = f16_to_f32(d[t, b * R + r]) * f32(q[t, (22 * u + 20) * R + r])
+            ms = f16_to_f32(dmin[t, b * R + r]) * f32(q[t, (22 * u + 21) * R + r])
+            top0 = 0                             # values 15 and 31: bit 15 of the
+            top1 = 0                             # words 0..4 and 5..9
             for w in range(10):
-                v = q5[t, (10 * u + w) * R + r]
-                e = 15 * (w // 5) + 3 * (w % 5)
+                v = q16[t, (11 * u + w) * R + r]
+                e = 16 * (w // 5) + 3 * (w % 5)
                 for f in range(3):
                     row[32 * u + e + f] = ds * f32((v >> (5 * f)) & 31) - ms
                 if w < 5:
                     top0 |= (v >> 15) << w
                 else:
                     top1 |= (v >> 15) << (w - 5)
-            row[32 * u + 30] = ds * f32(top0) - ms
+            row[32 * u + 15] = ds * f32(top0) - ms
             row[32 * u + 31] = ds * f32(top1) - ms
 
 
 class Q5KLinear(KLinear):
-    """Q5_K in row tiles: KLinear's scales plus q5 (nt, nsub*10*R) u16, the words."""
+    """Q5_K in row tiles (KLinear, S = 22): ten u16 words per row and sub-block."""
+    S = 22
     n_sums = 2
 
-    def _alloc_quants(self):
+    def _load(self, raws):
+        super()._load(raws)
+        self.q16 = self.q.view(np.uint16)        # the words' view of the tiles
         nsub = self.in_features // 32
-        self.q5 = anon_array((self.nt, nsub * 10 * self.R), np.uint16)
         self._xc = np.zeros(nsub * 40, np.int16)
-        self._xm5 = np.zeros((nsub, 2), np.int16)
+        self._xm5 = np.zeros(nsub * 2, np.int16)
 
-    def _repack_quants(self, raw, row0):
-        repack_q5_k_words(raw, row0, self.q5)
+    def _repack(self, raw, row0):
+        repack_q5_k(raw, row0, self.q, self.q.view(np.uint16), self.d, self.dmin)
 
     def matvec(self, x, out):
-        prep_q4_x(x, self._xa, self._xb, self._xd, self._xm, self._xsum)
-        prep_q5_x(self._xa, self._xb, self._xc, self._xm5)
-        matvec_q5_k(self.q5, self.sc, self.mn, self.d, self.dmin, self._xc, self._xd,
+        prep_q5_x(x, self._xa, self._xb, self._xd, self._xm, self._xsum, self._xc, self._xm5)
+        matvec_q5_k(self.q, self.q16, self.d, self.dmin, self._xc, self._xd,
                     self._xm5, self._xsum, out, self._scratch, self._s16)
 
     def _dequant_tiles(self, t0, t1, wt):
-        dequant_q5_k_tiles(self.q5, self.sc, self.mn, self.d, self.dmin, t0, t1, wt)
+        dequant_q5_k_tiles(self.q, self.q16, self.d, self.dmin, t0, t1, wt)
 
     def _rows(self, ids, out):
-        rows_q5_k(self.q5, self.sc, self.mn, self.d, self.dmin, ids, out)
+        rows_q5_k(self.q, self.q16, self.d, self.dmin, ids, out)
 
 
 Q5_K = WeightFormat("Q5_K", 13, QK_K, 176,
