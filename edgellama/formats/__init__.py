@@ -12,14 +12,14 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import EdgeError
-from . import floats, iq4, q2_k, q3_k, q4, q5, q6_k, q8_0
+from . import floats, iq4, q2_k, q3_k, q4, q4_k, q5, q5_k, q6_k, q8_0
 from .base import Linear, WeightFormat
 
 FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     floats.F32, floats.F16, floats.BF16,
     q4.Q4_0, q4.Q4_1, q8_0.Q8_0,
     q5.Q5_0, q5.Q5_1, iq4.IQ4_NL, iq4.IQ4_XS,
-    q2_k.Q2_K, q3_k.Q3_K, q6_k.Q6_K,
+    q2_k.Q2_K, q3_k.Q3_K, q4_k.Q4_K, q5_k.Q5_K, q6_k.Q6_K,
 )}
 BY_ID: dict[int, WeightFormat] = {f.type_id: f for f in FORMATS.values()}
 SUPPORTED = tuple(FORMATS)          # the weight types the runtime computes with
