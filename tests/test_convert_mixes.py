@@ -350,6 +350,9 @@ def test_smollm2_q4_k_m_chats(smol, tmp_path):
     out = tmp_path / "smol-q4_k_m.gguf"
     convert(hf, out, qtype="q4_k_m")
     llm = edgellama.load(out, ctx=256)
-    ids = llm.chat.encode_messages([{"role": "user", "content": "What is the capital of France?"}])
+    # A question the F32 model answers with a clear margin: this checkpoint is rebuilt from
+    # a Q4_1 file, and on "capital of France" its F32 first token wins by 0.1 logits only
+    # (llama.cpp's own Q4_K_M, Q5_0 and Q6_K of it answer in French there, as ours does).
+    ids = llm.chat.encode_messages([{"role": "user", "content": "How many days are in a week?"}])
     reply = llm.tokenizer.decode(list(llm.generate(ids, max_tokens=30, sampling=SamplingParams(temperature=0))))
-    assert "Paris" in reply
+    assert "7 days" in reply
