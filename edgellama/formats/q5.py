@@ -204,6 +204,44 @@ def prep_q5_x(x, xa, xb, xd, xm, xsum, c, xm5):
                 c[o + 3] = np.int16(((e[15] << k) - 32 * c2) & 0xFFFF)
 
 
+@njit(cache=True, fastmath=True, inline="always")
+def q5_block(q16, o, c, k, s0, s1, m0, m1):
+    # s0, s1 (R,) int16 = m0, m1 + the words q16[o:o+5R], q16[o+5R:o+10R] (groups 0 and 1
+    # of one block, lanes across rows) times their coefficients c[k:k+20], c[k+20:k+40]
+    # (prep_q5_x). Shared with q5_k (a Q5_K sub-block is a Q5 block).
+    R = s0.size
+    a00 = c[k]; a01 = c[k + 1]; a02 = c[k + 2]; a03 = c[k + 3]
+    a10 = c[k + 4]; a11 = c[k + 5]; a12 = c[k + 6]; a13 = c[k + 7]
+    a20 = c[k + 8]; a21 = c[k + 9]; a22 = c[k + 10]; a23 = c[k + 11]
+    a30 = c[k + 12]; a31 = c[k + 13]; a32 = c[k + 14]; a33 = c[k + 15]
+    a40 = c[k + 16]; a41 = c[k + 17]; a42 = c[k + 18]; a43 = c[k + 19]
+    b00 = c[k + 20]; b01 = c[k + 21]; b02 = c[k + 22]; b03 = c[k + 23]
+    b10 = c[k + 24]; b11 = c[k + 25]; b12 = c[k + 26]; b13 = c[k + 27]
+    b20 = c[k + 28]; b21 = c[k + 29]; b22 = c[k + 30]; b23 = c[k + 31]
+    b30 = c[k + 32]; b31 = c[k + 33]; b32 = c[k + 34]; b33 = c[k + 35]
+    b40 = c[k + 36]; b41 = c[k + 37]; b42 = c[k + 38]; b43 = c[k + 39]
+    w0 = q16[o:o + R]; w1 = q16[o + R:o + 2 * R]; w2 = q16[o + 2 * R:o + 3 * R]
+    w3 = q16[o + 3 * R:o + 4 * R]; w4 = q16[o + 4 * R:o + 5 * R]
+    y0 = q16[o + 5 * R:o + 6 * R]; y1 = q16[o + 6 * R:o + 7 * R]
+    y2 = q16[o + 7 * R:o + 8 * R]; y3 = q16[o + 8 * R:o + 9 * R]
+    y4 = q16[o + 9 * R:o + 10 * R]
+    for r in range(R):
+        # computed wide by Numba's typing, but only 16 bits are stored: LLVM narrows each
+        # group sum to int16 vector ops (as q4.q4_block)
+        v0 = w0[r]; v1 = w1[r]; v2 = w2[r]; v3 = w3[r]; v4 = w4[r]
+        s0[r] = np.int16(m0 + v0 * a00 + (v0 >> 5) * a01 + (v0 >> 10) * a02 + (v0 >> 15) * a03
+                         + v1 * a10 + (v1 >> 5) * a11 + (v1 >> 10) * a12 + (v1 >> 15) * a13
+                         + v2 * a20 + (v2 >> 5) * a21 + (v2 >> 10) * a22 + (v2 >> 15) * a23
+                         + v3 * a30 + (v3 >> 5) * a31 + (v3 >> 10) * a32 + (v3 >> 15) * a33
+                         + v4 * a40 + (v4 >> 5) * a41 + (v4 >> 10) * a42 + (v4 >> 15) * a43)
+        v0 = y0[r]; v1 = y1[r]; v2 = y2[r]; v3 = y3[r]; v4 = y4[r]
+        s1[r] = np.int16(m1 + v0 * b00 + (v0 >> 5) * b01 + (v0 >> 10) * b02 + (v0 >> 15) * b03
+                         + v1 * b10 + (v1 >> 5) * b11 + (v1 >> 10) * b12 + (v1 >> 15) * b13
+                         + v2 * b20 + (v2 >> 5) * b21 + (v2 >> 10) * b22 + (v2 >> 15) * b23
+                         + v3 * b30 + (v3 >> 5) * b31 + (v3 >> 10) * b32 + (v3 >> 15) * b33
+                         + v4 * b40 + (v4 >> 5) * b41 + (v4 >> 10) * b42 + (v4 >> 15) * b43)
+
+
 @njit(cache=True, fastmath=True, parallel=True)
 def matvec_q5(w, d, m, has_m, c, xd, xm5, xsum, out, scratch, s16):
     # W (nt*R, n) Q5 tiles w (nt, nb*10*R) u16, d [, m] (nt, nb*R) @ x -> out (d,)
@@ -222,40 +260,9 @@ def matvec_q5(w, d, m, has_m, c, xd, xm5, xsum, out, scratch, s16):
         s1 = s16[t, 1]
         acc[:] = 0
         for b in range(nb):
-            o = 10 * b * R
-            k = 40 * b
-            a00 = c[k]; a01 = c[k + 1]; a02 = c[k + 2]; a03 = c[k + 3]
-            a10 = c[k + 4]; a11 = c[k + 5]; a12 = c[k + 6]; a13 = c[k + 7]
-            a20 = c[k + 8]; a21 = c[k + 9]; a22 = c[k + 10]; a23 = c[k + 11]
-            a30 = c[k + 12]; a31 = c[k + 13]; a32 = c[k + 14]; a33 = c[k + 15]
-            a40 = c[k + 16]; a41 = c[k + 17]; a42 = c[k + 18]; a43 = c[k + 19]
-            b00 = c[k + 20]; b01 = c[k + 21]; b02 = c[k + 22]; b03 = c[k + 23]
-            b10 = c[k + 24]; b11 = c[k + 25]; b12 = c[k + 26]; b13 = c[k + 27]
-            b20 = c[k + 28]; b21 = c[k + 29]; b22 = c[k + 30]; b23 = c[k + 31]
-            b30 = c[k + 32]; b31 = c[k + 33]; b32 = c[k + 34]; b33 = c[k + 35]
-            b40 = c[k + 36]; b41 = c[k + 37]; b42 = c[k + 38]; b43 = c[k + 39]
-            w0 = wt[o:o + R]; w1 = wt[o + R:o + 2 * R]; w2 = wt[o + 2 * R:o + 3 * R]
-            w3 = wt[o + 3 * R:o + 4 * R]; w4 = wt[o + 4 * R:o + 5 * R]
-            y0 = wt[o + 5 * R:o + 6 * R]; y1 = wt[o + 6 * R:o + 7 * R]
-            y2 = wt[o + 7 * R:o + 8 * R]; y3 = wt[o + 8 * R:o + 9 * R]
-            y4 = wt[o + 9 * R:o + 10 * R]
             m0 = xm5[2 * b]
             m1 = xm5[2 * b + 1]
-            for r in range(R):
-                # computed wide by Numba's typing, but only 16 bits are stored: LLVM
-                # narrows each group sum to int16 vector ops (as q4.q4_block)
-                v0 = w0[r]; v1 = w1[r]; v2 = w2[r]; v3 = w3[r]; v4 = w4[r]
-                s0[r] = np.int16(m0 + v0 * a00 + (v0 >> 5) * a01 + (v0 >> 10) * a02 + (v0 >> 15) * a03
-                                 + v1 * a10 + (v1 >> 5) * a11 + (v1 >> 10) * a12 + (v1 >> 15) * a13
-                                 + v2 * a20 + (v2 >> 5) * a21 + (v2 >> 10) * a22 + (v2 >> 15) * a23
-                                 + v3 * a30 + (v3 >> 5) * a31 + (v3 >> 10) * a32 + (v3 >> 15) * a33
-                                 + v4 * a40 + (v4 >> 5) * a41 + (v4 >> 10) * a42 + (v4 >> 15) * a43)
-                v0 = y0[r]; v1 = y1[r]; v2 = y2[r]; v3 = y3[r]; v4 = y4[r]
-                s1[r] = np.int16(m1 + v0 * b00 + (v0 >> 5) * b01 + (v0 >> 10) * b02 + (v0 >> 15) * b03
-                                 + v1 * b10 + (v1 >> 5) * b11 + (v1 >> 10) * b12 + (v1 >> 15) * b13
-                                 + v2 * b20 + (v2 >> 5) * b21 + (v2 >> 10) * b22 + (v2 >> 15) * b23
-                                 + v3 * b30 + (v3 >> 5) * b31 + (v3 >> 10) * b32 + (v3 >> 15) * b33
-                                 + v4 * b40 + (v4 >> 5) * b41 + (v4 >> 10) * b42 + (v4 >> 15) * b43)
+            q5_block(wt, 10 * b * R, c, 40 * b, s0, s1, m0, m1)
             db = d[t, b * R:(b + 1) * R]
             dx = xd[b]
             if has_m:

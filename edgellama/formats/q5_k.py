@@ -29,7 +29,7 @@ from ..fp import f16_to_f32, get_f16
 from .base import WeightFormat
 from .q4_k import (_CHUNK, QK_K, KLinear, k_scales, k_tile_scales, prefetch_run,
                    quantize_k_scales, repack_k_tile_scales)
-from .q5 import prep_q5_x
+from .q5 import prep_q5_x, q5_block
 
 f32 = np.float32
 
@@ -124,42 +124,6 @@ def repack_q5_k(raw, row0, q, q16, d, dmin):
 
 
 # --- decode ---------------------------------------------------------------------------------
-
-@njit(cache=True, fastmath=True)
-def q5_block(q16, o, c, k, s0, s1, m0, m1):
-    # s0, s1 (R,) int16 = m0, m1 + the words q16[o:o+5R], q16[o+5R:o+10R] (groups 0 and 1
-    # of one sub-block, lanes across rows) times their coefficients c[k:k+20], c[k+20:k+40]
-    R = s0.size
-    a00 = c[k]; a01 = c[k + 1]; a02 = c[k + 2]; a03 = c[k + 3]
-    a10 = c[k + 4]; a11 = c[k + 5]; a12 = c[k + 6]; a13 = c[k + 7]
-    a20 = c[k + 8]; a21 = c[k + 9]; a22 = c[k + 10]; a23 = c[k + 11]
-    a30 = c[k + 12]; a31 = c[k + 13]; a32 = c[k + 14]; a33 = c[k + 15]
-    a40 = c[k + 16]; a41 = c[k + 17]; a42 = c[k + 18]; a43 = c[k + 19]
-    b00 = c[k + 20]; b01 = c[k + 21]; b02 = c[k + 22]; b03 = c[k + 23]
-    b10 = c[k + 24]; b11 = c[k + 25]; b12 = c[k + 26]; b13 = c[k + 27]
-    b20 = c[k + 28]; b21 = c[k + 29]; b22 = c[k + 30]; b23 = c[k + 31]
-    b30 = c[k + 32]; b31 = c[k + 33]; b32 = c[k + 34]; b33 = c[k + 35]
-    b40 = c[k + 36]; b41 = c[k + 37]; b42 = c[k + 38]; b43 = c[k + 39]
-    w0 = q16[o:o + R]; w1 = q16[o + R:o + 2 * R]; w2 = q16[o + 2 * R:o + 3 * R]
-    w3 = q16[o + 3 * R:o + 4 * R]; w4 = q16[o + 4 * R:o + 5 * R]
-    y0 = q16[o + 5 * R:o + 6 * R]; y1 = q16[o + 6 * R:o + 7 * R]
-    y2 = q16[o + 7 * R:o + 8 * R]; y3 = q16[o + 8 * R:o + 9 * R]
-    y4 = q16[o + 9 * R:o + 10 * R]
-    for r in range(R):
-        # wide in Numba's typing, 16 bits stored: int16 vector ops (as q4.q4_block)
-        v0 = w0[r]; v1 = w1[r]; v2 = w2[r]; v3 = w3[r]; v4 = w4[r]
-        s0[r] = np.int16(m0 + v0 * a00 + (v0 >> 5) * a01 + (v0 >> 10) * a02 + (v0 >> 15) * a03
-                         + v1 * a10 + (v1 >> 5) * a11 + (v1 >> 10) * a12 + (v1 >> 15) * a13
-                         + v2 * a20 + (v2 >> 5) * a21 + (v2 >> 10) * a22 + (v2 >> 15) * a23
-                         + v3 * a30 + (v3 >> 5) * a31 + (v3 >> 10) * a32 + (v3 >> 15) * a33
-                         + v4 * a40 + (v4 >> 5) * a41 + (v4 >> 10) * a42 + (v4 >> 15) * a43)
-        v0 = y0[r]; v1 = y1[r]; v2 = y2[r]; v3 = y3[r]; v4 = y4[r]
-        s1[r] = np.int16(m1 + v0 * b00 + (v0 >> 5) * b01 + (v0 >> 10) * b02 + (v0 >> 15) * b03
-                         + v1 * b10 + (v1 >> 5) * b11 + (v1 >> 10) * b12 + (v1 >> 15) * b13
-                         + v2 * b20 + (v2 >> 5) * b21 + (v2 >> 10) * b22 + (v2 >> 15) * b23
-                         + v3 * b30 + (v3 >> 5) * b31 + (v3 >> 10) * b32 + (v3 >> 15) * b33
-                         + v4 * b40 + (v4 >> 5) * b41 + (v4 >> 10) * b42 + (v4 >> 15) * b43)
-
 
 @njit(cache=True, fastmath=True, parallel=True)
 def matvec_q5_k(q, q16, d, dmin, xc, xd, xm5, xsum, out, scratch, s16):
