@@ -68,7 +68,8 @@ def random_weights(rng, rows: int, cols: int, qtype: str, scale: float) -> np.nd
 
 def shape_file(name: str, qtype: str, quiet: bool = False) -> Path:
     """Path of a cached GGUF with the shapes of `name` and random `qtype` weights
-    (1-D tensors F32; the tied embedding Q8_0 for 4-bit types, as convert does)."""
+    (1-D tensors F32; the tied embedding as published files have it: Q6_K beside
+    K-quants (llama.cpp's output rule), Q8_0 beside Q4_0 / Q4_1 (as our convert does))."""
     if name not in SHAPES:
         raise EdgeError(f"unknown --shape {name!r} (known: {', '.join(SHAPES)})")
     qtype = qtype.upper()
@@ -82,7 +83,7 @@ def shape_file(name: str, qtype: str, quiet: bool = False) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     if not quiet:
         print(f"Generating {path.name} (random weights, real shapes; once)...", flush=True)
-    embed_type = "Q8_0" if qtype.startswith("Q4") else qtype
+    embed_type = "Q6_K" if qtype.endswith("_K") else "Q8_0" if qtype in ("Q4_0", "Q4_1") else qtype
     hd = s.dim // s.heads
     tensors = [("token_embd.weight", s.vocab, s.dim, embed_type, 1.0)]
     for i in range(s.layers):
