@@ -25,6 +25,7 @@ from gguf.constants import GGUFValueType as V
 import edgellama
 from edgellama.cli.main import main
 from edgellama.errors import EdgeError
+from edgellama.gguf import GGUFFile
 from edgellama.gguf_write import GGUFStreamWriter
 from edgellama.quant import convert as qconvert
 from edgellama.quant.convert import convert
@@ -301,7 +302,7 @@ def test_embed_type_is_llama_quantize_embedding_override(tiny, tmp_path):
     convert(hf, tmp_path / "ours.gguf", qtype="q4_k_m", embed_type="q8_0")
     llama_quantize(f32, tmp_path / "theirs.gguf", "q4_k_m", embed_type="Q8_0")
     _same_file(tmp_path / "ours.gguf", tmp_path / "theirs.gguf")
-    types = {t.name: t.tensor_type.name for t in GGUFReader(tmp_path / "ours.gguf").tensors}
+    types = {t.name: t.type_name for t in GGUFFile(tmp_path / "ours.gguf").tensors.values()}
     assert types["token_embd.weight"] == "Q8_0" and types["blk.0.attn_v.weight"] == "Q6_K"
 
 
@@ -332,8 +333,8 @@ def test_summary_shows_the_plan(tiny, tmp_path):
     assert rows["Q4_K"].endswith("attn_k, attn_output, attn_q, ffn_gate, ffn_up; "
                                  "attn_v, ffn_down (layers 1-2, 4-5)")
     assert "6.56 bpw" in rows["Q6_K"] and "4.50 bpw" in rows["Q4_K"]
-    r = GGUFReader(out)
-    bits = sum(int(t.n_bytes) for t in r.tensors) * 8 / sum(int(math.prod(t.shape)) for t in r.tensors)
+    tensors = GGUFFile(out).tensors.values()
+    bits = sum(t.nbytes for t in tensors) * 8 / sum(math.prod(t.shape) for t in tensors)
     assert "(q4_k_m)" in head and f"{bits:.2f} bits/weight" in head
 
 
