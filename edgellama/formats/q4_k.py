@@ -55,26 +55,27 @@ def get_scale_min_k4(q, o, j):
     return sc, m
 
 
-@njit(cache=True, error_model="numpy")
-def make_qkx2_quants(nmax, x, xo, weights, L, lo, Laux, rmin, rdelta, nstep):
-    # ggml's make_qkx2_quants (use_mad false) over x[xo:xo+32] -> L[lo:lo+32] in 0..nmax;
-    # returns (scale, the_min). Same float32 operations in the same order as the C, and
-    # IEEE division (error_model numpy: x/0 is inf or NaN, as in C, not an exception).
-    n = 32
+@njit(cache=True, error_model="numpy", inline="always")
+def make_qkx2_quants(n, nmax, x, xo, weights, L, lo, Laux, rmin, rdelta, nstep, use_mad):
+    # ggml's make_qkx2_quants over x[xo:xo+n] -> L[lo:lo+n] in 0..nmax, Laux (n,) scratch;
+    # returns (scale, the_min). The error is sum w |diff| if use_mad, else sum w diff^2
+    # (Q2_K: n 16, use_mad; Q4_K, Q5_K: n 32). Same float32 operations in the same order
+    # as the C, and IEEE division (callers compile with error_model numpy: x/0 is inf or
+    # NaN, as in C, not an exception). Inlined: the callers' constants reach the loops.
     mn = x[xo]
     mx = x[xo]
     sum_w = weights[0]
     sum_x = sum_w * x[xo]
     for i in range(1, n):
         v = x[xo + i]
-        if v < mn:
+        if v < mn:                      # noqa: PLR1730 (the C's comparisons, NaN included)
             mn = v
-        if v > mx:
+        if v > mx:                      # noqa: PLR1730
             mx = v
         w = weights[i]
         sum_w += w
         sum_x += w * v
-    if mn > f32(0):
+    if mn > f32(0):                     # noqa: PLR1730
         mn = f32(0)
     if mx == mn:
         for i in range(n):
@@ -88,7 +89,7 @@ def make_qkx2_quants(nmax, x, xo, weights, L, lo, Laux, rmin, rdelta, nstep):
         l = max(0, min(nmax, l))
         L[lo + i] = l
         diff = scale * f32(l) + mn - x[xo + i]
-        best_error += weights[i] * (diff * diff)
+        best_error += weights[i] * (abs(diff) if use_mad else diff * diff)
     for step in range(nstep + 1):
         iscale = (rmin + rdelta * f32(step) + f32(nmax)) / (mx - mn)
         sum_l = f32(0)
@@ -113,7 +114,7 @@ def make_qkx2_quants(nmax, x, xo, weights, L, lo, Laux, rmin, rdelta, nstep):
             cur_error = f32(0)
             for i in range(n):
                 diff = this_scale * f32(Laux[i]) + this_min - x[xo + i]
-                cur_error += weights[i] * (diff * diff)
+                cur_error += weights[i] * (abs(diff) if use_mad else diff * diff)
             if cur_error < best_error:
                 for i in range(n):
                     L[lo + i] = Laux[i]
@@ -141,7 +142,8 @@ def quantize_k_scales(x, xo, nmax, rmin, rdelta, nstep, out, o, L, Laux, weights
         av_x = np.sqrt(sum_x2 / f32(32))
         for i in range(32):
             weights[i] = av_x + abs(x[base + i])
-        sc, mn = make_qkx2_quants(nmax, x, base, weights, L, 32 * j, Laux, rmin, rdelta, nstep)
+        sc, mn = make_qkx2_quants(32, nmax, x, base, weights, L, 32 * j, Laux, rmin, rdelta,
+                                   nstep, False)
         scales[j] = sc
         mins[j] = mn
         if sc > max_scale:
