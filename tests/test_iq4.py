@@ -12,29 +12,20 @@ amax_32(i) / 254 and the output by at most |W| @ that; both bounds are added. Th
 test shows the integer part is exact (no rounding -> float tolerance only).
 """
 import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as G
-from gguf.quants import dequantize as ref_dequantize
 
 sys.path.insert(0, str(Path(__file__).parent))
+import format_cases as fc
 import ggml_oracle
+from format_cases import check, gguf_dequant, live, random_blocks
+from format_cases import quantize_counts as quantize
 
-from edgellama.formats import base
 from edgellama.formats.iq4 import IQ4_NL, IQ4_XS, KVALUES, best_index
 
-EPS = float(np.finfo(np.float32).eps)
 FORMATS = {"IQ4_NL": IQ4_NL, "IQ4_XS": IQ4_XS}
-live = pytest.mark.skipif(not ggml_oracle.available(), reason="llama-cpp-python not installed")
-
-
-def gguf_dequant(q, fmt):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)    # inf scales in extreme cases
-        return np.asarray(ref_dequantize(q, G[fmt.name]), np.float32)
 
 
 # --- quantize: ggml's bytes ---------------------------------------------------------------
@@ -69,12 +60,6 @@ def _cases() -> dict[str, np.ndarray]:
     cases = {"normal": normal, "outliers": outliers, "zeros": zeros, "constant": constant,
              "tiny": tiny, "huge": huge, "ties": ties, "uniform": uniform}
     return {k: np.asarray(v, np.float32) for k, v in cases.items()}
-
-
-def quantize(x, fmt):
-    out = np.full(x.size // fmt.block_size * fmt.type_size, 0xAA, np.uint8)  # every byte written
-    counts = fmt.quantize(x.reshape(-1), out)
-    return out.reshape(x.shape[0], -1), counts
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -144,15 +129,6 @@ def test_best_index_ties_and_ends():
 
 # --- dequantize: gguf-py's bytes to floats -------------------------------------------------
 
-def random_blocks(nb, rng, fmt, d_values=None):
-    """nb blocks of random bytes with finite f16 d (from d_values, else around 1e-2)."""
-    q = rng.integers(0, 256, (nb, fmt.type_size), dtype=np.uint8)
-    if d_values is None:
-        d_values = rng.standard_normal(nb) * 1e-2
-    q[:, :2] = np.asarray(d_values, np.float16).reshape(nb, 1).view(np.uint8)
-    return q
-
-
 @pytest.mark.parametrize("fmt", FORMATS.values(), ids=FORMATS)
 def test_dequantize_bit_exact(fmt):
     rng = np.random.default_rng(3)
@@ -183,16 +159,6 @@ def make(fmt, shape, seed=0, raw=None):
     raw.setflags(write=False)                                    # read-only file views work
     lin = fmt.linear(fmt, [raw.reshape(-1)], [rows], n)
     return lin, gguf_dequant(raw, fmt).astype(np.float64).reshape(shape)
-
-
-def check(got, ref_w, x, x_quantized=False):
-    want = x.astype(np.float64) @ ref_w.T
-    tol = 64 * EPS * (np.abs(x) @ np.abs(ref_w).T) + 1e-30
-    if x_quantized:
-        step = np.repeat(np.abs(x).reshape(-1, 32).max(1), 32) / 254
-        tol += np.abs(ref_w) @ step * 1.01
-    assert got.shape == want.shape
-    assert np.all(np.abs(got - want) <= tol), np.max(np.abs(got - want) / tol)
 
 
 # (out, in): out not a multiple of any tile size; 37 and 16 rows give 16-row tiles
@@ -243,62 +209,29 @@ def test_matvec_on_grid_is_exact_and_extremes(fmt, rows):
 @pytest.mark.parametrize("fmt", FORMATS.values(), ids=FORMATS)
 @pytest.mark.parametrize("T", [1, 7])
 def test_matmul(fmt, T, monkeypatch):
-    shape = (300, 512)
-    monkeypatch.setattr(base, "_CHUNK_FLOATS", 512 * 40)         # several chunks, ragged last
-    monkeypatch.setattr(base, "_CHUNK_MIN_ROWS", 1)
-    lin, ref = make(fmt, shape)
-    assert lin._chunk_rows() < shape[0]
-    x = np.random.default_rng(2).standard_normal((T, shape[1])).astype(np.float32)
-    out = np.full((T, shape[0]), np.nan, np.float32)
-    lin.matmul(x, out)
-    check(out, ref, x)
+    lin, ref = make(fmt, (300, 512))
+    fc.check_matmul(lin, ref, T, monkeypatch)
 
 
 @pytest.mark.parametrize("fmt", FORMATS.values(), ids=FORMATS)
 def test_rows(fmt):
-    shape = (300, 512)
-    lin, ref = make(fmt, shape)
-    ids = np.array([0, 299, 5, 5, 128, 64, 255], np.int64)
-    out = np.full((ids.size, shape[1]), np.nan, np.float32)
-    lin.rows(ids, out)
-    np.testing.assert_array_equal(out.view(np.uint32), ref[ids].astype(np.float32).view(np.uint32))
-    with pytest.raises(IndexError):
-        lin.rows(np.array([300]), out[:1])
+    lin, ref = make(fmt, (300, 512))
+    fc.check_rows(lin, ref)
 
 
 @pytest.mark.parametrize("fmt", FORMATS.values(), ids=FORMATS)
 def test_dequant_tiles_match_gguf(fmt):
-    # prefill's dequantized weights are ggml's values bit for bit
-    shape = (1030, 256)
-    lin, ref = make(fmt, shape, seed=5)
-    wt = np.empty((shape[1], lin.nt * lin.R), np.float32)
-    lin._dequant_tiles(0, lin.nt, wt)
-    np.testing.assert_array_equal(wt[:, :shape[0]].view(np.uint32),
-                                  ref.T.astype(np.float32).view(np.uint32))
+    lin, ref = make(fmt, (1030, 256), seed=5)
+    fc.check_dequant_tiles(lin, ref)
 
 
 @pytest.mark.parametrize("fmt", FORMATS.values(), ids=FORMATS)
 def test_stacked(fmt):
-    # q/k/v-like parts, none a multiple of the tile size: one W, outputs split back
     rng = np.random.default_rng(7)
     n = 512
     raws = [random_blocks(s * n // fmt.block_size, rng, fmt).reshape(s, -1) for s in (150, 37, 37)]
-    lin = fmt.linear(fmt, [r.reshape(-1) for r in raws], [150, 37, 37], n)
     ref = np.concatenate([gguf_dequant(r, fmt).astype(np.float64).reshape(-1, n) for r in raws])
-    assert lin.out_features == 224 and lin.nbytes == sum(r.nbytes for r in raws)
-    x = rng.standard_normal(n).astype(np.float32)
-    out = np.full(224, np.nan, np.float32)
-    lin.matvec(x, out)
-    check(out, ref, x, x_quantized=True)
-    assert [o.shape for o in lin.split(out)] == [(150,), (37,), (37,)]
-    xs = rng.standard_normal((3, n)).astype(np.float32)
-    outs = np.full((3, 224), np.nan, np.float32)
-    lin.matmul(xs, outs)
-    check(outs, ref, xs)
-    ids = np.array([0, 149, 150, 186, 187, 223])
-    rows = np.empty((ids.size, n), np.float32)
-    lin.rows(ids, rows)
-    np.testing.assert_array_equal(rows, ref[ids].astype(np.float32))
+    fc.check_stacked(fmt, raws, ref, rng)
 
 
 @pytest.mark.parametrize("fmt", FORMATS.values(), ids=FORMATS)

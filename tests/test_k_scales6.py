@@ -15,42 +15,26 @@ files' inputs are the same on every machine and NumPy version.
 import sys
 from pathlib import Path
 
+import ggml_oracle
 import numpy as np
 import pytest
+from format_cases import EPS, live, normalish, u24
 from gguf import GGMLQuantizationType as G
 from gguf.quants import Q4_K as GQ4_K
 from gguf.quants import dequantize as ref_dequantize
 
-import ggml_oracle
 from edgellama.formats import base
 from edgellama.formats.q4_k import Q4_K
 from edgellama.formats.q5_k import Q5_K
 
 FMTS = {"Q4_K": Q4_K, "Q5_K": Q5_K}
 NMAX = {"Q4_K": 15, "Q5_K": 31}
-EPS = float(np.finfo(np.float32).eps)
-live = pytest.mark.skipif(not ggml_oracle.available(), reason="llama-cpp-python not installed")
 
 
 # --- inputs ----------------------------------------------------------------------------
 
-def _u24(count: int, seed: int) -> np.ndarray:
-    # splitmix64 of a counter -> 24-bit integers as float64 (exact, portable)
-    z = (np.arange(count, dtype=np.uint64) + np.uint64(seed << 32)) * np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return ((z ^ (z >> np.uint64(31))) >> np.uint64(40)).astype(np.float64)
-
-
-def normalish(shape, seed: int) -> np.ndarray:
-    """Roughly N(0, 1): a sum of four uniforms on a 2^-24 grid (exact in float64)."""
-    n = int(np.prod(shape))
-    u = _u24(4 * n, seed).reshape(4, n).sum(0) * 2.0 ** -24
-    return ((u - 2.0) * 1.75).reshape(shape).astype(np.float32)
-
-
 def uniform(shape, seed: int, lo: float, hi: float) -> np.ndarray:
-    u = _u24(int(np.prod(shape)), seed) * 2.0 ** -24
+    u = u24(int(np.prod(shape)), seed) * 2.0 ** -24
     return (lo + (hi - lo) * u).reshape(shape).astype(np.float32)
 
 
@@ -97,8 +81,8 @@ def random_scaled(rows: int, n: int, seed: int) -> np.ndarray:
     and min codes, both top bits)."""
     shape = (rows, n // 32, 1)
     x = normalish((rows, n // 32, 32), seed).astype(np.float64)
-    scale = 2.0 ** (_u24(rows * n // 32, seed + 1) % 21 - 10).reshape(shape)
-    shift = uniform(shape, seed + 2, -3, 3) * (_u24(rows * n // 32, seed + 3).reshape(shape) % 2)
+    scale = 2.0 ** (u24(rows * n // 32, seed + 1) % 21 - 10).reshape(shape)
+    shift = uniform(shape, seed + 2, -3, 3) * (u24(rows * n // 32, seed + 3).reshape(shape) % 2)
     return ((x + shift) * scale).reshape(rows, n).astype(np.float32)
 
 
@@ -200,7 +184,7 @@ def test_levels_are_nearest(name, case):
 def random_blocks(name: str, nblocks: int, seed: int) -> np.ndarray:
     """Random bytes with finite f16 d and dmin (normal and subnormal, either sign)."""
     ts = FMTS[name].type_size
-    raw = (_u24(nblocks * ts, seed).astype(np.uint64) & np.uint64(255)).astype(np.uint8)
+    raw = (u24(nblocks * ts, seed).astype(np.uint64) & np.uint64(255)).astype(np.uint8)
     raw = raw.reshape(nblocks, ts)
     h = raw[:, :4].copy().view(np.uint16)
     h &= np.uint16(0xBBFF)                               # exponent <= 0b01110: finite, |.| < 1
@@ -358,7 +342,7 @@ def test_bad_size():
 
 def grid_x(n: int, seed: int, sign=None) -> np.ndarray:
     # x on the int8 grid of every block of 32 (amax = 127 * 2^-5): decode rounds nothing
-    k = (_u24(n, seed) % 255 - 127) if sign is None else np.full(n, 127.0 * sign)
+    k = (u24(n, seed) % 255 - 127) if sign is None else np.full(n, 127.0 * sign)
     k = k.reshape(-1, 32)
     k[:, 0] = 127
     return (k.reshape(-1) * 2.0 ** -5).astype(np.float32)
@@ -374,7 +358,7 @@ def test_matvec_exact_at_int16_bounds(name):
     rows, n = 6, 512
     lev = np.zeros((rows, n), np.int64)
     lev[1] = nmax
-    lev[2] = _u24(n, 9) % (nmax + 1)                                 # random levels
+    lev[2] = u24(n, 9) % (nmax + 1)                                 # random levels
     lev[3, ::2] = nmax                                               # alternating extremes
     lev[4, :256] = nmax
     lev[5] = np.where(np.arange(n) % 16 == 15, nmax, 0)              # Q5_K's bit-15 fields

@@ -11,17 +11,18 @@ test checks that the error really is that small and that the rest is exact.
 """
 import mmap
 
+import format_cases as fc
 import numpy as np
 import pytest
+from format_cases import check
 from gguf import GGMLQuantizationType as G
 from gguf.quants import dequantize, quantize
 
-from edgellama.formats import base, linear
+from edgellama.formats import linear
 
 TYPES = [G.F32, G.F16, G.BF16, G.Q4_0, G.Q4_1, G.Q8_0]
 # (out, in): out not a multiple of any tile size (tiles of 16 to 256 rows), in = 32 k
 SHAPES = [(300, 64), (37, 32), (8, 96), (1030, 160), (2000, 32)]
-EPS = float(np.finfo(np.float32).eps)
 
 
 def make(type_, shape, seed=0):
@@ -32,16 +33,6 @@ def make(type_, shape, seed=0):
     ref = dequantize(data, type_).astype(np.float64).reshape(shape)
     data.setflags(write=False)
     return linear(int(type_), [(data, shape)]), ref
-
-
-def check(got, ref_w, x, x_quantized=False):
-    want = x.astype(np.float64) @ ref_w.T
-    tol = 64 * EPS * (np.abs(x) @ np.abs(ref_w).T) + 1e-30
-    if x_quantized:
-        step = np.repeat(np.abs(x).reshape(-1, 32).max(1), 32) / 254
-        tol += np.abs(ref_w) @ step * 1.01
-    assert got.shape == want.shape
-    assert np.all(np.abs(got - want) <= tol), np.max(np.abs(got - want) / tol)
 
 
 @pytest.mark.parametrize("type_", TYPES, ids=lambda t: t.name)
@@ -58,26 +49,14 @@ def test_matvec(type_, shape):
 @pytest.mark.parametrize("type_", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("T", [1, 7])
 def test_matmul(type_, T, monkeypatch):
-    shape = (300, 64)
-    monkeypatch.setattr(base, "_CHUNK_FLOATS", 64 * 40)   # several chunks, ragged last
-    monkeypatch.setattr(base, "_CHUNK_MIN_ROWS", 1)
-    lin, ref = make(type_, shape)
-    x = np.random.default_rng(2).standard_normal((T, shape[1])).astype(np.float32)
-    out = np.full((T, shape[0]), np.nan, np.float32)
-    lin.matmul(x, out)
-    check(out, ref, x)
+    lin, ref = make(type_, (300, 64))
+    fc.check_matmul(lin, ref, T, monkeypatch)
 
 
 @pytest.mark.parametrize("type_", TYPES, ids=lambda t: t.name)
 def test_rows(type_):
-    shape = (300, 64)
-    lin, ref = make(type_, shape)
-    ids = np.array([0, 299, 5, 5, 128, 64, 255], np.int64)
-    out = np.full((ids.size, shape[1]), np.nan, np.float32)
-    lin.rows(ids, out)
-    np.testing.assert_array_equal(out, ref[ids].astype(np.float32))
-    with pytest.raises(IndexError):
-        lin.rows(np.array([300]), out[:1])
+    lin, ref = make(type_, (300, 64))
+    fc.check_rows(lin, ref, bits=False)     # Q4_0's rows: q d - 8 d, +0.0 where gguf has -0.0
 
 
 def test_q4_activation_quantization_is_exact_on_grid():

@@ -13,25 +13,22 @@ import sys
 import ggml_oracle
 import numpy as np
 import pytest
+from format_cases import EPS, live, normalish, u24
 from gguf import GGMLQuantizationType as G
 from gguf.quants import dequantize as gguf_dequantize
 from test_q3_k import (
     CASES,
-    EPS,
     SHAPES,
     assert_same_bits,
     check_linear,
     check_stacked,
     dequantize,
     linear,
-    live,
     live_input,
-    normalish,
     quantize,
     random_blocks,
     regenerate,
     resident_bytes,
-    u24,
 )
 
 from edgellama.formats.q2_k import Q2_K

@@ -18,34 +18,18 @@ import sys
 import ggml_oracle
 import numpy as np
 import pytest
+from format_cases import EPS, check, live, normalish, u24
 from gguf import GGMLQuantizationType as G
 from gguf.quants import dequantize as gguf_dequantize
 
 from edgellama.formats import base
 from edgellama.formats.q3_k import Q3_K
 
-EPS = float(np.finfo(np.float32).eps)
-live = pytest.mark.skipif(not ggml_oracle.available(), reason="llama-cpp-python not installed")
 # (out, in): out not a multiple of any tile size (16 to 256 rows), in = 256 k
 SHAPES = [(300, 256), (37, 512), (1030, 256), (16, 768)]
 
 
-# --- inputs (shared with test_q2_k) -----------------------------------------------------
-
-def u24(count: int, seed: int) -> np.ndarray:
-    """splitmix64 of a counter -> 24-bit integers as float64 (exact, portable)."""
-    z = (np.arange(count, dtype=np.uint64) + np.uint64(seed << 32)) * np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return ((z ^ (z >> np.uint64(31))) >> np.uint64(40)).astype(np.float64)
-
-
-def normalish(shape, seed: int) -> np.ndarray:
-    """Roughly N(0, 1): a sum of four uniforms on a 2^-24 grid (exact in float64)."""
-    n = int(np.prod(shape))
-    u = u24(4 * n, seed).reshape(4, n).sum(0) * 2.0 ** -24
-    return ((u - 2.0) * 1.75).reshape(shape).astype(np.float32)
-
+# --- inputs (shared with test_q2_k; u24, normalish: format_cases) -------------------------
 
 def edge_rows() -> np.ndarray:
     """One super-block per row, each a path through the quantizers (16-weight sub-blocks)."""
@@ -179,14 +163,6 @@ def check_matvec(got: np.ndarray, w: np.ndarray, wmag: np.ndarray, x: np.ndarray
     assert np.all(np.abs(got - w @ x) <= tol + np.abs(w) @ step * 1.001)
 
 
-def check_matmul(got: np.ndarray, w: np.ndarray, x: np.ndarray) -> None:
-    # prefill: f32 BLAS on exactly dequantized W; we allow 64 eps |x| @ |W|.T (see
-    # test_linear.py)
-    want = x.astype(np.float64) @ w.T
-    tol = 64 * EPS * (np.abs(x) @ np.abs(w).T) + 1e-30
-    assert np.all(np.abs(got - want) <= tol)
-
-
 def linear(fmt, datas: list[np.ndarray], n: int):
     for d in datas:
         d.setflags(write=False)                          # file views are read-only
@@ -218,7 +194,7 @@ def check_linear(fmt, shape, wmag_of, monkeypatch) -> None:
         xs = normalish((T, shape[1]), 7 + T)
         outs = np.full((T, shape[0]), np.nan, np.float32)
         lin.matmul(xs, outs)
-        check_matmul(outs, w, xs)
+        check(outs, w, xs)            # prefill: f32 BLAS on the exact W
 
     buf = np.empty(shape[1] * lin.nt * lin.R, np.float32)
     assert_same_bits(lin._dequant_rows_t(0, shape[0], buf), w.T)      # gguf's values exactly
@@ -247,7 +223,7 @@ def check_stacked(fmt, wmag_of) -> None:
     xs = normalish((3, n), 31)
     outs = np.full((3, 224), np.nan, np.float32)
     lin.matmul(xs, outs)
-    check_matmul(outs, w, xs)
+    check(outs, w, xs)            # prefill: f32 BLAS on the exact W
 
 
 def resident_bytes(lin) -> int:

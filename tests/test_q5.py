@@ -12,29 +12,20 @@ rounded x: W itself for Q5_0, u * d for Q5_1 (its m * sum(x) term uses the exact
 on-grid test shows the integer part is exact (no rounding -> float tolerance only).
 """
 import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as G
-from gguf.quants import dequantize as ref_dequantize
 
 sys.path.insert(0, str(Path(__file__).parent))
+import format_cases as fc
 import ggml_oracle
+from format_cases import check, gguf_dequant, live
+from format_cases import quantize_counts as quantize
 
-from edgellama.formats import base
 from edgellama.formats.q5 import Q5_0, Q5_1
 
-EPS = float(np.finfo(np.float32).eps)
 FORMATS = {"Q5_0": Q5_0, "Q5_1": Q5_1}
-live = pytest.mark.skipif(not ggml_oracle.available(), reason="llama-cpp-python not installed")
-
-
-def gguf_dequant(q, fmt):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)    # inf scales in extreme cases
-        return np.asarray(ref_dequantize(q, G[fmt.name]), np.float32)
 
 
 # --- quantize: ggml's bytes ---------------------------------------------------------------
@@ -79,12 +70,6 @@ def overflowing_scales(x, fmt):
             return int(np.isinf(d.astype(np.float16)).sum())
         d = (b.max(1) - b.min(1)) / np.float32(31)
         return int((np.isinf(d.astype(np.float16)) | np.isinf(b.min(1).astype(np.float16))).sum())
-
-
-def quantize(x, fmt):
-    out = np.full(x.size // 32 * fmt.type_size, 0xAA, np.uint8)  # garbage: every byte written
-    counts = fmt.quantize(x.reshape(-1), out)
-    return out.reshape(x.shape[0], -1), counts
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -139,13 +124,7 @@ def test_quantize_round_trip_error(fmt):
 def random_blocks(nb, rng, fmt, d_values=None):
     """nb blocks of random bytes with finite f16 d (from d_values, else around 1e-2), and
     for Q5_1 a finite f16 m."""
-    q = rng.integers(0, 256, (nb, fmt.type_size), dtype=np.uint8)
-    if d_values is None:
-        d_values = rng.standard_normal(nb) * 1e-2
-    q[:, :2] = np.asarray(d_values, np.float16).reshape(nb, 1).view(np.uint8)
-    if fmt is Q5_1:
-        q[:, 2:4] = np.float16(rng.standard_normal((nb, 1))).view(np.uint8)
-    return q
+    return fc.random_blocks(nb, rng, fmt, d_values, m_at=2 if fmt is Q5_1 else None)
 
 
 @pytest.mark.parametrize("fmt", FORMATS.values(), ids=FORMATS)
@@ -189,17 +168,6 @@ def make(fmt, shape, seed=0, raw=None):
     return lin, gguf_dequant(raw, fmt).astype(np.float64).reshape(shape), x_part(fmt, raw, shape)
 
 
-def check(got, ref_w, x, x_w=None):
-    # x_w: the part of W multiplied by x rounded to int8 per 32 (None: x not rounded)
-    want = x.astype(np.float64) @ ref_w.T
-    tol = 64 * EPS * (np.abs(x) @ np.abs(ref_w).T) + 1e-30
-    if x_w is not None:
-        step = np.repeat(np.abs(x).reshape(-1, 32).max(1), 32) / 254
-        tol += np.abs(x_w) @ step * 1.01
-    assert got.shape == want.shape
-    assert np.all(np.abs(got - want) <= tol), np.max(np.abs(got - want) / tol)
-
-
 SHAPES = [(300, 64), (37, 32), (1030, 160), (16, 96), (2000, 32)]
 
 
@@ -214,7 +182,7 @@ def test_matvec(fmt, shape):
     x[-7] = 30.0                                                 # an outlier
     out = np.full(shape[0], np.nan, np.float32)
     lin.matvec(x, out)
-    check(out, ref, x, x_w)
+    check(out, ref, x, True, x_w=x_w)
 
 
 @pytest.mark.parametrize("fmt", FORMATS.values(), ids=FORMATS)
@@ -241,62 +209,29 @@ def test_matvec_on_grid_is_exact_and_int16_extremes(fmt):
 @pytest.mark.parametrize("fmt", FORMATS.values(), ids=FORMATS)
 @pytest.mark.parametrize("T", [1, 7])
 def test_matmul(fmt, T, monkeypatch):
-    shape = (300, 256)
-    monkeypatch.setattr(base, "_CHUNK_FLOATS", 256 * 40)         # several chunks, ragged last
-    monkeypatch.setattr(base, "_CHUNK_MIN_ROWS", 1)
-    lin, ref, _ = make(fmt, shape)
-    assert lin._chunk_rows() < shape[0]
-    x = np.random.default_rng(2).standard_normal((T, shape[1])).astype(np.float32)
-    out = np.full((T, shape[0]), np.nan, np.float32)
-    lin.matmul(x, out)
-    check(out, ref, x)
+    lin, ref, _ = make(fmt, (300, 256))
+    fc.check_matmul(lin, ref, T, monkeypatch)
 
 
 @pytest.mark.parametrize("fmt", FORMATS.values(), ids=FORMATS)
 def test_rows(fmt):
-    shape = (300, 256)
-    lin, ref, _ = make(fmt, shape)
-    ids = np.array([0, 299, 5, 5, 128, 64, 255], np.int64)
-    out = np.full((ids.size, shape[1]), np.nan, np.float32)
-    lin.rows(ids, out)
-    np.testing.assert_array_equal(out.view(np.uint32), ref[ids].astype(np.float32).view(np.uint32))
-    with pytest.raises(IndexError):
-        lin.rows(np.array([300]), out[:1])
+    lin, ref, _ = make(fmt, (300, 256))
+    fc.check_rows(lin, ref)
 
 
 @pytest.mark.parametrize("fmt", FORMATS.values(), ids=FORMATS)
 def test_dequant_tiles_match_gguf(fmt):
-    # prefill's dequantized weights are ggml's values bit for bit
-    shape = (1030, 96)
-    lin, ref, _ = make(fmt, shape, seed=5)
-    wt = np.empty((shape[1], lin.nt * lin.R), np.float32)
-    lin._dequant_tiles(0, lin.nt, wt)
-    np.testing.assert_array_equal(wt[:, :shape[0]].view(np.uint32),
-                                  ref.T.astype(np.float32).view(np.uint32))
+    lin, ref, _ = make(fmt, (1030, 96), seed=5)
+    fc.check_dequant_tiles(lin, ref)
 
 
 @pytest.mark.parametrize("fmt", FORMATS.values(), ids=FORMATS)
 def test_stacked(fmt):
-    # q/k/v-like parts, none a multiple of the tile size: one W, outputs split back
     rng = np.random.default_rng(7)
     raws = [random_blocks(s * 3, rng, fmt).reshape(s, -1) for s in (150, 37, 37)]
-    lin = fmt.linear(fmt, [r.reshape(-1) for r in raws], [150, 37, 37], 96)
     ref = np.concatenate([gguf_dequant(r, fmt).astype(np.float64).reshape(-1, 96) for r in raws])
     x_w = np.concatenate([x_part(fmt, r, (r.shape[0], 96)) for r in raws])
-    assert lin.out_features == 224 and lin.nbytes == sum(r.nbytes for r in raws)
-    x = rng.standard_normal(96).astype(np.float32)
-    out = np.full(224, np.nan, np.float32)
-    lin.matvec(x, out)
-    check(out, ref, x, x_w)
-    assert [o.shape for o in lin.split(out)] == [(150,), (37,), (37,)]
-    xs = rng.standard_normal((3, 96)).astype(np.float32)
-    outs = np.full((3, 224), np.nan, np.float32)
-    lin.matmul(xs, outs)
-    check(outs, ref, xs)
-    ids = np.array([0, 149, 150, 186, 187, 223])
-    rows = np.empty((ids.size, 96), np.float32)
-    lin.rows(ids, rows)
-    np.testing.assert_array_equal(rows, ref[ids].astype(np.float32))
+    fc.check_stacked(fmt, raws, ref, rng, x_w=x_w)
 
 
 @pytest.mark.parametrize("fmt", FORMATS.values(), ids=FORMATS)

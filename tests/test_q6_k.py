@@ -10,28 +10,21 @@ amax_16(i) / 254 and the output by at most |W| @ that; both bounds are added. Th
 on-grid test shows the integer part is exact (no rounding -> float tolerance only).
 """
 import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as G
-from gguf.quants import dequantize as ref_dequantize
 
 sys.path.insert(0, str(Path(__file__).parent))
+import format_cases as fc
 import ggml_oracle
+from format_cases import live
 
-from edgellama.formats import base
 from edgellama.formats.q6_k import Q6_K
-
-EPS = float(np.finfo(np.float32).eps)
-live = pytest.mark.skipif(not ggml_oracle.available(), reason="llama-cpp-python not installed")
 
 
 def gguf_dequant(q):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)    # inf scales in extreme cases
-        return np.asarray(ref_dequantize(q, G.Q6_K), np.float32)
+    return fc.gguf_dequant(q, Q6_K)
 
 
 # --- quantize: ggml's bytes ---------------------------------------------------------------
@@ -67,9 +60,7 @@ def _cases() -> dict[str, np.ndarray]:
 
 
 def quantize(x):
-    out = np.full(x.size // 256 * 210, 0xAA, np.uint8)          # garbage: every byte written
-    counts = Q6_K.quantize(x.reshape(-1), out)
-    return out.reshape(x.shape[0], -1), counts
+    return fc.quantize_counts(x, Q6_K)
 
 
 @pytest.mark.parametrize("case", list(_cases()))
@@ -119,11 +110,7 @@ def test_quantize_round_trip_error():
 
 def random_blocks(nb, rng, d_values=None):
     """nb Q6_K blocks of random bytes with finite f16 d (from d_values, else around 1e-2)."""
-    q = rng.integers(0, 256, (nb, 210), dtype=np.uint8)
-    if d_values is None:
-        d_values = rng.standard_normal(nb) * 1e-2
-    q[:, 208:] = np.asarray(d_values, np.float16).reshape(nb, 1).view(np.uint8)
-    return q
+    return fc.random_blocks(nb, rng, Q6_K, d_values, d_at=208)
 
 
 def test_dequantize_bit_exact():
@@ -156,13 +143,7 @@ def make(shape, seed=0, raw=None):
 
 
 def check(got, ref_w, x, x_quantized=False):
-    want = x.astype(np.float64) @ ref_w.T
-    tol = 64 * EPS * (np.abs(x) @ np.abs(ref_w).T) + 1e-30
-    if x_quantized:
-        step = np.repeat(np.abs(x).reshape(-1, 16).max(1), 16) / 254
-        tol += np.abs(ref_w) @ step * 1.01
-    assert got.shape == want.shape
-    assert np.all(np.abs(got - want) <= tol), np.max(np.abs(got - want) / tol)
+    fc.check(got, ref_w, x, x_quantized, block=16)       # x is rounded per 16 weights
 
 
 SHAPES = [(300, 256), (37, 512), (1030, 256), (16, 768), (2000, 256)]
@@ -204,58 +185,25 @@ def test_matvec_on_grid_is_exact_and_int16_extremes():
 
 @pytest.mark.parametrize("T", [1, 7])
 def test_matmul(T, monkeypatch):
-    shape = (300, 512)
-    monkeypatch.setattr(base, "_CHUNK_FLOATS", 512 * 40)         # several chunks, ragged last
-    monkeypatch.setattr(base, "_CHUNK_MIN_ROWS", 1)
-    lin, ref = make(shape)
-    assert lin._chunk_rows() < shape[0]
-    x = np.random.default_rng(2).standard_normal((T, shape[1])).astype(np.float32)
-    out = np.full((T, shape[0]), np.nan, np.float32)
-    lin.matmul(x, out)
-    check(out, ref, x)
+    lin, ref = make((300, 512))
+    fc.check_matmul(lin, ref, T, monkeypatch)
 
 
 def test_rows():
-    shape = (300, 512)
-    lin, ref = make(shape)
-    ids = np.array([0, 299, 5, 5, 128, 64, 255], np.int64)
-    out = np.full((ids.size, shape[1]), np.nan, np.float32)
-    lin.rows(ids, out)
-    np.testing.assert_array_equal(out, ref[ids].astype(np.float32))
-    with pytest.raises(IndexError):
-        lin.rows(np.array([300]), out[:1])
+    lin, ref = make((300, 512))
+    fc.check_rows(lin, ref)
 
 
 def test_dequant_tiles_match_gguf():
-    # prefill's dequantized weights are ggml's values bit for bit
-    shape = (1030, 256)
-    lin, ref = make(shape, seed=5)
-    wt = np.empty((shape[1], lin.nt * lin.R), np.float32)
-    lin._dequant_tiles(0, lin.nt, wt)
-    np.testing.assert_array_equal(wt[:, :shape[0]], ref.T.astype(np.float32))
-    assert not wt[:, shape[0]:].any()                            # pad rows are zero
+    lin, ref = make((1030, 256), seed=5)
+    fc.check_dequant_tiles(lin, ref)
 
 
 def test_stacked():
-    # q/k/v-like parts, none a multiple of the tile size: one W, outputs split back
     rng = np.random.default_rng(7)
     raws = [random_blocks(s * 2, rng).reshape(s, -1) for s in (150, 37, 37)]
-    lin = Q6_K.linear(Q6_K, [r.reshape(-1) for r in raws], [150, 37, 37], 512)
     ref = np.concatenate([gguf_dequant(r).astype(np.float64).reshape(-1, 512) for r in raws])
-    assert lin.out_features == 224 and lin.nbytes == sum(r.nbytes for r in raws)
-    x = rng.standard_normal(512).astype(np.float32)
-    out = np.full(224, np.nan, np.float32)
-    lin.matvec(x, out)
-    check(out, ref, x, x_quantized=True)
-    assert [o.shape for o in lin.split(out)] == [(150,), (37,), (37,)]
-    xs = rng.standard_normal((3, 512)).astype(np.float32)
-    outs = np.full((3, 224), np.nan, np.float32)
-    lin.matmul(xs, outs)
-    check(outs, ref, xs)
-    ids = np.array([0, 149, 150, 186, 187, 223])
-    rows = np.empty((ids.size, 512), np.float32)
-    lin.rows(ids, rows)
-    np.testing.assert_array_equal(rows, ref[ids].astype(np.float32))
+    fc.check_stacked(Q6_K, raws, ref, rng, block=16)
 
 
 def test_resident_size_is_file_size():

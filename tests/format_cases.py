@@ -1,0 +1,142 @@
+"""What the weight-format tests share: portable inputs, calls into a format's reference
+kernels, and the runtime-Linear checks against a plain NumPy twin (W dequantized by
+gguf-py, then x @ W.T in float64).
+
+Linear tolerance: every kernel sums float32 products, so the error of one output is at
+most about n * eps32 * sum_i |w_i x_i| (worst case), typically far less: we allow
+64 * eps32 * (|W| @ |x|), a bound that does not grow with these small n. Decode kernels
+that round x to int8 per `block` weights (scale amax/127) move each x_i by at most
+amax_block(i) / 254, and so the output by at most |U| @ that, U the part of W multiplied
+by the rounded x (W itself unless a format says otherwise); `check` adds that bound.
+"""
+import warnings
+
+import ggml_oracle
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as G
+from gguf.quants import dequantize as ref_dequantize
+
+from edgellama.formats import base
+
+EPS = float(np.finfo(np.float32).eps)
+live = pytest.mark.skipif(not ggml_oracle.available(), reason="llama-cpp-python not installed")
+
+
+# --- inputs made with exact integer arithmetic (no RNG stream, no libm): the golden files'
+# inputs are the same on every machine and NumPy version ---------------------------------
+
+def u24(count: int, seed: int) -> np.ndarray:
+    """splitmix64 of a counter -> 24-bit integers as float64 (exact, portable)."""
+    z = (np.arange(count, dtype=np.uint64) + np.uint64(seed << 32)) * np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return ((z ^ (z >> np.uint64(31))) >> np.uint64(40)).astype(np.float64)
+
+
+def normalish(shape, seed: int) -> np.ndarray:
+    """Roughly N(0, 1): a sum of four uniforms on a 2^-24 grid (exact in float64)."""
+    n = int(np.prod(shape))
+    u = u24(4 * n, seed).reshape(4, n).sum(0) * 2.0 ** -24
+    return ((u - 2.0) * 1.75).reshape(shape).astype(np.float32)
+
+
+# --- a format's reference kernels -----------------------------------------------------------
+
+def gguf_dequant(q, fmt) -> np.ndarray:
+    """gguf-py's values of the blocks q of format fmt (float32)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)    # inf scales in extreme cases
+        return np.asarray(ref_dequantize(q, G[fmt.name]), np.float32)
+
+
+def quantize_counts(x, fmt):
+    """(fmt's bytes of x (rows, row_bytes), its (bad, over) counts), written over garbage:
+    every byte must be written."""
+    out = np.full(x.size // fmt.block_size * fmt.type_size, 0xAA, np.uint8)
+    counts = fmt.quantize(x.reshape(-1), out)
+    return out.reshape(x.shape[0], -1), counts
+
+
+def random_blocks(nb, rng, fmt, d_values=None, d_at=0, m_at=None):
+    """nb blocks of random bytes with a finite f16 d at byte d_at (from d_values, else
+    around 1e-2) and, if m_at is given, a finite f16 m there."""
+    q = rng.integers(0, 256, (nb, fmt.type_size), dtype=np.uint8)
+    if d_values is None:
+        d_values = rng.standard_normal(nb) * 1e-2
+    q[:, d_at:d_at + 2] = np.asarray(d_values, np.float16).reshape(nb, 1).view(np.uint8)
+    if m_at is not None:
+        q[:, m_at:m_at + 2] = np.float16(rng.standard_normal((nb, 1))).view(np.uint8)
+    return q
+
+
+# --- runtime Linear -------------------------------------------------------------------------
+
+def check(got, ref_w, x, x_quantized=False, block=32, x_w=None):
+    """got = x @ ref_w.T to float32 accuracy; x_quantized: x was rounded to int8 per
+    block, in the part x_w of W (default all of it)."""
+    want = x.astype(np.float64) @ ref_w.T
+    tol = 64 * EPS * (np.abs(x) @ np.abs(ref_w).T) + 1e-30
+    if x_quantized:
+        step = np.repeat(np.abs(x).reshape(-1, block).max(1), block) / 254
+        tol += np.abs(ref_w if x_w is None else x_w) @ step * 1.01
+    assert got.shape == want.shape
+    assert np.all(np.abs(got - want) <= tol), np.max(np.abs(got - want) / tol)
+
+
+def check_matmul(lin, ref_w, T, monkeypatch):
+    """Prefill of T tokens through several chunks of rows (the last ragged)."""
+    rows, n = ref_w.shape
+    monkeypatch.setattr(base, "_CHUNK_FLOATS", n * 40)
+    monkeypatch.setattr(base, "_CHUNK_MIN_ROWS", 1)
+    assert lin._chunk_rows() < rows
+    x = np.random.default_rng(2).standard_normal((T, n)).astype(np.float32)
+    out = np.full((T, rows), np.nan, np.float32)
+    lin.matmul(x, out)
+    check(out, ref_w, x)
+
+
+def check_rows(lin, ref_w, bits=True):
+    """Embedding lookup: gguf-py's values (bit for bit, or but for the sign of zeros if not
+    bits); a row past the end refused."""
+    rows, n = ref_w.shape
+    ids = np.array([0, rows - 1, 5, 5, 128, 64, 255], np.int64)
+    out = np.full((ids.size, n), np.nan, np.float32)
+    lin.rows(ids, out)
+    want = ref_w[ids].astype(np.float32)
+    if bits:
+        out, want = out.view(np.uint32), want.view(np.uint32)
+    np.testing.assert_array_equal(out, want)
+    with pytest.raises(IndexError):
+        lin.rows(np.array([rows]), out[:1])
+
+
+def check_dequant_tiles(lin, ref_w):
+    """Prefill's dequantized weights are gguf-py's values bit for bit; pad rows zero."""
+    rows, n = ref_w.shape
+    wt = np.full((n, lin.nt * lin.R), np.nan, np.float32)
+    lin._dequant_tiles(0, lin.nt, wt)
+    np.testing.assert_array_equal(wt[:, :rows].view(np.uint32),
+                                  ref_w.T.astype(np.float32).view(np.uint32))
+    assert not wt[:, rows:].any()
+
+
+def check_stacked(fmt, raws, ref_w, rng, block=32, x_w=None):
+    """q/k/v-like parts raws (rows_i, row_bytes) (150, 37, 37 rows: none a multiple of the
+    tile size) as one W of reference ref_w: matvec, outputs split back, matmul, rows."""
+    n = ref_w.shape[1]
+    lin = fmt.linear(fmt, [r.reshape(-1) for r in raws], [r.shape[0] for r in raws], n)
+    assert lin.out_features == 224 and lin.nbytes == sum(r.nbytes for r in raws)
+    x = rng.standard_normal(n).astype(np.float32)
+    out = np.full(224, np.nan, np.float32)
+    lin.matvec(x, out)
+    check(out, ref_w, x, True, block, x_w)
+    assert [o.shape for o in lin.split(out)] == [(150,), (37,), (37,)]
+    xs = rng.standard_normal((3, n)).astype(np.float32)
+    outs = np.full((3, 224), np.nan, np.float32)
+    lin.matmul(xs, outs)
+    check(outs, ref_w, xs)
+    ids = np.array([0, 149, 150, 186, 187, 223])
+    rows = np.empty((ids.size, n), np.float32)
+    lin.rows(ids, rows)
+    np.testing.assert_array_equal(rows, ref_w[ids].astype(np.float32))
