@@ -68,10 +68,10 @@ def measure_first_calls(rng) -> dict[str, float]:
     for name in TYPES:
         lin, t_load = load(name, [(64, 256)], rng)
         l = lin[0]
-        x = np.ones((2, 256), np.float32)
-        o = np.empty((2, 256), np.float32)
+        x = np.ones((2, 256), np.float32)          # (T, in)
+        o = np.empty((2, 64), np.float32)          # (T, out)
         times[name] = (t_load + first_call(lambda: l.matvec(x[0], o[0]))
-                       + first_call(lambda: l.matmul(x, o)) + first_call(lambda: l.rows(np.arange(2), o)))
+                       + first_call(lambda: l.matmul(x, o)) + first_call(lambda: l.rows(np.arange(2), x)))
     return times
 
 
