@@ -52,3 +52,11 @@ def test_llamacpp_file_loads_and_matches_reference(f32_model, mix, tmp_path):
     dec = np.stack([m2.forward(TOKENS[i:i + 1], i).copy() for i in range(len(TOKENS))])
     err = np.abs(dec - ref).max() / np.abs(ref).max()               # decode: the matvec kernels
     assert err < 5e-2, (types, err)
+
+
+def test_type_we_do_not_run_is_refused_with_advice(f32_model, tmp_path):
+    from edgellama.errors import EdgeError
+    path = llama_quantize(f32_model, tmp_path / "tiny-IQ3_S.gguf", "IQ3_S")
+    with pytest.raises(EdgeError, match=r"type IQ3_S, which edgellama does not run \(it runs .*Q4_K.*\); "
+                                        r"download the model as a GGUF in one of those types"):
+        Transformer(GGUFFile(path), ctx=64)
