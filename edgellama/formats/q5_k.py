@@ -27,8 +27,8 @@ from numba import njit, prange
 
 from ..fp import f16_to_f32, get_f16
 from .base import WeightFormat
-from .q4_k import (_CHUNK, QK_K, KLinear, k_scales, k_tile_scales, prefetch_run,
-                   quantize_k_scales, repack_k_tile_scales)
+from .q4_k import (_CHUNK, _G, QK_K, KLinear, k_group_scratch, k_scales, k_tile_scales,
+                   prefetch_run, quantize_k_group, repack_k_tile_scales)
 from .q5 import prep_q5_x, q5_block
 
 f32 = np.float32
@@ -44,27 +44,25 @@ def quantize_q5_k(x, out):
     bad = 0
     over = 0
     for c in prange(-(-nb // _CHUNK)):
-        L = np.empty(QK_K, np.uint8)
-        Laux = np.empty(32, np.uint8)
-        weights = np.empty(32, f32)
-        scales = np.empty(8, f32)
-        mins = np.empty(8, f32)
-        for b in range(c * _CHUNK, min(nb, (c + 1) * _CHUNK)):
-            o = b * 176
-            ok, ov = quantize_k_scales(x, b * QK_K, 31, f32(-0.5), f32(0.1), 15, out, o,
-                                       L, Laux, weights, scales, mins)
-            if not ok:
-                bad += 1
-            if ov:
-                over += 1
-            for i in range(32):
-                h = 0
-                for p in range(4):
-                    l1 = L[64 * p + i]
-                    l2 = L[64 * p + 32 + i]
-                    h |= (l1 >> 4) << (2 * p) | (l2 >> 4) << (2 * p + 1)
-                    out[o + 48 + 32 * p + i] = (l1 & 15) | ((l2 & 15) << 4)
-                out[o + 16 + i] = h
+        ws = k_group_scratch()
+        Lq = ws[6]
+        end = min(nb, (c + 1) * _CHUNK)
+        for b0 in range(c * _CHUNK, end, _G):
+            nbg = min(_G, end - b0)
+            bd, ov = quantize_k_group(x, b0, nbg, 31, f32(-0.5), f32(0.1), 15, out, 176, ws)
+            bad += bd
+            over += ov
+            for g in range(nbg):
+                o = (b0 + g) * 176
+                L = Lq[g]
+                for i in range(32):
+                    h = 0
+                    for p in range(4):
+                        l1 = L[64 * p + i]
+                        l2 = L[64 * p + 32 + i]
+                        h |= (l1 >> 4) << (2 * p) | (l2 >> 4) << (2 * p + 1)
+                        out[o + 48 + 32 * p + i] = (l1 & 15) | ((l2 & 15) << 4)
+                    out[o + 16 + i] = h
     return bad, over
 
 
