@@ -33,7 +33,6 @@ from .base import (
     repack_halves,
 )
 from .q3_k import QK, put_scale, quantize_x_block, tile_span
-from .q4_k import make_qkx2_quants
 
 f32 = np.float32
 BS = 84                    # bytes per super-block
@@ -41,6 +40,76 @@ _CHUNK = 64                # super-blocks per parallel work item of the referenc
 
 
 # --- reference quantize / dequantize (bit-exact with ggml's quantize_row_q2_K_ref) -------
+
+@njit(cache=True, error_model="numpy", inline="always")
+def make_qkx2_quants(n, nmax, x, xo, weights, L, lo, Laux, rmin, rdelta, nstep):
+    # ggml's make_qkx2_quants over x[xo:xo+n] -> L[lo:lo+n] in 0..nmax, Laux (n,) scratch;
+    # returns (scale, the_min), with Q2_K's error measure sum w |diff| (use_mad). Q4_K and
+    # Q5_K run the same search, squared error, in SIMD lanes (q4_k.make_qkx2_lanes). Same
+    # float32 operations in the same order
+    # as the C, and IEEE division (callers compile with error_model numpy: x/0 is inf or
+    # NaN, as in C, not an exception). Inlined: the callers' constants reach the loops.
+    mn = x[xo]
+    mx = x[xo]
+    sum_w = weights[0]
+    sum_x = sum_w * x[xo]
+    for i in range(1, n):
+        v = x[xo + i]
+        if v < mn:                      # noqa: PLR1730 (the C's comparisons, NaN included)
+            mn = v
+        if v > mx:                      # noqa: PLR1730
+            mx = v
+        w = weights[i]
+        sum_w += w
+        sum_x += w * v
+    if mn > f32(0):                     # noqa: PLR1730
+        mn = f32(0)
+    if mx == mn:
+        for i in range(n):
+            L[lo + i] = 0
+        return f32(0), -mn
+    iscale = f32(nmax) / (mx - mn)
+    scale = f32(1) / iscale
+    best_error = f32(0)
+    for i in range(n):
+        l = nearest_int(iscale * (x[xo + i] - mn))
+        l = max(0, min(nmax, l))
+        L[lo + i] = l
+        diff = scale * f32(l) + mn - x[xo + i]
+        best_error += weights[i] * abs(diff)
+    for step in range(nstep + 1):
+        iscale = (rmin + rdelta * f32(step) + f32(nmax)) / (mx - mn)
+        sum_l = f32(0)
+        sum_l2 = f32(0)
+        sum_xl = f32(0)
+        for i in range(n):
+            l = nearest_int(iscale * (x[xo + i] - mn))
+            l = max(0, min(nmax, l))
+            Laux[i] = l
+            w = weights[i]
+            fl = f32(l)
+            sum_l += w * fl
+            sum_l2 += w * fl * fl
+            sum_xl += w * fl * x[xo + i]
+        D = sum_w * sum_l2 - sum_l * sum_l
+        if D > f32(0):
+            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+            if this_min > f32(0):
+                this_min = f32(0)
+                this_scale = sum_xl / sum_l2
+            cur_error = f32(0)
+            for i in range(n):
+                diff = this_scale * f32(Laux[i]) + this_min - x[xo + i]
+                cur_error += weights[i] * abs(diff)
+            if cur_error < best_error:
+                for i in range(n):
+                    L[lo + i] = Laux[i]
+                best_error = cur_error
+                scale = this_scale
+                mn = this_min
+    return scale, -mn
+
 
 @njit(cache=True, error_model="numpy")
 def quantize_block(x, xo, out, o, L, Laux, weights, scales, mins):
@@ -53,7 +122,7 @@ def quantize_block(x, xo, out, o, L, Laux, weights, scales, mins):
             weights[i] = abs(x[xo + 16 * j + i])
         # ggml: make_qkx2_quants(16, 3, .., rmin -0.5, rdelta 0.1, nstep 15, use_mad true)
         scales[j], mins[j] = make_qkx2_quants(16, 3, x, xo + 16 * j, weights, L, 16 * j, Laux,
-                                              f32(-0.5), f32(0.1), 15, True)
+                                              f32(-0.5), f32(0.1), 15)
         if scales[j] > max_scale:       # noqa: PLR1730 (the C's comparisons, NaN included)
             max_scale = scales[j]
         if mins[j] > max_min:           # noqa: PLR1730

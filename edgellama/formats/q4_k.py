@@ -55,79 +55,10 @@ def get_scale_min_k4(q, o, j):
     return sc, m
 
 
-@njit(cache=True, error_model="numpy", inline="always")
-def make_qkx2_quants(n, nmax, x, xo, weights, L, lo, Laux, rmin, rdelta, nstep, use_mad):
-    # ggml's make_qkx2_quants over x[xo:xo+n] -> L[lo:lo+n] in 0..nmax, Laux (n,) scratch;
-    # returns (scale, the_min). The error is sum w |diff| if use_mad, else sum w diff^2.
-    # Q2_K's (n 16, use_mad); Q4_K and Q5_K (n 32, squared error) run the same search on
-    # 8 _G sub-blocks at once, make_qkx2_lanes. Same float32 operations in the same order
-    # as the C, and IEEE division (callers compile with error_model numpy: x/0 is inf or
-    # NaN, as in C, not an exception). Inlined: the callers' constants reach the loops.
-    mn = x[xo]
-    mx = x[xo]
-    sum_w = weights[0]
-    sum_x = sum_w * x[xo]
-    for i in range(1, n):
-        v = x[xo + i]
-        if v < mn:                      # noqa: PLR1730 (the C's comparisons, NaN included)
-            mn = v
-        if v > mx:                      # noqa: PLR1730
-            mx = v
-        w = weights[i]
-        sum_w += w
-        sum_x += w * v
-    if mn > f32(0):                     # noqa: PLR1730
-        mn = f32(0)
-    if mx == mn:
-        for i in range(n):
-            L[lo + i] = 0
-        return f32(0), -mn
-    iscale = f32(nmax) / (mx - mn)
-    scale = f32(1) / iscale
-    best_error = f32(0)
-    for i in range(n):
-        l = nearest_int(iscale * (x[xo + i] - mn))
-        l = max(0, min(nmax, l))
-        L[lo + i] = l
-        diff = scale * f32(l) + mn - x[xo + i]
-        best_error += weights[i] * (abs(diff) if use_mad else diff * diff)
-    for step in range(nstep + 1):
-        iscale = (rmin + rdelta * f32(step) + f32(nmax)) / (mx - mn)
-        sum_l = f32(0)
-        sum_l2 = f32(0)
-        sum_xl = f32(0)
-        for i in range(n):
-            l = nearest_int(iscale * (x[xo + i] - mn))
-            l = max(0, min(nmax, l))
-            Laux[i] = l
-            w = weights[i]
-            fl = f32(l)
-            sum_l += w * fl
-            sum_l2 += w * fl * fl
-            sum_xl += w * fl * x[xo + i]
-        D = sum_w * sum_l2 - sum_l * sum_l
-        if D > f32(0):
-            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
-            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
-            if this_min > f32(0):
-                this_min = f32(0)
-                this_scale = sum_xl / sum_l2
-            cur_error = f32(0)
-            for i in range(n):
-                diff = this_scale * f32(Laux[i]) + this_min - x[xo + i]
-                cur_error += weights[i] * (abs(diff) if use_mad else diff * diff)
-            if cur_error < best_error:
-                for i in range(n):
-                    L[lo + i] = Laux[i]
-                best_error = cur_error
-                scale = this_scale
-                mn = this_min
-    return scale, -mn
-
-
-# Q4_K and Q5_K run make_qkx2_quants on 8 _G sub-blocks at once, one per SIMD lane: a
-# (4096, 3072) f32 matrix, 2 threads, this VM: Q4_K 18-20 -> 71-76 M values/s, Q5_K 22-27
-# -> 84-90 M/s (one sub-block at a time -> lanes); _G = 2 or 8 measured 34 and 53 M/s.
+# Q4_K and Q5_K run ggml's make_qkx2_quants (q2_k.py has it one sub-block at a time) on
+# 8 _G sub-blocks at once, one per SIMD lane: a (4096, 3072) f32 matrix, 2 threads, this
+# VM: Q4_K 18-20 -> 71-76 M values/s, Q5_K 22-27 -> 84-90 M/s (one sub-block at a time
+# -> lanes); _G = 2 or 8 measured 34 and 53 M/s.
 _G = 4                      # super-blocks per lane group of quantize_k_group
 _S = 8 * _G                 # its sub-blocks, one per lane
 
