@@ -28,9 +28,10 @@ from gguf.constants import GGUFValueType as V
 from edgellama.errors import EdgeError
 
 from edgellama.formats import FORMATS, WRITABLE, quantize, row_bytes
+from edgellama.sampling import SamplingParams
 from edgellama.gguf_write import GGUFStreamWriter
 from . import mix
-from .hf import TensorRef, load_json, open_checkpoint
+from .hf import I32_MAX, TensorRef, _show, load_json, open_checkpoint, want_float, want_int
 from .hf_tokenizer import load_tokenizer
 
 SUPPORTED_ARCHS = ("LlamaForCausalLM",)
@@ -155,46 +156,61 @@ def _describe(names: list[str], n_layer: int) -> str:
 
 
 def read_hparams(hf_dir: Path) -> HParams:
+    """config.json, every value checked for type and for the range of the GGUF field it
+    becomes (u32 sizes, f32 rope base and epsilon) and of what our loader accepts."""
     path = hf_dir / "config.json"
     cfg = load_json(path, "model config")
     archs = cfg.get("architectures")
     if not isinstance(archs, list) or not any(a in SUPPORTED_ARCHS for a in archs):
-        raise EdgeError(f"{path}: unsupported architecture {archs!r} "
+        raise EdgeError(f"{path}: unsupported architecture {_show(archs)} "
                         f"(supported: {', '.join(SUPPORTED_ARCHS)})")
 
-    def get(key, kind, default=None, positive=True):
+    def size(key, default=None):
         v = cfg.get(key, default)
         if v is None:
             raise EdgeError(f"{path}: missing '{key}'")
-        ok = (isinstance(v, bool) if kind is bool
-              else isinstance(v, kind) and not isinstance(v, bool) and (not positive or v > 0))
-        if not ok:
-            raise EdgeError(f"{path}: '{key}' must be a {'positive ' if positive and kind is not bool else ''}"
-                            f"{'integer' if kind is int else 'number' if kind is not bool else 'boolean'}, got {v!r}")
-        return v
+        return want_int(path, key, v)
 
-    n_embd, n_head = get("hidden_size", int), get("num_attention_heads", int)
-    n_head_kv = get("num_key_value_heads", int, n_head)
-    head_dim = get("head_dim", int, n_embd // n_head if n_embd % n_head == 0 else None)
+    n_embd, n_head = size("hidden_size"), size("num_attention_heads")
+    n_head_kv = size("num_key_value_heads", n_head)
+    head_dim = size("head_dim", n_embd // n_head if n_embd % n_head == 0 else None)
     if n_head % n_head_kv:
         raise EdgeError(f"{path}: num_attention_heads {n_head} is not a multiple of "
                         f"num_key_value_heads {n_head_kv}")
     if head_dim % 2:
         raise EdgeError(f"{path}: head_dim {head_dim} must be even for RoPE")
+    if head_dim * n_head != n_embd:
+        raise EdgeError(f"{path}: head_dim {head_dim} x num_attention_heads {n_head} is not "
+                        f"hidden_size {n_embd}; edgellama runs only models where they match")
     rs = cfg.get("rope_scaling")
     if rs is not None:
-        kind = rs.get("rope_type", rs.get("type")) if isinstance(rs, dict) else None
+        if not isinstance(rs, dict):
+            raise EdgeError(f"{path}: 'rope_scaling' must be an object or null, got {_show(rs)}")
+        kind = rs.get("rope_type", rs.get("type"))
         if kind != "llama3":
-            raise EdgeError(f"{path}: unsupported rope_scaling {kind or rs!r} (supported: llama3, none)")
+            raise EdgeError(f"{path}: unsupported rope_scaling {_show(kind or rs)} (supported: llama3, none)")
+        rs = dict(rs)
         for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-            if not isinstance(rs.get(k), (int, float)) or isinstance(rs.get(k), bool) or rs[k] <= 0:
-                raise EdgeError(f"{path}: rope_scaling.{k} missing or not a positive number")
+            if rs.get(k) is None:
+                raise EdgeError(f"{path}: rope_scaling.{k} missing")
+            rs[k] = want_float(path, f"rope_scaling.{k}", rs[k], 0.0)
+        if not rs["low_freq_factor"] < rs["high_freq_factor"]:
+            raise EdgeError(f"{path}: rope_scaling.low_freq_factor {rs['low_freq_factor']:g} must be "
+                            f"below high_freq_factor {rs['high_freq_factor']:g}")
+    tied = cfg.get("tie_word_embeddings", False)
+    if not isinstance(tied, bool):
+        raise EdgeError(f"{path}: 'tie_word_embeddings' must be true or false, got {_show(tied)}")
+    if cfg.get("rms_norm_eps") is None:
+        raise EdgeError(f"{path}: missing 'rms_norm_eps'")
+    theta = cfg.get("rope_theta")
     return HParams(
-        n_layer=get("num_hidden_layers", int), n_embd=n_embd, n_ff=get("intermediate_size", int),
-        n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n_vocab=get("vocab_size", int),
-        n_ctx=get("max_position_embeddings", int), rope_theta=float(get("rope_theta", (int, float), 10000.0)),
-        rms_eps=float(get("rms_norm_eps", (int, float))), tied=get("tie_word_embeddings", bool, False),
-        rope_scaling=rs, explicit_head_dim="head_dim" in cfg)
+        n_layer=size("num_hidden_layers"), n_embd=n_embd, n_ff=size("intermediate_size"),
+        n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n_vocab=size("vocab_size"),
+        n_ctx=size("max_position_embeddings"),
+        rope_theta=want_float(path, "rope_theta", 10000.0 if theta is None else theta, 0.0),
+        # the loader's range (edgellama.args): 0 < epsilon < 1
+        rms_eps=want_float(path, "rms_norm_eps", cfg["rms_norm_eps"], 0.0, 1.0, hi_open=True),
+        tied=tied, rope_scaling=rs, explicit_head_dim="head_dim" in cfg)
 
 
 def permute_index(rows: int, n_heads: int) -> np.ndarray:
@@ -272,6 +288,9 @@ def _mix_types(hp: HParams, shapes: dict[str, tuple[int, ...]], qtype: str,
 
 def _plan(hf_dir: Path, hp: HParams, tensors: dict[str, TensorRef], qtype: str,
           embed_type: str | None, warnings: list[str]) -> list[_Plan]:
+    if hp.n_layer * 9 > len(tensors):
+        raise EdgeError(f"{hf_dir / 'config.json'}: num_hidden_layers {hp.n_layer} needs "
+                        f"{hp.n_layer * 9} layer tensors, but the checkpoint has {len(tensors)} tensors")
     expected = _expected_shapes(hp)
     found: dict[str, TensorRef] = {}
     for hf_name, ref in tensors.items():
@@ -357,15 +376,34 @@ _SAMPLING_KEYS = {"temperature": ("general.sampling.temp", V.FLOAT32),
                   "min_p": ("general.sampling.min_p", V.FLOAT32)}
 
 
+_NEUTRAL_SAMPLING = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+
+
 def _sampling_defaults(hf_dir: Path) -> list[tuple[str, V, float | int]]:
-    """The model's recommended sampling (generation_config.json), as GGUF keys."""
+    """The model's recommended sampling (generation_config.json), as GGUF keys. Each value
+    must fit its GGUF field (f32, i32) and pass the loader's own rules (SamplingParams),
+    else an EdgeError: convert never writes a recommendation the runtime would reject."""
     path = hf_dir / "generation_config.json"
-    if not path.is_file():
+    if not path.exists():
         return []
     cfg = load_json(path, "generation config")
-    return [(key, vt, int(v) if vt == V.INT32 else float(v))
-            for field, (key, vt) in _SAMPLING_KEYS.items()
-            if isinstance(v := cfg.get(field), (int, float)) and not isinstance(v, bool)]
+    out = []
+    for field, (key, vt) in _SAMPLING_KEYS.items():
+        v = cfg.get(field)
+        if v is None:
+            continue
+        if vt == V.INT32:
+            v = want_int(path, field, v, 0, I32_MAX, " (0 turns it off)")
+        else:
+            v = float(np.float32(want_float(path, field, v, 0.0, lo_open=False)))
+        problems: list[str] = []     # the loader's rules, from edgellama.sampling
+        _NEUTRAL_SAMPLING.with_defaults_from({key: v}, problems.append)
+        if problems:
+            why = problems[0].split(": ", 1)[-1]
+            raise EdgeError(f"{path}: '{field}' = {v:g} would be ignored by edgellama ({why}); "
+                            f"fix or remove it in {path.name}")
+        out.append((key, vt, v))
+    return out
 
 
 def _metadata(w: GGUFStreamWriter, hp: HParams, name: str, qtype: str, tok,

@@ -12,8 +12,10 @@ opened.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,16 +31,92 @@ _PICKLE = ("*.bin", "*.pth", "*.pt", "*.ckpt", "*.pkl")
 _MAX_HEADER = 100 << 20
 
 
+_MAX_JSON = 256 << 20          # a 128k-token tokenizer.json is ~9 MB
+U32_MAX, I32_MAX = (1 << 32) - 1, (1 << 31) - 1
+F32_MAX = float(np.finfo(np.float32).max)
+
+
 def load_json(path: Path, what: str) -> dict:
+    """A JSON object from `path`, or one EdgeError naming the file. Refuses non-regular
+    files (a FIFO would block), files over 256 MB, numbers Python cannot parse (NaN,
+    Infinity, 5000-digit integers) and nesting deep enough to exhaust the stack."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with open(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise EdgeError(f"{path}: not a regular file ({what})")
+            if st.st_size > _MAX_JSON:
+                raise EdgeError(f"{path}: {st.st_size} bytes is too large for a {what} "
+                                f"(limit {_MAX_JSON >> 20} MB)")
+            raw = f.read(_MAX_JSON + 1)
     except FileNotFoundError:
         raise EdgeError(f"{path}: missing ({what})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except IsADirectoryError:
+        raise EdgeError(f"{path}: is a directory, expected a JSON file ({what})") from None
+    except OSError as e:
+        raise EdgeError(f"{path}: cannot read ({what}): {e.strerror or e}") from None
+    try:
+        data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError) as e:    # JSONDecodeError, too many digits
         raise EdgeError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise EdgeError(f"{path}: not valid JSON (nested too deeply)") from None
     if not isinstance(data, dict):
-        raise EdgeError(f"{path}: expected a JSON object")
+        raise EdgeError(f"{path}: expected a JSON object, got {_kind(data)}")
     return data
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _kind(v) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, int):
+        return "an integer"
+    if isinstance(v, float):
+        return "a number"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, list):
+        return "a list"
+    return "an object"
+
+
+def _show(v) -> str:
+    s = repr(v)
+    return s if len(s) <= 60 else f"{_kind(v)} ({s[:40]}...)"
+
+
+def want_int(path: Path, key: str, v, lo: int = 1, hi: int = U32_MAX, what: str = "") -> int:
+    """v as an integer in [lo, hi] (an integral float such as 4096.0 counts), else an
+    EdgeError naming file and key, what the value must be and what it is."""
+    if isinstance(v, float) and not isinstance(v, bool) and math.isfinite(v) and v == int(v):
+        v = int(v)
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise EdgeError(f"{path}: '{key}' must be an integer from {lo} to {hi}{what}, got {_show(v)}; "
+                        f"fix the value in {path.name}")
+    return v
+
+
+def want_float(path: Path, key: str, v, lo: float, hi: float = F32_MAX, lo_open: bool = True,
+               hi_open: bool = False, what: str = "") -> float:
+    """v as a finite number in the range (lo_open: lo excluded), that stays in range
+    once rounded to float32 (the GGUF field type), else an EdgeError naming file and key."""
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    if ok:
+        f32 = float(np.float32(v)) if abs(v) <= F32_MAX else math.inf   # nan stays nan
+        ok = (math.isfinite(f32) and (f32 > lo if lo_open else f32 >= lo)
+              and (f32 < hi if hi_open else f32 <= hi))
+    if not ok:
+        rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+        raise EdgeError(f"{path}: '{key}' must be a number in {rng}{what}, got {_show(v)}; "
+                        f"fix the value in {path.name}")
+    return float(v)
 
 
 @dataclass

