@@ -14,9 +14,12 @@ last as it does.
 """
 from __future__ import annotations
 
+import errno
 import math
 import os
 import re
+import secrets
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -453,6 +456,125 @@ def _model_name(hf_dir: Path) -> str:
     return hf_dir.resolve().name
 
 
+# -- the output file: never an input, a temp name nobody can plant, no silent replace ---
+_TMP_RE = re.compile(r"\..*\.edgellama-(\d+)-[0-9a-f]{16}\.tmp", re.S)
+STALE_TMP_SECONDS = 600          # a temp file this old whose pid is gone is a killed convert's
+
+
+def _tmp_name(out_path: Path) -> str:
+    """`.{first 32 chars of the output name}.edgellama-{pid}-{16 random hex}.tmp`: at most
+    ~170 bytes whatever the output name's length, unpredictable, recognisably ours."""
+    return f".{out_path.name[:32]}.edgellama-{os.getpid()}-{secrets.token_hex(8)}.tmp"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return pid > 0             # someone else's live process (or nonsense: leave it)
+    return True
+
+
+def clean_stale_temps(folder: Path, now: float | None = None) -> list[str]:
+    """Remove temp files of converts that were killed (SIGKILL, power loss) in `folder`:
+    our name pattern, a regular file of ours (not a symlink), older than
+    STALE_TMP_SECONDS and its pid not running. Returns the names removed."""
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for e in entries:
+        m = _TMP_RE.fullmatch(e.name)
+        if not m:
+            continue
+        try:
+            st = e.stat(follow_symlinks=False)
+            if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid()
+                    or now - st.st_mtime < STALE_TMP_SECONDS or _pid_alive(int(m.group(1)))):
+                continue
+            os.unlink(e.path)
+            removed.append(e.name)
+        except OSError:
+            continue
+    return removed
+
+
+def _input_ids(hf_dir: Path) -> dict[tuple[int, int], Path]:
+    """(device, inode) of the checkpoint folder and of every file in it, symlinks followed."""
+    ids = {}
+    for p in [hf_dir, *hf_dir.iterdir()]:
+        try:
+            st = p.stat()
+        except OSError:
+            continue
+        ids[st.st_dev, st.st_ino] = p
+    return ids
+
+
+def _refuse_input_as_output(hf_dir: Path, out_path: Path) -> None:
+    try:
+        st = out_path.stat()
+    except OSError:
+        return
+    hit = _input_ids(hf_dir).get((st.st_dev, st.st_ino))
+    if hit is not None:
+        raise EdgeError(f"{out_path}: is the input {hit} (same file, through a link or not); "
+                        f"choose another output path (--force does not allow this)")
+
+
+_RENAME_NOREPLACE = 1
+
+
+def _renameat2():
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return fn
+
+
+def _publish(tmp: Path, out_path: Path, force: bool) -> None:
+    """Move the finished temp file to out_path. With force, replace whatever is there (an
+    atomic rename: a replaced file's content is never touched). Without, never replace a
+    file that appeared meanwhile (a second convert to the same output): rename with
+    RENAME_NOREPLACE, or hard link + unlink where that is missing."""
+    if force:
+        os.replace(tmp, out_path)
+        return
+    exists = EdgeError(f"{out_path}: appeared while converting (another convert?); "
+                       f"left as it is (use --force to overwrite)")
+    fn = _renameat2()
+    if fn is not None:
+        import ctypes
+        at_fdcwd = -100
+        if fn(at_fdcwd, os.fsencode(tmp), at_fdcwd, os.fsencode(out_path), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            raise exists
+        if err not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EPERM):
+            raise OSError(err, os.strerror(err), str(out_path))
+    try:
+        os.link(tmp, out_path)
+    except FileExistsError:
+        raise exists from None
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EMLINK):
+            raise
+        if os.path.lexists(out_path):    # no hard links here: a narrow race remains
+            raise exists from None
+        os.rename(tmp, out_path)
+        return
+    os.unlink(tmp)
+
+
 def convert(hf_dir, out_path, qtype: str = "q8_0", embed_type: str | None = None,
             force: bool = False, progress: Progress | None = None) -> ConvertSummary:
     """Convert the HF checkpoint in `hf_dir` to a GGUF file at `out_path`.
@@ -474,30 +596,43 @@ def convert(hf_dir, out_path, qtype: str = "q8_0", embed_type: str | None = None
         raise EdgeError(f"unknown embed type {embed_type!r} (choose from {', '.join(SINGLE_TYPES)})")
     if not hf_dir.is_dir():
         raise EdgeError(f"{hf_dir}: not a directory")
-    if out_path.exists() and not force:
+    if os.path.lexists(out_path) and not force:
         raise EdgeError(f"{out_path}: already exists (use --force to overwrite)")
     if not out_path.parent.is_dir():
         raise EdgeError(f"{out_path.parent}: output directory does not exist")
+    _refuse_input_as_output(hf_dir, out_path)
 
     hp = read_hparams(hf_dir)
     tensors, shards = open_checkpoint(hf_dir)
     warnings: list[str] = []
-    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
+    clean_stale_temps(out_path.parent)
+    tmp = out_path.with_name(_tmp_name(out_path))
+    fd, created = None, False
     try:
         plans = _plan(hf_dir, hp, tensors, qtype.upper(), embed_type and embed_type.upper(), warnings)
         tok = load_tokenizer(hf_dir, hp.n_vocab, load_json(hf_dir / "config.json", "model config"))
         warnings += tok.warnings
-        with open(tmp, "wb") as f:
+        sampling = _sampling_defaults(hf_dir)
+        # exclusive creation: never follows or reuses anything planted at that name
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                     | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0), 0o666)
+        created = True
+        with open(fd, "wb") as f:
+            fd = None
             w = GGUFStreamWriter(f)
-            _metadata(w, hp, _model_name(hf_dir), qtype, tok, _sampling_defaults(hf_dir))
+            _metadata(w, hp, _model_name(hf_dir), qtype, tok, sampling)
             infos = [w.tensor(p.name, p.shape, FORMATS[p.fmt].type_id) for p in plans]
             w.write_header()
             total, done = sum(i.nbytes for i in infos), [0]
             for p in plans:
                 w.tensor_data(p.name, _chunks(p, progress, total, done))
-        os.replace(tmp, out_path)
+        _refuse_input_as_output(hf_dir, out_path)     # again: it may have changed meanwhile
+        _publish(tmp, out_path, force)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        if fd is not None:
+            os.close(fd)
+        if created:
+            tmp.unlink(missing_ok=True)
         raise
     finally:
         for s in shards:

@@ -11,6 +11,7 @@ import json
 import os
 import random
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -236,3 +237,126 @@ def test_json_fifo_does_not_hang(hf, tmp_path):
     (hf / TCFG).unlink()
     os.mkfifo(hf / TCFG)
     _check_case(hf, tmp_path, [TCFG, "not a regular file"])
+
+
+# -- the output file ---------------------------------------------------------------
+@pytest.mark.parametrize("how", ["same", "symlink", "hardlink", "dir"])
+def test_output_is_never_an_input(hf, tmp_path, how):
+    victim = hf / "model.safetensors"
+    before = victim.read_bytes()
+    out = {"same": victim, "symlink": tmp_path / "link.gguf", "hardlink": tmp_path / "hard.gguf",
+           "dir": hf}[how]
+    if how == "symlink":
+        out.symlink_to(victim)
+    elif how == "hardlink":
+        os.link(victim, out)
+    if how == "dir":        # the CLI refuses a directory as a usage error; the API too
+        with pytest.raises(EdgeError, match="is the input"):
+            qconvert.convert(hf, out, force=True)
+    else:
+        res = invoke("convert", hf, "-o", out, "--force", "--quiet")
+        assert_user_error(res, "is the input", "--force does not allow")
+    assert victim.read_bytes() == before
+    assert not [p for p in hf.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_temp_name_is_unpredictable_and_never_followed(hf, tmp_path, monkeypatch):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    # the old predictable name is not used
+    (out_dir / f".m.gguf.{os.getpid()}.tmp").symlink_to(victim)
+    qconvert.convert(hf, out_dir / "m.gguf", qtype="f32")
+    assert victim.read_text() == "precious"
+    # a symlink planted at the exact temp name (here predicted by fixing the random part)
+    # is refused, not followed, and left alone
+    monkeypatch.setattr(qconvert.secrets, "token_hex", lambda n: "ab" * n)
+    planted = out_dir / f".n.gguf.edgellama-{os.getpid()}-{'ab' * 8}.tmp"
+    planted.symlink_to(victim)
+    with pytest.raises(FileExistsError):
+        qconvert.convert(hf, out_dir / "n.gguf", qtype="f32")
+    assert victim.read_text() == "precious" and planted.is_symlink()
+    assert not (out_dir / "n.gguf").exists()
+
+
+def test_long_output_name(hf, tmp_path):
+    out = tmp_path / ("m" * 245 + ".gguf")        # 250 bytes: legal
+    res = invoke("convert", hf, "-o", out, "--quiet", "--type", "f32")
+    assert res.exit_code == 0, res.stderr
+    assert out.read_bytes()[:4] == b"GGUF"
+    assert [p.name for p in tmp_path.iterdir() if p != hf] == [out.name]
+
+
+@pytest.mark.parametrize("noreplace", ["renameat2", "link"])
+def test_concurrent_convert_is_not_silently_replaced(hf, tmp_path, monkeypatch, noreplace):
+    if noreplace == "link":
+        monkeypatch.setattr(qconvert, "_renameat2", lambda: None)
+    out = tmp_path / "out" / "m.gguf"
+    out.parent.mkdir()
+
+    def other_convert_finishes(name, done, total):
+        if done == total and not out.exists():
+            out.write_bytes(b"the other convert's file")
+
+    with pytest.raises(EdgeError, match="appeared while converting"):
+        qconvert.convert(hf, out, qtype="f32", progress=other_convert_finishes)
+    assert out.read_bytes() == b"the other convert's file"
+    assert [p.name for p in out.parent.iterdir()] == ["m.gguf"]
+    # --force replaces it, as asked
+    qconvert.convert(hf, out, qtype="f32", force=True)
+    assert out.read_bytes()[:4] == b"GGUF"
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_stale_temps_of_killed_converts_are_cleaned(hf, tmp_path):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    dead, old = _dead_pid(), time.time() - 3600
+    names = {"stale": f".m.gguf.edgellama-{dead}-{'0' * 16}.tmp",
+             "fresh": f".m.gguf.edgellama-{dead}-{'1' * 16}.tmp",
+             "live": f".m.gguf.edgellama-{os.getpid()}-{'2' * 16}.tmp",
+             "not_ours": f".m.gguf.{dead}.tmp",
+             "link": f".x.edgellama-{dead}-{'3' * 16}.tmp"}
+    for kind, n in names.items():
+        if kind == "link":
+            (out_dir / n).symlink_to(hf / "config.json")
+            continue
+        (out_dir / n).write_bytes(b"x")
+        if kind != "fresh":
+            os.utime(out_dir / n, (old, old))
+    qconvert.convert(hf, out_dir / "m.gguf", qtype="f32")
+    left = {p.name for p in out_dir.iterdir()}
+    assert names["stale"] not in left
+    assert {names[k] for k in ("fresh", "live", "not_ours", "link")} <= left
+
+
+def test_sigkilled_convert_leaves_a_temp_the_next_one_removes(hf, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    code = ("import time, edgellama.quant.convert as c\n"
+            f"c.convert({str(hf)!r}, {str(out_dir / 'm.gguf')!r}, qtype='f32', "
+            "progress=lambda *a: time.sleep(60))\n")
+    p = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.time() + 120
+        while not [q for q in out_dir.iterdir() if q.name.endswith(".tmp")]:
+            assert time.time() < deadline and p.poll() is None
+            time.sleep(0.1)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    (tmp,) = out_dir.iterdir()
+    os.utime(tmp, (time.time() - 3600,) * 2)
+    qconvert.convert(hf, out_dir / "n.gguf", qtype="f32")
+    assert [q.name for q in out_dir.iterdir()] == ["n.gguf"]
