@@ -409,6 +409,26 @@ def _sampling_defaults(hf_dir: Path) -> list[tuple[str, V, float | int]]:
     return out
 
 
+def _check_runtime_tokenizer(tok) -> None:
+    """Build the runtime's tokenizer and chat format from exactly the metadata we are about
+    to write (the loader's own rules, edgellama.tokenizer): a vocabulary, merges or special
+    tokens it would refuse are refused here, before anything is written."""
+    from edgellama.chat_template import ChatFormat
+    from edgellama.tokenizer import Tokenizer
+    keys = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id", "pad": "padding_token_id"}
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": tok.pre, "tokenizer.ggml.tokens": tok.tokens,
+            "tokenizer.ggml.token_type": np.asarray(tok.token_types, np.int32),
+            "tokenizer.ggml.merges": tok.merges,
+            **{f"tokenizer.ggml.{keys[t]}": i for t, i in tok.special_ids.items()},
+            **{f"tokenizer.ggml.add_{t}_token": on for t, on in tok.add_special.items()}}
+    if tok.chat_template is not None:
+        meta["tokenizer.chat_template"] = tok.chat_template
+    try:
+        ChatFormat(Tokenizer.from_metadata(meta), tok.chat_template)
+    except EdgeError as e:
+        raise EdgeError(f"{tok.source}: edgellama could not load the tokenizer this makes: {e}") from None
+
+
 def _metadata(w: GGUFStreamWriter, hp: HParams, name: str, qtype: str, tok,
               sampling: list[tuple[str, V, float | int]]) -> None:
     # A mix's keys are those of our f32 file as llama-quantize rewrites them: it sets
@@ -612,6 +632,7 @@ def convert(hf_dir, out_path, qtype: str = "q8_0", embed_type: str | None = None
         plans = _plan(hf_dir, hp, tensors, qtype.upper(), embed_type and embed_type.upper(), warnings)
         tok = load_tokenizer(hf_dir, hp.n_vocab, load_json(hf_dir / "config.json", "model config"))
         warnings += tok.warnings
+        _check_runtime_tokenizer(tok)
         sampling = _sampling_defaults(hf_dir)
         # exclusive creation: never follows or reuses anything planted at that name
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)

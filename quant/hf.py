@@ -175,16 +175,16 @@ class SafetensorsFile:
             if not isinstance(meta, dict) or set(meta) - {"dtype", "shape", "data_offsets"}:
                 raise EdgeError(f"{path}: invalid safetensors header entry for {name!r}")
             dtype, shape, offs = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
-            if dtype not in _DTYPES:
-                raise EdgeError(f"{path}: tensor {name!r} has dtype {dtype!r} "
+            if not isinstance(dtype, str) or dtype not in _DTYPES:
+                raise EdgeError(f"{path}: tensor {name!r} has dtype {_show(dtype)} "
                                 f"(supported: {', '.join(_DTYPES)})")
             if (not isinstance(shape, list) or len(shape) > 4
                     or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
-                raise EdgeError(f"{path}: tensor {name!r} has an invalid shape {shape!r}")
+                raise EdgeError(f"{path}: tensor {name!r} has an invalid shape {_show(shape)}")
             if (not isinstance(offs, list) or len(offs) != 2
                     or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
                     or not 0 <= offs[0] <= offs[1]):
-                raise EdgeError(f"{path}: tensor {name!r} has invalid data_offsets {offs!r}")
+                raise EdgeError(f"{path}: tensor {name!r} has invalid data_offsets {_show(offs)}")
             count = 1
             for d in shape:
                 count *= d

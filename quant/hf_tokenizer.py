@@ -41,6 +41,7 @@ class TokenizerMeta:
     add_special: dict[str, bool]          # "bos"/"eos" -> add it when encoding
     chat_template: str | None
     warnings: list[str] = field(default_factory=list)
+    source: Path | None = None            # the file the vocabulary came from
 
 
 def _detect_pre(pre_tok, path: Path) -> str:
@@ -281,4 +282,4 @@ def load_tokenizer(hf_dir: Path, vocab_size: int, config: dict) -> TokenizerMeta
     if tmpl is not None and not isinstance(tmpl, str):
         warnings.append(f"{tc_path.name}: chat_template is not a single string; not written")
         tmpl = None
-    return TokenizerMeta(pre, tokens, types, merges, special, add_special, tmpl, warnings)
+    return TokenizerMeta(pre, tokens, types, merges, special, add_special, tmpl, warnings, src)

@@ -360,3 +360,107 @@ def test_sigkilled_convert_leaves_a_temp_the_next_one_removes(hf, tmp_path):
     os.utime(tmp, (time.time() - 3600,) * 2)
     qconvert.convert(hf, out_dir / "n.gguf", qtype="f32")
     assert [q.name for q in out_dir.iterdir()] == ["n.gguf"]
+
+
+# -- fuzzing the convert path --------------------------------------------------------
+HOSTILE = [2 ** 32, 2 ** 40, 2 ** 63, -1, 0, 1, 0.5, 1e39, -1e39, 1e-50, float("nan"), float("inf"),
+           "", "x" * 300, "<|eot_id|>", None, True, False, [], {}, [1, 2], ["a", "b"], {"a": 1},
+           [[1]], {"type": "Sequence"}]
+JSON_FILES = (CONFIG, GEN, TOK, TCFG)
+
+
+def _paths(node, prefix=(), depth=0):
+    """Key paths into a JSON document (dicts and the first items of lists), bounded."""
+    if depth > 4:
+        return
+    if isinstance(node, dict):
+        for k, v in list(node.items())[:40]:
+            yield prefix + (k,)
+            yield from _paths(v, prefix + (k,), depth + 1)
+    elif isinstance(node, list):
+        for i, v in enumerate(node[:3]):
+            yield prefix + (i,)
+            yield from _paths(v, prefix + (i,), depth + 1)
+
+
+def _mutate(doc, rng: random.Random):
+    paths = list(_paths(doc))
+    if not paths or rng.random() < 0.05:
+        return rng.choice([[doc], [], "x", 1, None])          # the whole document
+    path = rng.choice(paths)
+    parent = doc
+    for k in path[:-1]:
+        parent = parent[k]
+    k = path[-1]
+    if rng.random() < 0.2:
+        del parent[k]
+    elif rng.random() < 0.2 and isinstance(parent[k], (int, float)) and not isinstance(parent[k], bool):
+        parent[k] = rng.choice([-1, 2, 10, 1e6]) * parent[k]
+    else:
+        parent[k] = rng.choice(HOSTILE)
+    return doc
+
+
+def _mutate_safetensors(path: Path, rng: random.Random) -> None:
+    raw = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    try:
+        head = json.loads(raw[8:8 + n].decode())
+    except ValueError:                           # an earlier mutation broke it already
+        head = None
+    if head is None or rng.random() < 0.3:       # raw bytes of the header (and its length)
+        for _ in range(rng.randint(1, 4)):
+            raw[rng.randrange(0, 8 + n)] = rng.randrange(256)
+        path.write_bytes(bytes(raw))
+        return
+    head = _mutate(head, rng)
+    text = json.dumps(head).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + bytes(raw[8 + n:]))
+
+
+FUZZ_CASES = int(os.environ.get("EDGELLAMA_FUZZ_CONVERT", "120"))
+
+
+def test_fuzz_convert_inputs(pristine, tmp_path):
+    """Mutated JSON files and safetensors headers: every case is a success whose file our
+    loader takes without complaint, or one EdgeError; never another exception, a hang,
+    or a file left behind."""
+    rng = random.Random(1234)
+    outcomes = {"ok": 0, "error": 0}
+    for case in range(FUZZ_CASES):
+        hf = tmp_path / f"hf{case}"
+        hf.mkdir()
+        for f in pristine.iterdir():
+            (hf / f.name).write_bytes(f.read_bytes())
+        what = []
+        for _ in range(rng.choice([1, 1, 2, 3])):
+            target = rng.choice(JSON_FILES + ("model.safetensors",))
+            what.append(target)
+            if target == "model.safetensors":
+                _mutate_safetensors(hf / target, rng)
+            else:
+                doc = _mutate(json.loads((hf / target).read_text()), rng)
+                (hf / target).write_text(json.dumps(doc))
+        out_dir = tmp_path / f"out{case}"
+        out_dir.mkdir()
+        try:
+            qconvert.convert(hf, out_dir / "m.gguf", qtype=rng.choice(["f32", "q8_0", "q4_k_m"]))
+        except EdgeError as e:
+            assert "\n" not in str(e) and str(e).strip(), (case, what, str(e))
+            assert list(out_dir.iterdir()) == [], (case, what, str(e))
+            outcomes["error"] += 1
+        except Exception as e:            # noqa: BLE001 - exactly what the fuzzer looks for
+            import traceback
+            pytest.fail(f"case {case} ({what}): {type(e).__name__}: {e}\n{traceback.format_exc()}")
+        else:
+            assert [p.name for p in out_dir.iterdir()] == ["m.gguf"], (case, what)
+            llm = load(out_dir / "m.gguf", ctx=16)
+            assert not llm.warnings, (case, what, llm.warnings)
+            del llm
+            outcomes["ok"] += 1
+        for d in (hf, out_dir):
+            for f in d.iterdir():
+                f.unlink()
+            d.rmdir()
+    assert outcomes["ok"] and outcomes["error"], outcomes        # both paths exercised
