@@ -7,7 +7,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize as ref_dequantize
 
 from edgellama.formats import FORMATS, dequantize, linear
-from test_linear import check
+from format_cases import check
 
 pytestmark = pytest.mark.slow
 
