@@ -32,7 +32,7 @@ from .base import (
     repack_bytes,
     repack_halves,
 )
-from .q3_k import QK, put_scale, quantize_x_block, tile_span
+from .q3_k import QK, pack_2bit, put_scale, quantize_x_block, tile_span
 
 f32 = np.float32
 BS = 84                    # bytes per super-block
@@ -153,10 +153,7 @@ def quantize_block(x, xo, out, o, L, Laux, weights, scales, mins):
         dm = dmn * f32(sc[j] >> 4)
         for i in range(16):
             L[16 * j + i] = max(0, min(3, nearest_int((x[xo + 16 * j + i] + dm) / dl)))
-    for h in range(2):
-        for l in range(32):
-            e = 128 * h + l
-            out[o + 16 + 32 * h + l] = L[e] | (L[e + 32] << 2) | (L[e + 64] << 4) | (L[e + 96] << 6)
+    pack_2bit(L, out, o + 16)
     return over
 
 

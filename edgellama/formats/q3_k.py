@@ -41,6 +41,16 @@ _CHUNK = 64                # super-blocks per parallel work item of the referenc
 # --- shared with q2_k: ggml's rounding and the K-quant activation side --------------------
 
 @njit(cache=True, inline="always")
+def pack_2bit(L, out, o):
+    # the low 2 bits of levels L (256,) -> out[o:o+64], ggml's Q2_K / Q3_K qs order: byte
+    # 32h + l holds elements 128h + l + 32k in bits 2k
+    for h in range(2):
+        for l in range(32):
+            e = 128 * h + l
+            out[o + 32 * h + l] = L[e] | (L[e + 32] << 2) | (L[e + 64] << 4) | (L[e + 96] << 6)
+
+
+@njit(cache=True, inline="always")
 def quantize_x_block(x, b, xq):
     # x[256b:256b+256] -> xq (256,) int in [-127, 127], rounded to nearest; returns the
     # scale amax / 127 (as llama.cpp quantizes activations to Q8_K for K-quant dot products)
@@ -172,10 +182,7 @@ def quantize_block(x, xo, out, o, L, scales):
         if L[e] > 3:
             hm[e % 32] |= 1 << (e // 32)
             L[e] -= 4
-    for h in range(2):
-        for l in range(32):
-            e = 128 * h + l
-            out[o + 32 + 32 * h + l] = L[e] | (L[e + 32] << 2) | (L[e + 64] << 4) | (L[e + 96] << 6)
+    pack_2bit(L, out, o + 32)
     return over
 
 
