@@ -24,6 +24,23 @@ f32 = np.float32
 
 # --- reference quantize / dequantize (bit-exact with ggml's quantize_row_q4_*_ref) ------
 
+@njit(cache=True, inline="always")
+def signed_absmax(x, base):
+    # x[base:base+32] -> (the element of largest |x|, the first on ties, as ggml's Q4_0 and
+    # Q5_0; 0.0 for an all-zero block, so d = 0 / -k = -0.0 as ggml writes it (gguf-py
+    # keeps x[0]'s sign there); False if some element is NaN or inf)
+    mx = f32(0.0)
+    amax = f32(0.0)
+    chk = f32(0.0)
+    for j in range(32):
+        v = x[base + j]
+        chk += v * f32(0.0)                      # NaN iff some v is NaN or inf
+        if abs(v) > amax:                        # strict: the first max-|x| element wins
+            amax = abs(v)
+            mx = v
+    return mx, chk == chk
+
+
 @njit(parallel=True, cache=True)
 def quantize_q4_0(x, out):
     # x (nb*32,) f32 -> out (nb*18,) u8; returns (non-finite blocks, overflowing scales)
@@ -32,17 +49,8 @@ def quantize_q4_0(x, out):
     over = 0
     for b in prange(nb):
         base = b * 32
-        mx = f32(0.0)                            # all-zero block: d = 0 / -8 = -0.0, as
-        amax = f32(0.0)                          # ggml (gguf-py keeps x[0]'s sign there)
-        chk = f32(0.0)
-        for j in range(32):
-            v = x[base + j]
-            chk += v * f32(0.0)                  # NaN iff some v is NaN or inf
-            a = abs(v)
-            if a > amax:                         # strict: the first max-|x| element wins
-                amax = a
-                mx = v
-        if chk != chk:
+        mx, finite = signed_absmax(x, base)
+        if not finite:
             bad += 1
         d = mx / f32(-8.0)
         idv = f32(1.0) / d if d != 0 else f32(0.0)

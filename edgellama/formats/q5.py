@@ -25,7 +25,7 @@ from numba import njit, prange
 
 from ..fp import f16_to_f32, get_f16, put_f16, wrap_u8
 from .base import TiledLinear, WeightFormat, anon_array, release_pages, repack_halves
-from .q4 import prep_q4_x
+from .q4 import prep_q4_x, signed_absmax
 
 f32 = np.float32
 
@@ -56,16 +56,8 @@ def quantize_q5_0(x, out):
     over = 0
     for b in prange(nb):
         base = b * 32
-        amax = f32(0.0)
-        mx = f32(0.0)                            # all-zero block: d = 0 / -16 = -0.0
-        chk = f32(0.0)
-        for j in range(32):
-            v = x[base + j]
-            chk += v * f32(0.0)                  # NaN iff some v is NaN or inf
-            if amax < abs(v):                    # strict: the first max-|x| element wins
-                amax = abs(v)
-                mx = v
-        if np.isnan(chk):
+        mx, finite = signed_absmax(x, base)
+        if not finite:
             bad += 1
         d = mx / f32(-16.0)
         idv = f32(1.0) / d if d != 0 else f32(0.0)
