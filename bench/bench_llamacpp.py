@@ -1,0 +1,244 @@
+"""edgellama beside llama.cpp on the same GGUF files, same thread counts, same depths.
+
+    python bench/bench_llamacpp.py [--shape llama-3.2-1b] [--type q4_0] [--threads 1,2]
+                                   [--depth 0] [--busy 0,1] [--reps 2] [--json OUT]
+
+llama.cpp runs through llama-cpp-python (`pip install -e ".[oracle]"`; an optional extra,
+never a runtime dependency). Every measurement is a fresh process of its own, and the two
+engines alternate (ours, theirs, ours, theirs, ...) so that drift in the machine's speed
+hits both alike; the table shows medians and the ratio ours / llama.cpp.
+
+Cases:
+- pp: prompt processing of --pp tokens (batch 512) after `depth` tokens in the cache;
+- tg: decoding --tg tokens one at a time after `depth` + --pp tokens;
+- busy 1: the same with one CPU-bound process running beside it (what a laptop with a
+  browser open looks like). edgellama runs with its default thread setting there
+  (the column "threads" says what it was asked for; default = adaptive), llama.cpp
+  with the given count, as a user would run it.
+
+The weights are random with the real shapes (speed does not depend on values; files
+from `edgellama.benchmark.shape_file`). llama.cpp fills its cache at depth by really
+prefilling `depth` tokens (untimed); edgellama fills it with synthetic K/V.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ENGINES = ("edgellama", "llama.cpp")
+
+
+# -- workers: run in their own process, print one JSON line ---------------------------
+
+def _tokens(n: int, seed: int) -> list[int]:
+    import numpy as np
+    return np.random.default_rng(seed).integers(1000, 100000, n).tolist()
+
+
+def worker_edgellama(path: str, threads: int | None, depth: int, pp: int, tg: int) -> dict:
+    from edgellama.gguf import GGUFFile
+    from edgellama.machine import set_threads
+    from edgellama.model import Transformer
+    threads = set_threads(threads)
+    m = Transformer(GGUFFile(path), ctx=depth + pp + tg + 8)   # shape files have no tokenizer
+    m.forward(_tokens(16, 0), 0)                     # warm-up: kernels loaded, pages touched
+    m.forward(_tokens(1, 1), 16)
+    m.cache.fill_random(depth, __import__("numpy").random.default_rng(0))
+    t0 = time.perf_counter()
+    m.forward(_tokens(pp, 2), depth)
+    t_pp = time.perf_counter() - t0
+    toks = _tokens(tg, 3)
+    t0 = time.perf_counter()
+    for i, t in enumerate(toks):
+        m.forward([t], depth + pp + i)
+    t_tg = time.perf_counter() - t0
+    return {"pp": pp / t_pp, "tg": tg / t_tg, "threads": threads}
+
+
+def worker_llamacpp(path: str, threads: int, depth: int, pp: int, tg: int) -> dict:
+    import llama_cpp
+    from llama_cpp import Llama
+    llm = Llama(model_path=path, n_ctx=depth + pp + tg + 8, n_threads=threads,
+                n_threads_batch=threads, n_batch=512, n_ubatch=512, verbose=False)
+
+    def clear():
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm._ctx.ctx), True)
+        llm.n_tokens = 0
+
+    llm.eval(_tokens(16, 0))                          # warm-up, as ours
+    llm.eval(_tokens(1, 1))
+    clear()
+    if depth:
+        llm.eval(_tokens(depth, 4))
+    t0 = time.perf_counter()
+    llm.eval(_tokens(pp, 2))
+    t_pp = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for t in _tokens(tg, 3):
+        llm.eval([t])
+    t_tg = time.perf_counter() - t0
+    return {"pp": pp / t_pp, "tg": tg / t_tg, "threads": threads}
+
+
+# -- files llama.cpp can load ---------------------------------------------------------
+
+def with_tokenizer(path: str) -> str:
+    """A copy of a random-weight shape file with a tokenizer added (llama.cpp refuses a
+    model without one; ours never reads it): a synthetic byte-level vocabulary of the
+    model's size, no merges. Written once beside the original, as <name>-tok.gguf."""
+    from pathlib import Path
+
+    from gguf.constants import GGUFValueType as V
+
+    from edgellama.bytelevel import byte_to_unicode
+    from edgellama.gguf import GGUFFile
+    from edgellama.gguf_write import GGUFStreamWriter
+
+    src = Path(path)
+    dst = src.with_name(src.stem + "-tok.gguf")
+    if dst.is_file():
+        return str(dst)
+    g = GGUFFile(src)
+    n_vocab = g.tensors["token_embd.weight"].shape[0]
+    tokens = list(byte_to_unicode().values()) + [f"<|t{i}|>" for i in range(256, n_vocab)]
+    tmp = dst.with_suffix(".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            w = GGUFStreamWriter(f)
+            for key, value in g.metadata.items():
+                w.kv(key, *_typed(value, g.metadata_types[key]))
+            w.kv("tokenizer.ggml.model", V.STRING, "gpt2")
+            w.kv("tokenizer.ggml.pre", V.STRING, "default")
+            w.kv("tokenizer.ggml.tokens", V.ARRAY, tokens, V.STRING)
+            w.kv("tokenizer.ggml.token_type", V.ARRAY, [1] * n_vocab, V.INT32)
+            w.kv("tokenizer.ggml.merges", V.ARRAY, [], V.STRING)
+            w.kv("tokenizer.ggml.bos_token_id", V.UINT32, n_vocab - 2)
+            w.kv("tokenizer.ggml.eos_token_id", V.UINT32, n_vocab - 1)
+            for t in g.tensors.values():
+                w.tensor(t.name, t.shape, t.type_id)
+            w.write_header()
+            for t in g.tensors.values():
+                w.tensor_data(t.name, [g.tensor_bytes(t.name)])
+        tmp.replace(dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return str(dst)
+
+
+def _typed(value, types):
+    from gguf.constants import GGUFValueType as V
+    if types[0] == V.ARRAY:
+        return V.ARRAY, value, V(types[1])
+    return V(types[0]), value
+
+
+# -- driver ---------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def busy_process(on: bool):
+    """One CPU-bound process beside the benchmark (a spinning Python loop)."""
+    if not on:
+        yield
+        return
+    p = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        yield
+    finally:
+        p.kill()
+        p.wait()
+
+
+def run_one(engine: str, path: str, threads: int | None, depth: int, pp: int, tg: int) -> dict:
+    if engine == "llama.cpp":
+        path = with_tokenizer(path)
+    cmd = [sys.executable, __file__, "--worker", engine, "--file", path,
+           "--depth", str(depth), "--pp", str(pp), "--tg", str(tg)]
+    if threads is not None:
+        cmd += ["--worker-threads", str(threads)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        sys.exit(f"{engine} failed: {res.stderr.strip()[-2000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="llama-3.2-1b")
+    ap.add_argument("--type", default="q4_0")
+    ap.add_argument("--file", help="a GGUF to use instead of --shape/--type")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--depth", default="0")
+    ap.add_argument("--busy", default="0", help="0, 1 or 0,1: with a competing busy process")
+    ap.add_argument("--pp", type=int, default=512)
+    ap.add_argument("--tg", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
+    ap.add_argument("--worker-threads", type=int, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+
+    if a.worker:
+        fn = worker_edgellama if a.worker == "edgellama" else worker_llamacpp
+        print(json.dumps(fn(a.file, a.worker_threads, int(a.depth), a.pp, a.tg)))
+        return
+
+    from edgellama.benchmark import shape_file
+    from edgellama.machine import cpu_name
+    path = a.file or str(shape_file(a.shape, a.type))
+    rows = []
+    for busy in (int(b) for b in a.busy.split(",")):
+        for depth in (int(d) for d in a.depth.split(",")):
+            for threads in (int(t) for t in a.threads.split(",")):
+                got = {e: [] for e in ENGINES}
+                with busy_process(busy):
+                    for _ in range(a.reps):
+                        for e in ENGINES:
+                            # busy: ours at its default (adaptive) setting, as users run it
+                            t = None if (busy and e == "edgellama") else threads
+                            got[e].append(run_one(e, path, t, depth, a.pp, a.tg))
+                row = {"busy": busy, "depth": depth, "threads": threads}
+                for e in ENGINES:
+                    for k in ("pp", "tg"):
+                        row[f"{e} {k}"] = statistics.median(r[k] for r in got[e])
+                rows.append(row)
+                print(_line(row), flush=True)
+    result = {"machine": cpu_name(), "cores": os.cpu_count(), "file": path,
+              "pp": a.pp, "tg": a.tg, "reps": a.reps, "rows": rows}
+    print("\n" + table(result))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def _line(r: dict) -> str:
+    return (f"busy={r['busy']} depth={r['depth']} threads={r['threads']}: "
+            f"pp {r['edgellama pp']:.1f} / {r['llama.cpp pp']:.1f}  "
+            f"tg {r['edgellama tg']:.1f} / {r['llama.cpp tg']:.1f}")
+
+
+def table(res: dict) -> str:
+    out = [f"{os.path.basename(res['file'])} on {res['machine']} ({res['cores']} cores); "
+           f"pp{res['pp']}, tg{res['tg']}, median of {res['reps']}",
+           "",
+           "| threads | depth | busy | prefill ours / llama.cpp t/s | ratio | "
+           "decode ours / llama.cpp t/s | ratio |",
+           "|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        ours_t = "default" if r["busy"] else r["threads"]
+        out.append(f"| {ours_t} vs {r['threads']} | {r['depth']} | {'yes' if r['busy'] else 'no'} | "
+                   f"{r['edgellama pp']:.1f} / {r['llama.cpp pp']:.1f} | "
+                   f"{r['edgellama pp'] / r['llama.cpp pp']:.2f}× | "
+                   f"{r['edgellama tg']:.1f} / {r['llama.cpp tg']:.1f} | "
+                   f"{r['edgellama tg'] / r['llama.cpp tg']:.2f}× |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    main()
