@@ -5,20 +5,67 @@ stderr), 2 usage errors (click). `--debug` shows tracebacks.
 """
 from __future__ import annotations
 
+import ast
+import importlib
 import os
 import signal
 import sys
+from pathlib import Path
 
 import click
 
-from edgellama import jit
 from edgellama.errors import EdgeError
 
 from .options import one_line
 
+# Command name -> the module in this package that defines it (with `@main.command()`).
+# Modules load only when their command runs, so `edgellama --help` and `--version` stay
+# fast (numpy and numba are not imported). A new command is one line here.
+COMMANDS = {
+    "bench": "bench",
+    "chat": "chat",
+    "convert": "convert",
+    "generate": "generate",
+}
+
+# Commands that never run kernels: their start-up skips importing numba.
+_NO_KERNELS = set()
+
+
+def _short_help(module: str, limit: int) -> str:
+    """The first docstring line of the command in `module`, read from its source:
+    listing the commands must not import them."""
+    try:
+        tree = ast.parse((Path(__file__).parent / f"{module}.py").read_text("utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return ""
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and any(
+                isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute)
+                and d.func.attr == "command" for d in node.decorator_list):
+            return click.utils.make_default_short_help(ast.get_docstring(node) or "", limit)
+    return ""
+
 
 class _Group(click.Group):
-    """Turns EdgeError (and any other failure) into one line and exit 1, unless --debug."""
+    """Loads each command's module on first use; turns EdgeError (and any other failure)
+    into one line and exit 1, unless --debug."""
+
+    def list_commands(self, ctx):
+        return sorted({*COMMANDS, *self.commands})
+
+    def get_command(self, ctx, name):
+        if name not in self.commands and name in COMMANDS:
+            importlib.import_module(f"{__package__}.{COMMANDS[name]}")   # registers on main
+        return self.commands.get(name)
+
+    def format_commands(self, ctx, formatter):
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max(map(len, names))
+        rows = [(n, self.commands[n].get_short_help_str(limit) if n in self.commands
+                 else _short_help(COMMANDS[n], limit)) for n in names]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
 
     def invoke(self, ctx):
         try:
@@ -52,14 +99,13 @@ class _Group(click.Group):
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="edgellama", message="%(prog)s %(version)s")
 @click.option("--debug", is_flag=True, help="Show full tracebacks on errors.")
 @click.pass_context
 def main(ctx, debug):
     """edgellama: run quantized Llama models on a CPU."""
     ctx.ensure_object(dict)["debug"] = debug
-    if jit.cache_note:
-        click.echo(f"note: {jit.cache_note}", err=True)
-
-
-# Each command module adds itself to `main` when imported.
-from . import bench, chat, convert, generate  # noqa: E402,F401
+    if ctx.invoked_subcommand not in _NO_KERNELS:
+        from edgellama import jit   # imports numba, which sets up the kernel cache
+        if jit.cache_note:
+            click.echo(f"note: {jit.cache_note}", err=True)

@@ -4,11 +4,14 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import re
+from typing import TYPE_CHECKING
 
 import click
 
 import edgellama
-from edgellama.sampling import SamplingParams
+
+if TYPE_CHECKING:   # numpy: not needed to parse the command line
+    from edgellama.sampling import SamplingParams
 
 
 def model_options(f):

@@ -1,10 +1,64 @@
 """edgellama: quantized Llama inference on ordinary CPUs (GGUF, NumPy + Numba)."""
-from .jit import use_user_cache as _use_user_cache
+import importlib
+import importlib.abc
+import importlib.util
+import sys
 
-_use_user_cache()   # before any module with kernels is imported
-
-from .errors import EdgeError  # noqa: E402
-from .llm import LLM, load  # noqa: E402
-from .sampling import SamplingParams  # noqa: E402
+from .errors import EdgeError
 
 __all__ = ["EdgeError", "LLM", "SamplingParams", "load"]
+
+# The public API loads numpy and numba on first use, so the CLI parses its arguments
+# (and prints --help) without paying for them.
+_LAZY = {"LLM": ".llm", "load": ".llm", "SamplingParams": ".sampling"}
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+class _KernelCacheSetup(importlib.abc.MetaPathFinder):
+    """Points Numba's cache at ours (jit.use_user_cache) once numba and our jit module are
+    imported, before any module with kernels defines them. Importing numba here instead
+    would cost every import of edgellama (and `edgellama --help`) a third of a second."""
+
+    def __init__(self):
+        self.jit = f"{__name__}.jit"
+        self.waiting = {"numba", self.jit}
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in self.waiting:
+            return None
+        for finder in sys.meta_path:
+            spec = finder.find_spec(name, path, target) if finder is not self else None
+            if spec is not None:
+                break
+        else:
+            return None
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            self.loaded(name)
+        spec.loader.exec_module = exec_module
+        return spec
+
+    def loaded(self, name):
+        self.waiting.discard(name)
+        if not self.waiting:
+            sys.meta_path.remove(self)
+            sys.modules[self.jit].use_user_cache()
+        elif name == "numba" and self.jit not in sys.modules:
+            importlib.import_module(self.jit)   # its own exec ends the setup
+        # else: jit is the module importing numba; the setup runs when jit is done
+
+
+if "numba" in sys.modules:
+    from .jit import use_user_cache as _use_user_cache
+    _use_user_cache()
+else:
+    sys.meta_path.insert(0, _KernelCacheSetup())

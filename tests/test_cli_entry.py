@@ -1,0 +1,65 @@
+"""The `edgellama` group itself: commands load on demand, so --help and --version import
+neither numpy nor numba; the listing shows each command's own help line."""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import subprocess
+import sys
+
+from click.testing import CliRunner
+
+from edgellama.cli import main as main_module
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_help_and_version_import_neither_numpy_nor_numba():
+    code = ("import json, sys\n"
+            "from edgellama.cli.main import main\n"
+            "for args in (['--help'], ['--version'], ['generate', '--help']):\n"
+            "    try:\n"
+            "        main(args, prog_name='edgellama')\n"
+            "    except SystemExit:\n"
+            "        pass\n"
+            "    print(json.dumps([m for m in ('numpy', 'numba') if m in sys.modules]))\n")
+    res = _run(code)
+    assert res.returncode == 0, res.stderr
+    loaded = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("[")]
+    assert loaded[:2] == [[], []], res.stdout          # after --help, after --version
+    assert "Commands:" in res.stdout and f"edgellama {importlib.metadata.version('edgellama')}" \
+        in res.stdout
+
+
+def test_importing_edgellama_defers_numba_but_kernels_still_use_the_user_cache(tmp_path):
+    code = ("import sys, edgellama\n"
+            "assert 'numba' not in sys.modules and 'numpy' not in sys.modules\n"
+            "import edgellama.kernels as k\n"
+            "print(k.rmsnorm._cache._cache_path)\n"
+            "print(edgellama.load.__module__, edgellama.SamplingParams.__name__)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "EDGELLAMA_CACHE": str(tmp_path)})
+    assert res.returncode == 0, res.stderr
+    cache_path, api = res.stdout.splitlines()
+    assert cache_path.startswith(str(tmp_path / "numba"))
+    assert api == "edgellama.llm SamplingParams"
+
+
+def test_listing_shows_each_commands_own_help_line():
+    """The listing reads help lines from the sources; they are what the loaded commands say."""
+    listing = CliRunner().invoke(main_module.main, ["--help"]).output
+    for name, module in main_module.COMMANDS.items():
+        importlib.import_module(f"edgellama.cli.{module}")
+        command = main_module.main.commands[name]    # the module registered this very name
+        assert command.help, name
+        for limit in (30, 45, 300):
+            assert main_module._short_help(module, limit) == command.get_short_help_str(limit)
+        assert f"  {name} " in listing
+
+
+def test_unknown_command_is_a_usage_error():
+    res = CliRunner().invoke(main_module.main, ["frobnicate"])
+    assert res.exit_code == 2 and "No such command 'frobnicate'" in res.output
