@@ -17,7 +17,7 @@ from .args import ModelArgs
 from .chat_template import ChatFormat, start_renderer
 from .errors import EdgeError
 from .gguf import GGUFFile
-from .machine import set_threads
+from .machine import ThreadPolicy
 from .model import DEFAULT_BATCH, Transformer
 from .sampling import Sampler, SamplingParams
 from .tokenizer import Tokenizer
@@ -49,7 +49,8 @@ class LLM:
     model: Transformer
     tokenizer: Tokenizer
     chat: ChatFormat
-    threads: int
+    threads: int                 # most threads it runs (automatic: fewer while other
+                                 # processes keep cores busy; see ThreadPolicy)
     load_seconds: float
     cached: list[int] = field(default_factory=list)   # the tokens whose K/V the cache holds
     stats: Stats = field(default_factory=Stats)
@@ -141,7 +142,7 @@ def load(path: str | Path | None = None, ctx: int | None = None, threads: int | 
     if path is None:
         from .default_model import default_model_path
         path = default_model_path()
-    n_threads = set_threads(threads)
+    policy = ThreadPolicy(threads)
     g = GGUFFile(path)
     args = ModelArgs.from_gguf(g)
     model_ctx = args.train_ctx
@@ -164,7 +165,7 @@ def load(path: str | Path | None = None, ctx: int | None = None, threads: int | 
         chat = ChatFormat(tokenizer, g.get("tokenizer.chat_template"))
     except EdgeError as e:
         raise EdgeError(f"{g.path}: {e}") from None
-    model = Transformer(g, ctx, batch=batch, args=args)
-    llm = LLM(Path(path), g, model, tokenizer, chat, n_threads, time.perf_counter() - t0)
+    model = Transformer(g, ctx, batch=batch, args=args, threads=policy)
+    llm = LLM(Path(path), g, model, tokenizer, chat, policy.max, time.perf_counter() - t0)
     llm.default_sampling(warn=llm.warnings.append)
     return llm

@@ -8,6 +8,7 @@ import ctypes
 import os
 import platform
 import sys
+import time
 
 from .errors import EdgeError
 
@@ -133,7 +134,7 @@ def _core_ids():
 
 
 def set_threads(threads: int | None) -> int:
-    """Set Numba's worker count; returns it. None = default_threads()."""
+    """Set Numba's worker count in the calling thread; returns it. None = default_threads()."""
     import numba   # here, not at the top: see the module docstring
     n = default_threads() if threads is None else threads
     if n < 1:
@@ -143,3 +144,84 @@ def set_threads(threads: int | None) -> int:
                         f"threads Numba started with (set NUMBA_NUM_THREADS to raise it)")
     numba.set_num_threads(n)
     return n
+
+
+def _busy_seconds(cpus: list[int]) -> float | None:
+    """CPU seconds the given CPUs have spent not idle since boot, by everyone (Linux
+    /proc/stat: user, nice, system, irq, softirq, and steal: time a hypervisor gave
+    to other machines is as lost to us as time another process used)."""
+    try:
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    want = {f"cpu{c}" for c in cpus}
+    ticks = 0
+    for line in lines:
+        name, _, rest = line.partition(" ")
+        if name in want:
+            v = [int(x) for x in rest.split()]
+            ticks += v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+class ThreadPolicy:
+    """How many threads the engine runs, decided before every forward pass.
+
+    Fixed (`-t N`): always N. Automatic (the default): the cores that other processes
+    are not using, measured over the last half second or more from /proc/stat minus our
+    own CPU time. Why: every matrix product ends at a barrier, so a thread that shares
+    its core with someone else's busy process stalls all the others at every barrier;
+    on 2 cores with one busy neighbour, 2 threads ran at a third of 1 thread's speed.
+    Applies to Numba's threads (per calling thread) and to NumPy's BLAS (prefill).
+    """
+    PERIOD = 0.5    # seconds between measurements: a few hundred decoded tokens at most
+
+    def __init__(self, threads: int | None = None):
+        self.max = set_threads(threads)
+        try:
+            self._cpus = sorted(os.sched_getaffinity(0))
+        except AttributeError:
+            self._cpus = []
+        self.auto = threads is None and self.max > 1 and _busy_seconds(self._cpus) is not None
+        self.current = self.max
+        self.others = 0.0               # cores busy with other processes' work (smoothed)
+        self._blas = None
+        self._last = self._sample()
+
+    def _sample(self) -> tuple[float, float, float]:
+        t = os.times()
+        return time.monotonic(), _busy_seconds(self._cpus) or 0.0, t.user + t.system
+
+    def _measure(self) -> None:
+        now = self._sample()
+        dt = now[0] - self._last[0]
+        if dt < self.PERIOD:
+            return
+        others = max(0.0, (now[1] - self._last[1]) - (now[2] - self._last[2])) / dt
+        self._last = now
+        self.others = 0.5 * self.others + 0.5 * others
+        free = len(self._cpus) - self.others
+        self.current = max(1, min(self.max, int(free + 0.5)))
+
+    def apply(self) -> int:
+        """Set this many threads for the work about to run (in the calling thread)."""
+        import numba
+        if self.auto:
+            self._measure()
+        numba.set_num_threads(self.current)
+        if self._blas != self.current:
+            _blas_threads(self.current)
+            self._blas = self.current
+        return self.current
+
+
+_blas = None
+
+
+def _blas_threads(n: int) -> None:
+    global _blas
+    if _blas is None:    # looking for the loaded BLAS libraries takes ~50 ms: once
+        import threadpoolctl   # well kept (scikit-learn's); knows OpenBLAS, MKL and BLIS
+        _blas = threadpoolctl.ThreadpoolController()
+    _blas.limit(limits=n, user_api="blas")

@@ -12,7 +12,7 @@ from .args import ModelArgs
 from .errors import EdgeError
 from .gguf import GGUFFile
 from .formats import SUPPORTED, Linear, linear, type_name
-from .machine import available_memory
+from .machine import ThreadPolicy, available_memory
 
 DEFAULT_BATCH = 512   # prefill chunk: measured on 1B Q4_0, pp512 runs 44 / 56 / 61 tok/s at
                       # 128 / 256 / 512 (BLAS needs tall products); scratch 70 MiB (1B), 80 (3B)
@@ -131,8 +131,10 @@ def check_tensors(g: GGUFFile, args: ModelArgs) -> None:
 
 class Transformer:
     def __init__(self, gguf: GGUFFile, ctx: int, batch: int = DEFAULT_BATCH,
-                 args: ModelArgs | None = None):
+                 args: ModelArgs | None = None, threads: ThreadPolicy | None = None):
         self.gguf = gguf
+        # None: Numba's current thread count, fixed
+        self.threads = threads or ThreadPolicy(numba.get_num_threads())
         self.args = a = args or ModelArgs.from_gguf(gguf)
         check_tensors(gguf, a)
         need, avail = KVCache.bytes_needed(a, ctx), available_memory()
@@ -216,6 +218,7 @@ class Transformer:
         if tokens.min() < 0 or tokens.max() >= self.args.vocab_size:
             raise EdgeError(f"token id out of range 0..{self.args.vocab_size - 1}")
         self.cache.length = pos   # positions past pos are overwritten
+        self.threads.apply()
         all_out = np.empty((T, self.args.vocab_size), np.float32) if all_logits else None
         for start in range(0, T, self.batch):
             chunk = tokens[start:start + self.batch]
