@@ -1,13 +1,16 @@
-"""`edgellama convert HF_DIR -o OUT.gguf`: parse options, call quant.convert.convert, print."""
+"""`edgellama convert HF_DIR|REPO -o OUT.gguf`: parse options, call quant.convert.convert, print."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 
 import click
 
-from .main import main
+from edgellama import hub
 from edgellama.quant.convert import QTYPES, SINGLE_TYPES, convert
+
+from .main import main
 
 
 class _Bar:
@@ -34,7 +37,7 @@ class _Bar:
 
 
 @main.command("convert")
-@click.argument("hf_dir", type=click.Path(file_okay=False, path_type=str))
+@click.argument("hf_dir", metavar="HF_DIR|REPO", type=click.Path(file_okay=False, path_type=str))
 @click.option("-o", "--output", "out", required=True, type=click.Path(dir_okay=False), help="Output .gguf path.")
 @click.option("--type", "qtype", type=click.Choice(QTYPES, case_sensitive=False), default="q8_0",
               show_default=True,
@@ -45,10 +48,20 @@ class _Bar:
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
 @click.option("--quiet", is_flag=True, help="No progress bar, summary or warnings.")
 def convert_cmd(hf_dir, out, qtype, embed_type, force, quiet):
-    """Convert a Hugging Face Llama checkpoint directory to GGUF."""
+    """Convert a Hugging Face Llama checkpoint (a directory, or a Hub repository) to GGUF.
+
+    A Hub repository (OWNER/NAME, when no such directory exists) is downloaded to the
+    Hugging Face cache first: only its safetensors, JSON config/tokenizer files and
+    tokenizer.model. Gated repositories (meta-llama/...) need HF_TOKEN.
+    """
+    name = None
+    if not os.path.exists(hf_dir) and hub.is_repo_id(hf_dir):
+        name = hf_dir.rsplit("/", 1)[1]
+        hf_dir = str(hub.checkpoint_dir(hf_dir, quiet=quiet))
     bar = _Bar() if not quiet and sys.stderr.isatty() else None
     try:
-        s = convert(hf_dir, out, qtype=qtype, embed_type=embed_type, force=force, progress=bar)
+        s = convert(hf_dir, out, qtype=qtype, embed_type=embed_type, force=force, progress=bar,
+                    name=name)
     finally:
         if bar:
             bar.close()

@@ -5,21 +5,68 @@ import sys
 
 import click
 
+from edgellama.errors import EdgeError
+
 from .main import main
-from .options import Output, load, model_options, sampling_from, sampling_options
+from .options import (Output, load, model_flags, positional_is_model, resolve_model,
+                      sampling_from, sampling_options)
+
+# More than any context holds (8192 tokens of a few bytes each), small enough to read.
+MAX_PROMPT_BYTES = 64 << 20
+
+
+def _read(stream, name: str) -> str:
+    data = stream.read(MAX_PROMPT_BYTES + 1)
+    if len(data) > MAX_PROMPT_BYTES:
+        raise EdgeError(f"{name} holds more than {MAX_PROMPT_BYTES >> 20} MiB: far more than "
+                        f"any context; give a shorter prompt")
+    return data.decode("utf-8", "surrogateescape")   # the bytes survive, as in an argument
+
+
+def _prompt(model_arg, prompt_arg, prompt, prompt_file) -> tuple[str | None, str]:
+    """(positional model or None, prompt text) from the ways a prompt can be given."""
+    given = prompt is not None or prompt_file is not None
+    if prompt_arg is None and model_arg is not None and not given \
+            and not positional_is_model(model_arg):
+        model_arg, prompt_arg = None, model_arg   # `generate "a prompt"`
+    sources = [s for s in (prompt, prompt_file, prompt_arg) if s is not None]
+    if len(sources) > 1:
+        raise click.UsageError("give the prompt once: PROMPT, -p TEXT, -p - or -f FILE")
+    if prompt_file is not None:
+        with click.open_file(prompt_file, "rb") as f:
+            return model_arg, _read(f, prompt_file)
+    if prompt == "-" or not sources:
+        if not sources and sys.stdin.isatty():
+            raise click.UsageError("no prompt: give PROMPT, -p TEXT, -f FILE, or pipe it in")
+        return model_arg, _read(sys.stdin.buffer, "stdin")
+    return model_arg, sources[0]
 
 
 @main.command()
-@model_options
+@model_flags
 @sampling_options
-@click.option("-p", "--prompt", required=True, help="The prompt text.")
+@click.argument("model_arg", metavar="[MODEL]", required=False)
+@click.argument("prompt_arg", metavar="[PROMPT]", required=False)
+@click.option("-p", "--prompt", default=None, help="The prompt text; - reads it from stdin.")
+@click.option("-f", "--file", "prompt_file", type=click.Path(dir_okay=False, allow_dash=True),
+              default=None, help="Read the prompt from FILE (- for stdin).")
 @click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
               help="Most tokens to generate.")
 @click.option("--raw", is_flag=True, help="Use the prompt as is, without the chat template.")
 @click.option("--system", default=None, help="System prompt (chat template only).")
-def generate(model, ctx, threads, prompt, max_tokens, raw, system, **sampling):
-    """Complete PROMPT with the model and print the reply as it is generated."""
-    llm = load(model, ctx, threads)
+def generate(model, hf_repo, ctx, threads, model_arg, prompt_arg, prompt, prompt_file, max_tokens,
+             raw, system, **sampling):
+    """Complete PROMPT with the model and print the reply as it is generated.
+
+    \b
+    The prompt: PROMPT, -p TEXT, -f FILE, or stdin (-p -, or piped with no other prompt).
+    The model: MODEL, -m FILE or -hf REPO[:QUANT] (default: SmolLM2-135M-Instruct).
+    With one positional, it is the MODEL if it names a file (existing, or ending in .gguf)
+    or a Hugging Face reference (llama3.2:1b, OWNER/REPO[:QUANT]), or if -p or -f gives
+    the prompt; otherwise it is the PROMPT (use -p for a prompt that reads as a model).
+    """
+    model_arg, prompt = _prompt(model_arg, prompt_arg, prompt, prompt_file)
+    llm = load(resolve_model(model_arg, model, hf_repo), ctx, threads)
     params = sampling_from(llm.default_sampling(), sampling)
     if raw:
         ids = llm.tokenizer.encode(prompt)

@@ -3,31 +3,89 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import functools
+import os
 import re
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
 
 import edgellama
+from edgellama.errors import EdgeError
 
 if TYPE_CHECKING:   # numpy: not needed to parse the command line
     from edgellama.sampling import SamplingParams
 
 
-def model_options(f):
-    """-m/--model, -c/--ctx, -t/--threads: which model and how to run it."""
+def model_flags(f):
+    """-m/--model FILE, -hf/--hf-repo REPO[:QUANT], -c/--ctx, -t/--threads."""
     f = click.option("-t", "--threads", type=int, default=None,
                      help="Worker threads (default: physical cores).")(f)
     f = click.option("-c", "--ctx", type=int, default=None,
                      help="Context length in tokens (default: the model's, at most 8192).")(f)
+    f = click.option("-hf", "--hf-repo", "hf_repo", metavar="REPO[:QUANT]", default=None,
+                     help="A GGUF from Hugging Face, downloaded once: OWNER/REPO[:QUANT] as in "
+                          "llama.cpp (default quant Q4_K_M), or a short name such as "
+                          "llama3.2:1b.")(f)
     return click.option("-m", "--model", "model", type=click.Path(dir_okay=False, path_type=str),
                         default=None,
                         help="GGUF file (default: SmolLM2-135M-Instruct, fetched once).")(f)
 
 
+def model_options(f):
+    """[MODEL], -m, -hf, -c, -t. The command gets `model`: the path of a local GGUF
+    (downloaded first for a Hugging Face reference), or None for the default model."""
+    @functools.wraps(f)
+    def run(*args, model_arg=None, hf_repo=None, **kwargs):
+        kwargs["model"] = resolve_model(model_arg, kwargs.pop("model"), hf_repo)
+        return f(*args, **kwargs)
+    return model_flags(click.argument("model_arg", metavar="[MODEL]", required=False)(run))
+
+
+def _names_file(text: str) -> bool:
+    return os.path.exists(text) or text.endswith(".gguf")
+
+
+def positional_is_model(text: str) -> bool:
+    """A positional MODEL is a file when it exists or ends in .gguf; otherwise it is a
+    Hugging Face reference when it reads as one (llama3.2:1b, OWNER/REPO[:QUANT])."""
+    from edgellama import hub
+    return _names_file(text) or hub.is_ref(text)
+
+
+def resolve_model(positional: str | None, path: str | None, hf_repo: str | None) -> str | None:
+    """The local GGUF path the user named, downloading a Hugging Face one if needed."""
+    if sum(x is not None for x in (positional, path, hf_repo)) > 1:
+        raise click.UsageError("name the model once: MODEL, -m FILE or -hf REPO[:QUANT]")
+    from edgellama import hub
+    if positional is not None and not _names_file(positional):
+        if not hub.is_ref(positional):
+            raise EdgeError(f"{positional}: no such file, and not a Hugging Face reference "
+                            f"(OWNER/REPO[:QUANT], or one of {', '.join(hub.SHORT_NAMES)})")
+        hf_repo, positional = positional, None
+    if hf_repo is not None:
+        return str(hub.gguf_path(hf_repo))
+    return positional if positional is not None else path
+
+
 def load(model, ctx, threads) -> edgellama.LLM:
-    """edgellama.load, then what the file gave reason to warn about, on stderr."""
-    llm = edgellama.load(model, ctx=ctx, threads=threads)
+    """edgellama.load, then what the file gave reason to warn about, on stderr. On a
+    terminal a transient line says what is loading (repacking a big model takes seconds)."""
+    if model is None:
+        from edgellama.default_model import default_model_path
+        model = default_model_path()
+    show = sys.stderr.isatty()
+    if show:
+        sys.stderr.write(f"loading {for_terminal(Path(model).name)}...\r")
+        sys.stderr.flush()
+    try:
+        llm = edgellama.load(model, ctx=ctx, threads=threads)
+    finally:
+        if show:
+            sys.stderr.write("\x1b[K")   # the line goes; what follows starts on it
+            sys.stderr.flush()
     for warning in llm.warnings:
         click.echo(f"warning: {one_line(warning)}", err=True)
     return llm

@@ -596,7 +596,8 @@ def _publish(tmp: Path, out_path: Path, force: bool) -> None:
 
 
 def convert(hf_dir, out_path, qtype: str = "q8_0", embed_type: str | None = None,
-            force: bool = False, progress: Progress | None = None) -> ConvertSummary:
+            force: bool = False, progress: Progress | None = None,
+            name: str | None = None) -> ConvertSummary:
     """Convert the HF checkpoint in `hf_dir` to a GGUF file at `out_path`.
 
     qtype: format of the 2-D weights (q4_0, q4_1, q8_0, f16, bf16, f32), or a
@@ -604,7 +605,7 @@ def convert(hf_dir, out_path, qtype: str = "q8_0", embed_type: str | None = None
     per tensor, as llama-quantize picks them); 1-D tensors are always F32.
     embed_type: format of token_embd/output (default: the mix's choice; q8_0 when qtype
     is a 4-bit type; else qtype). progress(name, bytes_done, bytes_total) is called
-    after every chunk."""
+    after every chunk. name: general.name (default: the directory's name)."""
     t0 = time.perf_counter()
     hf_dir, out_path = Path(hf_dir), Path(out_path)
     qtype = qtype.lower()
@@ -641,7 +642,7 @@ def convert(hf_dir, out_path, qtype: str = "q8_0", embed_type: str | None = None
         with open(fd, "wb") as f:
             fd = None
             w = GGUFStreamWriter(f)
-            _metadata(w, hp, _model_name(hf_dir), qtype, tok, sampling)
+            _metadata(w, hp, name or _model_name(hf_dir), qtype, tok, sampling)
             infos = [w.tensor(p.name, p.shape, FORMATS[p.fmt].type_id) for p in plans]
             w.write_header()
             total, done = sum(i.nbytes for i in infos), [0]

@@ -1,0 +1,198 @@
+"""Models from the Hugging Face Hub, through huggingface_hub (its cache, resume, HF_TOKEN,
+progress bar, HF_ENDPOINT / HF_HUB_OFFLINE).
+
+- GGUF files by llama.cpp's reference `OWNER/REPO[:QUANT]` or a short name (SHORT_NAMES).
+- Checkpoints for `convert`: only the safetensors, JSON config/tokenizer files and
+  tokenizer.model of a repository.
+
+huggingface_hub is imported inside the functions: `import edgellama` never pays for it.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import re
+from pathlib import Path
+
+from .errors import EdgeError
+
+# ollama-style names for the common Llama files (bartowski's GGUFs: llama.cpp's own
+# quantizations of Meta's Instruct checkpoints, not gated).
+SHORT_NAMES = {
+    "llama3.2:1b": "bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M",
+    "llama3.2:3b": "bartowski/Llama-3.2-3B-Instruct-GGUF:Q4_K_M",
+    "llama3.2": "bartowski/Llama-3.2-3B-Instruct-GGUF:Q4_K_M",
+    "llama3.1:8b": "bartowski/Meta-Llama-3.1-8B-Instruct-GGUF:Q4_K_M",
+}
+
+# Without a quant tag, llama.cpp tries these, then the repository's first model file.
+DEFAULT_QUANTS = ("Q4_K_M", "Q8_0")
+
+CHECKPOINT_PATTERNS = ["*.safetensors", "*.json", "tokenizer.model"]
+
+# Hub repository ids: OWNER/NAME, letters, digits, '-', '_', '.'.
+_REF = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?::(?P<quant>[A-Za-z0-9_.-]+))?")
+# GGUFs in model repositories that are not the model (llama.cpp's gguf_filename_is_model).
+_NOT_MODELS = ("mmproj", "imatrix", "mtp-", "eagle3-", "dflash-", "dspark-")
+_SPLIT = re.compile(r"^(.+)-([0-9]{5})-of-([0-9]{5})$", re.I)
+_TAG = re.compile(r"[-.]([A-Z0-9_]+)$", re.I)
+
+
+def parse_ref(text: str) -> tuple[str, str | None] | None:
+    """(repo, quant or None) for a short name or OWNER/REPO[:QUANT]; None otherwise."""
+    m = _REF.fullmatch(SHORT_NAMES.get(text.lower(), text))
+    return (m["repo"], m["quant"]) if m else None
+
+
+def is_ref(text: str) -> bool:
+    return parse_ref(text) is not None
+
+
+def is_repo_id(text: str) -> bool:
+    """OWNER/NAME, nothing more (what `convert` downloads)."""
+    m = _REF.fullmatch(text)
+    return bool(m) and m["quant"] is None
+
+
+def _is_model(path: str) -> bool:
+    name = path.rsplit("/", 1)[-1]
+    return path.endswith(".gguf") and not any(s in name for s in _NOT_MODELS)
+
+
+def _split(path: str) -> tuple[str, str, int, int]:
+    """(prefix, quant tag, shard index, shard count) of a GGUF path, as llama.cpp reads it:
+    "m-Q8_0-00002-of-00003.gguf" -> ("m-Q8_0", "Q8_0", 2, 3)."""
+    prefix, index, count = path.removesuffix(".gguf"), 1, 1
+    if m := _SPLIT.match(prefix):
+        prefix, index, count = m[1], int(m[2]), int(m[3])
+    tag = _TAG.search(prefix)
+    return prefix, tag[1].upper() if tag else "", index, count
+
+
+def pick_file(repo: str, files: list[str], quant: str | None) -> str:
+    """The GGUF file llama.cpp's `-hf REPO[:QUANT]` picks: the first model file whose path
+    holds QUANT followed by '.' or '-' (any case), first shard only; without QUANT, Q4_K_M,
+    then Q8_0, then the first model file. A model split in parts is refused."""
+    models = [f for f in files if _is_model(f) and _split(f)[2] == 1]
+    chosen = None
+    for tag in [quant] if quant else DEFAULT_QUANTS:
+        pattern = re.compile(re.escape(tag) + "[.-]", re.I)
+        if chosen := next((f for f in models if pattern.search(f)), None):
+            break
+    if chosen is None and not quant and models:
+        chosen = models[0]
+    if chosen is None:
+        if not models:
+            hint = (f"; it looks like a checkpoint: `edgellama convert {repo} -o OUT.gguf`"
+                    if "config.json" in files else "")
+            raise EdgeError(f"{repo} has no GGUF model file{hint}")
+        tags = list(dict.fromkeys(_split(f)[1] or f for f in models))
+        raise EdgeError(f"{repo} has no GGUF file for quant {quant}; available: {', '.join(tags)}")
+    count = _split(chosen)[3]
+    if count > 1:
+        raise EdgeError(f"{repo}: {chosen} is split in {count} parts, which edgellama does not read; "
+                        f"pick a smaller quant, or join the parts with llama.cpp's "
+                        f"`llama-gguf-split --merge`")
+    return chosen
+
+
+def _repo_folder(repo: str) -> Path:
+    from huggingface_hub import constants
+    return Path(constants.HF_HUB_CACHE) / ("models--" + repo.replace("/", "--"))
+
+
+def _cached_files(repo: str) -> dict[str, Path]:
+    """Complete files of the cached snapshot of the repository's main branch."""
+    folder = _repo_folder(repo)
+    try:
+        snapshot = folder / "snapshots" / (folder / "refs" / "main").read_text().strip()
+        return {p.relative_to(snapshot).as_posix(): p for p in snapshot.rglob("*") if p.is_file()}
+    except (OSError, ValueError):
+        return {}
+
+
+def _offline_errors() -> tuple[type[BaseException], ...]:
+    """What huggingface_hub raises when the hub cannot be reached."""
+    from huggingface_hub import errors
+    kinds = [errors.OfflineModeIsEnabled, errors.LocalEntryNotFoundError]
+    for client in ("httpx2", "httpx"):   # its HTTP client (httpx2 in 2.x)
+        with contextlib.suppress(ImportError):
+            kinds.append(importlib.import_module(client).TransportError)
+    return tuple(kinds)
+
+
+@contextlib.contextmanager
+def _errors(repo: str):
+    """huggingface_hub's failures as one-line EdgeErrors that say what to do."""
+    from huggingface_hub import constants, errors
+    site = constants.ENDPOINT
+    try:
+        yield
+    except errors.GatedRepoError:
+        raise EdgeError(f"{repo} is gated: accept its terms at {site}/{repo} while logged in, then "
+                        f"set HF_TOKEN to an access token of that account"
+                        + (" (the current HF_TOKEN has no access)" if _token() else "")) from None
+    except errors.RepositoryNotFoundError:
+        raise EdgeError(f"{repo}: no such model on Hugging Face ({site}); if it is private or "
+                        f"gated, set HF_TOKEN to an access token that can read it") from None
+    except errors.RevisionNotFoundError:
+        raise EdgeError(f"{repo}: no main branch on Hugging Face") from None
+    except errors.RemoteEntryNotFoundError as e:
+        raise EdgeError(f"{repo}: a file is missing on Hugging Face ({e.response.url})") from None
+    except _offline_errors():
+        raise EdgeError(f"cannot reach Hugging Face ({site}) and {repo} is not in the cache "
+                        f"({constants.HF_HUB_CACHE}); check the network") from None
+    except errors.HfHubHTTPError as e:
+        status = e.response.status_code if e.response is not None else "?"
+        hint = "; HF_TOKEN was refused" if status == 401 and _token() else ""
+        raise EdgeError(f"Hugging Face answered {status} for {repo}{hint}") from None
+
+
+def _token() -> str | None:
+    from huggingface_hub import get_token
+    return get_token()
+
+
+def gguf_path(ref: str) -> Path:
+    """Local path of the GGUF a reference names, downloading it on first use. A cached file
+    of the requested quant (default Q4_K_M) is used without asking the hub; otherwise the
+    hub's file list decides, and offline the cached files do."""
+    parsed = parse_ref(ref)
+    if parsed is None:
+        raise EdgeError(f"{ref!r} is not a Hugging Face reference: expected OWNER/REPO[:QUANT] "
+                        f"or one of {', '.join(SHORT_NAMES)}")
+    repo, quant = parsed
+    from huggingface_hub import HfApi, constants, hf_hub_download
+    cached = _cached_files(repo)
+    with contextlib.suppress(EdgeError):
+        name = pick_file(repo, list(cached), quant or DEFAULT_QUANTS[0])
+        return cached[name]
+    with _errors(repo):
+        try:
+            # model_info lists the files in one request; list_repo_files would retry for
+            # half a minute when offline
+            files = [s.rfilename for s in HfApi().model_info(repo).siblings or []]
+        except _offline_errors():
+            if not cached:
+                raise
+            # offline: choose among what the cache holds, as llama.cpp does
+            try:
+                return cached[pick_file(repo, list(cached), quant)]
+            except EdgeError:
+                have = ", ".join(_split(f)[1] or f for f in sorted(cached) if _is_model(f))
+                raise EdgeError(f"cannot reach Hugging Face ({constants.ENDPOINT}), and its "
+                                f"cache holds no {quant} file of {repo} (cached: {have})") from None
+        name = pick_file(repo, files, quant)
+        if name in cached:
+            return cached[name]
+        return Path(hf_hub_download(repo, name))
+
+
+def checkpoint_dir(repo: str, quiet: bool = False) -> Path:
+    """A local snapshot of a checkpoint repository: only what `convert` reads."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import disable_progress_bars
+    if quiet:
+        disable_progress_bars()
+    with _errors(repo):
+        return Path(snapshot_download(repo, allow_patterns=CHECKPOINT_PATTERNS))
