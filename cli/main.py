@@ -26,24 +26,31 @@ COMMANDS = {
     "chat": "chat",
     "convert": "convert",
     "generate": "generate",
+    "list": "models",
+    "perplexity": "perplexity",
+    "rm": "models",
 }
 
 # Commands that never run kernels: their start-up skips importing numba.
-_NO_KERNELS = set()
+_NO_KERNELS = {"list", "rm"}
 
 
-def _short_help(module: str, limit: int) -> str:
-    """The first docstring line of the command in `module`, read from its source:
+def _short_help(module: str, name: str, limit: int) -> str:
+    """The first docstring line of command `name` in `module`, read from its source:
     listing the commands must not import them."""
     try:
         tree = ast.parse((Path(__file__).parent / f"{module}.py").read_text("utf-8"))
     except (OSError, SyntaxError, ValueError):
         return ""
     for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and any(
-                isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute)
-                and d.func.attr == "command" for d in node.decorator_list):
-            return click.utils.make_default_short_help(ast.get_docstring(node) or "", limit)
+        if not isinstance(node, ast.FunctionDef):
+            continue
+        for d in node.decorator_list:
+            if isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) \
+                    and d.func.attr == "command":
+                given = [a.value for a in d.args if isinstance(a, ast.Constant)]
+                if (given or [node.name.replace("_", "-")])[0] == name:
+                    return click.utils.make_default_short_help(ast.get_docstring(node) or "", limit)
     return ""
 
 
@@ -63,7 +70,7 @@ class _Group(click.Group):
         names = self.list_commands(ctx)
         limit = formatter.width - 6 - max(map(len, names))
         rows = [(n, self.commands[n].get_short_help_str(limit) if n in self.commands
-                 else _short_help(COMMANDS[n], limit)) for n in names]
+                 else _short_help(COMMANDS[n], n, limit)) for n in names]
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import EdgeError
@@ -196,3 +198,53 @@ def checkpoint_dir(repo: str, quiet: bool = False) -> Path:
         disable_progress_bars()
     with _errors(repo):
         return Path(snapshot_download(repo, allow_patterns=CHECKPOINT_PATTERNS))
+
+
+@dataclass
+class CachedModel:
+    """A model in one of the caches: `name` is what `edgellama rm` takes (and, for a Hub
+    GGUF, what -hf takes)."""
+    name: str
+    size: int
+    path: Path
+    kind: str                       # "gguf" or "checkpoint"
+    remove: Callable[[], None] = field(repr=False)
+
+
+def cached_models() -> list[CachedModel]:
+    """The GGUF files and checkpoints in the Hugging Face cache, then the GGUF files in
+    edgellama's own cache (the default model among them)."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+    from .default_model import cache_dir
+    found = []
+    try:
+        info = scan_cache_dir()
+    except CacheNotFound:
+        info = None
+    for repo in sorted(info.repos if info else (), key=lambda r: r.repo_id.lower()):
+        if repo.repo_type != "model":
+            continue
+        revisions = [r.commit_hash for r in repo.revisions]
+        by_path: dict[str, list] = {}
+        for rev in repo.revisions:
+            for f in rev.files:
+                by_path.setdefault(f.file_path.relative_to(rev.snapshot_path).as_posix(), []).append(f)
+        ggufs = sorted(p for p in by_path if _is_model(p))
+        for p in ggufs:
+            name, tag = f"{repo.repo_id}:{p}", _split(p)[1]
+            with contextlib.suppress(EdgeError):   # the short form when -hf would pick this file
+                if tag and pick_file(repo.repo_id, ggufs, tag) == p:
+                    name = f"{repo.repo_id}:{tag}"
+            files = by_path[p]
+            whole = len(ggufs) == 1    # its only model: the repository goes with it
+            found.append(CachedModel(
+                name, max(f.size_on_disk for f in files), files[0].file_path, "gguf",
+                (lambda revs=revisions: info.delete_revisions(*revs).execute()) if whole else
+                (lambda fs=files: info.delete_files(*fs).execute())))
+        if not ggufs and any(p.endswith(".safetensors") for p in by_path):
+            found.append(CachedModel(repo.repo_id, repo.size_on_disk, repo.repo_path, "checkpoint",
+                                     lambda revs=revisions: info.delete_revisions(*revs).execute()))
+    for p in sorted(cache_dir().glob("*.gguf")):
+        found.append(CachedModel(p.name, p.stat().st_size, p, "gguf", p.unlink))
+    return found

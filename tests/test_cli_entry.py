@@ -56,7 +56,7 @@ def test_listing_shows_each_commands_own_help_line():
         command = main_module.main.commands[name]    # the module registered this very name
         assert command.help, name
         for limit in (30, 45, 300):
-            assert main_module._short_help(module, limit) == command.get_short_help_str(limit)
+            assert main_module._short_help(module, name, limit) == command.get_short_help_str(limit)
         assert f"  {name} " in listing
 
 

@@ -273,6 +273,42 @@ def test_convert_from_a_repo_id_fetches_only_what_it_reads(fake, env, tmp_path, 
     from edgellama.gguf import GGUFFile
     assert GGUFFile(out).get("general.name") == "Tiny-Llama"
     assert llm.tokenizer.encode("hello")
+    listed = run(env, "list").stdout.splitlines()
+    assert listed[1].split()[::3] == ["tester/Tiny-Llama", "checkpoint"], listed
+    assert run(env, "rm", "-y", "tester/Tiny-Llama").returncode == 0
+    assert not (tmp_path / "hf" / "hub" / "models--tester--Tiny-Llama").exists()
     line = error_line(run(env, "convert", "tester/Nothing", "-o", tmp_path / "x.gguf"))
     assert "tester/Nothing: no such model on Hugging Face" in line
     assert not (tmp_path / "x.gguf").exists()
+
+
+# -- list and rm -------------------------------------------------------------------------------
+
+def test_list_shows_cached_models_and_rm_removes_one(fake, env, tmp_path, gguf_bytes):
+    import numba
+    env = {**env, "EDGELLAMA_CACHE": str(tmp_path / "own"), "NUMBA_CACHE_DIR": numba.config.CACHE_DIR}
+    (tmp_path / "own").mkdir()
+    (tmp_path / "own" / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(gguf_bytes["Q8_0"])
+    res = run(env, "list")
+    assert res.returncode == 0 and res.stdout.splitlines()[1:] == [
+        f"SmolLM2-135M-Instruct.Q4_1.gguf  {len(gguf_bytes['Q8_0']) / 1e3:>6.1f} kB  gguf (default model)"]
+    assert str(tmp_path / "hf" / "hub") in res.stderr and str(tmp_path / "own") in res.stderr
+    for quant in ("Q4_0", "Q8_0"):
+        assert run(env, "generate", "-hf", f"tester/Tiny-GGUF:{quant}", "-p", "hi", "-n", "1").returncode == 0
+    names = [ln.split()[0] for ln in run(env, "list").stdout.splitlines()[1:]]
+    assert names == ["tester/Tiny-GGUF:Q4_0", "tester/Tiny-GGUF:Q8_0", "SmolLM2-135M-Instruct.Q4_1.gguf"]
+
+    line = error_line(run(env, "rm", "-y", "tester/Tiny-GGUF:Q5_K_M"))
+    assert "no model named tester/Tiny-GGUF:Q5_K_M in the caches" in line
+    res = run(env, "rm", "tester/Tiny-GGUF:Q4_0", input="n\n")
+    assert res.returncode == 1 and "remove tester/Tiny-GGUF:Q4_0 (" in res.stderr
+    res = run(env, "rm", "tester/Tiny-GGUF:Q4_0", input="y\n")
+    assert res.returncode == 0 and "removed tester/Tiny-GGUF:Q4_0" in res.stderr
+    names = [ln.split()[0] for ln in run(env, "list").stdout.splitlines()[1:]]
+    assert names == ["tester/Tiny-GGUF:Q8_0", "SmolLM2-135M-Instruct.Q4_1.gguf"]
+    repo = tmp_path / "hf" / "hub" / "models--tester--Tiny-GGUF"
+    assert len(list((repo / "blobs").iterdir())) == 1      # the Q4_0 blob went with it
+
+    assert run(env, "rm", "-y", "tester/Tiny-GGUF:Q8_0", "SmolLM2-135M-Instruct.Q4_1.gguf").returncode == 0
+    assert not repo.exists() and not (tmp_path / "own" / "SmolLM2-135M-Instruct.Q4_1.gguf").exists()
+    assert run(env, "list").stdout.startswith("no models yet.")

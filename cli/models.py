@@ -1,0 +1,58 @@
+"""`edgellama list` and `edgellama rm`: the models in the Hugging Face cache and in
+edgellama's own cache."""
+from __future__ import annotations
+
+import click
+
+from edgellama import hub
+from edgellama.default_model import FILE_NAME, cache_dir
+from edgellama.errors import EdgeError
+
+from .main import main
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _where() -> str:
+    from huggingface_hub import constants
+    return (f"Hugging Face cache: {constants.HF_HUB_CACHE} (HF_HOME, HF_HUB_CACHE); "
+            f"edgellama cache: {cache_dir()} (EDGELLAMA_CACHE)")
+
+
+@main.command("list")
+def list_cmd():
+    """Models in the caches, with their sizes."""
+    models = hub.cached_models()
+    if not models:
+        click.echo(f"no models yet. {_where()}")
+        return
+    width = max(len(m.name) for m in models)
+    click.echo(f"{'NAME':<{width}}  {'SIZE':>9}  KIND")
+    for m in models:
+        kind = "gguf (default model)" if m.name == FILE_NAME else m.kind
+        click.echo(f"{m.name:<{width}}  {_size(m.size):>9}  {kind}")
+    click.echo(f"total {_size(sum(m.size for m in models))}. {_where()}", err=True)
+
+
+@main.command("rm")
+@click.argument("names", nargs=-1, required=True)
+@click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation.")
+def rm(names, yes):
+    """Remove models from the caches (NAME as `edgellama list` shows it)."""
+    models = {m.name: m for m in hub.cached_models()}
+    unknown = [n for n in names if n not in models]
+    if unknown:
+        raise EdgeError(f"no model named {', '.join(unknown)} in the caches; "
+                        f"`edgellama list` shows their names")
+    chosen = [models[n] for n in dict.fromkeys(names)]
+    if not yes:
+        what = ", ".join(f"{m.name} ({_size(m.size)})" for m in chosen)
+        click.confirm(f"remove {what}?", abort=True, err=True)
+    for m in chosen:
+        m.remove()
+        click.echo(f"removed {m.name}", err=True)
