@@ -65,8 +65,16 @@ def generate(model, hf_repo, ctx, threads, model_arg, prompt_arg, prompt, prompt
     or a Hugging Face reference (llama3.2:1b, OWNER/REPO[:QUANT]), or if -p or -f gives
     the prompt; otherwise it is the PROMPT (use -p for a prompt that reads as a model).
     """
+    from edgellama import jit
+
+    from .progress import KernelProgress
+
     model_arg, prompt = _prompt(model_arg, prompt_arg, prompt, prompt_file)
-    llm = load(resolve_model(model_arg, model, hf_repo), ctx, threads)
+    progress = KernelProgress()
+    with jit.Compiling(progress) as loading:
+        llm = load(resolve_model(model_arg, model, hf_repo), ctx, threads)
+    warm = jit.warm_up(llm.model, progress)   # so the prompt's speed is not the kernels'
+    progress.done(loading.count + warm.compiled, loading.seconds + warm.compile_seconds)
     params = sampling_from(llm.default_sampling(), sampling)
     if raw:
         ids = llm.tokenizer.encode(prompt)
@@ -76,6 +84,9 @@ def generate(model, hf_repo, ctx, threads, model_arg, prompt_arg, prompt, prompt
         messages = ([{"role": "system", "content": system}] if system else []) + \
                    [{"role": "user", "content": prompt}]
         ids = llm.chat.encode_messages(messages)
+    if len(ids) > llm.ctx:   # refused before the prompt is echoed
+        raise EdgeError(f"the prompt is {len(ids)} tokens, longer than the context of "
+                        f"{llm.ctx} tokens; use a larger --ctx or a shorter prompt")
     out = Output(sys.stdout)
     if raw:
         out.write(prompt)
