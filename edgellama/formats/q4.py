@@ -5,10 +5,11 @@
 Element j < 16 is the low nibble of qs[j], j >= 16 the high nibble of qs[j - 16].
 
 Runtime tiles (lanes across rows, see base.TiledLinear):
-    q (nt, nb*16*R) u8 nibble bytes,  d [, m] (nt, nb*R) u16 f16 bits
-Decode quantizes x to int8 per block (as llama.cpp does) and sums in int16 lanes.
-The 4-bit nibble kernels here are shared by every format whose runtime form is
-"nibbles in Q4_0 order with a per-32 scale" (see q4_k.py).
+    q (nt, nb*16*R) u8 the file's nibble bytes as "quads" (simd.py: 4 bytes of a row
+    side by side), d [, m] (nt, nb*R) u16 f16 bits
+Decode quantizes x to int8 per block (prep_q8_x, as llama.cpp does) and sums nibble
+times x8 exactly in int32 with the CPU's pair-dot instructions (simd.nib_dot), as do
+Q4_K's kernels (q4_k.py), whose nibbles are stored the same way.
 """
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from gguf.constants import LlamaFileType
 from numba import njit, prange
 
 from ..fp import f16_to_f32, get_f16, put_f16, wrap_u8
-from .base import TiledLinear, WeightFormat, anon_array, release_pages, repack_bytes, repack_halves
+from ..simd import ISA, nib_dot
+from .base import (TiledLinear, WeightFormat, anon_array, quad_offset, release_pages,
+                   repack_halves, repack_quads)
 
 f32 = np.float32
 
@@ -156,69 +159,73 @@ def prep_q4_x(x, xa, xb, xd, xm, xsum):
 
 
 @njit(cache=True, fastmath=True)
-def q4_block(qt, o, xa, xb, k, s, m):
-    # s (R,) int16 = m + sum over one block of nibbles qt[o:o+16R] (16 bytes per row,
-    # lanes across rows) times x (xa, xb from k = 16 b); 4 bytes of each row per pass.
-    R = s.size
-    s[:] = m
-    for j in range(0, 16, 4):
-        a0 = xa[k + j]; b0 = xb[k + j]; a1 = xa[k + j + 1]; b1 = xb[k + j + 1]
-        a2 = xa[k + j + 2]; b2 = xb[k + j + 2]; a3 = xa[k + j + 3]; b3 = xb[k + j + 3]
-        p = o + j * R
-        q0 = qt[p:p + R]; q1 = qt[p + R:p + 2 * R]
-        q2 = qt[p + 2 * R:p + 3 * R]; q3 = qt[p + 3 * R:p + 4 * R]
-        for r in range(R):
-            v0 = np.int16(q0[r]); v1 = np.int16(q1[r]); v2 = np.int16(q2[r]); v3 = np.int16(q3[r])
-            # computed wide by Numba's typing, but only 16 bits are stored: LLVM narrows
-            # the whole expression to int16 vector ops (vpmullw / vpaddw)
-            s[r] = np.int16(s[r] + v0 * a0 + (v0 >> 4) * b0 + v1 * a1 + (v1 >> 4) * b1
-                            + v2 * a2 + (v2 >> 4) * b2 + v3 * a3 + (v3 >> 4) * b3)
+def prep_q8_x(x, x8, xd, xs8, xsum):
+    # x (n,) f32 -> per block of 32, x quantized as llama.cpp's q8_0 activations:
+    # x8 (n,) int8 = rint(x / xd) in [-127, 127], xd (nb,) the scale, xs8 (nb,) int32
+    # = sum(x8), xsum (nb,) exact float sums of x (for formats with a min)
+    for b in range(xd.size):
+        xblk = x[32 * b:32 * b + 32]
+        amax = f32(0)
+        s = f32(0)
+        for j in range(32):
+            amax = max(amax, abs(xblk[j]))
+            s += xblk[j]
+        d = amax / f32(127)
+        inv = f32(1) / d if d > 0 else f32(0)
+        qs = 0
+        for j in range(32):
+            v = int(np.rint(xblk[j] * inv))
+            x8[32 * b + j] = v
+            qs += v
+        xd[b] = d
+        xs8[b] = qs
+        xsum[b] = s
 
 
 @njit(cache=True, fastmath=True, parallel=True)
-def matvec_q4_0(q, d, xa, xb, xd, xm, out, scratch, s16):
-    # W (nt*R, n) Q4_0 tiles q (nt, nb*16*R), d (nt, nb*R) @ x (prep_q4_x) -> out (d,)
-    # scratch (nt, R) f32 and s16 (nt, R) int16: per-tile sums
+def matvec_q4_0(q, d, x8, xd, xs8, out, scratch, s32):
+    # W (nt*R, n) Q4_0 tiles q (nt, nb*16*R) quads, d (nt, nb*R) @ x (prep_q8_x) -> out (d,)
+    # scratch (nt, R) f32, s32 (nt, R) int32: per-tile sums; sum((q - 8) x8) = s - 8 xs8
     nt = q.shape[0]
-    R = s16.shape[1]
+    R = s32.shape[1]
     nb = xd.size
     for t in prange(nt):
         qt = q[t]
         dt = d[t]
         acc = scratch[t]
-        s = s16[t]
+        s = s32[t]
         acc[:] = 0
         for b in range(nb):
-            q4_block(qt, 16 * b * R, xa, xb, 16 * b, s, xm[b])
+            nib_dot(qt, 16 * b * R, x8, 32 * b, s, R, ISA)
             db = dt[b * R:(b + 1) * R]
             dx = xd[b]
+            off = 8 * xs8[b]
             for r in range(R):
-                acc[r] += f16_to_f32(db[r]) * dx * f32(s[r])
+                acc[r] += f16_to_f32(db[r]) * dx * f32(s[r] - off)
         n = min(R, out.size - t * R)
         out[t * R:t * R + n] = acc[:n]
 
 
 @njit(cache=True, fastmath=True, parallel=True)
-def matvec_q4_1(q, d, m, xa, xb, xd, xm, xsum, out, scratch, s16):
-    # W (nt*R, n) Q4_1 tiles q (nt, nb*16*R), d, m (nt, nb*R) @ x (prep_q4_x) -> out (d,)
-    # row . x = sum_b d_b dx_b sum(q xq) + m_b sum(x); sum(q xq) = s + 8 sum(xq) = s - xm
+def matvec_q4_1(q, d, m, x8, xd, xsum, out, scratch, s32):
+    # W (nt*R, n) Q4_1 tiles q (nt, nb*16*R) quads, d, m (nt, nb*R) @ x (prep_q8_x) -> out
+    # row . x = sum_b d_b dx_b sum(q x8) + m_b sum(x)
     nt = q.shape[0]
-    R = s16.shape[1]
+    R = s32.shape[1]
     nb = xd.size
     for t in prange(nt):
         qt = q[t]
         acc = scratch[t]
-        s = s16[t]
+        s = s32[t]
         acc[:] = 0
         for b in range(nb):
-            q4_block(qt, 16 * b * R, xa, xb, 16 * b, s, xm[b])
+            nib_dot(qt, 16 * b * R, x8, 32 * b, s, R, ISA)
             db = d[t, b * R:(b + 1) * R]
             mb = m[t, b * R:(b + 1) * R]
             dx = xd[b]
-            off = -f32(xm[b])
             xs = xsum[b]
             for r in range(R):
-                acc[r] += f16_to_f32(db[r]) * dx * (f32(s[r]) + off) + f16_to_f32(mb[r]) * xs
+                acc[r] += f16_to_f32(db[r]) * dx * f32(s[r]) + f16_to_f32(mb[r]) * xs
         n = min(R, out.size - t * R)
         out[t * R:t * R + n] = acc[:n]
 
@@ -242,12 +249,12 @@ def dequant_q4_tiles(q, d, m, m_off, t0, t1, wt):
                 msc[r] = f16_to_f32(m[t, b * R + r]) * m_off
             c = (t - t0) * R
             for j in range(16):
-                qj = q[t, (16 * b + j) * R:(16 * b + j + 1) * R]
+                qj = q[t, 16 * b * R + (j >> 2) * 4 * R + (j & 3):]    # byte j: qj[4r]
                 lo = wt[32 * b + j, c:c + R]
                 hi = wt[32 * b + 16 + j, c:c + R]
                 for r in range(R):
-                    lo[r] = f32(qj[r] & 15) * dsc[r] + msc[r]
-                    hi[r] = f32(qj[r] >> 4) * dsc[r] + msc[r]
+                    lo[r] = f32(qj[4 * r] & 15) * dsc[r] + msc[r]
+                    hi[r] = f32(qj[4 * r] >> 4) * dsc[r] + msc[r]
 
 
 @njit(cache=True, fastmath=True)
@@ -263,13 +270,14 @@ def rows_q4(q, d, m, m_off, ids, out):
             dd = f16_to_f32(d[t, b * R + r])
             mm = f16_to_f32(m[t, b * R + r]) * m_off if m_off == f32(1) else dd * m_off
             for j in range(16):
-                v = q[t, (16 * b + j) * R + r]
+                v = q[t, quad_offset(16 * b * R, R, r, j)]
                 row[32 * b + j] = f32(v & 15) * dd + mm
                 row[32 * b + 16 + j] = f32(v >> 4) * dd + mm
 
 
 class Q4Linear(TiledLinear):
-    """Q4_0 / Q4_1 in row tiles: q (nt, nb*16*R) u8, d [, m] (nt, nb*R) u16."""
+    """Q4_0 / Q4_1 in row tiles: q (nt, nb*16*R) u8 quads (see simd.py), d [, m] (nt, nb*R)
+    u16."""
 
     def _load(self, raws):
         n = self.in_features
@@ -285,25 +293,24 @@ class Q4Linear(TiledLinear):
             repack_halves(raw, row0, bs, 0, self.d)
             if has_m:
                 repack_halves(raw, row0, bs, 2, self.m)
-            repack_bytes(raw, row0, bs, bs - 16, bs, self.q)
+            repack_quads(raw, row0, bs, bs - 16, self.q)
             release_pages(raw)
             row0 += raw.shape[0]
         self._scratch = np.zeros((nt, R), f32)
-        self._s16 = np.zeros((nt, R), np.int16)
-        self._xa = np.zeros(n // 2, np.int16)
-        self._xb = np.zeros(n // 2, np.int16)
+        self._s32 = np.zeros((nt, R), np.int32)
+        self._x8 = np.zeros(n, np.int8)
         self._xd = np.zeros(nb, f32)
-        self._xm = np.zeros(nb, np.int16)
+        self._xs8 = np.zeros(nb, np.int32)
         self._xsum = np.zeros(nb, f32)
 
     def matvec(self, x, out):
-        prep_q4_x(x, self._xa, self._xb, self._xd, self._xm, self._xsum)
+        prep_q8_x(x, self._x8, self._xd, self._xs8, self._xsum)
         if self.type_name == "Q4_0":
-            matvec_q4_0(self.q, self.d, self._xa, self._xb, self._xd, self._xm, out,
-                        self._scratch, self._s16)
+            matvec_q4_0(self.q, self.d, self._x8, self._xd, self._xs8, out,
+                        self._scratch, self._s32)
         else:
-            matvec_q4_1(self.q, self.d, self.m, self._xa, self._xb, self._xd, self._xm,
-                        self._xsum, out, self._scratch, self._s16)
+            matvec_q4_1(self.q, self.d, self.m, self._x8, self._xd, self._xsum, out,
+                        self._scratch, self._s32)
 
     def _dequant_tiles(self, t0, t1, wt):
         dequant_q4_tiles(self.q, self.d, self.m, self.m_off, t0, t1, wt)

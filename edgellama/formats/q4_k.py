@@ -14,10 +14,11 @@ Runtime tiles (lanes across rows, see base.TiledLinear), shared by Q4_K and Q5_K
                             its sc (R bytes), then its m (R bytes)
     d, dmin (nt, nsb*R) u16 f16 bits, per super-block
 Q4_K: S = 18, the quants are the nibbles re-paired into Q4_0 order (byte j holds elements
-j and j+16 of the sub-block), so q4.py's int16 kernel (q4_block + prep_q4_x) runs on them
-unchanged. 4.625 bits per weight resident (4.5 in the file). Decode: per sub-block
-sum(q xq) = s16 + 8 sum(xq) (as matvec_q4_1), weighted by sc_s and m_s in f32, then by
-d and dmin once per super-block.
+j and j+16 of the sub-block) and stored as Q4_0's tiles store them (quads, simd.py), so
+the same pair-dot kernel (simd.nib_dot on q4.prep_q8_x's int8 x) runs on them.
+4.625 bits per weight resident (4.5 in the file). Decode: per sub-block the exact
+int32 sum(q x8), weighted by sc_s and m_s in f32, then by d and dmin once per
+super-block.
 Why sc and m sit inside the quant stream: read from DRAM (24 matrices of 2048 x 8192,
 2 threads, this 2-core VM), the same kernel reads 0.79x Q4_0's bytes/s with sc and m in
 arrays of their own, 0.89-0.92x interleaved, and 0.68x with d and dmin interleaved too.
@@ -35,8 +36,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..fp import f16_to_f32, get_f16, nearest_int, put_f16
-from .base import TiledLinear, WeightFormat, anon_array, release_pages
-from .q4 import prep_q4_x, q4_block
+from ..simd import ISA, nib_dot
+from .base import TiledLinear, WeightFormat, anon_array, quad_offset, release_pages
+from .q4 import prep_q8_x
 
 f32 = np.float32
 QK_K = 256
@@ -310,9 +312,8 @@ def repack_k_tile_scales(tile, bs, S, r0, qt, dt, mt):
 @njit(cache=True, parallel=True)
 def repack_q4_k(raw, row0, q, d, dmin):
     # Q4_K rows raw (rows, nsb*144) u8 -> rows row0.. of the tiles q (nt, nsub*18*R), d,
-    # dmin (nt, nsb*R): per sub-block s of row t*R + r, q[t, (18 s + j) R + r] =
-    # q_j | q_j+16 << 4 (j < 16), then sc and m. One pass per tile, column by column
-    # (the tile's rows stay in L2; contiguous writes)
+    # dmin (nt, nsb*R): per sub-block s of row t*R + r, byte j (< 16) of its quads at
+    # 18 s R = q_j | q_j+16 << 4, then sc and m (R bytes each). One pass per tile.
     rows = raw.shape[0]
     nsb = raw.shape[1] // 144
     R = d.shape[1] // nsb
@@ -325,12 +326,11 @@ def repack_q4_k(raw, row0, q, d, dmin):
         for s in range(8 * nsb):
             sh = 4 * (s & 1)
             src = (s >> 3) * 144 + 16 + 32 * ((s & 7) >> 1)
-            for i in range(16):
-                lane = qt[(18 * s + i) * R + r0:(18 * s + i) * R + r1]
-                lo = tile[:, src + i]
-                hi = tile[:, src + 16 + i]
-                for r in range(r1 - r0):
-                    lane[r] = ((lo[r] >> sh) & 15) | (((hi[r] >> sh) & 15) << 4)
+            for r in range(r1 - r0):
+                row = tile[r]
+                for i in range(16):
+                    qt[quad_offset(18 * s * R, R, r0 + r, i)] = (
+                        ((row[src + i] >> sh) & 15) | (((row[src + 16 + i] >> sh) & 15) << 4))
 
 
 # --- decode --------------------------------------------------------------------------------
@@ -363,19 +363,19 @@ def prefetch_run(a, lo, n):
 
 
 @njit(cache=True, fastmath=True, parallel=True)
-def matvec_q4_k(q, d, dmin, xa, xb, xd, xm, xsum, out, scratch, s16):
-    # W (nt*R, n) Q4_K tiles @ x (prep_q4_x) -> out (d,); scratch (nt, 3, R) f32,
-    # s16 (nt, 1, R) int16. Row . x = sum over super-blocks of
-    #   d sum_s sc_s dx_s sum(q xq)_s - dmin sum_s m_s sum(x)_s,  sum(q xq) = s16 - xm
+def matvec_q4_k(q, d, dmin, x8, xd, xsum, out, scratch, s32):
+    # W (nt*R, n) Q4_K tiles @ x (prep_q8_x) -> out (d,); scratch (nt, 3, R) f32,
+    # s32 (nt, R) int32. Row . x = sum over super-blocks of
+    #   d sum_s sc_s dx_s sum(q x8)_s - dmin sum_s m_s sum(x)_s
     nt = q.shape[0]
-    R = s16.shape[2]
+    R = s32.shape[1]
     nsb = xd.size // 8
     for t in prange(nt):
         qt = q[t]
         acc = scratch[t, 0]
         a1 = scratch[t, 1]
         a2 = scratch[t, 2]
-        s = s16[t, 0]
+        s = s32[t]
         acc[:] = 0
         for b in range(nsb):
             a1[:] = 0
@@ -384,14 +384,13 @@ def matvec_q4_k(q, d, dmin, xa, xb, xd, xm, xsum, out, scratch, s16):
                 u = 8 * b + k
                 o = 18 * u * R
                 prefetch_run(qt, o + 18 * R, 18 * R)
-                q4_block(qt, o, xa, xb, 16 * u, s, xm[u])
+                nib_dot(qt, o, x8, 32 * u, s, R, ISA)
                 scu = qt[o + 16 * R:o + 17 * R]
                 mu = qt[o + 17 * R:o + 18 * R]
                 dx = xd[u]
-                off = -f32(xm[u])
                 xs = xsum[u]
                 for r in range(R):
-                    a1[r] += f32(scu[r]) * (dx * (f32(s[r]) + off))
+                    a1[r] += f32(scu[r]) * (dx * f32(s[r]))
                     a2[r] += f32(mu[r]) * xs
             db = d[t, b * R:(b + 1) * R]
             mb = dmin[t, b * R:(b + 1) * R]
@@ -425,12 +424,12 @@ def dequant_q4_k_tiles(q, d, dmin, t0, t1, wt):
             k_tile_scales(q, d, dmin, 18, t, u, R, dsc, msc)
             c = (t - t0) * R
             for j in range(16):
-                qj = q[t, (18 * u + j) * R:(18 * u + j + 1) * R]
+                qj = q[t, quad_offset(18 * u * R, R, 0, j):]    # byte j of row r: qj[4r]
                 lo = wt[32 * u + j, c:c + R]
                 hi = wt[32 * u + 16 + j, c:c + R]
                 for r in range(R):
-                    lo[r] = dsc[r] * f32(qj[r] & 15) - msc[r]
-                    hi[r] = dsc[r] * f32(qj[r] >> 4) - msc[r]
+                    lo[r] = dsc[r] * f32(qj[4 * r] & 15) - msc[r]
+                    hi[r] = dsc[r] * f32(qj[4 * r] >> 4) - msc[r]
 
 
 @njit(cache=True)
@@ -447,17 +446,16 @@ def rows_q4_k(q, d, dmin, ids, out):
             ds = f16_to_f32(d[t, b * R + r]) * f32(q[t, (18 * u + 16) * R + r])
             ms = f16_to_f32(dmin[t, b * R + r]) * f32(q[t, (18 * u + 17) * R + r])
             for j in range(16):
-                v = q[t, (18 * u + j) * R + r]
+                v = q[t, quad_offset(18 * u * R, R, r, j)]
                 row[32 * u + j] = ds * f32(v & 15) - ms
                 row[32 * u + 16 + j] = ds * f32(v >> 4) - ms
 
 
 class KLinear(TiledLinear):
     """What Q4_K and Q5_K tiles share: q (nt, nsub*S*R) u8, each sub-block's quants then
-    its 6-bit scale and min; d, dmin (nt, nsb*R) u16 f16 bits; prep_q4_x's activation
-    buffers. A subclass sets S and fills the tiles (_repack)."""
+    its 6-bit scale and min; d, dmin (nt, nsb*R) u16 f16 bits. A subclass sets S, fills
+    the tiles (_repack) and adds its activation buffers."""
     S = 18                     # bytes per row per sub-block in q
-    n_sums = 1                 # int16 sums per sub-block in the matvec
 
     def _load(self, raws):
         n = self.in_features
@@ -471,11 +469,7 @@ class KLinear(TiledLinear):
             release_pages(raw)
             row0 += raw.shape[0]
         self._scratch = np.zeros((nt, 3, R), f32)
-        self._s16 = np.zeros((nt, self.n_sums, R), np.int16)
-        self._xa = np.zeros(n // 2, np.int16)
-        self._xb = np.zeros(n // 2, np.int16)
         self._xd = np.zeros(nsub, f32)
-        self._xm = np.zeros(nsub, np.int16)
         self._xsum = np.zeros(nsub, f32)
 
     def _repack(self, raw: np.ndarray, row0: int) -> None:
@@ -485,15 +479,21 @@ class KLinear(TiledLinear):
 
 class Q4KLinear(KLinear):
     """Q4_K in row tiles (KLinear, S = 18): 16 bytes of nibbles per row and sub-block, in
-    Q4_0 order."""
+    Q4_0 order, as quads."""
+
+    def _load(self, raws):
+        super()._load(raws)
+        self._s32 = np.zeros((self.nt, self.R), np.int32)
+        self._x8 = np.zeros(self.in_features, np.int8)
+        self._xs8 = np.zeros(self.in_features // 32, np.int32)   # unused by Q4_K's sums
 
     def _repack(self, raw, row0):
         repack_q4_k(raw, row0, self.q, self.d, self.dmin)
 
     def matvec(self, x, out):
-        prep_q4_x(x, self._xa, self._xb, self._xd, self._xm, self._xsum)
-        matvec_q4_k(self.q, self.d, self.dmin, self._xa, self._xb, self._xd, self._xm,
-                    self._xsum, out, self._scratch, self._s16)
+        prep_q8_x(x, self._x8, self._xd, self._xs8, self._xsum)
+        matvec_q4_k(self.q, self.d, self.dmin, self._x8, self._xd, self._xsum, out,
+                    self._scratch, self._s32)
 
     def _dequant_tiles(self, t0, t1, wt):
         dequant_q4_k_tiles(self.q, self.d, self.dmin, t0, t1, wt)

@@ -227,12 +227,15 @@ def rows_q5_k(q, q16, d, dmin, ids, out):
 class Q5KLinear(KLinear):
     """Q5_K in row tiles (KLinear, S = 22): ten u16 words per row and sub-block."""
     S = 22
-    n_sums = 2
 
     def _load(self, raws):
         super()._load(raws)
         self.q16 = self.q.view(np.uint16)        # the words' view of the tiles
-        nsub = self.in_features // 32
+        n, nsub = self.in_features, self.in_features // 32
+        self._s16 = np.zeros((self.nt, 2, self.R), np.int16)
+        self._xa = np.zeros(n // 2, np.int16)
+        self._xb = np.zeros(n // 2, np.int16)
+        self._xm = np.zeros(nsub, np.int16)
         self._xc = np.zeros(nsub * 40, np.int16)
         self._xm5 = np.zeros(nsub * 2, np.int16)
 

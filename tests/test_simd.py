@@ -1,0 +1,66 @@
+"""simd.nib_dot, in each instruction set (all are compiled here; the CPU must have the
+instructions to run them, so the VNNI and AVX2 cases skip elsewhere), against a NumPy twin."""
+import numpy as np
+import pytest
+from numba import njit
+
+from edgellama.simd import AVX2, GENERIC, ISA, VNNI512, host_isa, nib_dot
+
+import llvmlite.binding as llvm
+
+_F = llvm.get_host_cpu_features()
+RUNS = {GENERIC: True, AVX2: bool(_F.get("avx2")),
+        VNNI512: bool(_F.get("avx512vnni") and _F.get("avx512bw"))}
+
+
+@njit
+def _dot(q, o, x8, xo, acc, R, isa):
+    # one compiled entry per instruction set (the intrinsic wants a constant)
+    if isa == 0:
+        nib_dot(q, o, x8, xo, acc, R, 0)
+    elif isa == 1:
+        nib_dot(q, o, x8, xo, acc, R, 1)
+    else:
+        nib_dot(q, o, x8, xo, acc, R, 2)
+
+
+def twin(q, o, x8, xo, R):
+    """sum over 32 weights of nibble * x8 per row; byte i of row r at o + 4R(i//4) + 4r + i%4."""
+    i = np.arange(16)
+    idx = o + 4 * R * (i // 4)[None, :] + 4 * np.arange(R)[:, None] + (i % 4)[None, :]
+    v = q[idx].astype(np.int64)
+    x = x8.astype(np.int64)
+    return (v & 15) @ x[xo:xo + 16] + (v >> 4) @ x[xo + 16:xo + 32]
+
+
+def test_host_isa_is_what_the_kernels_use():
+    assert ISA == host_isa() and RUNS[ISA]
+
+
+@pytest.mark.parametrize("isa", [GENERIC, AVX2, VNNI512])
+@pytest.mark.parametrize("R", [16, 32, 256])
+def test_random_blocks_at_odd_offsets(isa, R):
+    if not RUNS[isa]:
+        pytest.skip("this CPU lacks the instructions")
+    rng = np.random.default_rng(R + isa)
+    q = rng.integers(0, 256, 16 * R + 64, dtype=np.uint8)
+    x8 = rng.integers(-127, 128, 80, dtype=np.int8)
+    for o, xo in [(0, 0), (7, 3), (33, 45)]:
+        acc = np.full(R, 12345, np.int32)          # overwritten, not added to
+        _dot(q, o, x8, xo, acc, R, isa)
+        np.testing.assert_array_equal(acc, twin(q, o, x8, xo, R))
+
+
+@pytest.mark.parametrize("isa", [GENERIC, AVX2, VNNI512])
+@pytest.mark.parametrize("xval", [127, -127])
+def test_extremes_are_exact(isa, xval):
+    # every nibble 15, every x at the int8 bound: the largest sums, where int16
+    # intermediate sums (AVX2, generic) would overflow if they were not bounded
+    if not RUNS[isa]:
+        pytest.skip("this CPU lacks the instructions")
+    R = 16
+    q = np.full(16 * R, 255, np.uint8)
+    x8 = np.full(32, xval, np.int8)
+    acc = np.zeros(R, np.int32)
+    _dot(q, 0, x8, 0, acc, R, isa)
+    assert (acc == 32 * 15 * xval).all()
