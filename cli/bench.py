@@ -14,6 +14,7 @@ from edgellama.machine import available_memory
 from edgellama.model import KVCache
 
 from .main import main
+from .progress import StatusLine
 
 
 def _refuse_unfitting(shape: str, ctx: int, n_prompt: int) -> None:
@@ -30,47 +31,101 @@ def _refuse_unfitting(shape: str, ctx: int, n_prompt: int) -> None:
                         f"only {avail / 2**20:.0f} MiB of memory is available; use a smaller --ctx")
 
 
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GB" if n >= 2**30 * 0.95 else f"{n / 2**20:.0f} MB"
+
+
+def _shown(path: Path) -> str:
+    home = Path.home()
+    return f"~/{path.relative_to(home)}" if path.is_relative_to(home) else str(path)
+
+
+def _after_run(path: Path, keep: bool | None) -> None:
+    """Say where the generated file is and how big, and keep or remove it: --keep,
+    --no-keep, or (neither given) ask on a terminal, keep elsewhere."""
+    size = path.stat().st_size
+    others = sum(p.stat().st_size for p in benchmark.bench_files())
+    if keep is None and sys.stdin.isatty() and sys.stderr.isatty():
+        keep = click.confirm(f"Keep {_shown(path)} ({_size(size)}) to skip generating it next time?",
+                             default=True, err=True)
+    if keep is False:
+        path.unlink()
+        click.echo(f"Removed {_shown(path)} ({_size(size)}).", err=True)
+        return
+    click.echo(f"Kept {_shown(path)} ({_size(size)}; all bench files in {_shown(benchmark.bench_dir())}: "
+               f"{_size(others)}); `edgellama bench --clean` removes them.", err=True)
+
+
 @main.command()
 @click.option("-m", "--model", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=None, help="GGUF file to measure.")
 @click.option("--shape", type=click.Choice(sorted(benchmark.SHAPES)), default=None,
-              help="Measure a random-weight file with these real shapes (generated once).")
+              help="Measure a random-weight file with these real shapes (generated, then kept "
+                   "or removed as --keep says).")
 @click.option("--type", "qtype", type=click.Choice([t.lower() for t in benchmark.SHAPE_TYPES]),
               default="q4_0", show_default=True, help="Weight type for --shape.")
 @click.option("-c", "--ctx", type=click.IntRange(min=16), default=8192, show_default=True,
               help="Context length the KV cache is sized for.")
-@click.option("-p", "--n-prompt", type=click.IntRange(min=1), default=512, show_default=True,
-              help="Prompt tokens for the prefill test.")
-@click.option("-n", "--n-gen", type=click.IntRange(min=1), default=128, show_default=True,
-              help="Tokens for the decode tests.")
+@click.option("--full", is_flag=True,
+              help="The llama-bench style suite: repetitions, decode at depth, bandwidth "
+                   "ceiling, NumPy matmul, predicted memory beside measured (minutes).")
+@click.option("-p", "--n-prompt", type=click.IntRange(min=1), default=None,
+              help="Prompt tokens for the prefill test [default: 128; --full 512].")
+@click.option("-n", "--n-gen", type=click.IntRange(min=1), default=None,
+              help="Tokens for the decode tests [default: 32; --full 128].")
 @click.option("--depth", type=click.IntRange(min=0), default=None,
-              help="Cached tokens for decode-at-depth (default: fill the context).")
+              help="--full: cached tokens for decode-at-depth (default: fill the context).")
 @click.option("-t", "--threads", type=int, default=None, help="Worker threads.")
 @click.option("-r", "--reps", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Repetitions of each test.")
+              help="--full: repetitions of each test.")
 @click.option("--budget", type=float, default=8.0, show_default=True,
               help="Memory budget in GiB for the verdict.")
+@click.option("--keep/--no-keep", default=None,
+              help="Keep the generated random-weight file for next time [default: ask on a "
+                   "terminal, else keep].")
+@click.option("--clean", is_flag=True, help="Remove the generated bench files, and run nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print every figure as JSON.")
-def bench(model, shape, qtype, ctx, n_prompt, n_gen, depth, threads, reps, budget, as_json):
-    """Memory and speed report (default: Llama 3.2 3B shape, Q4_0, random weights)."""
+def bench(model, shape, qtype, ctx, full, n_prompt, n_gen, depth, threads, reps, budget, keep,
+          clean, as_json):
+    """Will a model fit in memory, and how fast will it reply? (default: the Llama 3.2 3B
+    shape at Q4_0 with random weights, about a minute; --full for the whole suite)"""
+    if clean:
+        files, size = benchmark.remove_bench_files()
+        click.echo(f"Removed {files} file(s), {_size(size)}, from {_shown(benchmark.bench_dir())}."
+                   if files else f"No bench files in {_shown(benchmark.bench_dir())}.")
+        return
     if model and shape:
         raise click.UsageError("give either -m or --shape, not both")
+    if depth is not None and not full:
+        raise click.UsageError("--depth is measured by --full")
+    n_prompt = n_prompt or (512 if full else 128)
+    n_gen = n_gen or (128 if full else 32)
+    status = StatusLine()
+
+    def progress(msg):   # on a terminal; a log gets the result only
+        status.update(f"[bench] {msg}")
+
     synthetic = model is None
+    generated = None
     if synthetic:
         shape = shape or "llama-3.2-3b"
         _refuse_unfitting(shape, ctx, n_prompt)   # before generating gigabytes of weights
-        model = benchmark.shape_file(shape, qtype, quiet=as_json)
-    tty = sys.stderr.isatty()
-
-    def progress(msg):
-        if tty:
-            click.echo(f"\r\033[K[bench] {msg}", err=True, nl=False)
-        elif not as_json:
-            click.echo(f"[bench] {msg}", err=True)
-
-    report = benchmark.run(model, ctx=ctx, n_prompt=n_prompt, n_gen=n_gen, depth=depth,
-                           threads=threads, reps=reps, budget_gib=budget, synthetic=synthetic,
-                           progress=progress)
-    if tty:
-        click.echo("\r\033[K", err=True, nl=False)
-    click.echo(json.dumps(report, indent=2) if as_json else benchmark.format_report(report))
+        existed = benchmark.shape_path(shape, qtype).is_file()
+        model = generated = benchmark.shape_file(shape, qtype, progress=progress)
+        if not existed:
+            status.clear()
+            click.echo(f"Generated {_shown(model)} ({_size(model.stat().st_size)}).", err=True)
+    try:
+        report = benchmark.run(model, ctx=ctx, n_prompt=n_prompt, n_gen=n_gen, depth=depth,
+                               threads=threads, reps=reps, budget_gib=budget, synthetic=synthetic,
+                               full=full, progress=progress)
+    except BaseException:
+        status.clear()
+        if generated:    # no question while failing or interrupted: kept unless --no-keep
+            _after_run(generated, True if keep is None else keep)
+        raise
+    status.clear()
+    click.echo(json.dumps(report, indent=2) if as_json else
+               benchmark.format_report(report) if full else benchmark.format_quick(report))
+    if generated:
+        _after_run(generated, keep)

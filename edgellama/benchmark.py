@@ -27,7 +27,7 @@ from .errors import EdgeError
 from .formats import FORMATS, WRITABLE, quantize
 from .gguf import GGUFFile
 from .gguf_write import GGUFStreamWriter
-from .jit import is_warm, mark_warm
+from .jit import Compiling, warm_up
 from .machine import (cpu_name, peak_resident_memory, reset_peak_resident_memory,
                       resident_memory, set_threads, total_memory)
 from .membw import measure_read_bandwidth
@@ -66,10 +66,37 @@ def random_weights(rng, rows: int, cols: int, qtype: str, scale: float) -> np.nd
     return pool[rng.integers(0, 64, rows)]
 
 
-def shape_file(name: str, qtype: str, quiet: bool = False) -> Path:
+def bench_dir() -> Path:
+    """Where the random-weight shape files are kept between runs."""
+    return cache_dir() / "bench"
+
+
+def bench_files() -> list[Path]:
+    """The shape files kept in bench_dir(), and temporaries of interrupted runs."""
+    d = bench_dir()
+    return sorted(p for p in d.glob("*-random-*") if p.is_file()) if d.is_dir() else []
+
+
+def remove_bench_files() -> tuple[int, int]:
+    """Delete every file bench_files() lists; returns (files, bytes) removed."""
+    n = size = 0
+    for p in bench_files():
+        size += p.stat().st_size
+        p.unlink()
+        n += 1
+    return n, size
+
+
+def shape_path(name: str, qtype: str) -> Path:
+    return bench_dir() / f"{name}-random-{qtype.lower()}.gguf"
+
+
+def shape_file(name: str, qtype: str, quiet: bool = False, progress=None) -> Path:
     """Path of a cached GGUF with the shapes of `name` and random `qtype` weights
     (1-D tensors F32; the tied embedding as published files have it: Q6_K beside
-    K-quants (llama.cpp's output rule), Q8_0 beside Q4_0 / Q4_1 (as our convert does))."""
+    K-quants (llama.cpp's output rule), Q8_0 beside Q4_0 / Q4_1 (as our convert does)).
+    Generating it reports progress(message) with the time left, if given; else one
+    line on stdout unless quiet."""
     if name not in SHAPES:
         raise EdgeError(f"unknown --shape {name!r} (known: {', '.join(SHAPES)})")
     qtype = qtype.upper()
@@ -77,11 +104,11 @@ def shape_file(name: str, qtype: str, quiet: bool = False) -> Path:
         raise EdgeError(f"--type {qtype.lower()} is not offered for --shape "
                         f"({', '.join(t.lower() for t in SHAPE_TYPES)})")
     s = SHAPES[name]
-    path = cache_dir() / "bench" / f"{name}-random-{qtype.lower()}.gguf"
+    path = shape_path(name, qtype)
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    if not quiet:
+    if progress is None and not quiet:
         print(f"Generating {path.name} (random weights, real shapes; once)...", flush=True)
     embed_type = "Q6_K" if qtype.endswith("_K") else "Q8_0" if qtype in ("Q4_0", "Q4_1") else qtype
     hd = s.dim // s.heads
@@ -122,10 +149,17 @@ def shape_file(name: str, qtype: str, quiet: bool = False) -> Path:
                 w.tensor(tname, (rows, cols) if rows else (cols,), FORMATS[t].type_id)
             w.write_header()
             rng = np.random.default_rng(0)
+            total = sum(rows * cols for _, rows, cols, _, _ in tensors)
+            done, t0 = 0, time.perf_counter()
             for tname, rows, cols, t, scale in tensors:
+                if progress and done:
+                    left = (time.perf_counter() - t0) * (total - done) / done
+                    progress(f"generating {path.name} (random weights, real shapes; once): "
+                             f"{done / total:.0%}, about {left:.0f} s left")
                 data = (np.ones(cols, np.float32) if not rows
                         else random_weights(rng, rows, cols, t, scale))
                 w.tensor_data(tname, [data])
+                done += rows * cols
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -164,69 +198,125 @@ def _decode_bytes(model: Transformer, depth: int) -> int:
     return sum(w.nbytes for w in model.linears()) + KVCache.bytes_needed(model.args, depth)
 
 
+WORDS_PER_TOKEN = 0.75   # English text: a token is about three quarters of a word
+
+
+class _Clock:
+    """Time left in the run, for the progress line: each step's estimate, replaced by
+    what it took once it is done. Estimates come from the time of one decode step
+    (prefill reads a token in about a quarter of that, measured for Llama 3.2 shapes)."""
+
+    def __init__(self, report, steps: dict[str, float]):
+        self.report, self.steps = report, dict(steps)
+        self.t0 = time.perf_counter()
+
+    def left(self, step: str, fraction: float) -> float:
+        """Seconds left, `fraction` of `step` being done; steps run in dict order."""
+        names = list(self.steps)
+        rest = sum(self.steps[n] for n in names[names.index(step) + 1:])
+        return self.steps[step] * (1 - fraction) + rest
+
+    def show(self, step: str, what: str, fraction: float = 0.0) -> None:
+        left = self.left(step, fraction)
+        self.report(f"{what}, about {left:.0f} s left" if left >= 1 else what)
+
+    def done(self, step: str) -> None:
+        del self.steps[step]
+
+
 def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, depth: int | None = None,
         threads: int | None = None, reps: int = 3, budget_gib: float = 8.0, synthetic: bool = False,
-        progress=lambda msg: None) -> dict:
-    """Measure one model file; returns every figure as a dict (the --json output)."""
+        full: bool = True, progress=lambda msg: None) -> dict:
+    """Measure one model file; returns every figure as a dict (the --json output).
+
+    full=False is the quick check: memory with the whole KV cache resident, one prefill
+    of n_prompt tokens and n_gen decoded tokens at the start of the context. full=True
+    adds `reps` repetitions, decode at `depth` cached tokens (default: the context
+    filled), the read-bandwidth ceiling and NumPy's matmul on the same shapes."""
     n_threads = set_threads(threads)
+    reps = reps if full else 1
     # BLAS allocates per-thread work buffers on first use: count them in the baseline
     w = np.ones((512, 512), np.float32)
     w @ w
     reset_peak_resident_memory()   # generating a shape file here must not count
     base = resident_memory() or 0
+    progress("loading the model")
     t0 = time.perf_counter()
     g = GGUFFile(path)
-    model = Transformer(g, ctx)
-    load_s = time.perf_counter() - t0
+    with Compiling(lambda n, total, name: progress(f"compiling kernels (first run only): {name}")) \
+            as loading:
+        model = Transformer(g, ctx)
+    load_s = time.perf_counter() - t0 - loading.seconds
     a = model.args
     if n_prompt + 1 > ctx:
         raise EdgeError(f"-p {n_prompt} does not fit --ctx {ctx}")
     depth = ctx - n_gen if depth is None else depth
-    depth = max(0, min(depth, ctx - n_gen))
+    depth = max(0, min(depth, ctx - n_gen)) if full else 0
     rss_load = resident_memory() or 0
+    # the KV cache's pages are mapped on first write: touch them all, so the memory
+    # measured is what a conversation filling the context will use
+    model.cache.kt[...] = 0
+    model.cache.vt[...] = 0
 
-    progress("compiling / loading kernels")
-    warm = is_warm(model)
-    t0 = time.perf_counter()
-    model.forward([1, 2], 0)
-    model.forward([3], 2)
-    jit_s = time.perf_counter() - t0
-    mark_warm(model)
+    def compiling(n, total, name):
+        progress(f"compiling kernels (first run only): {n}/{total} {name}" if total
+                 else f"compiling kernels (first run only): {name}")
+    warm = warm_up(model, compiling)
 
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, a.vocab_size, n_prompt)
+    model.forward(prompt[:1], 0)
+    t0 = time.perf_counter()
+    model.forward(prompt[1:2], 1)
+    step = time.perf_counter() - t0          # one decode step: the basis of the estimates
+    steps = {"pp": reps * n_prompt * step / 4, "tg": reps * n_gen * step}
+    if full:
+        steps.update(depth=reps * n_gen * step * (1 + depth / 4096) if depth > 1 else 0.0,
+                     ceiling=4.0, numpy=2.0)
+    clock = _Clock(progress, steps)
+
     pp = []
     for r in range(reps):
-        progress(f"pp{n_prompt} {r + 1}/{reps}")
+        clock.show("pp", f"reading a {n_prompt}-token prompt" + (f" {r + 1}/{reps}" if reps > 1 else ""),
+                   r / reps)
         t0 = time.perf_counter()
         model.forward(prompt, 0)
         pp.append(n_prompt / (time.perf_counter() - t0))
+    clock.done("pp")
     rss_prefill = resident_memory() or 0
 
-    def decode(start: int) -> float:
+    def decode(start: int, key: str, what: str, r: int) -> float:
         tok = int(prompt[0])
         t0 = time.perf_counter()
         for i in range(n_gen):
+            if i % 8 == 0:
+                clock.show(key, f"{what} {i}/{n_gen} tokens" + (f", run {r + 1}/{reps}" if reps > 1 else ""),
+                           (r * n_gen + i) / (reps * n_gen))
             tok = int(np.argmax(model.forward([tok], start + i)))
         return n_gen / (time.perf_counter() - t0)
 
     tg = []
     for r in range(reps):
-        progress(f"tg{n_gen} {r + 1}/{reps}")
         model.forward(prompt[:1], 0)
-        tg.append(decode(1))
+        tg.append(decode(1, "tg", "replying", r))
+    clock.done("tg")
     tg_depth = []
     if depth > 1:
         model.cache.fill_random(depth, rng)   # speed does not depend on the values
         for r in range(reps):
-            progress(f"tg{n_gen} @ depth {depth} {r + 1}/{reps}")
             model.cache.length = depth
-            tg_depth.append(decode(depth))
+            tg_depth.append(decode(depth, "depth", f"replying at depth {depth}", r))
+    if full:
+        clock.done("depth")
     peak = peak_resident_memory() or 0
 
-    progress("measuring read bandwidth and NumPy matmul")
-    ceiling = measure_read_bandwidth()
-    np_gflops = _numpy_matmul_gflops(model, n_prompt)
+    ceiling = np_gflops = 0.0
+    if full:
+        clock.show("ceiling", "measuring read bandwidth")
+        ceiling = measure_read_bandwidth()
+        clock.done("ceiling")
+        clock.show("numpy", "measuring NumPy matmul")
+        np_gflops = _numpy_matmul_gflops(model, n_prompt)
 
     by_type = Counter()
     for t in g.tensors.values():
@@ -242,14 +332,28 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
     tgd_m, tgd_sd = _mean_sd(tg_depth) if tg_depth else (0.0, 0.0)
     bytes0, bytesd = _decode_bytes(model, 1), _decode_bytes(model, depth)
     ours_gflops = 2.0 * _linear_params(model) * pp_m / 1e9
+    speed = {"pp_tps": pp_m, "pp_sd": pp_sd, "tg_tps": tg_m, "tg_sd": tg_sd,
+             "words_per_token": WORDS_PER_TOKEN,
+             "decode_bytes_per_token": bytes0, "tg_gbs": bytes0 * tg_m / 1e9,
+             "pp_gflops": ours_gflops}
+    if full:
+        speed.update({
+            "tg_depth_tps": tgd_m, "tg_depth_sd": tgd_sd,
+            "read_bandwidth_gbs": ceiling,
+            "decode_bytes_per_token_at_depth": bytesd, "tg_depth_gbs": bytesd * tgd_m / 1e9,
+            "tg_ceiling_ratio": bytes0 * tg_m / 1e9 / ceiling,
+            "tg_depth_ceiling_ratio": bytesd * tgd_m / 1e9 / ceiling if tg_depth else 0.0,
+            "numpy_matmul_gflops": np_gflops, "pp_vs_numpy": ours_gflops / np_gflops,
+        })
     return {
         "model": g.get("general.name") or path.name, "file": str(path), "synthetic": synthetic,
-        "types": model.type_summary(), "size_bytes": weights, "params": params,
+        "full": full, "types": model.type_summary(), "size_bytes": weights, "params": params,
         "threads": n_threads, "ctx": ctx, "n_prompt": n_prompt, "n_gen": n_gen, "depth": depth,
         "reps": reps,
         "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
                     "mem_total_bytes": total_memory()},
-        "load_seconds": load_s, "jit_seconds": jit_s, "jit_cache_warm": warm,
+        "load_seconds": load_s, "jit_seconds": warm.seconds + loading.seconds,
+        "jit_compiled": warm.compiled + loading.count, "jit_cache_warm": not (warm.compiled + loading.count),
         "memory": {
             "weights_by_type": dict(by_type), "weights": weights,
             "kv_cache": kv, "kv_per_token": kv // ctx, "scratch": scratch, "baseline": base,
@@ -257,18 +361,46 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
             "rss_after_prefill": rss_prefill, "rss_peak": peak,
             "budget": int(budget_gib * GiB),
         },
-        "speed": {
-            "pp_tps": pp_m, "pp_sd": pp_sd, "tg_tps": tg_m, "tg_sd": tg_sd,
-            "tg_depth_tps": tgd_m, "tg_depth_sd": tgd_sd,
-            "read_bandwidth_gbs": ceiling,
-            "decode_bytes_per_token": bytes0, "decode_bytes_per_token_at_depth": bytesd,
-            "tg_gbs": bytes0 * tg_m / 1e9, "tg_depth_gbs": bytesd * tgd_m / 1e9,
-            "tg_ceiling_ratio": bytes0 * tg_m / 1e9 / ceiling,
-            "tg_depth_ceiling_ratio": bytesd * tgd_m / 1e9 / ceiling if tg_depth else 0.0,
-            "pp_gflops": ours_gflops, "numpy_matmul_gflops": np_gflops,
-            "pp_vs_numpy": ours_gflops / np_gflops,
-        },
+        "speed": speed,
     }
+
+
+def _needed(m: dict) -> int:
+    """Memory the run needs: the peak measured (the KV cache was made resident), or the
+    prediction if that is higher."""
+    return max(m["rss_peak"], m["predicted_total"])
+
+
+def summary(r: dict) -> str:
+    """The answer in one sentence: does it fit, how fast do replies come."""
+    m, s = r["memory"], r["speed"]
+    need, budget = _needed(m), m["budget"]
+    budget_s = f"{budget / GiB:.3g} GiB"
+    fit = (f"fits in {budget_s} with {(budget - need) / GiB:.1f} GiB to spare" if need <= budget
+           else f"does NOT fit in {budget_s} (needs {need / GiB:.1f} GiB)")
+    words = s["tg_tps"] * s["words_per_token"]
+    return (f"At ctx {r['ctx']} it {fit}; replies come at about {words:.1f} words/s "
+            f"({s['tg_tps']:.1f} tokens/s), prompts are read at {s['pp_tps']:.0f} tokens/s "
+            f"({s['words_per_token']} words per token, typical of English).")
+
+
+def format_quick(r: dict) -> str:
+    """The quick check: what was measured, then the one-sentence answer."""
+    m, s = r["memory"], r["speed"]
+    runtime = m["predicted_total"] - m["weights"] - m["kv_cache"]
+    lines = [
+        f"model   {r['model']}: {r['types']}, {r['size_bytes'] / GiB:.2f} GiB, "
+        f"{r['threads']} threads",
+        f"memory  {_needed(m) / GiB:.2f} GiB at ctx {r['ctx']}: weights "
+        f"{m['weights'] / GiB:.2f} GiB + KV cache {m['kv_cache'] / GiB:.2f} GiB + runtime "
+        f"{runtime / GiB:.2f} GiB predicted, {m['rss_peak'] / GiB:.2f} GiB measured at peak",
+        f"speed   prompt {s['pp_tps']:.1f} tokens/s ({r['n_prompt']} tokens), reply "
+        f"{s['tg_tps']:.1f} tokens/s ({r['n_gen']} tokens, start of a conversation)",
+    ]
+    if r["synthetic"]:
+        lines.append("        (random weights with the real shapes: speed and memory do not "
+                     "depend on the values)")
+    return "\n".join(lines + [summary(r)])
 
 
 def format_report(r: dict) -> str:
@@ -289,7 +421,7 @@ def format_report(r: dict) -> str:
     lines = ["| " + " | ".join(c.ljust(w) if i < 4 else c.rjust(w)
                                for i, (c, w) in enumerate(zip(row, widths))) + " |" for row in rows]
     lines.insert(1, "| " + " | ".join("-" * w for w in widths) + " |")
-    verdict = "fits" if m["rss_peak"] <= m["budget"] else "does NOT fit"
+    verdict = "fits" if _needed(m) <= m["budget"] else "does NOT fit"
     err = (m["rss_peak"] - m["predicted_total"]) / m["predicted_total"] * 100
     types = ", ".join(f"{k} {v / MiB:.0f} MiB" for k, v in sorted(m["weights_by_type"].items(),
                                                                    key=lambda kv: -kv[1]))
@@ -318,5 +450,5 @@ def format_report(r: dict) -> str:
     if r["synthetic"]:
         lines.append("(random weights with the real shapes: speed and memory do not depend on values; "
                      "decode at depth uses synthetic K/V)")
-    return "\n".join(lines)
+    return "\n".join(lines + [summary(r)])
 

@@ -1,22 +1,22 @@
-"""Numba compile-once bookkeeping: where compiled kernels are cached, whether that
-cache is warm for a model, and compiling what the forward pass needs before the user
-waits on a reply."""
+"""Numba compile-once bookkeeping: where compiled kernels are cached, and compiling
+(or loading from that cache) what the forward pass needs before the user waits on a
+reply, telling which kernel of how many is compiling."""
 from __future__ import annotations
 
-import hashlib
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import dataclass
 
 import numba
+import numpy as np
+from numba.core import event as numba_event
+from numba.core.dispatcher import Dispatcher
+from numba.core.event import Listener
 
 from .default_model import cache_dir
-
-_SOURCES = ("kernels.py", "fp.py", "model.py", *(f"formats/{p.name}" for p in
-                                                   sorted((Path(__file__).parent / "formats").glob("*.py"))))
-
 
 # Why kernels compile in memory, when the cache cannot be written (the CLI says so once).
 cache_note: str | None = None
@@ -46,7 +46,6 @@ def use_user_cache() -> None:
 def _compile_in_memory() -> None:
     """No disk cache for our kernels: Numba would otherwise fall back to the package's
     own directory, or fail at import when nothing is writable."""
-    from numba.core.dispatcher import Dispatcher
     enable = Dispatcher.enable_caching
 
     def enable_caching(self):
@@ -55,42 +54,101 @@ def _compile_in_memory() -> None:
     Dispatcher.enable_caching = enable_caching
 
 
-def _stamp(model) -> Path:
-    """A file whose existence says: these kernels, for these weight types, compiled here."""
-    h = hashlib.sha256(numba.__version__.encode())
-    for name in _SOURCES:
-        h.update((Path(__file__).parent / name).read_bytes())
-    h.update(model.type_summary().encode())
-    return cache_dir() / "jit" / h.hexdigest()[:24]
+class Compiling(Listener):
+    """While installed (`with Compiling(show):`), tells show(n, total, name) each time
+    Numba starts compiling one of our kernels: loading one from the cache is silent.
+    `count` is how many it compiled and `seconds` how long that took; warm_up sets
+    `step` to (n, total) as it goes."""
+
+    def __init__(self, show: Callable[[int, int | None, str], None] | None = None):
+        self.show = show
+        self.count = 0
+        self.seconds = 0.0
+        self.step: tuple[int, int] | None = None
+        self._depth = 0     # our kernels compile the ones they call inside their own compile
+        self._t0 = 0.0
+
+    def on_start(self, event):
+        disp = event.data["dispatcher"]
+        if not disp.py_func.__module__.startswith("edgellama."):
+            return          # Numba's own helpers
+        if self._depth == 0:
+            self.count += 1
+            self._t0 = time.perf_counter()
+            if self.show:
+                n, total = self.step or (self.count, None)
+                self.show(n, total, disp.py_func.__name__)
+        self._depth += 1
+
+    def on_end(self, event):
+        if event.data["dispatcher"].py_func.__module__.startswith("edgellama."):
+            self._depth -= 1
+            if self._depth == 0:
+                self.seconds += time.perf_counter() - self._t0
+
+    def __enter__(self):
+        numba_event.register("numba:compile", self)
+        return self
+
+    def __exit__(self, *exc):
+        numba_event.unregister("numba:compile", self)
 
 
-def is_warm(model) -> bool:
-    """Whether this model's kernels were compiled (and cached) here before."""
+class _Recorder:
+    """Stands in for a kernel during the dry run: notes its argument types, runs nothing."""
+
+    def __init__(self, disp: Dispatcher, calls: dict):
+        self.disp, self.calls = disp, calls
+
+    def __call__(self, *args):
+        sig = tuple(numba.typeof(a) for a in args)
+        self.calls.setdefault((self.disp, sig), None)
+
+
+def kernels_called(model) -> list[tuple[Dispatcher, tuple]]:
+    """The kernels, with their argument types, that one prefill and one decode step
+    call, in order of first use. Found by running both steps with every kernel of ours
+    replaced by a recorder (in the modules that call them), so nothing compiles: only
+    the Python around the kernels runs, on whatever the buffers hold."""
+    calls: dict = {}
+    patched = []
+    for mod in [m for name, m in sys.modules.items()
+                if name == "edgellama" or name.startswith("edgellama.")]:
+        for attr, value in list(vars(mod).items()):
+            if isinstance(value, Dispatcher) and value.py_func.__module__.startswith("edgellama."):
+                patched.append((mod, attr, value))
+                setattr(mod, attr, _Recorder(value, calls))
     try:
-        return _stamp(model).exists()
-    except OSError:   # an unreadable cache directory: as good as none
-        return False
+        with np.errstate(all="ignore"):   # the buffers hold whatever they held
+            model.forward([0, 0], 0)      # batched (matmul) path
+            model.forward([0], 2)         # decode (matvec) path
+    finally:
+        for mod, attr, value in patched:
+            setattr(mod, attr, value)
+        model.cache.length = 0
+    return list(calls)
 
 
-def mark_warm(model) -> None:
-    stamp = _stamp(model)
-    try:
-        stamp.parent.mkdir(parents=True, exist_ok=True)
-        stamp.touch()
-    except OSError:
-        pass   # a read-only cache only costs the announcement
+@dataclass
+class Warm:
+    seconds: float            # compiling or loading the kernels, and one step of each path
+    compiled: int             # kernels Numba compiled; 0: all came from its cache
+    compile_seconds: float    # the part of `seconds` spent compiling
 
 
-def warm_up(llm, announce: Callable[[], None] | None = None) -> float:
-    """Run the prefill and decode paths once (compiling, or loading from Numba's
-    cache), then clear the KV cache. Calls announce() first when compiling is likely.
-    Returns the seconds spent."""
-    if announce and not is_warm(llm.model):
-        announce()
+def warm_up(model, show: Callable[[int, int | None, str], None] | None = None) -> Warm:
+    """Compile (or load from Numba's cache) every kernel model.forward needs, one at a
+    time so that show(n, total, name) can tell which, then run the prefill and decode
+    paths once and empty the KV cache (an LLM's prefix bookkeeping is untouched: it
+    starts empty and the cache is rewritten from position 0)."""
     t0 = time.perf_counter()
-    bos = llm.tokenizer.bos_id if llm.tokenizer.bos_id is not None else 0
-    llm.model.forward([bos, bos], 0)     # batched (matmul) path
-    llm.model.forward([bos], 2)          # decode (matvec) path
-    llm.reset()
-    mark_warm(llm.model)
-    return time.perf_counter() - t0
+    with Compiling(show) as watch:
+        todo = kernels_called(model)
+        for i, (disp, sig) in enumerate(todo):
+            watch.step = (i + 1, len(todo))
+            disp.compile(sig)
+        watch.step = None    # anything the list missed compiles below, still reported
+        model.forward([0, 0], 0)
+        model.forward([0], 2)
+    model.cache.length = 0
+    return Warm(time.perf_counter() - t0, watch.count, watch.seconds)

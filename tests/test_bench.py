@@ -1,7 +1,9 @@
 """`edgellama bench` on a tiny model: the report's arithmetic and shape, not its speed."""
 import json
+import re
 from functools import partial
 
+import pytest
 from click.testing import CliRunner
 
 import edgellama.benchmark as B
@@ -9,13 +11,15 @@ from edgellama.cli.main import main
 from edgellama.membw import measure_read_bandwidth
 from tiny_gguf import write_tiny_gguf
 
+TINY = B.Shape(dim=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=256, train_ctx=256)
+
 
 def test_bench_json_report(tmp_path, monkeypatch):
     # a small buffer keeps the bandwidth probe quick; the figures are still measured
     monkeypatch.setattr(B, "measure_read_bandwidth", partial(measure_read_bandwidth, nbytes=64 << 20))
     path = write_tiny_gguf(tmp_path / "tiny.gguf", "Q4_0", ctx=256)
     res = CliRunner().invoke(main, ["bench", "-m", str(path), "--ctx", "64", "-p", "16", "-n", "4",
-                                    "-r", "2", "--json"])
+                                    "-r", "2", "--full", "--json"])
     assert res.exit_code == 0, res.output
     r = json.loads(res.stdout)
     m, s = r["memory"], r["speed"]
@@ -34,10 +38,87 @@ def test_bench_table(tmp_path, monkeypatch):
     monkeypatch.setattr(B, "measure_read_bandwidth", partial(measure_read_bandwidth, nbytes=64 << 20))
     path = write_tiny_gguf(tmp_path / "tiny.gguf", "Q8_0", ctx=256)
     res = CliRunner().invoke(main, ["bench", "-m", str(path), "--ctx", "64", "-p", "16", "-n", "4",
-                                    "-r", "1", "--depth", "10"])
+                                    "-r", "1", "--depth", "10", "--full"])
     assert res.exit_code == 0, res.output
     for text in ("| model", "pp16", "tg4", "tg4 @ d10", "KV cache", "of ceiling", "fits in 8.0 GiB"):
         assert text in res.stdout, text
+    assert res.stdout.strip().splitlines()[-1].startswith("At ctx 64 it fits in 8 GiB")
+
+
+def test_quick_check_ends_with_one_sentence(tmp_path):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "Q4_0", ctx=256)
+    res = CliRunner().invoke(main, ["bench", "-m", str(path), "--ctx", "64", "-p", "16", "-n", "4",
+                                    "--budget", "4"])
+    assert res.exit_code == 0, res.output
+    *body, last = res.stdout.strip().splitlines()
+    assert "memory " in body[1] and "speed " in body[2]
+    m = re.fullmatch(r"At ctx 64 it fits in 4 GiB with ([\d.]+) GiB to spare; replies come at about "
+                     r"([\d.]+) words/s \(([\d.]+) tokens/s\), prompts are read at (\d+) tokens/s "
+                     r"\(0\.75 words per token, typical of English\)\.", last)
+    assert m, last
+    spare, words, tokens = float(m[1]), float(m[2]), float(m[3])
+    assert 0 < spare < 4 and tokens > 0
+    assert words == pytest.approx(0.75 * tokens, abs=0.1)
+
+
+def test_quick_json_has_no_suite_figures(tmp_path):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "Q8_0", ctx=256)
+    res = CliRunner().invoke(main, ["bench", "-m", str(path), "--ctx", "64", "-p", "8", "-n", "2",
+                                    "--json"])
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.stdout)
+    assert r["full"] is False and r["reps"] == 1 and r["depth"] == 0
+    assert r["n_prompt"] == 8 and r["n_gen"] == 2
+    assert "read_bandwidth_gbs" not in r["speed"] and r["speed"]["tg_tps"] > 0
+    # the whole KV cache was made resident before the peak was taken
+    assert r["memory"]["rss_peak"] >= r["memory"]["rss_after_load"]
+
+
+def test_depth_needs_full(tmp_path):
+    res = CliRunner().invoke(main, ["bench", "-m", str(write_tiny_gguf(tmp_path / "t.gguf")),
+                                    "--depth", "8"])
+    assert res.exit_code == 2 and "--full" in res.output
+
+
+@pytest.fixture
+def tiny_shape(tmp_path, monkeypatch):
+    """`--shape llama-3.2-1b` generates a tiny file in a cache of its own."""
+    monkeypatch.setenv("EDGELLAMA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(B.SHAPES, "llama-3.2-1b", TINY)
+    return tmp_path / "cache" / "bench" / "llama-3.2-1b-random-q4_0.gguf"
+
+
+def test_generated_file_is_named_sized_and_kept_or_removed(tiny_shape):
+    args = ["bench", "--shape", "llama-3.2-1b", "--ctx", "64", "-p", "8", "-n", "2"]
+    res = CliRunner().invoke(main, args + ["--no-keep"])
+    assert res.exit_code == 0, res.output
+    assert f"Generated {tiny_shape}" in res.stderr
+    assert f"Removed {tiny_shape}" in res.stderr and not tiny_shape.exists()
+    res = CliRunner().invoke(main, args)          # not a terminal: kept, and said so
+    assert res.exit_code == 0, res.output
+    size = tiny_shape.stat().st_size
+    assert f"Kept {tiny_shape} ({size / 2**20:.0f} MB" in res.stderr
+    assert "edgellama bench --clean" in res.stderr
+    res = CliRunner().invoke(main, args)          # reused: not generated again
+    assert "Generated" not in res.stderr and tiny_shape.exists()
+    tiny_shape.with_suffix(".tmp").write_bytes(b"x")   # an interrupted generation's leftover
+    res = CliRunner().invoke(main, ["bench", "--clean"])
+    assert res.exit_code == 0, res.output
+    assert f"Removed 2 file(s), {(size + 1) / 2**20:.0f} MB" in res.stdout
+    assert not tiny_shape.exists() and not tiny_shape.with_suffix(".tmp").exists()
+    res = CliRunner().invoke(main, ["bench", "--clean"])
+    assert "No bench files" in res.stdout
+
+
+def test_time_left_counts_down_over_the_steps():
+    said = []
+    clock = B._Clock(said.append, {"pp": 10.0, "tg": 20.0})
+    assert clock.left("pp", 0.0) == 30.0 and clock.left("pp", 0.5) == 25.0
+    clock.done("pp")
+    assert clock.left("tg", 0.25) == 15.0
+    clock.show("tg", "replying", 0.25)
+    clock.show("tg", "replying", 0.99)
+    assert said == ["replying, about 15 s left", "replying"]
 
 
 def test_bench_refuses_both_model_and_shape(tmp_path):

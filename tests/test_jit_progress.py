@@ -1,0 +1,46 @@
+"""Warm-up: the kernels the forward pass needs are found without running them, each is
+compiled (or loaded) in turn with its number shown, and the forward pass then compiles
+nothing more."""
+import io
+
+from numba.core.dispatcher import Dispatcher
+
+import edgellama
+from edgellama import jit
+from edgellama import kernels as K
+from edgellama.cli.progress import KernelProgress
+from tiny_gguf import write_tiny_gguf
+
+
+def test_dry_run_finds_the_kernels_and_warm_up_leaves_nothing_to_compile(tmp_path):
+    llm = edgellama.load(write_tiny_gguf(tmp_path / "t.gguf", "Q4_1", ctx=256, vocab=512, tokenizer=True), ctx=64)
+    with jit.Compiling() as watch:
+        calls = jit.kernels_called(llm.model)
+    assert watch.count == 0                       # nothing compiled or ran
+    assert isinstance(K.rmsnorm, Dispatcher)      # the kernels are back in their modules
+    names = [d.py_func.__name__ for d, _ in calls]
+    assert {"rmsnorm", "rope", "attention", "swiglu", "matvec_q4_1"} <= set(names)
+    assert len(calls) == len(set(calls))
+    shown = []
+    warm = jit.warm_up(llm.model, lambda n, total, name: shown.append((n, total, name)))
+    assert all(total == len(calls) for _, total, _ in shown)     # compiles, if any, numbered
+    assert warm.compiled == len(shown) and warm.seconds >= warm.compile_seconds
+    assert all(sig in d.overloads for d, sig in calls)
+    assert llm.model.cache.length == 0
+    with jit.Compiling() as watch:
+        llm.model.forward([1, 2, 3], 0)
+        llm.model.forward([4], 3)
+    assert watch.count == 0
+
+
+def test_kernel_progress_off_a_terminal_is_two_lines():
+    err = io.StringIO()
+    p = KernelProgress(err)
+    p(1, 3, "rope")
+    p(2, 3, "attention")
+    p.done(3, 12.4)
+    assert err.getvalue() == ("Compiling kernels (first run only)...\n"
+                              "Compiled 3 kernels in 12 s; cached for next time\n")
+    quiet = io.StringIO()
+    KernelProgress(quiet).done(0, 0.0)            # all from the cache: nothing said
+    assert quiet.getvalue() == ""
