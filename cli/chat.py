@@ -1,7 +1,9 @@
 """`edgellama chat`: an interactive terminal chat with streaming replies."""
 from __future__ import annotations
 
+import signal
 import sys
+from pathlib import Path
 
 import click
 
@@ -9,38 +11,38 @@ from edgellama import jit
 from edgellama.chat_session import ChatSession
 from edgellama.default_model import cache_dir
 from edgellama.errors import EdgeError
-from edgellama.jit import warm_up
 
+from .chat_input import Reader, clean
 from .main import main
-from .options import Output, load, model_options, one_line, sampling_from, sampling_options
+from .options import (
+    Output,
+    load,
+    model_options,
+    one_line,
+    sampling_from,
+    sampling_options,
+)
+from .progress import KernelProgress
 
 HELP = """commands:
   /system TEXT   set the system prompt (starts a new conversation)
   /reset         forget the conversation
   /stats         speed of the last reply and context used
   /help          this text
-  /exit          quit (or Ctrl-D); Ctrl-C stops a reply"""
+  /exit          quit (or Ctrl-D); Ctrl-C stops a reply
+input:
+  Enter sends the line. For several lines, paste them (one message), or type
+  \"\"\" to open a block and end its last line with \"\"\".
+  Keys typed while a reply streams wait at the next prompt."""
 
 
-def _readline_setup():
-    """Line editing and a persistent history, where the platform has readline."""
-    try:
-        import readline
-    except ImportError:
-        return None
-    path = cache_dir() / "chat_history"
-    try:
-        readline.read_history_file(path)
-    except OSError:
-        pass
-    readline.set_history_length(1000)
-    return readline, path
+def _history_path(keep: bool) -> Path | None:
+    return cache_dir() / "chat_history" if keep else None
 
 
-def _clean(text: str) -> str:
-    """Typed input as plain text: undecodable bytes replaced, control characters dropped."""
-    text = text.encode("utf-8", "replace").decode("utf-8")   # lone surrogates from bad bytes
-    return "".join(c for c in text if c in "\t\n" or (ord(c) >= 32 and ord(c) != 127)).strip()
+def _shown(path: Path) -> str:
+    home = Path.home()
+    return f"~/{path.relative_to(home)}" if path.is_relative_to(home) else str(path)
 
 
 @main.command()
@@ -49,61 +51,62 @@ def _clean(text: str) -> str:
 @click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Most tokens per reply.")
 @click.option("-s", "--system", default=None, help="System prompt.")
-def chat(model, ctx, threads, max_tokens, system, **sampling):
+@click.option("--history/--no-history", default=True, show_default=True,
+              help="Keep what you type in ~/.cache/edgellama/chat_history (Up recalls it).")
+def chat(model, ctx, threads, max_tokens, system, history, **sampling):
     """Chat with a model in the terminal."""
-    llm = load(model, ctx, threads)
+    progress = KernelProgress()
+    with jit.Compiling(progress) as loading:      # loading repacks weights with kernels too
+        llm = load(model, ctx, threads)
     session = ChatSession(llm, sampling_from(llm.default_sampling(), sampling),
                           max_tokens=max_tokens, system=system)
-    compile_s = warm_up(llm, announce=lambda: click.echo(
-        "Compiling kernels (10-30 s)..." if jit.cache_note else
-        "Compiling kernels (first run only, 10-30 s)...", err=True))
+    warm = jit.warm_up(llm.model, progress)
+    progress.done(loading.count + warm.compiled, loading.seconds + warm.compile_seconds)
     kv = llm.model.cache
-    name = llm.gguf.get("general.name")
-    click.echo(f"{one_line(name) if isinstance(name, str) and name else llm.path.name} | "
-               f"{llm.model.type_summary()} | "
+    # loading the model and its kernels, whatever compiling took (reported above)
+    startup = llm.load_seconds + warm.seconds - loading.seconds - warm.compile_seconds
+    click.echo(f"{one_line(llm.path.stem)} | {llm.model.type_summary()} | "
                f"ctx {llm.ctx} | weights {llm.model.weight_bytes / 2**20:.0f} MiB + "
-               f"KV {kv.nbytes / 2**20:.0f} MiB | loaded in {llm.load_seconds:.1f} s"
-               + (f" (+{compile_s:.0f} s compile)" if compile_s > 1 else "")
-               + " | /help for commands", err=True)
+               f"KV {kv.nbytes / 2**20:.0f} MiB | loaded in {startup:.1f} s | /help for commands",
+               err=True)
+    path = _history_path(history)
+    if path and not path.exists():
+        click.echo(f"(what you type is kept in {_shown(path)}; --no-history turns that off)",
+                   err=True)
+    reader = Reader(path)
     out = Output(sys.stdout)
-    rl = _readline_setup()
+    term_signal = signal.signal(signal.SIGTERM, _exit_on_signal)   # restore the terminal
+    try:
+        _converse(llm, session, reader, out, max_tokens)
+    finally:
+        signal.signal(signal.SIGTERM, term_signal)
+        reader.save_history(lambda msg: click.echo(f"({msg})", err=True))
+
+
+def _exit_on_signal(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def _converse(llm, session, reader, out, max_tokens):
     while True:
         try:
-            line = input(">>> ")
+            text = clean(reader.read())
         except EOFError:
             click.echo("", err=True)
-            break
+            return
         except KeyboardInterrupt:
             click.echo("\n(Ctrl-D or /exit to quit)", err=True)
             continue
-        text = _clean(line)
         if not text:
             continue
         if text.startswith("/"):
-            cmd, _, arg = text.partition(" ")
-            if cmd in ("/exit", "/quit"):
-                break
-            if cmd == "/reset":
-                session.reset()
-                click.echo("(conversation cleared)", err=True)
-            elif cmd == "/system":
-                session.system = arg.strip() or None
-                session.reset()
-                click.echo("(system prompt set; conversation cleared)" if arg.strip()
-                           else "(system prompt removed; conversation cleared)", err=True)
-            elif cmd == "/stats":
-                s = llm.stats
-                click.echo(f"prompt: {s.prompt_tokens} tokens at {s.prompt_tps:.1f} tok/s | "
-                           f"reply: {s.gen_tokens} tokens at {s.gen_tps:.1f} tok/s | "
-                           f"context: {session.context_used()}/{llm.ctx} tokens", err=True)
-            elif cmd == "/help":
-                click.echo(HELP, err=True)
-            else:
-                click.echo(f"unknown command {cmd}; /help lists them", err=True)
+            if _command(text, llm, session, reader) == "exit":
+                return
             continue
         try:
-            for piece in session.send(text):
-                out.write(piece)
+            with reader.replying():
+                for piece in session.send(text):
+                    out.write(piece)
             out.write("\n")
             if llm.stats.stop_reason == "length":
                 click.echo(f"(reply cut at --max-tokens {max_tokens})", err=True)
@@ -115,11 +118,33 @@ def chat(model, ctx, threads, max_tokens, system, **sampling):
             click.echo("(reply stopped)", err=True)
         except EdgeError as e:
             click.echo(f"error: {one_line(str(e))}", err=True)
-        for note in session.notices:
+        for note in session.notices + reader.notes:
             click.echo(f"({note})", err=True)
         session.notices.clear()
-    if rl:
-        try:
-            rl[0].write_history_file(rl[1])
-        except OSError:
-            pass
+        reader.notes.clear()
+
+
+def _command(text, llm, session, reader) -> str | None:
+    cmd, _, arg = text.partition(" ")
+    if cmd in ("/exit", "/quit", "/bye"):
+        return "exit"
+    if cmd == "/reset":
+        session.reset()
+        click.echo("(conversation cleared)", err=True)
+    elif cmd == "/system":
+        session.system = arg.strip() or None
+        session.reset()
+        click.echo("(system prompt set; conversation cleared)" if arg.strip()
+                   else "(system prompt removed; conversation cleared)", err=True)
+    elif cmd == "/stats":
+        s = llm.stats
+        click.echo(f"prompt: {s.prompt_tokens} tokens at {s.prompt_tps:.1f} tok/s | "
+                   f"reply: {s.gen_tokens} tokens at {s.gen_tps:.1f} tok/s | "
+                   f"context: {session.context_used()}/{llm.ctx} tokens", err=True)
+    elif cmd == "/help":
+        kept = (f"history: {_shown(reader.history)} (--no-history: none)" if reader.history
+                else "history: not kept (--no-history)")
+        click.echo(f"{HELP}\n{kept}", err=True)
+    else:
+        click.echo(f"unknown command {cmd}; /help lists them", err=True)
+    return None

@@ -1,0 +1,185 @@
+"""What `edgellama chat` reads from the user: one message per Enter, multi-line messages
+as ollama takes them (a block opened by a line starting with \"\"\" and closed by a line
+ending with \"\"\"), a pasted block as one message (bracketed paste), and keys typed
+while a reply streams neither echoed into it nor lost."""
+from __future__ import annotations
+
+import os
+import re
+import select
+import sys
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+try:
+    import termios
+except ImportError:          # not a POSIX terminal: no modes to switch
+    termios = None
+
+PROMPT, MORE = ">>> ", "... "
+QUOTES = '"""'
+PASTE_ON, PASTE_OFF = "\x1b[?2004h", "\x1b[?2004l"
+PASTE_START, PASTE_END = "\x1b[200~", "\x1b[201~"
+_ESCAPES = re.compile(r"\x1b(\[[0-9;?]*[ -/]*[@-~]|O.|.)?")   # CSI, SS3, other ESC pairs
+
+
+def clean(text: str) -> str:
+    """Typed input as plain text: undecodable bytes replaced, escape sequences (arrow
+    keys, paste markers) and other control characters dropped, ends stripped."""
+    text = text.encode("utf-8", "replace").decode("utf-8")   # lone surrogates from bad bytes
+    text = _ESCAPES.sub("", text.replace("\r\n", "\n").replace("\r", "\n"))
+    return "".join(c for c in text if c in "\t\n" or (ord(c) >= 32 and ord(c) != 127)).strip()
+
+
+class Assembler:
+    """Turns what each read returned (a typed line, or a pasted block with its line
+    breaks; without readline, with its paste markers) into messages: `feed` returns
+    the finished message, or None while a \"\"\" block is open."""
+
+    def __init__(self):
+        self.block: list[str] | None = None
+
+    @property
+    def open(self) -> bool:
+        return self.block is not None
+
+    def feed(self, chunk: str) -> str | None:
+        chunk = chunk.replace(PASTE_START, "").replace(PASTE_END, "")
+        if self.block is None:
+            if not chunk.startswith(QUOTES):
+                return chunk
+            self.block, chunk = [], chunk[len(QUOTES):]
+            if chunk.rstrip().endswith(QUOTES) and chunk.strip() != "":   # \"\"\"one line\"\"\"
+                return self._close(chunk)
+            self.block.append(chunk)
+            return None
+        if chunk.rstrip().endswith(QUOTES):
+            return self._close(chunk)
+        self.block.append(chunk)
+        return None
+
+    def _close(self, last: str) -> str:
+        self.block.append(last.rstrip()[:-len(QUOTES)])
+        text, self.block = "\n".join(self.block), None
+        return text
+
+    def discard(self) -> None:
+        self.block = None
+
+
+def _gnu_readline():
+    try:
+        import readline
+    except ImportError:
+        return None
+    return None if "libedit" in (readline.__doc__ or "") else readline
+
+
+class Reader:
+    """Reads messages from the terminal (or a pipe). With GNU readline: line editing,
+    history in `history` (None: none kept), and bracketed paste, which readline turns
+    on for each prompt and off after it (Ctrl-C included), so a pasted block arrives
+    as one string. Without readline on a terminal, this class turns bracketed paste on
+    and off around each prompt and joins the lines between the markers itself."""
+
+    def __init__(self, history: Path | None):
+        self.fd = sys.stdin.fileno()
+        self.tty = sys.stdin.isatty() and sys.stdout.isatty()
+        self.readline = _gnu_readline() if self.tty else None
+        self.history = history
+        self.assembler = Assembler()
+        self.typed_ahead = ""
+        self.notes: list[str] = []      # things to tell the user after a reply
+        if self.readline:
+            self.readline.parse_and_bind("set enable-bracketed-paste on")
+            self.readline.set_history_length(1000)
+            self.readline.set_pre_input_hook(self._insert_typed_ahead)
+            if history:
+                try:
+                    self.readline.read_history_file(history)
+                except OSError:
+                    pass
+
+    def read(self) -> str:
+        """The next message (may be empty; may contain line breaks). Raises EOFError at
+        the end of input, KeyboardInterrupt on Ctrl-C (an open block is discarded)."""
+        while True:
+            try:
+                chunk = self._read_chunk(MORE if self.assembler.open else PROMPT)
+            except (EOFError, KeyboardInterrupt):
+                self.assembler.discard()
+                raise
+            message = self.assembler.feed(chunk)
+            if message is not None:
+                return message
+
+    def _read_chunk(self, prompt: str) -> str:
+        if self.readline or not self.tty:
+            return input(prompt)
+        sys.stdout.write(PASTE_ON)
+        sys.stdout.flush()
+        try:
+            line = input(prompt)
+            if PASTE_START in line:
+                lines = [line]
+                while PASTE_END not in lines[-1]:
+                    lines.append(input())
+                line = "\n".join(lines)
+            return line
+        finally:
+            sys.stdout.write(PASTE_OFF)
+            sys.stdout.flush()
+
+    def _insert_typed_ahead(self):
+        if self.typed_ahead:
+            self.readline.insert_text(self.typed_ahead)
+            self.readline.redisplay()
+            self.typed_ahead = ""
+
+    @contextmanager
+    def replying(self) -> None:
+        """While a reply streams: keys typed are not echoed (they would land in the
+        reply) and not line-buffered; Ctrl-C still interrupts. Afterwards what was
+        typed is waiting, editable, at the next prompt (with readline), or dropped
+        with a note. The terminal's settings are restored however the reply ends."""
+        if not self.tty or termios is None:
+            yield
+            return
+        saved = termios.tcgetattr(self.fd)
+        quiet = termios.tcgetattr(self.fd)
+        quiet[3] &= ~(termios.ECHO | termios.ICANON)
+        quiet[6][termios.VMIN], quiet[6][termios.VTIME] = 1, 0
+        termios.tcsetattr(self.fd, termios.TCSANOW, quiet)
+        try:
+            yield
+        finally:
+            typed = self._pending()
+            termios.tcsetattr(self.fd, termios.TCSANOW, saved)
+            self._keep(typed)
+
+    def _pending(self) -> bytes:
+        data = b""
+        while select.select([self.fd], [], [], 0)[0]:
+            chunk = os.read(self.fd, 4096)
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+    def _keep(self, typed: bytes) -> None:
+        text = " ".join(clean(typed.decode("utf-8", "replace")).split("\n")).strip()
+        if not text:
+            return
+        if self.readline:
+            self.typed_ahead = text
+        else:
+            self.notes.append(f"dropped {len(text)} characters typed during the reply")
+
+    def save_history(self, note: Callable[[str], None]) -> None:
+        if self.readline and self.history:
+            try:
+                self.history.parent.mkdir(parents=True, exist_ok=True)
+                self.readline.write_history_file(self.history)
+            except OSError as e:
+                note(f"could not save the chat history to {self.history}: {e.strerror or e}")
