@@ -5,7 +5,6 @@ import json
 import sys
 import tempfile
 import time
-from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import click
@@ -42,8 +41,7 @@ def _checkpoint_type(hf_dir: Path) -> str:
     return dtypes.pop().lower() if len(dtypes) == 1 else "f32"
 
 
-@contextmanager
-def _reference(path: str, ctx: int, threads: int | None):
+def _load_reference(path: str, ctx: int, threads: int | None):
     """The reference model: a GGUF file, or a Hugging Face checkpoint directory converted
     at its own precision to a temporary GGUF. That file is deleted as soon as it is
     loaded (the memory map keeps its data), so an interrupted run leaves nothing behind."""
@@ -52,8 +50,7 @@ def _reference(path: str, ctx: int, threads: int | None):
         if not p.exists():
             raise EdgeError(f"{path}: no such file or directory (--ref takes a GGUF file or "
                             f"a Hugging Face checkpoint directory)")
-        yield load(path, ctx, threads)
-        return
+        return load(path, ctx, threads)
     from edgellama.quant.convert import convert
     fmt = _checkpoint_type(p)
     with tempfile.TemporaryDirectory(prefix="edgellama-ref-") as tmp:
@@ -62,8 +59,7 @@ def _reference(path: str, ctx: int, threads: int | None):
         out = Path(tmp) / "reference.gguf"
         for warning in convert(p, out, qtype=fmt).warnings:
             click.echo(f"warning: {one_line(warning)}", err=True)
-        llm = load(out, ctx, threads)
-    yield llm
+        return load(out, ctx, threads)
 
 
 class _Bar:
@@ -90,8 +86,8 @@ def _summary(model, ref, ref_name, text, n_tokens, r, seconds) -> list[str]:
     lines = [f"model:     {model.path} ({model.model.type_summary()})"]
     if ref is not None:
         lines.append(f"reference: {ref_name} ({ref.model.type_summary()})")
-    lines += [f"text:      {text}: {n_tokens} tokens; {r.chunks} chunks of {r.n_ctx}, "
-              f"{r.count} tokens scored",
+    lines += [(f"text:      {text}: {n_tokens} tokens; {r.chunks} chunks of {r.n_ctx}, "
+               f"{r.count} tokens scored"),
               f"PPL                 {r.ppl:10.4f} ± {r.ppl_err:.4f}"]
     if r.has_ref:
         lines += [f"reference PPL       {r.ref_ppl:10.4f} ± {r.ref_ppl_err:.4f}",
@@ -127,27 +123,26 @@ def perplexity(model, text_file, ctx, chunks, ref, as_json, threads):
     text = _read_text(text_file)
     llm = load(model, ctx, threads)
     tokens = ppl.tokenize(llm.tokenizer, text)
-    plan = ppl.make_chunks(tokens, ctx, chunks, llm.tokenizer.bos_id if llm.tokenizer.add_bos else None,
-                           what=text_file)
-    with _reference(ref, ctx, threads) if ref is not None else nullcontext() as ref_llm:
-        if ref_llm is not None:
-            why = ppl.same_vocabulary(llm.tokenizer, ref_llm.tokenizer)
-            if why:
-                raise EdgeError(f"the reference {ref} has a different vocabulary from the model "
-                                f"({why}); KL divergence needs the same tokens")
-        bar = _Bar(len(plan)) if sys.stderr.isatty() else None
-        t0 = time.perf_counter()
-        try:
-            [result] = ppl.evaluate([llm.model], plan, ref_llm.model if ref_llm else None, bar)
-        finally:
-            if bar:
-                bar.close()
-        seconds = time.perf_counter() - t0
-        if as_json:
-            out = {"model": str(llm.path), "ref": ref,
-                   "text": text_file, "text_tokens": len(tokens), **result.as_dict(),
-                   "seconds": seconds}
-            click.echo(json.dumps(out))
-        else:
-            for line in _summary(llm, ref_llm, ref, text_file, len(tokens), result, seconds):
-                click.echo(line)
+    bos = llm.tokenizer.bos_id if llm.tokenizer.add_bos else None
+    plan = ppl.make_chunks(tokens, ctx, chunks, bos, what=text_file)
+    ref_llm = _load_reference(ref, ctx, threads) if ref is not None else None
+    if ref_llm is not None:
+        why = ppl.same_vocabulary(llm.tokenizer, ref_llm.tokenizer)
+        if why:
+            raise EdgeError(f"the reference {ref} has a different vocabulary from the model "
+                            f"({why}); KL divergence needs the same tokens")
+    bar = _Bar(len(plan)) if sys.stderr.isatty() else None
+    t0 = time.perf_counter()
+    try:
+        [result] = ppl.evaluate([llm.model], plan, ref_llm.model if ref_llm else None, bar)
+    finally:
+        if bar:
+            bar.close()
+    seconds = time.perf_counter() - t0
+    if as_json:
+        out = {"model": str(llm.path), "ref": ref, "text": text_file, "text_tokens": len(tokens),
+               **result.as_dict(), "seconds": seconds}
+        click.echo(json.dumps(out))
+    else:
+        for line in _summary(llm, ref_llm, ref, text_file, len(tokens), result, seconds):
+            click.echo(line)
