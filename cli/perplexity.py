@@ -110,7 +110,7 @@ def _summary(model, ref, ref_name, text, n_tokens, r, seconds) -> list[str]:
               help="Tokens per chunk; the second half of each chunk is scored.")
 @click.option("--chunks", type=click.IntRange(min=1), default=None,
               help="Score at most this many chunks (default: all the text holds).")
-@click.option("--ref", default=None,
+@click.option("--ref", default=None, metavar="GGUF|HF_DIR",
               help="Reference model, GGUF file or Hugging Face checkpoint directory: adds KL "
                    "divergence, top-token agreement and the perplexity ratio.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
