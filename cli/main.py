@@ -50,7 +50,8 @@ def _short_help(module: str, name: str, limit: int) -> str:
                     and d.func.attr == "command":
                 given = [a.value for a in d.args if isinstance(a, ast.Constant)]
                 if (given or [node.name.replace("_", "-")])[0] == name:
-                    return click.utils.make_default_short_help(ast.get_docstring(node) or "", limit)
+                    doc = ast.get_docstring(node) or ""   # shortened as click does
+                    return click.Command(name, help=doc).get_short_help_str(limit)
     return ""
 
 
