@@ -34,8 +34,8 @@ class _KernelCacheSetup(importlib.abc.MetaPathFinder):
         if name not in self.waiting:
             return None
         for finder in sys.meta_path:
-            spec = finder.find_spec(name, path, target) if finder is not self else None
-            if spec is not None:
+            find = getattr(finder, "find_spec", None) if finder is not self else None
+            if find is not None and (spec := find(name, path, target)) is not None:
                 break
         else:
             return None

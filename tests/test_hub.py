@@ -222,6 +222,8 @@ def test_offline_picks_among_cached_files(fake, env):
     fake.close()                 # the hub is gone: a reference without quant uses the cache
     res = run(env, "generate", "-hf", "tester/Tiny-GGUF", "-p", "hi", "-n", "2")
     assert res.returncode == 0, res.stderr
+    res = run({**env, "HF_HUB_OFFLINE": "1"}, "generate", "-hf", "tester/Tiny-GGUF", "-p", "hi", "-n", "2")
+    assert res.returncode == 0, res.stderr
     res = run(env, "generate", "-hf", "tester/Tiny-GGUF:Q4_0", "-p", "hi", "-n", "2")
     assert error_line(res) == (f"error: cannot reach Hugging Face ({fake.url}), and its cache "
                                f"holds no Q4_0 file of tester/Tiny-GGUF (cached: Q8_0)")
