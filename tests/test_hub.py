@@ -314,3 +314,21 @@ def test_list_shows_cached_models_and_rm_removes_one(fake, env, tmp_path, gguf_b
     assert run(env, "rm", "-y", "tester/Tiny-GGUF:Q8_0", "SmolLM2-135M-Instruct.Q4_1.gguf").returncode == 0
     assert not repo.exists() and not (tmp_path / "own" / "SmolLM2-135M-Instruct.Q4_1.gguf").exists()
     assert run(env, "list").stdout.startswith("no models yet.")
+
+
+def test_on_a_terminal_the_download_shows_a_bar_and_rm_asks(fake, env):
+    import pexpect
+    child = pexpect.spawn(EXE, ["generate", "-hf", "tester/Tiny-GGUF:Q8_0", "-p", "hi", "-n", "1"],
+                          env=env, timeout=120, encoding="utf-8")
+    child.expect(r"Tiny-Q8_0\.gguf: 100%")          # huggingface_hub's progress bar
+    child.expect("prompt: ")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    child = pexpect.spawn(EXE, ["rm", "tester/Tiny-GGUF:Q8_0"], env=env, timeout=60, encoding="utf-8")
+    child.expect(r"remove tester/Tiny-GGUF:Q8_0 \(\d+\.\d kB\)\? \[y/N\]")
+    child.sendline("y")
+    child.expect("removed tester/Tiny-GGUF:Q8_0")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
