@@ -14,6 +14,8 @@ _LAZY = {"LLM": ".llm", "load": ".llm", "SamplingParams": ".sampling"}
 
 
 def __getattr__(name):
+    if name == "hub":             # `edgellama.hub.gguf_path(...)` after `import edgellama`
+        return importlib.import_module(".hub", __name__)
     if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(_LAZY[name], __name__), name)
