@@ -40,20 +40,21 @@ def _shown(path: Path) -> str:
     return f"~/{path.relative_to(home)}" if path.is_relative_to(home) else str(path)
 
 
-def _after_run(path: Path, keep: bool | None) -> None:
-    """Say where the generated file is and how big, and keep or remove it: --keep,
-    --no-keep, or (neither given) ask on a terminal, keep elsewhere."""
+def _after_run(path: Path, generated: bool, keep: bool | None) -> None:
+    """Say where the random-weight file is and how big, and keep or remove it: --keep,
+    --no-keep, or (neither given) ask on a terminal if this run generated it, else keep."""
     size = path.stat().st_size
-    others = sum(p.stat().st_size for p in benchmark.bench_files())
-    if keep is None and sys.stdin.isatty() and sys.stderr.isatty():
+    if keep is None and generated and sys.stdin.isatty() and sys.stderr.isatty():
         keep = click.confirm(f"Keep {_shown(path)} ({_size(size)}) to skip generating it next time?",
                              default=True, err=True)
     if keep is False:
         path.unlink()
         click.echo(f"Removed {_shown(path)} ({_size(size)}).", err=True)
         return
-    click.echo(f"Kept {_shown(path)} ({_size(size)}; all bench files in {_shown(benchmark.bench_dir())}: "
-               f"{_size(others)}); `edgellama bench --clean` removes them.", err=True)
+    total = sum(p.stat().st_size for p in benchmark.bench_files())
+    click.echo(f"Kept {_shown(path)} ({_size(size)}; bench files in "
+               f"{_shown(benchmark.bench_dir())}: {_size(total)}); `edgellama bench --clean` "
+               f"removes them.", err=True)
 
 
 @main.command()
@@ -106,13 +107,13 @@ def bench(model, shape, qtype, ctx, full, n_prompt, n_gen, depth, threads, reps,
         status.update(f"[bench] {msg}")
 
     synthetic = model is None
-    generated = None
+    generated = False
     if synthetic:
         shape = shape or "llama-3.2-3b"
         _refuse_unfitting(shape, ctx, n_prompt)   # before generating gigabytes of weights
-        existed = benchmark.shape_path(shape, qtype).is_file()
-        model = generated = benchmark.shape_file(shape, qtype, progress=progress)
-        if not existed:
+        generated = not benchmark.shape_path(shape, qtype).is_file()
+        model = benchmark.shape_file(shape, qtype, progress=progress)
+        if generated:
             status.clear()
             click.echo(f"Generated {_shown(model)} ({_size(model.stat().st_size)}).", err=True)
     try:
@@ -121,11 +122,11 @@ def bench(model, shape, qtype, ctx, full, n_prompt, n_gen, depth, threads, reps,
                                full=full, progress=progress)
     except BaseException:
         status.clear()
-        if generated:    # no question while failing or interrupted: kept unless --no-keep
-            _after_run(generated, True if keep is None else keep)
+        if synthetic:    # no question while failing or interrupted: kept unless --no-keep
+            _after_run(model, generated, True if keep is None else keep)
         raise
     status.clear()
     click.echo(json.dumps(report, indent=2) if as_json else
                benchmark.format_report(report) if full else benchmark.format_quick(report))
-    if generated:
-        _after_run(generated, keep)
+    if synthetic:
+        _after_run(model, generated, keep)

@@ -202,9 +202,9 @@ WORDS_PER_TOKEN = 0.75   # English text: a token is about three quarters of a wo
 
 
 class _Clock:
-    """Time left in the run, for the progress line: each step's estimate, replaced by
-    what it took once it is done. Estimates come from the time of one decode step
-    (prefill reads a token in about a quarter of that, measured for Llama 3.2 shapes)."""
+    """Time left in the run, for the progress line: each step's estimate, dropped once
+    it is done. Estimates come from the time of one decode step (prefill reads a token
+    in about a quarter of that, measured for Llama 3.2 shapes)."""
 
     def __init__(self, report, steps: dict[str, float]):
         self.report, self.steps = report, dict(steps)
@@ -269,7 +269,8 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
     t0 = time.perf_counter()
     model.forward(prompt[1:2], 1)
     step = time.perf_counter() - t0          # one decode step: the basis of the estimates
-    steps = {"pp": reps * n_prompt * step / 4, "tg": reps * n_gen * step}
+    # a prefill dequantizes every weight (about 8 decode steps), then runs BLAS
+    steps = {"pp": reps * (8 + n_prompt / 4) * step, "tg": reps * n_gen * step}
     if full:
         steps.update(depth=reps * n_gen * step * (1 + depth / 4096) if depth > 1 else 0.0,
                      ceiling=4.0, numpy=2.0)

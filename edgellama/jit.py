@@ -138,9 +138,10 @@ class Warm:
 
 def warm_up(model, show: Callable[[int, int | None, str], None] | None = None) -> Warm:
     """Compile (or load from Numba's cache) every kernel model.forward needs, one at a
-    time so that show(n, total, name) can tell which, then run the prefill and decode
-    paths once and empty the KV cache (an LLM's prefix bookkeeping is untouched: it
-    starts empty and the cache is rewritten from position 0)."""
+    time so that show(n, total, name) can tell which, then decode one token (starting
+    the threads) and empty the KV cache (an LLM's prefix bookkeeping is untouched: it
+    starts empty and the cache is rewritten from position 0). The prefill path is not
+    run: with any T it dequantizes every weight once, seconds for a 3B model."""
     t0 = time.perf_counter()
     with Compiling(show) as watch:
         todo = kernels_called(model)
@@ -148,7 +149,6 @@ def warm_up(model, show: Callable[[int, int | None, str], None] | None = None) -
             watch.step = (i + 1, len(todo))
             disp.compile(sig)
         watch.step = None    # anything the list missed compiles below, still reported
-        model.forward([0, 0], 0)
-        model.forward([0], 2)
+        model.forward([0], 0)
     model.cache.length = 0
     return Warm(time.perf_counter() - t0, watch.count, watch.seconds)

@@ -1,13 +1,17 @@
 """`edgellama bench` on a tiny model: the report's arithmetic and shape, not its speed."""
 import json
+import os
 import re
+import sys
 from functools import partial
 
+import pexpect
 import pytest
 from click.testing import CliRunner
 
 import edgellama.benchmark as B
 from edgellama.cli.main import main
+from edgellama.default_model import cache_dir
 from edgellama.membw import measure_read_bandwidth
 from tiny_gguf import write_tiny_gguf
 
@@ -125,3 +129,26 @@ def test_bench_refuses_both_model_and_shape(tmp_path):
     res = CliRunner().invoke(main, ["bench", "-m", str(write_tiny_gguf(tmp_path / "t.gguf")),
                                     "--shape", "llama-3.2-1b"])
     assert res.exit_code == 2 and "either -m or --shape" in res.output
+
+
+def test_on_a_terminal_time_left_is_shown_and_a_new_file_is_offered_for_removal(tmp_path):
+    code = ("import sys; import edgellama.benchmark as B; "
+            f"B.SHAPES['llama-3.2-1b'] = B.{TINY!r}; "
+            "from edgellama.cli.main import main; sys.argv[0] = 'edgellama'; main()")
+    env = dict(os.environ, EDGELLAMA_CACHE=str(tmp_path), NUMBA_CACHE_DIR=str(cache_dir() / "numba"))
+    path = tmp_path / "bench" / "llama-3.2-1b-random-q4_0.gguf"
+
+    def bench(answer):
+        c = pexpect.spawn(sys.executable, ["-c", code, "bench", "--shape", "llama-3.2-1b",
+                                           "--ctx", "64", "-p", "8", "-n", "16"],
+                          env=env, encoding="utf-8", timeout=120, dimensions=(50, 250))
+        c.expect(r"\[bench\] replying \d+/16 tokens")      # the progress line
+        if answer is not None:
+            c.expect_exact("to skip generating it next time? [Y/n]: ")
+            c.sendline(answer)
+        c.expect(pexpect.EOF)
+        return c.before
+
+    assert f"Removed {path}" in bench("n") and not path.exists()
+    assert f"Kept {path}" in bench("") and path.exists()
+    assert f"Kept {path}" in bench(None)                   # not new: no question
