@@ -29,6 +29,7 @@ COMMANDS = {
     "list": "models",
     "perplexity": "perplexity",
     "rm": "models",
+    "serve": "serve",
 }
 
 # Commands that never run kernels: their start-up skips importing numba.

@@ -5,7 +5,8 @@
 One model, one KV cache, one engine thread: requests are validated and tokenized on
 arrival (so a bad one fails at once, without queueing), then wait in a bounded queue
 and run one at a time. A full queue answers 503. The engine is not thread-safe, so only
-its thread runs the model; the event loop only moves text, and stays responsive.
+its thread runs the model; the event loop parses requests and passes text on, so it
+answers /health and refuses bad requests while a reply is being generated.
 
 Prefix reuse: LLM.generate keeps the cache of the previous request and recomputes only
 from the first token that differs, so a client that re-sends its conversation pays
@@ -46,7 +47,7 @@ from .tokenizer import StreamDecoder
 log = logging.getLogger("edgellama.server")
 
 DEFAULT_QUEUE = 16
-MAX_BODY = 8 << 20          # bytes of a request body: ~100k tokens of text, JSON-escaped
+MAX_BODY = 8 << 20          # bytes of a request body: a 128k-token context is ~0.5 MB of text
 MAX_STOPS = 16              # stop strings per request (OpenAI allows 4)
 MAX_STOP_CHARS = 500        # characters of one stop string
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
