@@ -12,7 +12,7 @@ import click
 from edgellama.errors import EdgeError
 
 from .main import main
-from .options import load, one_line
+from .options import load, one_line, resolve_model
 
 
 def _read_text(path: str) -> str:
@@ -102,8 +102,11 @@ def _summary(model, ref, ref_name, text, n_tokens, r, seconds) -> list[str]:
 
 
 @main.command()
+@click.argument("model_arg", metavar="[MODEL]", required=False)
 @click.option("-m", "--model", "model", type=click.Path(dir_okay=False, path_type=str),
               default=None, help="GGUF file (default: SmolLM2-135M-Instruct, fetched once).")
+@click.option("-hf", "--hf-repo", "hf_repo", metavar="REPO[:QUANT]", default=None,
+              help="A GGUF from Hugging Face, downloaded once (as for generate).")
 @click.option("-f", "--file", "text_file", required=True, type=click.Path(path_type=str),
               help="The text to score (UTF-8).")
 @click.option("-c", "--ctx", type=click.IntRange(min=4), default=512, show_default=True,
@@ -116,11 +119,12 @@ def _summary(model, ref, ref_name, text, n_tokens, r, seconds) -> list[str]:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.option("-t", "--threads", type=int, default=None,
               help="Worker threads (default: physical cores).")
-def perplexity(model, text_file, ctx, chunks, ref, as_json, threads):
+def perplexity(model_arg, model, hf_repo, text_file, ctx, chunks, ref, as_json, threads):
     """Perplexity of a model over a text file, and its divergence from a reference."""
     from edgellama import perplexity as ppl
 
     text = _read_text(text_file)
+    model = resolve_model(model_arg, model, hf_repo)
     llm = load(model, ctx, threads)
     tokens = ppl.tokenize(llm.tokenizer, text)
     bos = llm.tokenizer.bos_id if llm.tokenizer.add_bos else None

@@ -223,6 +223,9 @@ def test_cli_summary(files, text_file):
     assert res.exit_code == 0, res.output
     assert "2 chunks of 16, 14 tokens scored" in res.stdout
     assert res.stdout.count("\nPPL ") == 1 and "KL" not in res.stdout
+    positional = invoke(files["q4_0"], "-f", text_file, "--ctx", CTX, "--chunks", 2)
+    assert positional.exit_code == 0 and positional.stdout.splitlines()[:3] == \
+        res.stdout.splitlines()[:3]   # model, text, PPL (not the time)
 
 
 def test_cli_json_with_a_reference(files, text_file):
