@@ -35,8 +35,8 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .errors import EdgeError
@@ -587,6 +587,9 @@ def create_app(llm: LLM, *, model_id: str | None = None, api_key: str | None = N
         return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
                         code="not_found" if exc.status_code == 404 else None).response()
 
+    async def client_gone(request: Request, exc: ClientDisconnect):
+        return Response(status_code=400)   # left while sending its body: nobody reads this
+
     async def internal_error(request: Request, exc: Exception):
         return ApiError(500, "internal server error; the server log has the details").response()
 
@@ -602,7 +605,8 @@ def create_app(llm: LLM, *, model_id: str | None = None, api_key: str | None = N
         Route("/v1/models/{name:path}", server.model, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
     ], exception_handlers={ApiError: api_error, HTTPException: http_error,
-                           Exception: internal_error}, lifespan=lifespan,
+                           ClientDisconnect: client_gone, Exception: internal_error},
+        lifespan=lifespan,
         middleware=[Middleware(_RequireKey, key=api_key)] if api_key else [])
     app.state.server = server
     return app
