@@ -231,7 +231,7 @@ def test_cli_summary(files, text_file):
 
 def test_cli_json_with_a_reference(files, text_file):
     res = invoke("-m", files["q4_0"], "-f", text_file, "--ctx", CTX, "--chunks", 3,
-                 "--ref", files["f32"], "--json")
+                 "--ref", files["f32"], "--json", "-t", 1)
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     assert set(out) == {"model", "ref", "text", "text_tokens", "ctx", "chunks", "tokens_scored",
@@ -242,7 +242,7 @@ def test_cli_json_with_a_reference(files, text_file):
     assert out["ref"] == str(files["f32"]) and 0 < out["kl_mean"] <= out["kl_max"]
     assert 0 <= out["same_top"] <= 1 and out["ppl"] > 1
     plain = json.loads(invoke("-m", files["q4_0"], "-f", text_file, "--ctx", CTX,
-                              "--chunks", 3, "--json").stdout)
+                              "--chunks", 3, "--json", "-t", 1).stdout)
     assert "kl_mean" not in plain and plain["ppl"] == out["ppl"]
 
 
@@ -284,7 +284,7 @@ def test_hf_checkpoint_reference_is_exact_and_leaves_no_file(llama3_tiny, tmp_pa
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(tempfile, "tempdir", None)      # re-read TMPDIR
     args = ("-f", llama3_tiny["text"], "--ctx", CTX, "--chunks", 2, "--ref", llama3_tiny["hf"],
-            "--json")
+            "--json", "-t", 1)        # fixed threads: both models compute alike
     same = invoke("-m", llama3_tiny["bf16"], *args)    # the checkpoint is bf16: same weights
     assert same.exit_code == 0, same.output
     assert "temporary BF16 GGUF" in same.stderr
