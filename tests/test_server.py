@@ -364,6 +364,30 @@ def test_malformed_bodies_are_400(server, body, param):
     assert err["param"] == param and err["type"] == "invalid_request_error"
 
 
+def test_random_parameters_never_break_the_server(server):
+    """Every known field with values of every JSON type: an answer or a 4xx, never a 500."""
+    rng = random.Random(1)
+    values = [None, True, False, 0, 1, -3, 7, 2**70, 0.5, -1e9, 1e300, "", "x", "hello", [],
+              ["a", 1], ["stop", "me"], {}, {"include_usage": True}, {"type": "text"},
+              [{"role": "user", "content": "hi"}], [{"type": "text", "text": "hi"}]]
+    fields = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens",
+              "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed", "stop", "n",
+              "stream", "stream_options", "logprobs", "response_format", "tools", "user"]
+    statuses = Counter()
+    for _ in range(150):
+        path, body = rng.choice([("/v1/chat/completions", {"messages": MSG}),
+                                 ("/v1/completions", {"prompt": "hello"})])
+        body = {**body, "max_tokens": 4,
+                **{f: rng.choice(values) for f in rng.sample(fields, rng.randint(1, 4))}}
+        status, _, raw = server.raw("POST", path, body)
+        statuses[status] += 1
+        assert status in (200, 400, 404), (path, body, raw)
+        if status != 200:
+            assert json.loads(raw)["error"]["message"]
+    assert statuses[400] > 30 and statuses[200] > 10, statuses
+    assert server.health()["status"] == "ok"
+
+
 def test_the_client_sees_openai_errors(server):
     c = server.client()
     with pytest.raises(openai.BadRequestError) as e:
