@@ -280,6 +280,10 @@ def test_convert_from_a_repo_id_fetches_only_what_it_reads(fake, env, tmp_path, 
     assert not (tmp_path / "hf" / "hub" / "models--tester--Tiny-Llama").exists()
     line = error_line(run(env, "convert", "tester/Nothing", "-o", tmp_path / "x.gguf"))
     assert "tester/Nothing: no such model on Hugging Face" in line
+    fake.repos["meta/Gated-Llama"] = files
+    fake.gated.add("meta/Gated-Llama")
+    line = error_line(run(env, "convert", "meta/Gated-Llama", "-o", tmp_path / "x.gguf"))
+    assert "meta/Gated-Llama is gated" in line and "HF_TOKEN" in line
     assert not (tmp_path / "x.gguf").exists()
 
 
