@@ -151,9 +151,11 @@ def shape_file(name: str, qtype: str, quiet: bool = False, progress=None) -> Pat
             rng = np.random.default_rng(0)
             total = sum(rows * cols for _, rows, cols, _, _ in tensors)
             done, t0 = 0, time.perf_counter()
+            shown = t0
             for tname, rows, cols, t, scale in tensors:
-                if progress and done:
-                    left = (time.perf_counter() - t0) * (total - done) / done
+                if progress and done and time.perf_counter() - shown > 0.5:
+                    shown = time.perf_counter()
+                    left = (shown - t0) * (total - done) / done
                     progress(f"generating {path.name} (random weights, real shapes; once): "
                              f"{done / total:.0%}, about {left:.0f} s left")
                 data = (np.ones(cols, np.float32) if not rows
