@@ -332,8 +332,28 @@ class Engine:
                 with self._cond:
                     self._running = None
 
+    def _read_prompt(self, job: Job) -> int | None:
+        """Bring the KV cache to hold the prompt but its last batch, one batch at a time,
+        so that a client leaving during a long prompt stops it (LLM.generate reads the
+        prompt in one call; the batches are the ones its forward pass would make, so the
+        numbers are the same). Returns the prompt tokens reused from the cache, or None
+        if the client left."""
+        llm, ids = self.llm, job.ids
+        reused = 0
+        for a, b in zip(llm.cached, ids):
+            if a != b:
+                break
+            reused += 1
+        reused = min(reused, len(ids) - 1)   # as LLM.generate: the last token is recomputed
+        for end in range(reused + llm.model.batch, len(ids), llm.model.batch):
+            if job.cancelled.is_set():
+                return None
+            llm.logits(ids[:end])
+        return None if job.cancelled.is_set() else reused
+
     def _generate(self, job: Job) -> None:
-        if job.cancelled.is_set():
+        reused = self._read_prompt(job)
+        if reused is None:
             job.emit("cancelled")
             return
         llm, p = self.llm, job.params
@@ -365,7 +385,7 @@ class Engine:
         prompt = len(job.ids)
         job.emit("done", finish, {
             "prompt_tokens": prompt, "completion_tokens": count, "total_tokens": prompt + count,
-            "prompt_tokens_details": {"cached_tokens": prompt - llm.stats.prompt_tokens}})
+            "prompt_tokens_details": {"cached_tokens": reused}})
 
 
 # -- the HTTP side ------------------------------------------------------------------------------

@@ -485,6 +485,16 @@ def test_disconnect_mid_stream_stops_generation(busy):
             model="slow-chat", prompt="hello the", max_tokens=4000, temperature=0)
     h = busy.wait_health(lambda h: h["queue"]["running"] == 0)
     assert h["kv_cache_tokens"] < 2000
+    # a client that leaves while a long prompt is read (2889 tokens: ~2.8 s on one core)
+    prompt = " ".join(f"w{i}" for i in range(600))
+    with pytest.raises(openai.APITimeoutError):
+        busy.client(KEY, timeout=0.3).completions.create(
+            model="slow-chat", prompt=prompt, max_tokens=5, temperature=0)
+    read = busy.wait_health(lambda h: h["queue"]["running"] == 0)["kv_cache_tokens"]
+    # the same prompt again: what was read is reused; reading had stopped between batches
+    r = c.completions.create(model="slow-chat", prompt=prompt, max_tokens=1, temperature=0)
+    assert r.usage.prompt_tokens_details.cached_tokens == read
+    assert 0 < read < r.usage.prompt_tokens
     # and the server goes on serving
     r = c.completions.create(model="slow-chat", prompt="hello the", max_tokens=5, temperature=0)
     assert r.usage.completion_tokens == 5
