@@ -11,11 +11,11 @@ loops, so `nib_dot` emits LLVM IR for one block of 32 weights of R rows:
 The instruction set is chosen once from the host CPU's features (Numba's kernel cache
 is keyed by the CPU, so a cache is never used on a CPU it was not built for).
 
-The weights' layout ("quads"): for block b of a tile of R rows, 16 bytes per row, byte
-i of a row holding element i (low nibble) and element 16 + i (high nibble); bytes are
-grouped by four per row, so one 32-bit lane holds 4 consecutive bytes of one row:
+The weights' layout ("quads"): for block b of a tile of R rows, its bytes per row (16
+for nibbles: byte i holds element i in its low nibble and element 16 + i in its high
+one; 32 for int8) are grouped by four, so one 32-bit lane holds 4 bytes of one row:
 
-    tile[o + 4R g + 4r + k] = byte 4g + k of row r    (g, k in 0..3; o the block's start)
+    tile[o + 4R g + 4r + k] = byte 4g + k of row r    (k in 0..3; o the block's start)
 """
 from __future__ import annotations
 
@@ -60,66 +60,109 @@ def _splat(builder, scalar, n):
                                   ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n))
 
 
-@intrinsic(prefer_literal=True)
-def nib_dot(typingctx, q, o, x8, xo, acc, nr, isa):
-    """acc[:nr] (int32) = for each row r of the quads at q[o:] (u8, layout above), the
-    sum over its 32 weights of nibble * x8[xo + element] (x8 int8). nr a multiple of
-    16; isa a constant (GENERIC, AVX2 or VNNI512). Exact: |sum| <= 32 * 15 * 128."""
-    if not isinstance(isa, types.IntegerLiteral):
-        return None
-    kind = isa.literal_value
+def _dot(builder, kind, n, pairs, signed):
+    """<n x i32>: per 32-bit lane, the sum over `pairs` (w <n x i32> of 4 weight bytes per
+    lane, x i32 of 4 int8 activations, broadcast) of the 4 byte products. Weights are
+    u8 (< 16) or, if signed, i8."""
+    i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+    wide, b4 = ir.VectorType(i32, n), ir.VectorType(i8, 4 * n)
+    if kind == VNNI512:
+        name = "llvm.x86.avx512.vpdpbusd.512"
+        total = ir.Constant(wide, None)
+        if not signed:
+            for w, x in pairs:
+                total = _x86(builder, name, wide, [total, w, _splat(builder, x, n)])
+            return total
+        # vpdpbusd takes u8 x i8: (x + 128) . w, less 128 sum(w) (a second vpdpbusd by 1s)
+        sum_w = ir.Constant(wide, None)
+        ones = ir.Constant(wide, [0x01010101] * n)
+        for w, x in pairs:
+            xu = builder.xor(x, ir.Constant(i32, 0x80808080 - (1 << 32)))
+            total = _x86(builder, name, wide, [total, _splat(builder, xu, n), w])
+            sum_w = _x86(builder, name, wide, [sum_w, ones, w])
+        return builder.sub(total, builder.shl(sum_w, ir.Constant(wide, [7] * n)))
+    if kind == AVX2:
+        b32, h16 = ir.VectorType(i8, 32), ir.VectorType(i16, 16)
+        ones16 = ir.Constant(h16, [1] * 16)
+        total, s = None, None
+        for w, x in pairs:
+            wb, xb = builder.bitcast(w, b32), builder.bitcast(_splat(builder, x, n), b32)
+            if signed:   # u8 |w| x i8 x sign(w), as llama.cpp: pairs within 2 * 128 * 127
+                xb = _x86(builder, "llvm.x86.avx2.psign.b", b32, [xb, wb])
+                wb = _x86(builder, "llvm.abs.v32i8", b32, [wb, ir.Constant(ir.IntType(1), 0)])
+            pr = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, [wb, xb])
+            if signed:   # two pairs could pass int16: widen each to int32
+                pr = _x86(builder, "llvm.x86.avx2.pmadd.wd", wide, [pr, ones16])
+                total = pr if total is None else builder.add(total, pr)
+            else:        # nibbles: 8 pairs of 2 * 15 * 128 per lane stay below 2^15
+                s = pr if s is None else builder.add(s, pr)
+        return total if signed else _x86(builder, "llvm.x86.avx2.pmadd.wd", wide, [s, ones16])
+    # generic: widen, multiply, add; then the 4 sums of each 32-bit lane
+    w4 = ir.VectorType(i32, 4 * n)
+    s = ir.Constant(w4, None)
+    for w, x in pairs:
+        wv = builder.bitcast(w, b4)
+        wv = builder.sext(wv, w4) if signed else builder.zext(wv, w4)
+        xv = builder.sext(builder.bitcast(_splat(builder, x, n), b4), w4)
+        s = builder.add(s, builder.mul(wv, xv))
+    total = None
+    for k in range(4):
+        part = builder.shuffle_vector(s, s, ir.Constant(wide, [4 * i + k for i in range(n)]))
+        total = part if total is None else builder.add(total, part)
+    return total
 
-    def codegen(context, builder, sig, args):
-        i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
-        qa, oa, xa, xoa, acca, nra = args[:6]
+
+def _quads_dot(signed):
+    """The codegen of nib_dot (signed False) and i8_dot (signed True)."""
+    def make(context, builder, sig, args, kind):
+        i32 = ir.IntType(32)
+        oa, xoa, nra = args[1], args[3], args[5]
         k64 = lambda v: ir.Constant(oa.type, v)
         ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
         n = 16 if kind == VNNI512 else 8                    # rows per vector
         wide = ir.VectorType(i32, n)
-        # the 8 x words (4 int8 each) of the block: low-nibble elements 4g..4g+3, high 16+4g..
-        xw = [builder.load(ptr(2, builder.add(xoa, k64(4 * g + 16 * h)), i32), align=1)
-              for h in (0, 1) for g in range(4)]
+        groups = 8 if signed else 4                         # 4-byte groups per row
+        # x words (4 int8 each), per group: i8 elements 4g..4g+3; nibbles: the low
+        # nibbles' elements 4g.., then the high nibbles' 16 + 4g..
+        xw = [builder.load(ptr(2, builder.add(xoa, k64(4 * g)), i32), align=1)
+              for g in range(8)]
         mask = ir.Constant(wide, [0x0F0F0F0F] * n)
         four = ir.Constant(wide, [4] * n)
         with cgutils.for_range(builder, builder.udiv(nra, k64(n))) as loop:
             r0 = builder.mul(loop.index, k64(n))
-            words = []
-            for g in range(4):
+            pairs = []
+            for g in range(groups):
                 p = builder.add(builder.add(oa, builder.mul(nra, k64(4 * g))), builder.mul(r0, k64(4)))
                 w = builder.load(ptr(0, p, wide), align=1)
-                words.append((builder.and_(w, mask), builder.and_(builder.lshr(w, four), mask)))
-            if kind == VNNI512:
-                total = ir.Constant(wide, None)
-                for g, (lo, hi) in enumerate(words):
-                    for v, xv in ((lo, xw[g]), (hi, xw[4 + g])):
-                        total = _x86(builder, "llvm.x86.avx512.vpdpbusd.512", wide,
-                                     [total, v, _splat(builder, xv, n)])
-            elif kind == AVX2:
-                b32, h16 = ir.VectorType(i8, 32), ir.VectorType(i16, 16)
-                s = None
-                for g, (lo, hi) in enumerate(words):
-                    for v, xv in ((lo, xw[g]), (hi, xw[4 + g])):
-                        # u8 x i8 pairs -> int16: |2 * 15 * 128| per pair, 8 pairs per
-                        # lane over the block: < 2^15, so the int16 sums are exact
-                        pr = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", h16,
-                                  [builder.bitcast(v, b32), builder.bitcast(_splat(builder, xv, n), b32)])
-                        s = pr if s is None else builder.add(s, pr)
-                total = _x86(builder, "llvm.x86.avx2.pmadd.wd", wide,
-                             [s, ir.Constant(h16, [1] * 16)])
-            else:
-                b4, h4 = ir.VectorType(i8, 4 * n), ir.VectorType(i16, 4 * n)
-                s = ir.Constant(h4, None)
-                for g, (lo, hi) in enumerate(words):
-                    for v, xv in ((lo, xw[g]), (hi, xw[4 + g])):
-                        xs = builder.sext(builder.bitcast(_splat(builder, xv, n), b4), h4)
-                        s = builder.add(s, builder.mul(builder.zext(builder.bitcast(v, b4), h4), xs))
-                s = builder.sext(s, ir.VectorType(i32, 4 * n))
-                total = None
-                for k in range(4):     # the 4 int16 sums of each row's 32-bit lane
-                    part = builder.shuffle_vector(s, s, ir.Constant(ir.VectorType(i32, n),
-                                                                    [4 * i + k for i in range(n)]))
-                    total = part if total is None else builder.add(total, part)
-            builder.store(total, ptr(4, r0, wide), align=4)
+                if signed:
+                    pairs.append((w, xw[g]))
+                else:
+                    pairs += [(builder.and_(w, mask), xw[g]),
+                              (builder.and_(builder.lshr(w, four), mask), xw[4 + g])]
+            builder.store(_dot(builder, kind, n, pairs, signed), ptr(4, r0, wide), align=4)
         return context.get_dummy_value()
+    return make
 
-    return types.void(q, o, x8, xo, acc, nr, isa), codegen
+
+@intrinsic(prefer_literal=True)
+def nib_dot(typingctx, q, o, x8, xo, acc, nr, isa):
+    """acc[:nr] (int32) = for each row r of the quads at q[o:] (u8, 16 bytes per row,
+    layout above), the sum over its 32 weights of nibble * x8[xo + element] (x8 int8).
+    nr a multiple of 16; isa a constant (GENERIC, AVX2 or VNNI512). Exact."""
+    if not isinstance(isa, types.IntegerLiteral):
+        return None
+    make = _quads_dot(signed=False)
+    return (types.void(q, o, x8, xo, acc, nr, isa),
+            lambda context, builder, sig, args: make(context, builder, sig, args, isa.literal_value))
+
+
+@intrinsic(prefer_literal=True)
+def i8_dot(typingctx, q, o, x8, xo, acc, nr, isa):
+    """acc[:nr] (int32) = for each row r of the quads at q[o:] (32 int8 weights per row,
+    byte j of row r at o + 4R(j // 4) + 4r + j % 4), the sum of weight_j * x8[xo + j].
+    nr a multiple of 16; isa a constant. Exact: |sum| <= 32 * 128 * 127."""
+    if not isinstance(isa, types.IntegerLiteral):
+        return None
+    make = _quads_dot(signed=True)
+    return (types.void(q, o, x8, xo, acc, nr, isa),
+            lambda context, builder, sig, args: make(context, builder, sig, args, isa.literal_value))

@@ -27,7 +27,7 @@ def _say(c, text):
 
 def test_multi_turn_conversation_with_commands(smollm2_gguf):
     c = _spawn(smollm2_gguf, "-n", "48")
-    assert "Paris" in _say(c, "What is the capital of France?")
+    assert "Paris" in _say(c, "What is the capital of France? Answer in one sentence.")
     stats = _say(c, "/stats")
     # second turn prefilled only the new tokens: the cache holds the whole first turn
     used = int(stats.split("context: ")[1].split("/")[0])
@@ -57,7 +57,7 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_conversation(smollm2_gguf):
     # the interrupted exchange is still part of the conversation
     stats = _say(c, "/stats")
     assert int(stats.split("context: ")[1].split("/")[0]) > 20
-    assert "Paris" in _say(c, "What is the capital of France?")
+    assert "Paris" in _say(c, "What is the capital of France? Answer in one sentence.")
     c.sendline("/exit")
     c.expect(pexpect.EOF)
     c.close()
@@ -81,7 +81,7 @@ def test_context_overflow_drops_oldest_turns(smollm2_gguf):
         out = _say(c, f"Tell me one fact about the number {i + 1}.")
         seen_drop |= "context full: dropped" in out
     assert seen_drop
-    assert "Paris" in _say(c, "What is the capital of France?")   # still answering
+    assert "Paris" in _say(c, "What is the capital of France? Answer in one sentence.")   # still answering
     c.sendeof()
     c.expect(pexpect.EOF)
     c.close()

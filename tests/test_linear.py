@@ -4,7 +4,7 @@ Tolerance: every kernel sums float32 products, so the error of one output is at 
 about n * eps32 * sum_i |w_i x_i| (worst case), typically far less: we allow
 64 * eps32 * (|W| @ |x|), a bound that does not grow with these small n.
 
-The Q4_0 / Q4_1 matvec also rounds x to int8 per block of 32 (scale amax/127, as
+The Q4_0 / Q4_1 / Q8_0 matvec also rounds x to int8 per block of 32 (scale amax/127, as
 llama.cpp does for its q8_0 activations): each x_i moves by at most amax_b / 254, so
 the output moves by at most sum_i |w_i| amax_b(i) / 254; that bound is added, and the
 test checks that the error really is that small and that the rest is exact.
@@ -43,7 +43,7 @@ def test_matvec(type_, shape):
     x = np.random.default_rng(1).standard_normal(shape[1]).astype(np.float32)
     out = np.full(shape[0], np.nan, np.float32)
     lin.matvec(x, out)
-    check(out, ref, x, x_quantized=type_ in (G.Q4_0, G.Q4_1))
+    check(out, ref, x, x_quantized=type_ in (G.Q4_0, G.Q4_1, G.Q8_0))
 
 
 @pytest.mark.parametrize("type_", TYPES, ids=lambda t: t.name)
@@ -59,15 +59,15 @@ def test_rows(type_):
     fc.check_rows(lin, ref, bits=False)     # Q4_0's rows: q d - 8 d, +0.0 where gguf has -0.0
 
 
-def test_q4_activation_quantization_is_exact_on_grid():
+def test_int8_activation_quantization_is_exact_on_grid():
     # x already on the int8 grid of each block (amax = 127 * 2^k): no rounding, so the
-    # int16 block sums must give the float answer to float32 summation accuracy.
+    # integer block sums must give the float answer to float32 summation accuracy.
     shape = (300, 256)
     rng = np.random.default_rng(3)
     x = rng.integers(-127, 128, shape[1]).astype(np.float32)
     x[::32] = 127
     x *= np.float32(2.0 ** -5)
-    for t in (G.Q4_0, G.Q4_1):
+    for t in (G.Q4_0, G.Q4_1, G.Q8_0):
         lin, ref = make(t, shape)
         out = np.empty(shape[0], np.float32)
         lin.matvec(x, out)
@@ -85,7 +85,7 @@ def test_stacked(type_):
     x = np.random.default_rng(5).standard_normal(96).astype(np.float32)
     out = np.full(224, np.nan, np.float32)
     lin.matvec(x, out)
-    check(out, ref, x, x_quantized=type_ in (G.Q4_0, G.Q4_1))
+    check(out, ref, x, x_quantized=type_ in (G.Q4_0, G.Q4_1, G.Q8_0))
     assert [o.shape for o in lin.split(out)] == [(150,), (37,), (37,)]
     xs = np.random.default_rng(6).standard_normal((3, 96)).astype(np.float32)
     outs = np.full((3, 224), np.nan, np.float32)

@@ -103,7 +103,12 @@ def test_smollm2_knows_the_capital_of_france(smollm2):
 
 
 def test_smollm2_chat_answers_and_stops(smollm2):
-    ids = smollm2.chat.encode_messages([{"role": "user", "content": "What is the capital of France?"}])
+    # "What is the capital of France?" alone is a knife edge for this 135M model: its first
+    # token is "The" or "L" 0.08 logits apart, and llama.cpp (int8 activations, as ours)
+    # answers "L'Étoile, la Cité, ..." to the limit. Asked for a sentence, both engines
+    # answer "The capital of France is Paris." and stop.
+    ids = smollm2.chat.encode_messages(
+        [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}])
     out = list(smollm2.generate(ids, max_tokens=40, sampling=SamplingParams(temperature=0)))
     assert "Paris" in smollm2.tokenizer.decode(out)
     assert smollm2.stats.stop_reason == "stop"          # ended at <|im_end|>, not the limit

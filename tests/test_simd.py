@@ -1,10 +1,10 @@
-"""simd.nib_dot, in each instruction set (all are compiled here; the CPU must have the
+"""simd.nib_dot and i8_dot, in each instruction set (all are compiled here; the CPU must have the
 instructions to run them, so the VNNI and AVX2 cases skip elsewhere), against a NumPy twin."""
 import numpy as np
 import pytest
 from numba import njit
 
-from edgellama.simd import AVX2, GENERIC, ISA, VNNI512, host_isa, nib_dot
+from edgellama.simd import AVX2, GENERIC, ISA, VNNI512, host_isa, i8_dot, nib_dot
 
 import llvmlite.binding as llvm
 
@@ -64,3 +64,46 @@ def test_extremes_are_exact(isa, xval):
     acc = np.zeros(R, np.int32)
     _dot(q, 0, x8, 0, acc, R, isa)
     assert (acc == 32 * 15 * xval).all()
+
+
+@njit
+def _dot8(q, o, x8, xo, acc, R, isa):
+    if isa == 0:
+        i8_dot(q, o, x8, xo, acc, R, 0)
+    elif isa == 1:
+        i8_dot(q, o, x8, xo, acc, R, 1)
+    else:
+        i8_dot(q, o, x8, xo, acc, R, 2)
+
+
+def twin8(q, o, x8, xo, R):
+    """sum over 32 int8 weights of w * x8 per row; byte j of row r at o + 4R(j//4) + 4r + j%4."""
+    j = np.arange(32)
+    idx = o + 4 * R * (j // 4)[None, :] + 4 * np.arange(R)[:, None] + (j % 4)[None, :]
+    return q[idx].astype(np.int64) @ x8[xo:xo + 32].astype(np.int64)
+
+
+@pytest.mark.parametrize("isa", [GENERIC, AVX2, VNNI512])
+@pytest.mark.parametrize("R", [16, 32, 256])
+def test_int8_random_blocks_at_odd_offsets(isa, R):
+    if not RUNS[isa]:
+        pytest.skip("this CPU lacks the instructions")
+    rng = np.random.default_rng(R + isa)
+    q = rng.integers(-128, 128, 32 * R + 64, dtype=np.int8)
+    x8 = rng.integers(-127, 128, 80, dtype=np.int8)
+    for o, xo in [(0, 0), (5, 3), (33, 45)]:
+        acc = np.full(R, 12345, np.int32)
+        _dot8(q, o, x8, xo, acc, R, isa)
+        np.testing.assert_array_equal(acc, twin8(q, o, x8, xo, R))
+
+
+@pytest.mark.parametrize("isa", [GENERIC, AVX2, VNNI512])
+@pytest.mark.parametrize("w,x", [(-128, -127), (-128, 127), (127, 127), (127, -127)])
+def test_int8_extremes_are_exact(isa, w, x):
+    # -128 weights (no int8 negation) at the bounds of x: pair sums at the int16 edge
+    if not RUNS[isa]:
+        pytest.skip("this CPU lacks the instructions")
+    R = 16
+    acc = np.zeros(R, np.int32)
+    _dot8(np.full(32 * R, w, np.int8), 0, np.full(32, x, np.int8), 0, acc, R, isa)
+    assert (acc == 32 * w * x).all()

@@ -255,13 +255,13 @@ def quad_offset(o, R, r, j):
 
 
 @njit(cache=True, parallel=True)
-def repack_quads(raw, row0, bs, lo, dst):
-    # The 16 bytes at lo of every block (bs bytes) of raw (rows, nb*bs) u8 -> rows row0..
-    # of the tiles dst (nt, nb*16*R) u8 as quads: dst[t, quad_offset(16 b R, R, r, j)] =
-    # byte lo+j of block b of row t*R + r. Each row's 4 bytes move as one 32-bit word.
+def repack_quads(raw, row0, bs, lo, w, dst):
+    # The w bytes (a multiple of 4) at lo of every block (bs bytes) of raw (rows, nb*bs) u8
+    # -> rows row0.. of the tiles dst (nt, nb*w*R) u8 as quads (simd.py):
+    # dst[t, quad_offset(w b R, R, r, j)] = byte lo+j of block b of row t*R + r
     rows = raw.shape[0]
     nb = raw.shape[1] // bs
-    R = dst.shape[1] // (nb * 16)
+    R = dst.shape[1] // (nb * w)
     for t in prange(row0 // R, (row0 + rows - 1) // R + 1):
         r0 = max(0, row0 - t * R)
         r1 = min(R, row0 + rows - t * R)
@@ -270,9 +270,9 @@ def repack_quads(raw, row0, bs, lo, dst):
         for r in range(r1 - r0):
             src = tile[r]
             for b in range(nb):
-                o = 16 * b * R + 4 * (r0 + r)
+                o = w * b * R + 4 * (r0 + r)
                 s = b * bs + lo
-                for g in range(4):
+                for g in range(w // 4):
                     for k in range(4):
                         dt[o + 4 * R * g + k] = src[s + 4 * g + k]
 

@@ -293,7 +293,7 @@ class Q4Linear(TiledLinear):
             repack_halves(raw, row0, bs, 0, self.d)
             if has_m:
                 repack_halves(raw, row0, bs, 2, self.m)
-            repack_quads(raw, row0, bs, bs - 16, self.q)
+            repack_quads(raw, row0, bs, bs - 16, 16, self.q)
             release_pages(raw)
             row0 += raw.shape[0]
         self._scratch = np.zeros((nt, R), f32)

@@ -1,9 +1,9 @@
 """Q8_0: 32 weights per block, 34 bytes: d:f16, qs:i8[32]; x_j = qs[j] * d.
 
 Runtime tiles (lanes across rows, see base.TiledLinear):
-    q (nt, nb*32*R) i8,  d (nt, nb*R) u16 f16 bits
-Sums run in f32 (int8 x int8 products do not fit int16 lanes, and Q8_0 is memory-bound
-already).
+    q (nt, nb*32*R) i8 as quads (simd.py),  d (nt, nb*R) u16 f16 bits
+Decode quantizes x to int8 per block (q4.prep_q8_x), as llama.cpp's q8_0 x q8_0 dot
+does, and sums exactly in int32 with the CPU's pair-dot instructions (simd.i8_dot).
 """
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ from gguf.constants import LlamaFileType
 from numba import njit, prange
 
 from ..fp import f16_to_f32, get_f16, put_f16, wrap_u8
-from .base import TiledLinear, WeightFormat, anon_array, release_pages, repack_bytes, repack_halves
+from ..simd import ISA, i8_dot
+from .base import (TiledLinear, WeightFormat, anon_array, quad_offset, release_pages,
+                   repack_halves, repack_quads)
+from .q4 import prep_q8_x
 
 f32 = np.float32
 
@@ -60,31 +63,24 @@ def dequantize_q8_0(q, out):
 
 
 @njit(cache=True, fastmath=True, parallel=True)
-def matvec_q8_0(q, d, x, out, scratch):
-    # W (nt*R, n) Q8_0 tiles q (nt, nb*32*R) i8, d (nt, nb*R) u16 @ x (n,) -> out (d,)
-    # scratch (nt, 2, R) f32: per-tile sums
+def matvec_q8_0(q, d, x8, xd, out, scratch, s32):
+    # W (nt*R, n) Q8_0 tiles q (nt, nb*32*R) i8 quads, d (nt, nb*R) u16 @ x (prep_q8_x)
+    # -> out (d,); scratch (nt, R) f32, s32 (nt, R) int32: per-tile sums
     nt = q.shape[0]
-    R = scratch.shape[2]
-    nb = x.size // 32
+    R = s32.shape[1]
+    nb = xd.size
     for t in prange(nt):
         qt = q[t]
         dt = d[t]
-        acc = scratch[t, 0]
-        s = scratch[t, 1]
+        acc = scratch[t]
+        s = s32[t]
         acc[:] = 0
         for b in range(nb):
-            s[:] = 0
-            for j in range(0, 32, 4):
-                k = 32 * b + j
-                x0 = x[k]; x1 = x[k + 1]; x2 = x[k + 2]; x3 = x[k + 3]
-                o = k * R
-                q0 = qt[o:o + R]; q1 = qt[o + R:o + 2 * R]
-                q2 = qt[o + 2 * R:o + 3 * R]; q3 = qt[o + 3 * R:o + 4 * R]
-                for r in range(R):
-                    s[r] += f32(q0[r]) * x0 + f32(q1[r]) * x1 + f32(q2[r]) * x2 + f32(q3[r]) * x3
+            i8_dot(qt, 32 * b * R, x8, 32 * b, s, R, ISA)
             db = dt[b * R:(b + 1) * R]
+            dx = xd[b]
             for r in range(R):
-                acc[r] += f16_to_f32(db[r]) * s[r]
+                acc[r] += f16_to_f32(db[r]) * dx * f32(s[r])
         n = min(R, out.size - t * R)
         out[t * R:t * R + n] = acc[:n]
 
@@ -101,10 +97,10 @@ def dequant_q8_tiles(q, d, t0, t1, wt):
                 dsc[r] = f16_to_f32(d[t, b * R + r])
             c = (t - t0) * R
             for j in range(32):
-                qj = q[t, (32 * b + j) * R:(32 * b + j + 1) * R]
+                qj = q[t, quad_offset(32 * b * R, R, 0, j):]    # byte j of row r: qj[4r]
                 w = wt[32 * b + j, c:c + R]
                 for r in range(R):
-                    w[r] = f32(qj[r]) * dsc[r]
+                    w[r] = f32(qj[4 * r]) * dsc[r]
 
 
 @njit(cache=True, fastmath=True)
@@ -119,11 +115,11 @@ def rows_q8(q, d, ids, out):
         for b in range(nb):
             dd = f16_to_f32(d[t, b * R + r])
             for j in range(32):
-                row[32 * b + j] = f32(q[t, (32 * b + j) * R + r]) * dd
+                row[32 * b + j] = f32(q[t, quad_offset(32 * b * R, R, r, j)]) * dd
 
 
 class Q8Linear(TiledLinear):
-    """Q8_0 in row tiles: q (nt, nb*32*R) i8, d (nt, nb*R) u16."""
+    """Q8_0 in row tiles: q (nt, nb*32*R) i8 quads, d (nt, nb*R) u16."""
 
     def _load(self, raws):
         nb, nt, R = self.in_features // 32, self.nt, self.R
@@ -132,14 +128,20 @@ class Q8Linear(TiledLinear):
         row0 = 0
         for raw in raws:
             repack_halves(raw, row0, 34, 0, self.d)
-            repack_bytes(raw, row0, 34, 2, 34, q)
+            repack_quads(raw, row0, 34, 2, 32, q)
             release_pages(raw)
             row0 += raw.shape[0]
         self.q = q.view(np.int8)
-        self._scratch = np.zeros((nt, 2, R), f32)
+        self._scratch = np.zeros((nt, R), f32)
+        self._s32 = np.zeros((nt, R), np.int32)
+        self._x8 = np.zeros(self.in_features, np.int8)
+        self._xd = np.zeros(nb, f32)
+        self._xs8 = np.zeros(nb, np.int32)      # prep_q8_x's sums, unused here
+        self._xsum = np.zeros(nb, f32)
 
     def matvec(self, x, out):
-        matvec_q8_0(self.q, self.d, x, out, self._scratch)
+        prep_q8_x(x, self._x8, self._xd, self._xs8, self._xsum)
+        matvec_q8_0(self.q, self.d, self._x8, self._xd, out, self._scratch, self._s32)
 
     def _dequant_tiles(self, t0, t1, wt):
         dequant_q8_tiles(self.q, self.d, t0, t1, wt)
