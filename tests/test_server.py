@@ -555,10 +555,11 @@ def short_queue(models):
 def test_load_200_requests_from_8_clients(request, queue):
     """Nothing lost, nothing mixed up: every answer equals the one its request gets alone.
     With --queue 16 all 8 clients fit: no error at all. With --queue 2 the documented 503
-    (queue_full) is the only error, and a client that retries gets its answer."""
+    (queue_full) is the only error (usually dozens; how many depends on how fast the
+    clients are), and a client that retries gets its answer."""
     served = request.getfixturevalue("server" if queue == 16 else "short_queue")
     kinds = [(endpoint, stream, prompt, n) for endpoint in ("chat", "completions")
-             for stream in (False, True) for prompt, n in (("hello", 6), ("the end of", 12))]
+             for stream in (False, True) for prompt, n in (("hello", 8), ("the end of", 24))]
 
     def run(client, kind):
         endpoint, stream, prompt, n = kind
@@ -599,12 +600,10 @@ def test_load_200_requests_from_8_clients(request, queue):
         list(pool.map(client_loop, range(8)))
     seconds = time.monotonic() - t0
     assert answers == {"right": 200}, (answers, errors)
-    if queue == 16:
-        assert not errors
-    else:
-        assert set(errors) == {"503 queue_full"}
+    assert set(errors) <= ({"503 queue_full"} if queue == 2 else set()), errors
     print(f"--queue {queue}: 200 requests from 8 clients in {seconds:.1f} s, {dict(errors)}")
-    assert served.health()["queue"] == {"running": 0, "waiting": 0, "capacity": queue}
+    # idle again (the engine marks itself idle just after sending a reply's last event)
+    served.wait_health(lambda h: h["queue"] == {"running": 0, "waiting": 0, "capacity": queue})
 
 
 # -- the command ----------------------------------------------------------------------------
