@@ -32,7 +32,7 @@ def _refuse_unfitting(shape: str, ctx: int, n_prompt: int) -> None:
 
 
 def _size(n: int) -> str:
-    return f"{n / 2**30:.1f} GB" if n >= 2**30 * 0.95 else f"{n / 2**20:.0f} MB"
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 * 0.95 else f"{n / 2**20:.0f} MiB"
 
 
 def _shown(path: Path) -> str:

@@ -69,11 +69,10 @@ def chat(model, ctx, threads, max_tokens, system, history, **sampling):
                f"ctx {llm.ctx} | weights {llm.model.weight_bytes / 2**20:.0f} MiB + "
                f"KV {kv.nbytes / 2**20:.0f} MiB | loaded in {startup:.1f} s | /help for commands",
                err=True)
-    path = _history_path(history)
-    if path and not path.exists():
-        click.echo(f"(what you type is kept in {_shown(path)}; --no-history turns that off)",
-                   err=True)
-    reader = Reader(path)
+    reader = Reader(_history_path(history))
+    if reader.history and not reader.history.exists():
+        click.echo(f"(what you type is kept in {_shown(reader.history)}; --no-history turns "
+                   f"that off)", err=True)
     out = Output(sys.stdout)
     term_signal = signal.signal(signal.SIGTERM, _exit_on_signal)   # restore the terminal
     try:

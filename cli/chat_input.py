@@ -87,7 +87,7 @@ class Reader:
         self.fd = sys.stdin.fileno()
         self.tty = sys.stdin.isatty() and sys.stdout.isatty()
         self.readline = _gnu_readline() if self.tty else None
-        self.history = history
+        self.history = history if self.readline else None   # only readline keeps one
         self.assembler = Assembler()
         self.typed_ahead = ""
         self.notes: list[str] = []      # things to tell the user after a reply

@@ -109,7 +109,8 @@ def kernels_called(model) -> list[tuple[Dispatcher, tuple]]:
     """The kernels, with their argument types, that one prefill and one decode step
     call, in order of first use. Found by running both steps with every kernel of ours
     replaced by a recorder (in the modules that call them), so nothing compiles: only
-    the Python around the kernels runs, on whatever the buffers hold."""
+    the Python around the kernels runs, on whatever the buffers hold. Call it before
+    other threads use our kernels."""
     calls: dict = {}
     patched = []
     for mod in [m for name, m in sys.modules.items()

@@ -101,14 +101,14 @@ def test_generated_file_is_named_sized_and_kept_or_removed(tiny_shape):
     res = CliRunner().invoke(main, args)          # not a terminal: kept, and said so
     assert res.exit_code == 0, res.output
     size = tiny_shape.stat().st_size
-    assert f"Kept {tiny_shape} ({size / 2**20:.0f} MB" in res.stderr
+    assert f"Kept {tiny_shape} ({size / 2**20:.0f} MiB" in res.stderr
     assert "edgellama bench --clean" in res.stderr
     res = CliRunner().invoke(main, args)          # reused: not generated again
     assert "Generated" not in res.stderr and tiny_shape.exists()
     tiny_shape.with_suffix(".tmp").write_bytes(b"x")   # an interrupted generation's leftover
     res = CliRunner().invoke(main, ["bench", "--clean"])
     assert res.exit_code == 0, res.output
-    assert f"Removed 2 file(s), {(size + 1) / 2**20:.0f} MB" in res.stdout
+    assert f"Removed 2 file(s), {(size + 1) / 2**20:.0f} MiB" in res.stdout
     assert not tiny_shape.exists() and not tiny_shape.with_suffix(".tmp").exists()
     res = CliRunner().invoke(main, ["bench", "--clean"])
     assert "No bench files" in res.stdout
