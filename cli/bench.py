@@ -88,8 +88,9 @@ def _after_run(path: Path, generated: bool, keep: bool | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print every figure as JSON.")
 def bench(model, shape, qtype, ctx, full, n_prompt, n_gen, depth, threads, reps, budget, keep,
           clean, as_json):
-    """Will a model fit in memory, and how fast will it reply? (default: the Llama 3.2 3B
-    shape at Q4_0 with random weights, about a minute; --full for the whole suite)"""
+    """Will a model fit in memory, and how fast will it reply? (default: a quick check of
+    the Llama 3.2 3B shape at Q4_0 with random weights; --full for the llama-bench style
+    suite)"""
     if clean:
         files, size = benchmark.remove_bench_files()
         click.echo(f"Removed {files} file(s), {_size(size)}, from {_shown(benchmark.bench_dir())}."
