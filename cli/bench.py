@@ -77,8 +77,8 @@ def _after_run(path: Path, generated: bool, keep: bool | None) -> None:
 @click.option("--depth", type=click.IntRange(min=0), default=None,
               help="--full: cached tokens for decode-at-depth (default: fill the context).")
 @click.option("-t", "--threads", type=int, default=None, help="Worker threads.")
-@click.option("-r", "--reps", type=click.IntRange(min=1), default=3, show_default=True,
-              help="--full: repetitions of each test.")
+@click.option("-r", "--reps", type=click.IntRange(min=1), default=None,
+              help="--full: repetitions of each test [default: 3].")
 @click.option("--budget", type=float, default=8.0, show_default=True,
               help="Memory budget in GiB for the verdict.")
 @click.option("--keep/--no-keep", default=None,
@@ -98,8 +98,10 @@ def bench(model, shape, qtype, ctx, full, n_prompt, n_gen, depth, threads, reps,
         return
     if model and shape:
         raise click.UsageError("give either -m or --shape, not both")
-    if depth is not None and not full:
-        raise click.UsageError("--depth is measured by --full")
+    if not full and (depth is not None or reps is not None):
+        raise click.UsageError(f"{'--depth' if depth is not None else '-r'} is for --full "
+                               f"(the quick check runs each test once, at depth 0)")
+    reps = reps or 3
     n_prompt = n_prompt or (512 if full else 128)
     n_gen = n_gen or (128 if full else 32)
     status = StatusLine()

@@ -78,10 +78,12 @@ def test_quick_json_has_no_suite_figures(tmp_path):
     assert r["memory"]["rss_peak"] >= r["memory"]["rss_after_load"]
 
 
-def test_depth_needs_full(tmp_path):
-    res = CliRunner().invoke(main, ["bench", "-m", str(write_tiny_gguf(tmp_path / "t.gguf")),
-                                    "--depth", "8"])
-    assert res.exit_code == 2 and "--full" in res.output
+def test_depth_and_repetitions_need_full(tmp_path):
+    path = str(write_tiny_gguf(tmp_path / "t.gguf"))
+    res = CliRunner().invoke(main, ["bench", "-m", path, "--depth", "8"])
+    assert res.exit_code == 2 and "--depth is for --full" in res.output
+    res = CliRunner().invoke(main, ["bench", "-m", path, "-r", "2"])
+    assert res.exit_code == 2 and "-r is for --full" in res.output
 
 
 @pytest.fixture
