@@ -132,7 +132,7 @@ def kernels_called(model) -> list[tuple[Dispatcher, tuple]]:
 
 @dataclass
 class Warm:
-    seconds: float            # compiling or loading the kernels, and one step of each path
+    seconds: float            # compiling or loading the kernels, and one decode step
     compiled: int             # kernels Numba compiled; 0: all came from its cache
     compile_seconds: float    # the part of `seconds` spent compiling
 
@@ -145,8 +145,15 @@ def warm_up(model, show: Callable[[int, int | None, str], None] | None = None) -
     run: with any T it dequantizes every weight once, seconds for a 3B model."""
     t0 = time.perf_counter()
     with Compiling(show) as watch:
-        todo = kernels_called(model)
-        for i, (disp, sig) in enumerate(todo):
+        try:
+            todo = kernels_called(model)
+        except Exception:   # noqa: BLE001 - tests/test_jit_progress.py fails on this
+            # A kernel called in a way a recorder cannot stand in for (keyword arguments,
+            # a result the Python goes on to use): compile as both paths run instead,
+            # reported without a total.
+            todo = None
+            model.forward([0, 0], 0)
+        for i, (disp, sig) in enumerate(todo or []):
             watch.step = (i + 1, len(todo))
             disp.compile(sig)
         watch.step = None    # anything the list missed compiles below, still reported

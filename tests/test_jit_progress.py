@@ -44,3 +44,20 @@ def test_kernel_progress_off_a_terminal_is_two_lines():
     quiet = io.StringIO()
     KernelProgress(quiet).done(0, 0.0)            # all from the cache: nothing said
     assert quiet.getvalue() == ""
+
+
+def test_warm_up_without_the_dry_run_still_compiles_both_paths(tmp_path, monkeypatch):
+    llm = edgellama.load(write_tiny_gguf(tmp_path / "t.gguf", "Q8_0", ctx=256, vocab=512,
+                                         tokenizer=True), ctx=64)
+
+    def fails(model):
+        raise TypeError("a kernel called with keywords")
+    monkeypatch.setattr(jit, "kernels_called", fails)
+    shown = []
+    jit.warm_up(llm.model, lambda n, total, name: shown.append(total))
+    assert set(shown) <= {None}                   # numbered without a total, if any compiled
+    assert llm.model.cache.length == 0
+    with jit.Compiling() as watch:
+        llm.model.forward([1, 2, 3], 0)
+        llm.model.forward([4], 3)
+    assert watch.count == 0
