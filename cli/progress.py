@@ -11,20 +11,18 @@ from edgellama import jit
 
 
 class StatusLine:
-    """One line of progress on stderr, rewritten in place on a terminal. Elsewhere (a
-    log, a pipe) only lines passed with `log=True` are written, so logs stay short."""
+    """One line of progress on stderr, rewritten in place on a terminal; elsewhere (a
+    log, a pipe) nothing, so logs hold results only."""
 
     def __init__(self, stream=None):
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
         self.shown = False
 
-    def update(self, msg: str, log: bool = False) -> None:
+    def update(self, msg: str) -> None:
         if self.tty:
             click.echo(f"\r\033[K{msg}", file=self.stream, nl=False)
             self.shown = True
-        elif log:
-            click.echo(msg, file=self.stream)
 
     def clear(self) -> None:
         if self.shown:

@@ -210,7 +210,6 @@ class _Clock:
 
     def __init__(self, report, steps: dict[str, float]):
         self.report, self.steps = report, dict(steps)
-        self.t0 = time.perf_counter()
 
     def left(self, step: str, fraction: float) -> float:
         """Seconds left, `fraction` of `step` being done; steps run in dict order."""

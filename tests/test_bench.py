@@ -8,12 +8,12 @@ from functools import partial
 import pexpect
 import pytest
 from click.testing import CliRunner
+from edgellama.cli.main import main
+from tiny_gguf import write_tiny_gguf
 
 import edgellama.benchmark as B
-from edgellama.cli.main import main
 from edgellama.default_model import cache_dir
 from edgellama.membw import measure_read_bandwidth
-from tiny_gguf import write_tiny_gguf
 
 TINY = B.Shape(dim=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=256, train_ctx=256)
 

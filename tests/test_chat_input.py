@@ -8,10 +8,10 @@ import time
 
 import pexpect
 import pytest
-
 from edgellama.cli.chat_input import Assembler, clean
-from edgellama.default_model import cache_dir
 from test_chat_cli import EXE, PROMPT, _say, _spawn
+
+from edgellama.default_model import cache_dir
 
 PASTE = "\x1b[200~{}\x1b[201~"
 

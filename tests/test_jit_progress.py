@@ -3,13 +3,13 @@ compiled (or loaded) in turn with its number shown, and the forward pass then co
 nothing more."""
 import io
 
+from edgellama.cli.progress import KernelProgress
 from numba.core.dispatcher import Dispatcher
+from tiny_gguf import write_tiny_gguf
 
 import edgellama
 from edgellama import jit
 from edgellama import kernels as K
-from edgellama.cli.progress import KernelProgress
-from tiny_gguf import write_tiny_gguf
 
 
 def test_dry_run_finds_the_kernels_and_warm_up_leaves_nothing_to_compile(tmp_path):
