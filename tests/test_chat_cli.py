@@ -32,7 +32,7 @@ def test_multi_turn_conversation_with_commands(smollm2_gguf):
     # second turn prefilled only the new tokens: the cache holds the whole first turn
     used = int(stats.split("context: ")[1].split("/")[0])
     assert used > 20
-    reply = _say(c, "And of Italy?")
+    reply = _say(c, "What is the capital of Italy? Answer in one sentence.")
     assert "Rome" in reply
     assert "context: " in _say(c, "/stats")
     assert "conversation cleared" in _say(c, "/reset")
