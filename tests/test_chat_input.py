@@ -165,3 +165,28 @@ def test_first_compile_shows_which_kernel_of_how_many(smollm2_gguf, tmp_path):
     c.sendeof()
     c.expect(pexpect.EOF)
     assert time.time() - t0 < 240
+
+
+def test_without_readline_paste_markers_are_handled_here(smollm2_gguf):
+    # Python built without readline (or with libedit): the terminal's line discipline
+    # reads, and the chat turns bracketed paste on and off and joins the lines itself
+    code = ("import sys; sys.modules['readline'] = None; sys.argv[0] = 'edgellama'; "
+            "from edgellama.cli.main import main; main()")
+    c = pexpect.spawn(sys.executable, ["-c", code, "chat", "-m", str(smollm2_gguf), "--temp", "0",
+                                       "-n", "100", "--no-history"],
+                      encoding="utf-8", timeout=180, dimensions=(50, 250))
+    c.logfile_read = sys.stdout
+    c.expect_exact("\x1b[?2004h" + PROMPT)
+    c.send(PASTE.format("Answer in one word.\rWhat is the capital of France?") + "\r")
+    c.expect_exact("\x1b[?2004l")
+    c.expect_exact(PROMPT)
+    assert "Paris" in c.before
+    c.sendline("Write a long story about a dragon.")
+    c.expect(r"\w+ \w+ \w+")
+    c.send("zqxj")                     # typed during the reply: not echoed, and said so
+    c.expect_exact("(dropped 4 characters typed during the reply)")
+    assert "zqxj" not in c.before
+    c.sendeof()
+    c.expect(pexpect.EOF)
+    c.close()
+    assert c.exitstatus == 0
