@@ -112,11 +112,17 @@ def _dot(builder, kind, n, pairs, signed):
     return total
 
 
-def _quads_dot(signed):
-    """The codegen of nib_dot (signed False) and i8_dot (signed True)."""
+def _quads_dot(signed, ntok=1):
+    """The codegen of nib_dot (signed False) and i8_dot (signed True); with ntok > 1,
+    of their forms for ntok activation rows at once (args then: q, o, x8, xo, xstride,
+    acc, nr, isa; acc[k nr + r] for row k of x), each weight load serving them all."""
     def make(context, builder, sig, args, kind):
         i32 = ir.IntType(32)
-        oa, xoa, nra = args[1], args[3], args[5]
+        if ntok == 1:
+            oa, xoa, nra, ia = args[1], args[3], args[5], 4
+            xstride = None
+        else:
+            oa, xoa, xstride, nra, ia = args[1], args[3], args[4], args[6], 5
         k64 = lambda v: ir.Constant(oa.type, v)
         ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
         n = 16 if kind == VNNI512 else 8                    # rows per vector
@@ -124,22 +130,28 @@ def _quads_dot(signed):
         groups = 8 if signed else 4                         # 4-byte groups per row
         # x words (4 int8 each), per group: i8 elements 4g..4g+3; nibbles: the low
         # nibbles' elements 4g.., then the high nibbles' 16 + 4g..
-        xw = [builder.load(ptr(2, builder.add(xoa, k64(4 * g)), i32), align=1)
-              for g in range(8)]
+        xws = []
+        for k in range(ntok):
+            xo_k = xoa if k == 0 else builder.add(xoa, builder.mul(xstride, k64(k)))
+            xws.append([builder.load(ptr(2, builder.add(xo_k, k64(4 * g)), i32), align=1)
+                        for g in range(8)])
         mask = ir.Constant(wide, [0x0F0F0F0F] * n)
         four = ir.Constant(wide, [4] * n)
         with cgutils.for_range(builder, builder.udiv(nra, k64(n))) as loop:
             r0 = builder.mul(loop.index, k64(n))
-            pairs = []
+            ws = []
             for g in range(groups):
                 p = builder.add(builder.add(oa, builder.mul(nra, k64(4 * g))), builder.mul(r0, k64(4)))
                 w = builder.load(ptr(0, p, wide), align=1)
+                ws += [w] if signed else [builder.and_(w, mask),
+                                          builder.and_(builder.lshr(w, four), mask)]
+            for k, xw in enumerate(xws):
                 if signed:
-                    pairs.append((w, xw[g]))
-                else:
-                    pairs += [(builder.and_(w, mask), xw[g]),
-                              (builder.and_(builder.lshr(w, four), mask), xw[4 + g])]
-            builder.store(_dot(builder, kind, n, pairs, signed), ptr(4, r0, wide), align=4)
+                    pairs = list(zip(ws, xw))
+                else:       # low nibbles with x words 0..3, high ones with 4..7
+                    pairs = [(ws[2 * g + h], xw[4 * h + g]) for g in range(4) for h in (0, 1)]
+                out = r0 if k == 0 else builder.add(r0, builder.mul(nra, k64(k)))
+                builder.store(_dot(builder, kind, n, pairs, signed), ptr(ia, out, wide), align=4)
         return context.get_dummy_value()
     return make
 
@@ -165,4 +177,28 @@ def i8_dot(typingctx, q, o, x8, xo, acc, nr, isa):
         return None
     make = _quads_dot(signed=True)
     return (types.void(q, o, x8, xo, acc, nr, isa),
+            lambda context, builder, sig, args: make(context, builder, sig, args, isa.literal_value))
+
+
+TOKENS = 4       # activation rows per call of the multi-row forms (prefill)
+
+
+@intrinsic(prefer_literal=True)
+def nib_dot_rows(typingctx, q, o, x8, xo, xstride, acc, nr, isa):
+    """nib_dot for TOKENS rows of x at once: acc[k nr + r] (int32) for the x8 values at
+    xo + k xstride, k < TOKENS. Each weight vector is loaded and unpacked once."""
+    if not isinstance(isa, types.IntegerLiteral):
+        return None
+    make = _quads_dot(signed=False, ntok=TOKENS)
+    return (types.void(q, o, x8, xo, xstride, acc, nr, isa),
+            lambda context, builder, sig, args: make(context, builder, sig, args, isa.literal_value))
+
+
+@intrinsic(prefer_literal=True)
+def i8_dot_rows(typingctx, q, o, x8, xo, xstride, acc, nr, isa):
+    """i8_dot for TOKENS rows of x at once (as nib_dot_rows)."""
+    if not isinstance(isa, types.IntegerLiteral):
+        return None
+    make = _quads_dot(signed=True, ntok=TOKENS)
+    return (types.void(q, o, x8, xo, xstride, acc, nr, isa),
             lambda context, builder, sig, args: make(context, builder, sig, args, isa.literal_value))

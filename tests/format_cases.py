@@ -77,15 +77,16 @@ def check(got, ref_w, x, x_quantized=False, block=32, x_w=None):
     block, in the part x_w of W (default all of it)."""
     want = x.astype(np.float64) @ ref_w.T
     tol = 64 * EPS * (np.abs(x) @ np.abs(ref_w).T) + 1e-30
-    if x_quantized:
-        step = np.repeat(np.abs(x).reshape(-1, block).max(1), block) / 254
-        tol += np.abs(ref_w if x_w is None else x_w) @ step * 1.01
+    if x_quantized:   # x (n,) or (T, n), rounded per block of each row
+        step = np.repeat(np.abs(x).reshape(-1, block).max(1), block).reshape(x.shape) / 254
+        tol += step @ np.abs(ref_w if x_w is None else x_w).T * 1.01
     assert got.shape == want.shape
     assert np.all(np.abs(got - want) <= tol), np.max(np.abs(got - want) / tol)
 
 
-def check_matmul(lin, ref_w, T, monkeypatch):
-    """Prefill of T tokens through several chunks of rows (the last ragged)."""
+def check_matmul(lin, ref_w, T, monkeypatch, x_quantized=False):
+    """Prefill of T tokens through several chunks of rows (the last ragged); x_quantized:
+    the format's prefill rounds x to int8 per block (formats.q4.Int8Prefill)."""
     rows, n = ref_w.shape
     monkeypatch.setattr(base, "_CHUNK_FLOATS", n * 40)
     monkeypatch.setattr(base, "_CHUNK_MIN_ROWS", 1)
@@ -93,7 +94,7 @@ def check_matmul(lin, ref_w, T, monkeypatch):
     x = np.random.default_rng(2).standard_normal((T, n)).astype(np.float32)
     out = np.full((T, rows), np.nan, np.float32)
     lin.matmul(x, out)
-    check(out, ref_w, x)
+    check(out, ref_w, x, x_quantized=x_quantized)
 
 
 def check_rows(lin, ref_w, bits=True):

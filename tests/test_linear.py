@@ -50,7 +50,7 @@ def test_matvec(type_, shape):
 @pytest.mark.parametrize("T", [1, 7])
 def test_matmul(type_, T, monkeypatch):
     lin, ref = make(type_, (300, 64))
-    fc.check_matmul(lin, ref, T, monkeypatch)
+    fc.check_matmul(lin, ref, T, monkeypatch, x_quantized=type_ in (G.Q4_0, G.Q4_1, G.Q8_0))
 
 
 @pytest.mark.parametrize("type_", TYPES, ids=lambda t: t.name)
@@ -90,7 +90,7 @@ def test_stacked(type_):
     xs = np.random.default_rng(6).standard_normal((3, 96)).astype(np.float32)
     outs = np.full((3, 224), np.nan, np.float32)
     lin.matmul(xs, outs)
-    check(outs, ref, xs)
+    check(outs, ref, xs, x_quantized=type_ in (G.Q4_0, G.Q4_1, G.Q8_0))
     assert lin.split(outs)[2].shape == (3, 37)
 
 

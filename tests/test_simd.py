@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from numba import njit
 
-from edgellama.simd import AVX2, GENERIC, ISA, VNNI512, host_isa, i8_dot, nib_dot
+from edgellama.simd import (AVX2, GENERIC, ISA, TOKENS, VNNI512, host_isa, i8_dot, i8_dot_rows,
+                           nib_dot, nib_dot_rows)
 
 import llvmlite.binding as llvm
 
@@ -107,3 +108,39 @@ def test_int8_extremes_are_exact(isa, w, x):
     acc = np.zeros(R, np.int32)
     _dot8(np.full(32 * R, w, np.int8), 0, np.full(32, x, np.int8), 0, acc, R, isa)
     assert (acc == 32 * w * x).all()
+
+
+@njit
+def _rows(q, o, x8, xo, xs, acc, R, isa, signed):
+    # the multi-row forms, one compiled entry per instruction set
+    if signed:
+        if isa == 0:
+            i8_dot_rows(q, o, x8, xo, xs, acc, R, 0)
+        elif isa == 1:
+            i8_dot_rows(q, o, x8, xo, xs, acc, R, 1)
+        else:
+            i8_dot_rows(q, o, x8, xo, xs, acc, R, 2)
+    elif isa == 0:
+        nib_dot_rows(q, o, x8, xo, xs, acc, R, 0)
+    elif isa == 1:
+        nib_dot_rows(q, o, x8, xo, xs, acc, R, 1)
+    else:
+        nib_dot_rows(q, o, x8, xo, xs, acc, R, 2)
+
+
+@pytest.mark.parametrize("isa", [GENERIC, AVX2, VNNI512])
+@pytest.mark.parametrize("signed", [False, True], ids=["nibbles", "int8"])
+def test_multi_row_forms_equal_one_row_each(isa, signed):
+    # TOKENS rows of x at a stride (prefill): row k's sums equal the twin's for that row
+    if not RUNS[isa]:
+        pytest.skip("this CPU lacks the instructions")
+    R, o, xo, xs = 32, 5, 3, 70
+    rng = np.random.default_rng(isa)
+    q = (rng.integers(-128, 128, 32 * R + 64, dtype=np.int8) if signed
+         else rng.integers(0, 256, 16 * R + 64, dtype=np.uint8))
+    x8 = rng.integers(-127, 128, xo + xs * TOKENS + 32, dtype=np.int8)
+    acc = np.full(TOKENS * R, 7, np.int32)
+    _rows(q, o, x8, xo, xs, acc, R, isa, signed)
+    for k in range(TOKENS):
+        want = (twin8 if signed else twin)(q, o, x8, xo + k * xs, R)
+        np.testing.assert_array_equal(acc[k * R:(k + 1) * R], want)

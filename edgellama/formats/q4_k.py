@@ -36,9 +36,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..fp import f16_to_f32, get_f16, nearest_int, put_f16
-from ..simd import ISA, nib_dot
+from ..simd import ISA, TOKENS, nib_dot, nib_dot_rows
 from .base import TiledLinear, WeightFormat, anon_array, quad_offset, release_pages
-from .q4 import prep_q8_x
+from .q4 import Int8Prefill, prep_q8_x
 
 f32 = np.float32
 QK_K = 256
@@ -400,6 +400,52 @@ def matvec_q4_k(q, d, dmin, x8, xd, xsum, out, scratch, s32):
         out[t * R:t * R + n] = acc[:n]
 
 
+@njit(cache=True, fastmath=True, parallel=True)
+def matmul_q4_k(q, d, dmin, x8, xd, xsum, out, s32, acc):
+    # W (nt*R, n) Q4_K tiles @ x (q4.prep_q8_rows; x8 flat (Tp*n,)) -> out (T, dout) = x W^T
+    # s32 (nt, TOKENS*R) int32, acc (nt, 3*TOKENS, R) f32: per token, the row sums and the
+    # super-block's scale (a1) and min (a2) sums, as matvec_q4_k
+    T = out.shape[0]
+    nt = q.shape[0]
+    R = s32.shape[1] // TOKENS
+    nsub = xd.shape[1]
+    n = 32 * nsub
+    for t in prange(nt):
+        qt = q[t]
+        s = s32[t]
+        a = acc[t]
+        c0 = t * R
+        nc = min(R, out.shape[1] - c0)
+        for t0 in range(0, T, TOKENS):
+            a[:TOKENS] = 0
+            for b in range(nsub // 8):
+                a[TOKENS:] = 0
+                for u in range(8 * b, 8 * b + 8):
+                    o = 18 * u * R
+                    nib_dot_rows(qt, o, x8, t0 * n + 32 * u, n, s, R, ISA)
+                    scu = qt[o + 16 * R:o + 17 * R]
+                    mu = qt[o + 17 * R:o + 18 * R]
+                    for k in range(TOKENS):
+                        dx = xd[t0 + k, u]
+                        xs = xsum[t0 + k, u]
+                        a1 = a[TOKENS + k]
+                        a2 = a[2 * TOKENS + k]
+                        sk = s[k * R:(k + 1) * R]
+                        for r in range(R):
+                            a1[r] += f32(scu[r]) * (dx * f32(sk[r]))
+                            a2[r] += f32(mu[r]) * xs
+                db = d[t, b * R:(b + 1) * R]
+                mb = dmin[t, b * R:(b + 1) * R]
+                for k in range(TOKENS):
+                    ak = a[k]
+                    a1 = a[TOKENS + k]
+                    a2 = a[2 * TOKENS + k]
+                    for r in range(R):
+                        ak[r] += f16_to_f32(db[r]) * a1[r] - f16_to_f32(mb[r]) * a2[r]
+            for k in range(min(TOKENS, T - t0)):
+                out[t0 + k, c0:c0 + nc] = a[k, :nc]
+
+
 # --- prefill and embedding: dequantize from tiles (serial, exact: see q4.py) ----------------
 
 @njit(cache=True, inline="always")
@@ -477,7 +523,7 @@ class KLinear(TiledLinear):
         raise NotImplementedError
 
 
-class Q4KLinear(KLinear):
+class Q4KLinear(Int8Prefill, KLinear):
     """Q4_K in row tiles (KLinear, S = 18): 16 bytes of nibbles per row and sub-block, in
     Q4_0 order, as quads."""
 
@@ -494,6 +540,10 @@ class Q4KLinear(KLinear):
         prep_q8_x(x, self._x8, self._xd, self._xs8, self._xsum)
         matvec_q4_k(self.q, self.d, self.dmin, self._x8, self._xd, self._xsum, out,
                     self._scratch, self._s32)
+
+    def _gemm(self, x8, xd, xs8, xsum, out, s32, acc):
+        matmul_q4_k(self.q, self.d, self.dmin, x8, xd, xsum, out, s32,
+                    np.empty((self.nt, 3 * TOKENS, self.R), f32))
 
     def _dequant_tiles(self, t0, t1, wt):
         dequant_q4_k_tiles(self.q, self.d, self.dmin, t0, t1, wt)

@@ -15,7 +15,7 @@ from ..fp import f16_to_f32, get_f16, put_f16, wrap_u8
 from ..simd import ISA, i8_dot
 from .base import (TiledLinear, WeightFormat, anon_array, quad_offset, release_pages,
                    repack_halves, repack_quads)
-from .q4 import prep_q8_x
+from .q4 import KIND_Q8_0, Int8Prefill, matmul_blocks, prep_q8_x
 
 f32 = np.float32
 
@@ -118,7 +118,7 @@ def rows_q8(q, d, ids, out):
                 row[32 * b + j] = f32(q[t, quad_offset(32 * b * R, R, r, j)]) * dd
 
 
-class Q8Linear(TiledLinear):
+class Q8Linear(Int8Prefill, TiledLinear):
     """Q8_0 in row tiles: q (nt, nb*32*R) i8 quads, d (nt, nb*R) u16."""
 
     def _load(self, raws):
@@ -142,6 +142,9 @@ class Q8Linear(TiledLinear):
     def matvec(self, x, out):
         prep_q8_x(x, self._x8, self._xd, self._xs8, self._xsum)
         matvec_q8_0(self.q, self.d, self._x8, self._xd, out, self._scratch, self._s32)
+
+    def _gemm(self, x8, xd, xs8, xsum, out, s32, acc):
+        matmul_blocks(KIND_Q8_0, self.q, self.d, self.d, x8, xd, xs8, xsum, out, s32, acc)
 
     def _dequant_tiles(self, t0, t1, wt):
         dequant_q8_tiles(self.q, self.d, t0, t1, wt)
