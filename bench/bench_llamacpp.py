@@ -43,10 +43,11 @@ def _tokens(n: int, seed: int) -> list[int]:
 
 def worker_edgellama(path: str, threads: int | None, depth: int, pp: int, tg: int) -> dict:
     from edgellama.gguf import GGUFFile
-    from edgellama.machine import set_threads
+    from edgellama.machine import ThreadPolicy
     from edgellama.model import Transformer
-    threads = set_threads(threads)
-    m = Transformer(GGUFFile(path), ctx=depth + pp + tg + 8)   # shape files have no tokenizer
+    policy = ThreadPolicy(threads)              # None: automatic, as edgellama.load does
+    # Transformer, not edgellama.load: shape files have no tokenizer
+    m = Transformer(GGUFFile(path), ctx=depth + pp + tg + 8, threads=policy)
     m.forward(_tokens(16, 0), 0)                     # warm-up: kernels loaded, pages touched
     m.forward(_tokens(1, 1), 16)
     m.cache.fill_random(depth, __import__("numpy").random.default_rng(0))
@@ -58,7 +59,7 @@ def worker_edgellama(path: str, threads: int | None, depth: int, pp: int, tg: in
     for i, t in enumerate(toks):
         m.forward([t], depth + pp + i)
     t_tg = time.perf_counter() - t0
-    return {"pp": pp / t_pp, "tg": tg / t_tg, "threads": threads}
+    return {"pp": pp / t_pp, "tg": tg / t_tg, "threads": policy.current}
 
 
 def worker_llamacpp(path: str, threads: int, depth: int, pp: int, tg: int) -> dict:
