@@ -91,7 +91,7 @@ def worker_llamacpp(path: str, threads: int, depth: int, pp: int, tg: int) -> di
 
 def with_tokenizer(path: str) -> str:
     """A copy of a random-weight shape file with a tokenizer added (llama.cpp refuses a
-    model without one; ours never reads it): a synthetic byte-level vocabulary of the
+    model without one): a synthetic byte-level vocabulary (GPT-2 pre-tokenizer) of the
     model's size, no merges. Written once beside the original, as <name>-tok.gguf."""
     from pathlib import Path
 
@@ -115,7 +115,7 @@ def with_tokenizer(path: str) -> str:
             for key, value in g.metadata.items():
                 w.kv(key, *_typed(value, g.metadata_types[key]))
             w.kv("tokenizer.ggml.model", V.STRING, "gpt2")
-            w.kv("tokenizer.ggml.pre", V.STRING, "default")
+            w.kv("tokenizer.ggml.pre", V.STRING, "gpt-2")
             w.kv("tokenizer.ggml.tokens", V.ARRAY, tokens, V.STRING)
             w.kv("tokenizer.ggml.token_type", V.ARRAY, [1] * n_vocab, V.INT32)
             w.kv("tokenizer.ggml.merges", V.ARRAY, [], V.STRING)
