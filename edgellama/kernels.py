@@ -11,6 +11,7 @@ import numba as nb
 import numpy as np
 from llvmlite import ir
 from numba import prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .fp import f16_to_f32
@@ -86,6 +87,140 @@ def _exp_neg(x):
     return p * _bits_as_f32((np.int32(k) + np.int32(127)) << np.int32(23))
 
 
+@intrinsic(prefer_literal=True)
+def _scores16(typingctx, kt, koff, stride, qs, hd, s, soff, sstride, nblk, g):
+    """s[soff + j sstride + p] = sum_i qs[j hd + i] * K[i, p] for the nblk * 16 positions
+    p from 0, K[i, p] the f16 bits kt[koff + i stride + p], j < g (a constant): each K
+    vector is loaded and widened once for the g query heads, whose sums stay in
+    registers over the whole head dimension."""
+    if not isinstance(g, types.IntegerLiteral):
+        return None
+    G = g.literal_value
+
+    def codegen(context, builder, sig, args):
+        from .simd import ir_ptr
+        kta, koa, sta, qsa, hda, sa, soa, ssa, nba = args[:9]
+        f32, i16 = ir.FloatType(), ir.IntType(16)
+        v16 = ir.VectorType(f32, 16)
+        k64 = lambda v: ir.Constant(koa.type, v)
+        ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
+        fma = cgutils_fn(builder, "llvm.fma.v16f32", v16, [v16, v16, v16])
+        accs = [cgutils.alloca_once(builder, v16) for _ in range(G)]
+        with cgutils.for_range(builder, nba) as blk:
+            p = builder.mul(blk.index, k64(16))
+            for a in accs:
+                builder.store(ir.Constant(v16, None), a)
+            with cgutils.for_range(builder, hda) as it:
+                i = it.index
+                off = builder.add(builder.add(koa, builder.mul(i, sta)), p)
+                kv = builder.load(ptr(0, off, ir.VectorType(i16, 16)), align=2)
+                kf = builder.fpext(builder.bitcast(kv, ir.VectorType(ir.HalfType(), 16)), v16)
+                for j, a in enumerate(accs):
+                    qj = builder.load(ptr(3, builder.add(builder.mul(k64(j), hda), i), f32))
+                    qv = builder.shuffle_vector(
+                        builder.insert_element(ir.Constant(v16, None), qj, ir.Constant(ir.IntType(32), 0)),
+                        ir.Constant(v16, None), ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
+                    builder.store(builder.call(fma, [qv, kf, builder.load(a)]), a)
+            for j, a in enumerate(accs):
+                o = builder.add(builder.add(soa, builder.mul(k64(j), ssa)), p)
+                builder.store(builder.load(a), ptr(5, o, v16), align=4)
+        return context.get_dummy_value()
+
+    return types.void(kt, koff, stride, qs, hd, s, soff, sstride, nblk, g), codegen
+
+
+@intrinsic(prefer_literal=True)
+def _weighted16(typingctx, vt, voff, stride, i0, w, wstride, nblk, out, ooff, ostride, g):
+    """out[ooff + j ostride + i0 + ii] += sum_p w[j wstride + p] * V[i0 + ii, p] for
+    ii < 4, j < g (a constant), over the nblk * 16 positions p from 0, V[i, p] the f16
+    bits vt[voff + i stride + p]: 4 V rows and g weight rows per step, 4 g sums in
+    registers."""
+    if not isinstance(g, types.IntegerLiteral):
+        return None
+    G = g.literal_value
+
+    def codegen(context, builder, sig, args):
+        from .simd import ir_ptr
+        vta, voa, sta, i0a, wa, wsa, nba, oa, ooa, osa = args[:10]
+        f32, i16 = ir.FloatType(), ir.IntType(16)
+        v16 = ir.VectorType(f32, 16)
+        k64 = lambda v: ir.Constant(voa.type, v)
+        ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
+        fma = cgutils_fn(builder, "llvm.fma.v16f32", v16, [v16, v16, v16])
+        accs = [[cgutils.alloca_once(builder, v16) for _ in range(4)] for _ in range(G)]
+        for row in accs:
+            for a in row:
+                builder.store(ir.Constant(v16, None), a)
+        with cgutils.for_range(builder, nba) as blk:
+            p = builder.mul(blk.index, k64(16))
+            vs = []
+            for ii in range(4):
+                off = builder.add(builder.add(voa, builder.mul(builder.add(i0a, k64(ii)), sta)), p)
+                vv = builder.load(ptr(0, off, ir.VectorType(i16, 16)), align=2)
+                vs.append(builder.fpext(builder.bitcast(vv, ir.VectorType(ir.HalfType(), 16)), v16))
+            for j in range(G):
+                wj = builder.load(ptr(4, builder.add(builder.mul(k64(j), wsa), p), v16), align=4)
+                for ii in range(4):
+                    a = accs[j][ii]
+                    builder.store(builder.call(fma, [wj, vs[ii], builder.load(a)]), a)
+        red = cgutils_fn(builder, "llvm.vector.reduce.fadd.v16f32", f32, [f32, v16])
+        for j in range(G):
+            for ii in range(4):
+                o = builder.add(builder.add(ooa, builder.mul(k64(j), osa)), builder.add(i0a, k64(ii)))
+                po = ptr(7, o, f32)
+                tot = builder.call(red, [ir.Constant(f32, 0.0), builder.load(accs[j][ii])])
+                builder.store(builder.fadd(builder.load(po), tot), po)
+        return context.get_dummy_value()
+
+    return types.void(vt, voff, stride, i0, w, wstride, nblk, out, ooff, ostride, g), codegen
+
+
+def cgutils_fn(builder, name, ret, argtys):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, argtys), name)
+
+
+@nb.njit(cache=True, inline="always")
+def _scores(kt, koff, stride, qs, hd, s, soff, sstride, nblk, g):
+    # _scores16 with g as a constant, for the group sizes Llama models use (1..8)
+    if g == 4:
+        _scores16(kt, koff, stride, qs, hd, s, soff, sstride, nblk, 4)
+    elif g == 3:
+        _scores16(kt, koff, stride, qs, hd, s, soff, sstride, nblk, 3)
+    elif g == 8:
+        _scores16(kt, koff, stride, qs, hd, s, soff, sstride, nblk, 8)
+    elif g == 2:
+        _scores16(kt, koff, stride, qs, hd, s, soff, sstride, nblk, 2)
+    elif g == 1:
+        _scores16(kt, koff, stride, qs, hd, s, soff, sstride, nblk, 1)
+    elif g == 6:
+        _scores16(kt, koff, stride, qs, hd, s, soff, sstride, nblk, 6)
+    elif g == 5:
+        _scores16(kt, koff, stride, qs, hd, s, soff, sstride, nblk, 5)
+    else:
+        _scores16(kt, koff, stride, qs, hd, s, soff, sstride, nblk, 7)
+
+
+@nb.njit(cache=True, inline="always")
+def _weighted(vt, voff, stride, i0, w, wstride, nblk, out, ooff, ostride, g):
+    # _weighted16 with g as a constant (1..8)
+    if g == 4:
+        _weighted16(vt, voff, stride, i0, w, wstride, nblk, out, ooff, ostride, 4)
+    elif g == 3:
+        _weighted16(vt, voff, stride, i0, w, wstride, nblk, out, ooff, ostride, 3)
+    elif g == 8:
+        _weighted16(vt, voff, stride, i0, w, wstride, nblk, out, ooff, ostride, 8)
+    elif g == 2:
+        _weighted16(vt, voff, stride, i0, w, wstride, nblk, out, ooff, ostride, 2)
+    elif g == 1:
+        _weighted16(vt, voff, stride, i0, w, wstride, nblk, out, ooff, ostride, 1)
+    elif g == 6:
+        _weighted16(vt, voff, stride, i0, w, wstride, nblk, out, ooff, ostride, 6)
+    elif g == 5:
+        _weighted16(vt, voff, stride, i0, w, wstride, nblk, out, ooff, ostride, 5)
+    else:
+        _weighted16(vt, voff, stride, i0, w, wstride, nblk, out, ooff, ostride, 7)
+
+
 @nb.njit(cache=True, error_model="numpy", fastmath=True, parallel=True)
 def attention(q, kt_cache, vt_cache, pos0, scale, out, scratch):
     # q (T, H, hd) roped queries at positions pos0..pos0+T-1;
@@ -93,7 +228,7 @@ def attention(q, kt_cache, vt_cache, pos0, scale, out, scratch):
     # filled up to pos0+T. Positions are contiguous, so scores are multiply-adds over
     # positions and each output value is one long dot product over positions.
     # out (T, H, hd). Causal: token t sees positions 0..pos0+t.
-    # scratch (threads, g·ctx + TILE + g) f32, one row per worker thread.
+    # scratch (threads, g·ctx + TILE + g + g·hd) f32, one row per worker thread.
     # GQA: the g query heads of a KV head share every K and V row converted; repeated
     # K/V is never materialised.
     T, H, hd = q.shape
@@ -106,19 +241,27 @@ def attention(q, kt_cache, vt_cache, pos0, scale, out, scratch):
         s = buf[:g * ctx].reshape((g, ctx))
         row = buf[g * ctx:g * ctx + _TILE]    # one converted K or V row chunk
         tot_inv = buf[g * ctx + _TILE:g * ctx + _TILE + g]
+        qs = buf[g * ctx + _TILE + g:g * ctx + _TILE + g + g * hd]
         kt, vt = kt_cache[kvh], vt_cache[kvh]
-        # scores s[j, p] = scale · q_j · k_p, positions in L1-sized chunks
-        for c0 in range(0, n, _TILE):
-            m = min(n, c0 + _TILE) - c0
-            for j in range(g):
-                s[j, c0:c0 + m] = 0
+        for j in range(g):
             for i in range(hd):
-                ki = kt[i, c0:c0 + m]
+                qs[j * hd + i] = q[t, kvh * g + j, i] * scale
+        # scores s[j, p] = scale · q_j · k_p: 16 positions at a time in registers, then
+        # the last n % 16 positions
+        nfull = n // 16 * 16
+        if nfull:
+            _scores(kt_cache, kvh * hd * ctx, ctx, qs, hd, buf, 0, ctx, nfull // 16, g)
+        if nfull < n:
+            m = n - nfull
+            for j in range(g):
+                s[j, nfull:n] = 0
+            for i in range(hd):
+                ki = kt[i, nfull:n]
                 for p in range(m):
                     row[p] = f16_to_f32(ki[p])
                 for j in range(g):
-                    qi = q[t, kvh * g + j, i] * scale
-                    sj = s[j, c0:c0 + m]
+                    qi = qs[j * hd + i]
+                    sj = s[j, nfull:n]
                     for p in range(m):
                         sj[p] += qi * row[p]
         # softmax weights e^(s - max), unnormalised: out is divided by their sum at the end.
@@ -138,8 +281,16 @@ def attention(q, kt_cache, vt_cache, pos0, scale, out, scratch):
                 tot += e
             out[t, kvh * g + j] = 0
             tot_inv[j] = F32(1.0) / tot
-        # out[j, i] = Σ_p w[j, p] · v[i, p] / Σ_p w[j, p]
-        for c0 in range(0, n, _TILE):
+        # out[j, i] = Σ_p w[j, p] · v[i, p] / Σ_p w[j, p]: 16 positions and 4 rows of V at
+        # a time in registers, then the last n % 16 positions
+        if nfull and hd % 4 == 0:
+            for i0 in range(0, hd, 4):
+                _weighted(vt_cache, kvh * hd * ctx, ctx, i0, buf, ctx, nfull // 16,
+                          out, (t * H + kvh * g) * hd, hd, g)
+            start = nfull
+        else:
+            start = 0
+        for c0 in range(start, n, _TILE):
             m = min(n, c0 + _TILE) - c0
             for i in range(hd):
                 vi = vt[i, c0:c0 + m]
@@ -156,9 +307,10 @@ def attention(q, kt_cache, vt_cache, pos0, scale, out, scratch):
                 out[t, kvh * g + j, i] *= tot_inv[j]
 
 
-def attention_scratch(n_threads: int, n_heads: int, n_kv_heads: int, ctx: int) -> np.ndarray:
+def attention_scratch(n_threads: int, n_heads: int, n_kv_heads: int, ctx: int,
+                      head_dim: int) -> np.ndarray:
     g = n_heads // n_kv_heads
-    return np.zeros((n_threads, g * ctx + _TILE + g), F32)
+    return np.zeros((n_threads, g * ctx + _TILE + g + g * head_dim), F32)
 
 
 @nb.njit(cache=True, error_model="numpy")

@@ -82,7 +82,7 @@ class _Buffers:
         self.gate_up = np.empty((batch, 2 * a.ffn_dim), f)
         self.act = np.empty((batch, a.ffn_dim), f)      # silu(gate) * up
         self.logits = np.empty(a.vocab_size, f)
-        self.att_scratch = K.attention_scratch(n_threads, a.n_heads, a.n_kv_heads, ctx)
+        self.att_scratch = K.attention_scratch(n_threads, a.n_heads, a.n_kv_heads, ctx, a.head_dim)
 
     @property
     def nbytes(self) -> int:

@@ -79,7 +79,7 @@ def test_attention_matches_numpy(T, pos0, H, KV, hd, qscale):
     kt = np.ascontiguousarray(k.transpose(0, 2, 1))     # the cache stores K and V transposed
     vt = np.ascontiguousarray(v.transpose(0, 2, 1))
     out = np.empty_like(q)
-    scratch = K.attention_scratch(numba.config.NUMBA_NUM_THREADS, H, KV, ctx)
+    scratch = K.attention_scratch(numba.config.NUMBA_NUM_THREADS, H, KV, ctx, hd)
     K.attention(q, kt.view(np.uint16), vt.view(np.uint16), pos0, np.float32(hd ** -0.5), out, scratch)
     ref = numpy_attention(q, k.astype(np.float32), v.astype(np.float32), pos0)
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
