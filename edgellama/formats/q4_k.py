@@ -30,13 +30,10 @@ from __future__ import annotations
 
 import numpy as np
 from gguf.constants import LlamaFileType
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit, prange
 
 from ..fp import f16_to_f32, get_f16, nearest_int, put_f16
-from ..simd import ISA, TOKENS, nib_dot, nib_dot_rows
+from ..simd import ISA, TOKENS, nib_dot, nib_dot_rows, prefetch_run
 from .base import TiledLinear, WeightFormat, anon_array, quad_offset, release_pages
 from .q4 import Int8Prefill, prep_q8_x
 
@@ -334,33 +331,6 @@ def repack_q4_k(raw, row0, q, d, dmin):
 
 
 # --- decode --------------------------------------------------------------------------------
-
-@intrinsic
-def prefetch(typingctx, arr, idx):
-    # llvm.prefetch (read, keep in all cache levels) of the line holding arr[idx], 1-d arr
-    def codegen(context, builder, sig, args):
-        aty = sig.args[0]
-        ary = context.make_array(aty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, aty, ary, [args[1]], wraparound=False)
-        i8p = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0")
-        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3),
-                          ir.Constant(i32, 1)])
-        return context.get_dummy_value()
-    return types.void(arr, idx), codegen
-
-
-@njit(cache=True, inline="always")
-def prefetch_run(a, lo, n):
-    # prefetch the bytes a[lo:lo+n] (clipped to a), a 1-d u8 array: one call per 64 bytes.
-    # The K-quant kernels prefetch the next sub-block. From DRAM (24 matrices of
-    # 2048 x 8192, one thread, this VM): Q4_K 14.2 -> 17.1 GB/s, Q5_K 12.4 -> 18.3 GB/s
-    # (Q4_0's kernel, 19.7 GB/s, gained nothing from the same).
-    for i in range(lo, min(lo + n, a.size), 64):
-        prefetch(a, i)
-
 
 @njit(cache=True, fastmath=True, parallel=True)
 def matvec_q4_k(q, d, dmin, x8, xd, xsum, out, scratch, s32):

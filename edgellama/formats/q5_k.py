@@ -26,9 +26,10 @@ from gguf.constants import LlamaFileType
 from numba import njit, prange
 
 from ..fp import f16_to_f32, get_f16
+from ..simd import prefetch_run
 from .base import WeightFormat
 from .q4_k import (_CHUNK, _G, QK_K, KLinear, k_group_scratch, k_scales, k_tile_scales,
-                   prefetch_run, quantize_k_group, repack_k_tile_scales)
+                   quantize_k_group, repack_k_tile_scales)
 from .q5 import prep_q5_x, q5_block
 
 f32 = np.float32
