@@ -27,7 +27,8 @@ def run_model(shape: str, qtype: str, ctx: int, reps: int) -> dict:
     exe = shutil.which("edgellama")
     if exe is None:
         sys.exit("the edgellama command is not installed: pip install . first")
-    cmd = [exe, "bench", "--shape", shape, "--type", qtype, "--ctx", str(ctx), "-r", str(reps), "--json"]
+    cmd = [exe, "bench", "--full", "--shape", shape, "--type", qtype, "--ctx", str(ctx), "-r", str(reps),
+           "--json"]
     print("$", " ".join(cmd[1:]), flush=True)
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
