@@ -76,7 +76,8 @@ def _after_run(path: Path, generated: bool, keep: bool | None) -> None:
               help="Tokens for the decode tests [default: 32; --full 128].")
 @click.option("--depth", type=click.IntRange(min=0), default=None,
               help="--full: cached tokens for decode-at-depth (default: fill the context).")
-@click.option("-t", "--threads", type=int, default=None, help="Worker threads.")
+@click.option("-t", "--threads", type=int, default=None,
+              help="Worker threads (default: automatic, as for generate).")
 @click.option("-r", "--reps", type=click.IntRange(min=1), default=None,
               help="--full: repetitions of each test [default: 3].")
 @click.option("--budget", type=float, default=8.0, show_default=True,

@@ -22,7 +22,8 @@ if TYPE_CHECKING:   # numpy: not needed to parse the command line
 def model_flags(f):
     """-m/--model FILE, -hf/--hf-repo REPO[:QUANT], -c/--ctx, -t/--threads."""
     f = click.option("-t", "--threads", type=int, default=None,
-                     help="Worker threads (default: physical cores).")(f)
+                     help="Worker threads (default: automatic, the cores other "
+                          "processes leave free, at most the physical cores).")(f)
     f = click.option("-c", "--ctx", type=int, default=None,
                      help="Context length in tokens (default: the model's, at most 8192).")(f)
     f = click.option("-hf", "--hf-repo", "hf_repo", metavar="REPO[:QUANT]", default=None,

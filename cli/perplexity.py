@@ -118,7 +118,7 @@ def _summary(model, ref, ref_name, text, n_tokens, r, seconds) -> list[str]:
                    "divergence, top-token agreement and the perplexity ratio.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.option("-t", "--threads", type=int, default=None,
-              help="Worker threads (default: physical cores).")
+              help="Worker threads (default: automatic, as for generate).")
 def perplexity(model_arg, model, hf_repo, text_file, ctx, chunks, ref, as_json, threads):
     """Perplexity of a model over a text file, and its divergence from a reference."""
     from edgellama import perplexity as ppl

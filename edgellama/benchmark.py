@@ -28,8 +28,8 @@ from .formats import FORMATS, WRITABLE, quantize
 from .gguf import GGUFFile
 from .gguf_write import GGUFStreamWriter
 from .jit import Compiling, warm_up
-from .machine import (cpu_name, peak_resident_memory, reset_peak_resident_memory,
-                      resident_memory, set_threads, total_memory)
+from .machine import (ThreadPolicy, cpu_name, peak_resident_memory, reset_peak_resident_memory,
+                      resident_memory, total_memory)
 from .membw import measure_read_bandwidth
 from .model import KVCache, Transformer
 
@@ -234,7 +234,7 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
     of n_prompt tokens and n_gen decoded tokens at the start of the context. full=True
     adds `reps` repetitions, decode at `depth` cached tokens (default: the context
     filled), the read-bandwidth ceiling and NumPy's matmul on the same shapes."""
-    n_threads = set_threads(threads)
+    policy = ThreadPolicy(threads)   # as edgellama.load: automatic unless -t
     reps = reps if full else 1
     # BLAS allocates per-thread work buffers on first use: count them in the baseline
     w = np.ones((512, 512), np.float32)
@@ -246,7 +246,7 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
     g = GGUFFile(path)
     with Compiling(lambda n, total, name: progress(f"compiling kernels (first run only): {name}")) \
             as loading:
-        model = Transformer(g, ctx)
+        model = Transformer(g, ctx, threads=policy)
     load_s = time.perf_counter() - t0 - loading.seconds
     a = model.args
     if n_prompt + 1 > ctx:
@@ -350,7 +350,7 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
     return {
         "model": g.get("general.name") or path.name, "file": str(path), "synthetic": synthetic,
         "full": full, "types": model.type_summary(), "size_bytes": weights, "params": params,
-        "threads": n_threads, "ctx": ctx, "n_prompt": n_prompt, "n_gen": n_gen, "depth": depth,
+        "threads": policy.current, "threads_auto": policy.auto, "ctx": ctx, "n_prompt": n_prompt, "n_gen": n_gen, "depth": depth,
         "reps": reps,
         "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
                     "mem_total_bytes": total_memory()},
@@ -392,7 +392,7 @@ def format_quick(r: dict) -> str:
     runtime = m["predicted_total"] - m["weights"] - m["kv_cache"]
     lines = [
         f"model   {r['model']}: {r['types']}, {r['size_bytes'] / GiB:.2f} GiB, "
-        f"{r['threads']} threads",
+        f"{r['threads']} threads{' (automatic)' if r.get('threads_auto') else ''}",
         f"memory  {_needed(m) / GiB:.2f} GiB at ctx {r['ctx']}: weights "
         f"{m['weights'] / GiB:.2f} GiB + KV cache {m['kv_cache'] / GiB:.2f} GiB + runtime "
         f"{runtime / GiB:.2f} GiB predicted, {m['rss_peak'] / GiB:.2f} GiB measured at peak",
