@@ -137,6 +137,25 @@ def _quads_dot(signed, ntok=1):
                         for g in range(8)])
         mask = ir.Constant(wide, [0x0F0F0F0F] * n)
         four = ir.Constant(wide, [4] * n)
+        if ntok == 1:
+            # one pass over the rows per 4-byte group: the block's bytes are read in
+            # address order, one stream for the hardware prefetcher, the sums kept in acc
+            # (Q4_0 4096 x 2048 from DRAM: 20 -> 29 GB/s one thread, 27-35 -> 42-47 two;
+            # 4 streams 1 KiB apart, one per group, defeated the prefetcher)
+            for g in range(groups):
+                with cgutils.for_range(builder, builder.udiv(nra, k64(n))) as loop:
+                    r0 = builder.mul(loop.index, k64(n))
+                    p = builder.add(builder.add(oa, builder.mul(nra, k64(4 * g))), builder.mul(r0, k64(4)))
+                    w = builder.load(ptr(0, p, wide), align=1)
+                    xw = xws[0]
+                    pairs = [(w, xw[g])] if signed else [
+                        (builder.and_(w, mask), xw[g]),
+                        (builder.and_(builder.lshr(w, four), mask), xw[4 + g])]
+                    part = _dot(builder, kind, n, pairs, signed)
+                    pa = ptr(ia, r0, wide)
+                    builder.store(part if g == 0 else builder.add(builder.load(pa, align=4), part),
+                                  pa, align=4)
+            return context.get_dummy_value()
         with cgutils.for_range(builder, builder.udiv(nra, k64(n))) as loop:
             r0 = builder.mul(loop.index, k64(n))
             ws = []
