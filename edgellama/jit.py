@@ -3,12 +3,15 @@
 reply, telling which kernel of how many is compiling."""
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numba
 import numpy as np
@@ -22,17 +25,44 @@ from .default_model import cache_dir
 cache_note: str | None = None
 
 
+# Every file holding kernels or the intrinsics they inline (fp.py, simd.py).
+_KERNEL_SOURCES = ("fp.py", "simd.py", "kernels.py", "membw.py", "formats/*.py")
+
+
+def kernel_cache_dir() -> Path:
+    """cache_dir()/numba/<digest of the kernel sources and Numba's version>. Numba keys a
+    cached kernel by its own file only: a change to an intrinsic in simd.py would
+    otherwise leave q4.py's kernels running stale machine code."""
+    h = hashlib.sha256(numba.__version__.encode())
+    root = Path(__file__).parent
+    for pattern in _KERNEL_SOURCES:
+        for f in sorted(root.glob(pattern)):
+            h.update(f.name.encode() + f.read_bytes())
+    return cache_dir() / "numba" / h.hexdigest()[:16]
+
+
+def _drop_other_versions(keep: Path) -> None:
+    # kernels of other source versions (and of the flat layout before digests) are never
+    # loaded again (best effort: a process of another version recompiles what it misses)
+    for d in keep.parent.iterdir():
+        if d != keep and d.is_dir():
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def use_user_cache() -> None:
-    """Cache compiled kernels in cache_dir()/numba, never beside the installed sources; if
-    that cannot be written, compile ours in memory. Must run before any module with
+    """Cache compiled kernels in kernel_cache_dir(), never beside the installed sources;
+    if that cannot be written, compile ours in memory. Must run before any module with
     kernels is imported (the package's __init__ calls it first)."""
     global cache_note
     if os.environ.get("NUMBA_CACHE_DIR"):   # the user's choice; Numba's own rules apply
         return
-    path = cache_dir() / "numba"
+    path = kernel_cache_dir()
     try:
+        fresh = not path.is_dir()
         path.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=path).close()
+        if fresh:
+            _drop_other_versions(path)
     except OSError as e:
         cache_note = (f"cannot write the kernel cache {path} ({e.strerror or e}): kernels "
                       f"compile in memory on every run (EDGELLAMA_CACHE sets the directory)")

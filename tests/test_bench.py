@@ -12,7 +12,7 @@ from edgellama.cli.main import main
 from tiny_gguf import write_tiny_gguf
 
 import edgellama.benchmark as B
-from edgellama.default_model import cache_dir
+from edgellama.jit import kernel_cache_dir
 from edgellama.membw import measure_read_bandwidth
 
 TINY = B.Shape(dim=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=256, train_ctx=256)
@@ -137,7 +137,7 @@ def test_on_a_terminal_time_left_is_shown_and_a_new_file_is_offered_for_removal(
     code = ("import sys; import edgellama.benchmark as B; "
             f"B.SHAPES['llama-3.2-1b'] = B.{TINY!r}; "
             "from edgellama.cli.main import main; sys.argv[0] = 'edgellama'; main()")
-    env = dict(os.environ, EDGELLAMA_CACHE=str(tmp_path), NUMBA_CACHE_DIR=str(cache_dir() / "numba"))
+    env = dict(os.environ, EDGELLAMA_CACHE=str(tmp_path), NUMBA_CACHE_DIR=str(kernel_cache_dir()))
     path = tmp_path / "bench" / "llama-3.2-1b-random-q4_0.gguf"
 
     def bench(answer):

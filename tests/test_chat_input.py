@@ -11,7 +11,7 @@ import pytest
 from edgellama.cli.chat_input import Assembler, clean
 from test_chat_cli import EXE, PROMPT, _say, _spawn
 
-from edgellama.default_model import cache_dir
+from edgellama.jit import kernel_cache_dir
 
 PASTE = "\x1b[200~{}\x1b[201~"
 
@@ -120,7 +120,7 @@ def test_terminal_echo_comes_back_when_killed_during_a_reply(smollm2_gguf):
 
 def test_history_file_is_announced_once_and_can_be_turned_off(smollm2_gguf, tmp_path):
     # a fresh cache directory for the history; the kernel cache stays where it is
-    env = dict(os.environ, EDGELLAMA_CACHE=str(tmp_path), NUMBA_CACHE_DIR=str(cache_dir() / "numba"))
+    env = dict(os.environ, EDGELLAMA_CACHE=str(tmp_path), NUMBA_CACHE_DIR=str(kernel_cache_dir()))
     history = tmp_path / "chat_history"
 
     def run(*args):

@@ -484,6 +484,32 @@ def test_compiled_kernels_live_in_the_user_cache(tmp_path):
     assert Path(res.stdout.strip()).is_relative_to(tmp_path / "numba")
 
 
+def test_kernel_cache_is_keyed_by_the_kernel_sources(tmp_path):
+    # numba/<digest of fp.py, simd.py, kernels.py, formats/...>: a change to an intrinsic
+    # must not reuse kernels compiled against the old one; other versions' kernels go
+    code = ("import edgellama.jit as j, edgellama.kernels as k; "
+            "print(j.kernel_cache_dir()); print(k.rmsnorm._cache._cache_path)")
+    stale = tmp_path / "numba" / "0123456789abcdef"
+    stale.mkdir(parents=True)
+    res = _python(code, EDGELLAMA_CACHE=str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    digest_dir, kernel_path = (Path(line) for line in res.stdout.split())
+    assert digest_dir.parent == tmp_path / "numba" and len(digest_dir.name) == 16
+    assert kernel_path.is_relative_to(digest_dir)
+    assert not stale.exists()
+
+
+def test_kernel_cache_changes_with_an_intrinsic(monkeypatch):
+    from edgellama import jit
+    before = jit.kernel_cache_dir()
+    assert jit.kernel_cache_dir() == before                 # stable
+    read = Path.read_bytes
+    for name in ("simd.py", "fp.py", "q4.py"):              # intrinsics, and a kernel file
+        monkeypatch.setattr(Path, "read_bytes",
+                            lambda self, n=name: read(self) + (b"#" if self.name == n else b""))
+        assert jit.kernel_cache_dir() != before, name
+
+
 def test_unwritable_cache_and_home_still_run(tiny, tmp_path):
     """Read-only home (and install): kernels compile in memory, with one note."""
     home = tmp_path / "home"
