@@ -185,7 +185,7 @@ class ThreadPolicy:
             self._cpus = []
         self.auto = threads is None and self.max > 1 and _busy_seconds(self._cpus) is not None
         self.current = self.max
-        self.others = 0.0               # cores busy with other processes' work (smoothed)
+        self.others: float | None = None   # cores busy with other processes (smoothed)
         self._blas = None
         self._last = self._sample()
 
@@ -200,7 +200,9 @@ class ThreadPolicy:
             return
         others = max(0.0, (now[1] - self._last[1]) - (now[2] - self._last[2])) / dt
         self._last = now
-        self.others = 0.5 * self.others + 0.5 * others
+        # the first measurement (over the model's loading) decides at once: starting from
+        # "idle" would run the first second of a busy machine on too many threads
+        self.others = others if self.others is None else 0.5 * self.others + 0.5 * others
         free = len(self._cpus) - self.others
         self.current = max(1, min(self.max, int(free + 0.5)))
 
