@@ -137,11 +137,12 @@ def _quads_dot(signed, ntok=1):
                         for g in range(8)])
         mask = ir.Constant(wide, [0x0F0F0F0F] * n)
         four = ir.Constant(wide, [4] * n)
-        if ntok == 1:
-            # one pass over the rows per 4-byte group: the block's bytes are read in
-            # address order, one stream for the hardware prefetcher, the sums kept in acc
-            # (Q4_0 4096 x 2048 from DRAM: 20 -> 29 GB/s one thread, 27-35 -> 42-47 two;
-            # 4 streams 1 KiB apart, one per group, defeated the prefetcher)
+        if ntok == 1 and not signed:
+            # nibbles, one token: one pass over the rows per 4-byte group, so the block's
+            # bytes are read in address order (one stream for the prefetcher), the sums
+            # kept in acc. Q4_0 4096 x 2048, 2 threads, same runs: from DRAM 40-47 GB/s
+            # against 36-39 for all groups per row pass (4 streams 1 KiB apart), though
+            # 107-122 against 148-153 from cache. int8 (Q8_0) loses both ways: not used.
             for g in range(groups):
                 with cgutils.for_range(builder, builder.udiv(nra, k64(n))) as loop:
                     r0 = builder.mul(loop.index, k64(n))
