@@ -1,8 +1,9 @@
-"""Integer dot products of 4-bit weights with int8 activations, in the instructions each
-CPU has, for kernels that keep lanes across rows.
+"""Integer dot products of 4-bit and 8-bit weights with int8 activations, in the
+instructions each CPU has, for kernels that keep lanes across rows; and prefetch.
 
 Numba has no vector types and LLVM does not find the pair-dot instructions in plain
-loops, so `nib_dot` emits LLVM IR for one block of 32 weights of R rows:
+loops, so `nib_dot` (nibbles) and `i8_dot` (int8) emit LLVM IR for one block of 32
+weights of R rows, and their `_rows` forms for 4 rows of activations at once (prefill):
 
     VNNI (AVX-512)  vpdpbusd: 64 u8 x i8 products summed into 16 int32 lanes, 1 instruction
     AVX2            vpmaddubsw (u8 x i8 pairs -> int16) then vpmaddwd (-> int32)
