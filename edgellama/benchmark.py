@@ -31,6 +31,7 @@ from .jit import Compiling, warm_up
 from .machine import (ThreadPolicy, cpu_name, peak_resident_memory, reset_peak_resident_memory,
                       resident_memory, total_memory)
 from .membw import measure_read_bandwidth
+from .simd import ISA, ISA_NAMES
 from .model import KVCache, Transformer
 
 MiB = 2 ** 20
@@ -352,7 +353,8 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
         "full": full, "types": model.type_summary(), "size_bytes": weights, "params": params,
         "threads": policy.current, "threads_auto": policy.auto, "ctx": ctx, "n_prompt": n_prompt, "n_gen": n_gen, "depth": depth,
         "reps": reps,
-        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
+        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "kernels": ISA_NAMES[ISA],
+                    "python": platform.python_version(),
                     "mem_total_bytes": total_memory()},
         "load_seconds": load_s, "jit_seconds": warm.seconds + loading.seconds,
         "jit_compiled": warm.compiled + loading.count, "jit_cache_warm": not (warm.compiled + loading.count),
@@ -445,7 +447,8 @@ def format_report(r: dict) -> str:
            f"{s['tg_depth_gbs']:.1f} GB/s ({s['tg_depth_ceiling_ratio'] * 100:.0f}%)"
            if r["depth"] > 1 else ""),
         f"prefill: {s['pp_gflops']:.1f} GFLOP/s in linear layers vs NumPy f32 matmul "
-        f"{s['numpy_matmul_gflops']:.1f} GFLOP/s on the same shapes ({s['pp_vs_numpy'] * 100:.0f}%)",
+        f"{s['numpy_matmul_gflops']:.1f} GFLOP/s on the same shapes ({s['pp_vs_numpy'] * 100:.0f}%); "
+        f"integer kernels: {r['machine']['kernels']}",
         f"load {r['load_seconds']:.2f} s; JIT {r['jit_seconds']:.1f} s "
         f"({'cache warm' if r['jit_cache_warm'] else 'compiled now, cached for next time'})",
     ]

@@ -39,7 +39,7 @@ def host_isa() -> int:
 
 
 ISA = host_isa()
-ISA_NAMES = {GENERIC: "generic", AVX2: "AVX2 (vpmaddubsw)", VNNI512: "AVX-512 VNNI (vpdpbusd)"}
+ISA_NAMES = {GENERIC: "generic", AVX2: "AVX2 (vpmaddubsw)", VNNI512: "AVX-512 VNNI (vpdpbusd)"}   # reports
 
 
 def ir_ptr(context, builder, aty, arr, off, ty):
@@ -48,7 +48,7 @@ def ir_ptr(context, builder, aty, arr, off, ty):
     return builder.bitcast(builder.gep(data, [off]), ty.as_pointer())
 
 
-def _x86(builder, name, ret, args):
+def _call(builder, name, ret, args):
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]),
                                         name)
     return builder.call(fn, args)
@@ -72,15 +72,15 @@ def _dot(builder, kind, n, pairs, signed):
         total = ir.Constant(wide, None)
         if not signed:
             for w, x in pairs:
-                total = _x86(builder, name, wide, [total, w, _splat(builder, x, n)])
+                total = _call(builder, name, wide, [total, w, _splat(builder, x, n)])
             return total
         # vpdpbusd takes u8 x i8: (x + 128) . w, less 128 sum(w) (a second vpdpbusd by 1s)
         sum_w = ir.Constant(wide, None)
         ones = ir.Constant(wide, [0x01010101] * n)
         for w, x in pairs:
             xu = builder.xor(x, ir.Constant(i32, 0x80808080 - (1 << 32)))
-            total = _x86(builder, name, wide, [total, _splat(builder, xu, n), w])
-            sum_w = _x86(builder, name, wide, [sum_w, ones, w])
+            total = _call(builder, name, wide, [total, _splat(builder, xu, n), w])
+            sum_w = _call(builder, name, wide, [sum_w, ones, w])
         return builder.sub(total, builder.shl(sum_w, ir.Constant(wide, [7] * n)))
     if kind == AVX2:
         b32, h16 = ir.VectorType(i8, 32), ir.VectorType(i16, 16)
@@ -89,15 +89,15 @@ def _dot(builder, kind, n, pairs, signed):
         for w, x in pairs:
             wb, xb = builder.bitcast(w, b32), builder.bitcast(_splat(builder, x, n), b32)
             if signed:   # u8 |w| x i8 x sign(w), as llama.cpp: pairs within 2 * 128 * 127
-                xb = _x86(builder, "llvm.x86.avx2.psign.b", b32, [xb, wb])
-                wb = _x86(builder, "llvm.abs.v32i8", b32, [wb, ir.Constant(ir.IntType(1), 0)])
-            pr = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, [wb, xb])
+                xb = _call(builder, "llvm.x86.avx2.psign.b", b32, [xb, wb])
+                wb = _call(builder, "llvm.abs.v32i8", b32, [wb, ir.Constant(ir.IntType(1), 0)])
+            pr = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, [wb, xb])
             if signed:   # two pairs could pass int16: widen each to int32
-                pr = _x86(builder, "llvm.x86.avx2.pmadd.wd", wide, [pr, ones16])
+                pr = _call(builder, "llvm.x86.avx2.pmadd.wd", wide, [pr, ones16])
                 total = pr if total is None else builder.add(total, pr)
             else:        # nibbles: 8 pairs of 2 * 15 * 128 per lane stay below 2^15
                 s = pr if s is None else builder.add(s, pr)
-        return total if signed else _x86(builder, "llvm.x86.avx2.pmadd.wd", wide, [s, ones16])
+        return total if signed else _call(builder, "llvm.x86.avx2.pmadd.wd", wide, [s, ones16])
     # generic: widen, multiply, add; then the 4 sums of each 32-bit lane
     w4 = ir.VectorType(i32, 4 * n)
     s = ir.Constant(w4, None)
