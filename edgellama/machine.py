@@ -175,7 +175,7 @@ class ThreadPolicy:
     on 2 cores with one busy neighbour, 2 threads ran at a third of 1 thread's speed.
     Applies to Numba's threads (per calling thread) and to NumPy's BLAS (prefill).
     """
-    PERIOD = 0.5    # seconds between measurements: a few hundred decoded tokens at most
+    PERIOD = 0.5    # seconds between measurements (/proc/stat counts in 10 ms ticks)
 
     def __init__(self, threads: int | None = None):
         self.max = set_threads(threads)
@@ -186,7 +186,6 @@ class ThreadPolicy:
         self.auto = threads is None and self.max > 1 and _busy_seconds(self._cpus) is not None
         self.current = self.max
         self.others: float | None = None   # cores busy with other processes (smoothed)
-        self._blas = None
         self._last = self._sample()
 
     def _sample(self) -> tuple[float, float, float]:
@@ -212,18 +211,20 @@ class ThreadPolicy:
         if self.auto:
             self._measure()
         numba.set_num_threads(self.current)
-        if self._blas != self.current:
-            _blas_threads(self.current)
-            self._blas = self.current
+        _blas_threads(self.current)
         return self.current
 
 
-_blas = None
+_blas = None        # threadpoolctl's controller of NumPy's BLAS, and the count it was set to
+_blas_n = None
 
 
 def _blas_threads(n: int) -> None:
-    global _blas
+    global _blas, _blas_n
+    if n == _blas_n:     # the process-wide setting, whichever policy made it
+        return
     if _blas is None:    # looking for the loaded BLAS libraries takes ~50 ms: once
         import threadpoolctl   # well kept (scikit-learn's); knows OpenBLAS, MKL and BLIS
         _blas = threadpoolctl.ThreadpoolController()
     _blas.limit(limits=n, user_api="blas")
+    _blas_n = n
