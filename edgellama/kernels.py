@@ -181,7 +181,8 @@ def cgutils_fn(builder, name, ret, argtys):
 
 @nb.njit(cache=True, inline="always")
 def _scores(kt, koff, stride, qs, hd, s, soff, sstride, nblk, g):
-    # _scores16 with g as a constant, for the group sizes Llama models use (1..8)
+    # _scores16 with g as a constant, for the group sizes Llama models use (1..8; the
+    # caller takes the plain loops for others)
     if g == 4:
         _scores16(kt, koff, stride, qs, hd, s, soff, sstride, nblk, 4)
     elif g == 3:
@@ -196,13 +197,13 @@ def _scores(kt, koff, stride, qs, hd, s, soff, sstride, nblk, g):
         _scores16(kt, koff, stride, qs, hd, s, soff, sstride, nblk, 6)
     elif g == 5:
         _scores16(kt, koff, stride, qs, hd, s, soff, sstride, nblk, 5)
-    else:
+    elif g == 7:
         _scores16(kt, koff, stride, qs, hd, s, soff, sstride, nblk, 7)
 
 
 @nb.njit(cache=True, inline="always")
 def _weighted(vt, voff, stride, i0, w, wstride, nblk, out, ooff, ostride, g):
-    # _weighted16 with g as a constant (1..8)
+    # _weighted16 with g as a constant (1..8, as _scores)
     if g == 4:
         _weighted16(vt, voff, stride, i0, w, wstride, nblk, out, ooff, ostride, 4)
     elif g == 3:
@@ -217,7 +218,7 @@ def _weighted(vt, voff, stride, i0, w, wstride, nblk, out, ooff, ostride, g):
         _weighted16(vt, voff, stride, i0, w, wstride, nblk, out, ooff, ostride, 6)
     elif g == 5:
         _weighted16(vt, voff, stride, i0, w, wstride, nblk, out, ooff, ostride, 5)
-    else:
+    elif g == 7:
         _weighted16(vt, voff, stride, i0, w, wstride, nblk, out, ooff, ostride, 7)
 
 
@@ -248,20 +249,20 @@ def attention(q, kt_cache, vt_cache, pos0, scale, out, scratch):
                 qs[j * hd + i] = q[t, kvh * g + j, i] * scale
         # scores s[j, p] = scale · q_j · k_p: 16 positions at a time in registers, then
         # the last n % 16 positions
-        nfull = n // 16 * 16
+        nfull = n // 16 * 16 if g <= 8 else 0    # register sums for up to 8 heads a group
         if nfull:
             _scores(kt_cache, kvh * hd * ctx, ctx, qs, hd, buf, 0, ctx, nfull // 16, g)
-        if nfull < n:
-            m = n - nfull
+        for c0 in range(nfull, n, _TILE):
+            m = min(n, c0 + _TILE) - c0
             for j in range(g):
-                s[j, nfull:n] = 0
+                s[j, c0:c0 + m] = 0
             for i in range(hd):
-                ki = kt[i, nfull:n]
+                ki = kt[i, c0:c0 + m]
                 for p in range(m):
                     row[p] = f16_to_f32(ki[p])
                 for j in range(g):
                     qi = qs[j * hd + i]
-                    sj = s[j, nfull:n]
+                    sj = s[j, c0:c0 + m]
                     for p in range(m):
                         sj[p] += qi * row[p]
         # softmax weights e^(s - max), unnormalised: out is divided by their sum at the end.

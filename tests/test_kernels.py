@@ -67,6 +67,9 @@ def numpy_attention(q, k, v, pos0):
     (1, 0, 4, 2, 16, 1), (1, 300, 8, 2, 64, 1), (7, 90, 6, 3, 32, 1), (70, 0, 4, 4, 8, 1),
     (2, 1100, 24, 8, 128, 1),
     (3, 500, 8, 2, 64, 30),   # scores spanning hundreds: most weights underflow to zero
+    (1, 200, 7, 1, 32, 1), (2, 50, 10, 2, 16, 1), (2, 60, 8, 1, 8, 1), (2, 90, 12, 2, 16, 1),
+    (2, 100, 16, 1, 16, 1),   # 16 heads a group: past the register kernels, plain loops
+    (2, 40, 4, 2, 6, 1),      # head dim not a multiple of 4: V by the plain loops
 ])
 def test_attention_matches_numpy(T, pos0, H, KV, hd, qscale):
     ctx = 1200
