@@ -12,7 +12,7 @@ qs[j - 16] (Q4 order).
 Runtime tiles (lanes across rows, see base.TiledLinear): the nibbles exactly as Q4_0,
     q (nt, nb*16*R) u8,  d (nt, nd*R) u16 f16 bits (per 32 for NL, per 256 for XS),
     XS: sc (nt, nb*R) i8 = ls - 32 per 32 weights (8 bytes per 256 where the file has 6).
-Decode: x is quantized to int8 per 32 (q4.prep_q4_x, as llama.cpp's q8 activations), and
+Decode: x is quantized to int8 per 32 (q4.prep_q8_x, as llama.cpp's q8 activations), and
 each weight costs a lookup in the 16-entry table KVALUES * xq_j of its x value and an add.
 Numba has no vector table lookup (an indexed load becomes a gather, ~15x slower than the
 Q4_0 kernel here), so `kv_dot_acc` writes the inner step in target-independent LLVM IR,
@@ -37,7 +37,7 @@ from .base import (
     repack_bytes,
     repack_halves,
 )
-from .q4 import prep_q4_x
+from .q4 import prep_q8_x
 
 f32 = np.float32
 KVALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
@@ -319,14 +319,12 @@ def kv_values(typingctx, src, so, lo, hi, nr, lanes):
 
 
 @njit(cache=True)
-def prep_iq4_x(x, xa, xb, xd, xm, xsum, xq):
-    # x (n,) f32 -> prep_q4_x's int8 x per block of 32 (scale xd), as xq (n,) int16:
-    # xq_j = xa_j, xq_j+16 = xb_j + 16 xa_j
-    prep_q4_x(x, xa, xb, xd, xm, xsum)
-    for b in range(xd.size):
-        for j in range(16):
-            xq[32 * b + j] = xa[16 * b + j]
-            xq[32 * b + 16 + j] = xb[16 * b + j] + 16 * xa[16 * b + j]
+def prep_iq4_x(x, x8, xd, xs8, xsum, xq):
+    # x (n,) f32 -> prep_q8_x's int8 x per block of 32 (scale xd), widened to xq (n,)
+    # int16 for the table products
+    prep_q8_x(x, x8, xd, xs8, xsum)
+    for i in range(x8.size):
+        xq[i] = x8[i]
 
 
 @njit(cache=True, inline="always")
@@ -477,15 +475,14 @@ class IQ4Linear(TiledLinear):
             row0 += raw.shape[0]
         self._scratch = np.zeros((nt, R), f32)
         self._s32 = np.zeros((nt, R), np.int32)
-        self._xa = np.zeros(n // 2, np.int16)
-        self._xb = np.zeros(n // 2, np.int16)
+        self._x8 = np.zeros(n, np.int8)
         self._xd = np.zeros(nb, f32)
-        self._xm = np.zeros(nb, np.int16)
+        self._xs8 = np.zeros(nb, np.int32)
         self._xsum = np.zeros(nb, f32)
         self._xq = np.zeros(n, np.int16)
 
     def matvec(self, x, out):
-        prep_iq4_x(x, self._xa, self._xb, self._xd, self._xm, self._xsum, self._xq)
+        prep_iq4_x(x, self._x8, self._xd, self._xs8, self._xsum, self._xq)
         if self.per_d == 1:
             matvec_iq4_nl(self.q, self.d, self._xq, self._xd, out, self._scratch, self._s32)
         else:

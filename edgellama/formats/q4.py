@@ -124,39 +124,7 @@ def dequantize_q4_1(q, out):
             out[b * 32 + 16 + j] = d * f32(byte >> 4) + m
 
 
-# --- decode: x prepared once per matvec, then int16 nibble sums --------------------------
-
-@njit(cache=True, fastmath=True)
-def prep_q4_x(x, xa, xb, xd, xm, xsum):
-    # x (n,) f32 -> per block of 32, x quantized like llama.cpp's q8_0 activations:
-    # xq = round(x / xd) in [-127, 127], xd (nb,) the scale; then for a nibble byte
-    # v = lo + 16 hi, lo xq_j + hi xq_j+16 = v xa_j + (v >> 4) xb_j with xa (n/2,) int16
-    # = xq_j, xb = xq_j+16 - 16 xq_j (no nibble mask in the inner loop);
-    # xm (nb,) int16 = -8 sum(xq); xsum (nb,) exact float sums of x.
-    # Why int16: the kernels sum in int16 lanes (16 per 256-bit vector, vs 8 f32).
-    # Products and partial sums may wrap, but int16 arithmetic is exact mod 2^16 and the
-    # final sum((q - 8) xq) is within 32 * 8 * 127 = 32512 < 2^15, so it comes out exact.
-    nb = xd.size
-    for b in range(nb):
-        xblk = x[32 * b:32 * b + 32]
-        amax = f32(0)
-        s = f32(0)
-        for j in range(32):
-            amax = max(amax, abs(xblk[j]))
-            s += xblk[j]
-        d = amax / f32(127)
-        inv = f32(1) / d if d > 0 else f32(0)
-        qs = 0
-        for j in range(16):
-            lo = int(np.rint(xblk[j] * inv))
-            hi = int(np.rint(xblk[j + 16] * inv))
-            xa[16 * b + j] = lo
-            xb[16 * b + j] = hi - 16 * lo          # |.| <= 17 * 127
-            qs += lo + hi
-        xd[b] = d
-        xm[b] = -8 * qs                            # |.| <= 8 * 32 * 127 < 2^15
-        xsum[b] = s
-
+# --- decode: x quantized to int8 once per matvec, then pair-dot sums ----------------------
 
 @njit(cache=True, fastmath=True)
 def prep_q8_x(x, x8, xd, xs8, xsum):

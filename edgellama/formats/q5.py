@@ -25,7 +25,7 @@ from numba import njit, prange
 
 from ..fp import f16_to_f32, get_f16, put_f16, wrap_u8
 from .base import TiledLinear, WeightFormat, anon_array, release_pages, repack_halves
-from .q4 import prep_q4_x, signed_absmax
+from .q4 import prep_q8_x, signed_absmax
 
 f32 = np.float32
 
@@ -169,20 +169,19 @@ def repack_q5(raw, row0, bs, off, dst):
 # --- decode: x prepared once per matvec, then int16 word sums ----------------------------
 
 @njit(cache=True)
-def prep_q5_x(x, xa, xb, xd, xm, xsum, c, xm5):
-    # x (n,) f32 -> prep_q4_x's int8 x per block of 32 (xq_j = xa_j, xq_j+16 = xb_j +
-    # 16 xa_j; scale xd, sum xsum) and from it c (nb*40,) int16, the 4 coefficients of
+def prep_q5_x(x, x8, xd, xs8, xsum, c, xm5):
+    # x (n,) f32 -> q4.prep_q8_x's int8 x8 per block of 32 (scale xd, sums xs8 and
+    # xsum) and from it c (nb*40,) int16, the 4 coefficients of
     # each of the 10 words of a block (module docstring), and xm5 (nb*2,) int16 =
     # -16 sum(xq) per group of 16, so that a group sums to sum((u - 16) xq): within
     # +-16*16*127 < 2^15, exact in int16 however the partial sums wrap.
-    prep_q4_x(x, xa, xb, xd, xm, xsum)
+    prep_q8_x(x, x8, xd, xs8, xsum)
     e = np.empty(16, np.int64)
     for b in range(xd.size):
         for g in range(2):
             tot = 0
             for j in range(16):
-                a = np.int64(xa[16 * b + j])
-                e[j] = a if g == 0 else xb[16 * b + j] + 16 * a
+                e[j] = x8[32 * b + 16 * g + j]
                 tot += e[j]
             xm5[2 * b + g] = -16 * tot
             for k in range(5):
@@ -219,7 +218,7 @@ def q5_block(q16, o, c, k, s0, s1, m0, m1):
     y4 = q16[o + 9 * R:o + 10 * R]
     for r in range(R):
         # computed wide by Numba's typing, but only 16 bits are stored: LLVM narrows each
-        # group sum to int16 vector ops (as q4.q4_block)
+        # group sum to int16 vector ops (vpmullw / vpaddw)
         v0 = w0[r]; v1 = w1[r]; v2 = w2[r]; v3 = w3[r]; v4 = w4[r]
         s0[r] = np.int16(m0 + v0 * a00 + (v0 >> 5) * a01 + (v0 >> 10) * a02 + (v0 >> 15) * a03
                          + v1 * a10 + (v1 >> 5) * a11 + (v1 >> 10) * a12 + (v1 >> 15) * a13
@@ -372,16 +371,15 @@ class Q5Linear(TiledLinear):
             row0 += raw.shape[0]
         self._scratch = np.zeros((nt, R), f32)
         self._s16 = np.zeros((nt, 2, R), np.int16)
-        self._xa = np.zeros(n // 2, np.int16)
-        self._xb = np.zeros(n // 2, np.int16)
+        self._x8 = np.zeros(n, np.int8)
         self._xd = np.zeros(nb, f32)
-        self._xm = np.zeros(nb, np.int16)
+        self._xs8 = np.zeros(nb, np.int32)
         self._xsum = np.zeros(nb, f32)
         self._c = np.zeros(nb * 40, np.int16)
         self._xm5 = np.zeros(nb * 2, np.int16)
 
     def matvec(self, x, out):
-        prep_q5_x(x, self._xa, self._xb, self._xd, self._xm, self._xsum, self._c, self._xm5)
+        prep_q5_x(x, self._x8, self._xd, self._xs8, self._xsum, self._c, self._xm5)
         matvec_q5(self.w, self.d, self.m, self.has_m, self._c, self._xd, self._xm5, self._xsum,
                   out, self._scratch, self._s16)
 

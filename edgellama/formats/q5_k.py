@@ -234,9 +234,8 @@ class Q5KLinear(KLinear):
         self.q16 = self.q.view(np.uint16)        # the words' view of the tiles
         n, nsub = self.in_features, self.in_features // 32
         self._s16 = np.zeros((self.nt, 2, self.R), np.int16)
-        self._xa = np.zeros(n // 2, np.int16)
-        self._xb = np.zeros(n // 2, np.int16)
-        self._xm = np.zeros(nsub, np.int16)
+        self._x8 = np.zeros(n, np.int8)
+        self._xs8 = np.zeros(nsub, np.int32)
         self._xc = np.zeros(nsub * 40, np.int16)
         self._xm5 = np.zeros(nsub * 2, np.int16)
 
@@ -244,7 +243,7 @@ class Q5KLinear(KLinear):
         repack_q5_k(raw, row0, self.q, self.q.view(np.uint16), self.d, self.dmin)
 
     def matvec(self, x, out):
-        prep_q5_x(x, self._xa, self._xb, self._xd, self._xm, self._xsum, self._xc, self._xm5)
+        prep_q5_x(x, self._x8, self._xd, self._xs8, self._xsum, self._xc, self._xm5)
         matvec_q5_k(self.q, self.q16, self.d, self.dmin, self._xc, self._xd,
                     self._xm5, self._xsum, out, self._scratch, self._s16)
 
