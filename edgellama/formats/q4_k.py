@@ -496,6 +496,7 @@ class KLinear(TiledLinear):
 class Q4KLinear(Int8Prefill, KLinear):
     """Q4_K in row tiles (KLinear, S = 18): 16 bytes of nibbles per row and sub-block, in
     Q4_0 order, as quads."""
+    gemm_sums = 3    # matmul_q4_k: the row sums, and the super-block's scale and min sums
 
     def _load(self, raws):
         super()._load(raws)
@@ -512,8 +513,7 @@ class Q4KLinear(Int8Prefill, KLinear):
                     self._scratch, self._s32)
 
     def _gemm(self, x8, xd, xs8, xsum, out, s32, acc):
-        matmul_q4_k(self.q, self.d, self.dmin, x8, xd, xsum, out, s32,
-                    np.empty((self.nt, 3 * TOKENS, self.R), f32))
+        matmul_q4_k(self.q, self.d, self.dmin, x8, xd, xsum, out, s32, acc)
 
     def _dequant_tiles(self, t0, t1, wt):
         dequant_q4_k_tiles(self.q, self.d, self.dmin, t0, t1, wt)
