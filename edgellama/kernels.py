@@ -15,6 +15,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .fp import f16_to_f32
+from .simd import call_llvm, ir_ptr, splat
 
 F32 = np.float32
 _TILE = 1024        # positions per chunk: long contiguous runs of each K/V row (prefetch),
@@ -87,6 +88,18 @@ def _exp_neg(x):
     return p * _bits_as_f32((np.int32(k) + np.int32(127)) << np.int32(23))
 
 
+def _f16x16(builder, p):
+    # <16 x float>: the 16 IEEE halves at p (an i16 vector pointer), widened
+    v = builder.load(p, align=2)
+    return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), 16)),
+                         ir.VectorType(ir.FloatType(), 16))
+
+
+def _fma(builder, a, b, c):
+    # a * b + c, <16 x float>, one fused multiply-add
+    return call_llvm(builder, "llvm.fma.v16f32", a.type, [a, b, c])
+
+
 @intrinsic(prefer_literal=True)
 def _scores16(typingctx, kt, koff, stride, qs, hd, s, soff, sstride, nblk, g):
     """s[soff + j sstride + p] = sum_i qs[j hd + i] * K[i, p] for the nblk * 16 positions
@@ -98,13 +111,11 @@ def _scores16(typingctx, kt, koff, stride, qs, hd, s, soff, sstride, nblk, g):
     G = g.literal_value
 
     def codegen(context, builder, sig, args):
-        from .simd import ir_ptr
         kta, koa, sta, qsa, hda, sa, soa, ssa, nba = args[:9]
         f32, i16 = ir.FloatType(), ir.IntType(16)
         v16 = ir.VectorType(f32, 16)
         k64 = lambda v: ir.Constant(koa.type, v)
         ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
-        fma = cgutils_fn(builder, "llvm.fma.v16f32", v16, [v16, v16, v16])
         accs = [cgutils.alloca_once(builder, v16) for _ in range(G)]
         with cgutils.for_range(builder, nba) as blk:
             p = builder.mul(blk.index, k64(16))
@@ -113,14 +124,10 @@ def _scores16(typingctx, kt, koff, stride, qs, hd, s, soff, sstride, nblk, g):
             with cgutils.for_range(builder, hda) as it:
                 i = it.index
                 off = builder.add(builder.add(koa, builder.mul(i, sta)), p)
-                kv = builder.load(ptr(0, off, ir.VectorType(i16, 16)), align=2)
-                kf = builder.fpext(builder.bitcast(kv, ir.VectorType(ir.HalfType(), 16)), v16)
+                kf = _f16x16(builder, ptr(0, off, ir.VectorType(i16, 16)))
                 for j, a in enumerate(accs):
                     qj = builder.load(ptr(3, builder.add(builder.mul(k64(j), hda), i), f32))
-                    qv = builder.shuffle_vector(
-                        builder.insert_element(ir.Constant(v16, None), qj, ir.Constant(ir.IntType(32), 0)),
-                        ir.Constant(v16, None), ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
-                    builder.store(builder.call(fma, [qv, kf, builder.load(a)]), a)
+                    builder.store(_fma(builder, splat(builder, qj, 16), kf, builder.load(a)), a)
             for j, a in enumerate(accs):
                 o = builder.add(builder.add(soa, builder.mul(k64(j), ssa)), p)
                 builder.store(builder.load(a), ptr(5, o, v16), align=4)
@@ -140,13 +147,11 @@ def _weighted16(typingctx, vt, voff, stride, i0, w, wstride, nblk, out, ooff, os
     G = g.literal_value
 
     def codegen(context, builder, sig, args):
-        from .simd import ir_ptr
         vta, voa, sta, i0a, wa, wsa, nba, oa, ooa, osa = args[:10]
         f32, i16 = ir.FloatType(), ir.IntType(16)
         v16 = ir.VectorType(f32, 16)
         k64 = lambda v: ir.Constant(voa.type, v)
         ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
-        fma = cgutils_fn(builder, "llvm.fma.v16f32", v16, [v16, v16, v16])
         accs = [[cgutils.alloca_once(builder, v16) for _ in range(4)] for _ in range(G)]
         for row in accs:
             for a in row:
@@ -156,27 +161,22 @@ def _weighted16(typingctx, vt, voff, stride, i0, w, wstride, nblk, out, ooff, os
             vs = []
             for ii in range(4):
                 off = builder.add(builder.add(voa, builder.mul(builder.add(i0a, k64(ii)), sta)), p)
-                vv = builder.load(ptr(0, off, ir.VectorType(i16, 16)), align=2)
-                vs.append(builder.fpext(builder.bitcast(vv, ir.VectorType(ir.HalfType(), 16)), v16))
+                vs.append(_f16x16(builder, ptr(0, off, ir.VectorType(i16, 16))))
             for j in range(G):
                 wj = builder.load(ptr(4, builder.add(builder.mul(k64(j), wsa), p), v16), align=4)
                 for ii in range(4):
                     a = accs[j][ii]
-                    builder.store(builder.call(fma, [wj, vs[ii], builder.load(a)]), a)
-        red = cgutils_fn(builder, "llvm.vector.reduce.fadd.v16f32", f32, [f32, v16])
+                    builder.store(_fma(builder, wj, vs[ii], builder.load(a)), a)
         for j in range(G):
             for ii in range(4):
                 o = builder.add(builder.add(ooa, builder.mul(k64(j), osa)), builder.add(i0a, k64(ii)))
                 po = ptr(7, o, f32)
-                tot = builder.call(red, [ir.Constant(f32, 0.0), builder.load(accs[j][ii])])
+                tot = call_llvm(builder, "llvm.vector.reduce.fadd.v16f32", f32,
+                                [ir.Constant(f32, 0.0), builder.load(accs[j][ii])])
                 builder.store(builder.fadd(builder.load(po), tot), po)
         return context.get_dummy_value()
 
     return types.void(vt, voff, stride, i0, w, wstride, nblk, out, ooff, ostride, g), codegen
-
-
-def cgutils_fn(builder, name, ret, argtys):
-    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, argtys), name)
 
 
 @nb.njit(cache=True, inline="always")

@@ -48,13 +48,15 @@ def ir_ptr(context, builder, aty, arr, off, ty):
     return builder.bitcast(builder.gep(data, [off]), ty.as_pointer())
 
 
-def _call(builder, name, ret, args):
+def call_llvm(builder, name, ret, args):
+    """A call of the LLVM function or intrinsic `name` returning `ret`."""
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]),
                                         name)
     return builder.call(fn, args)
 
 
-def _splat(builder, scalar, n):
+def splat(builder, scalar, n):
+    """<n x type>: scalar in every lane."""
     vt = ir.VectorType(scalar.type, n)
     one = builder.insert_element(ir.Constant(vt, None), scalar, ir.Constant(ir.IntType(32), 0))
     return builder.shuffle_vector(one, ir.Constant(vt, None),
@@ -72,39 +74,39 @@ def _dot(builder, kind, n, pairs, signed):
         total = ir.Constant(wide, None)
         if not signed:
             for w, x in pairs:
-                total = _call(builder, name, wide, [total, w, _splat(builder, x, n)])
+                total = call_llvm(builder, name, wide, [total, w, splat(builder, x, n)])
             return total
         # vpdpbusd takes u8 x i8: (x + 128) . w, less 128 sum(w) (a second vpdpbusd by 1s)
         sum_w = ir.Constant(wide, None)
         ones = ir.Constant(wide, [0x01010101] * n)
         for w, x in pairs:
             xu = builder.xor(x, ir.Constant(i32, 0x80808080 - (1 << 32)))
-            total = _call(builder, name, wide, [total, _splat(builder, xu, n), w])
-            sum_w = _call(builder, name, wide, [sum_w, ones, w])
+            total = call_llvm(builder, name, wide, [total, splat(builder, xu, n), w])
+            sum_w = call_llvm(builder, name, wide, [sum_w, ones, w])
         return builder.sub(total, builder.shl(sum_w, ir.Constant(wide, [7] * n)))
     if kind == AVX2:
         b32, h16 = ir.VectorType(i8, 32), ir.VectorType(i16, 16)
         ones16 = ir.Constant(h16, [1] * 16)
         total, s = None, None
         for w, x in pairs:
-            wb, xb = builder.bitcast(w, b32), builder.bitcast(_splat(builder, x, n), b32)
+            wb, xb = builder.bitcast(w, b32), builder.bitcast(splat(builder, x, n), b32)
             if signed:   # u8 |w| x i8 x sign(w), as llama.cpp: pairs within 2 * 128 * 127
-                xb = _call(builder, "llvm.x86.avx2.psign.b", b32, [xb, wb])
-                wb = _call(builder, "llvm.abs.v32i8", b32, [wb, ir.Constant(ir.IntType(1), 0)])
-            pr = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, [wb, xb])
+                xb = call_llvm(builder, "llvm.x86.avx2.psign.b", b32, [xb, wb])
+                wb = call_llvm(builder, "llvm.abs.v32i8", b32, [wb, ir.Constant(ir.IntType(1), 0)])
+            pr = call_llvm(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, [wb, xb])
             if signed:   # two pairs could pass int16: widen each to int32
-                pr = _call(builder, "llvm.x86.avx2.pmadd.wd", wide, [pr, ones16])
+                pr = call_llvm(builder, "llvm.x86.avx2.pmadd.wd", wide, [pr, ones16])
                 total = pr if total is None else builder.add(total, pr)
             else:        # nibbles: 8 pairs of 2 * 15 * 128 per lane stay below 2^15
                 s = pr if s is None else builder.add(s, pr)
-        return total if signed else _call(builder, "llvm.x86.avx2.pmadd.wd", wide, [s, ones16])
+        return total if signed else call_llvm(builder, "llvm.x86.avx2.pmadd.wd", wide, [s, ones16])
     # generic: widen, multiply, add; then the 4 sums of each 32-bit lane
     w4 = ir.VectorType(i32, 4 * n)
     s = ir.Constant(w4, None)
     for w, x in pairs:
         wv = builder.bitcast(w, b4)
         wv = builder.sext(wv, w4) if signed else builder.zext(wv, w4)
-        xv = builder.sext(builder.bitcast(_splat(builder, x, n), b4), w4)
+        xv = builder.sext(builder.bitcast(splat(builder, x, n), b4), w4)
         s = builder.add(s, builder.mul(wv, xv))
     total = None
     for k in range(4):

@@ -37,6 +37,7 @@ from .base import (
     repack_bytes,
     repack_halves,
 )
+from ..simd import ir_ptr, splat
 from .q4 import prep_q8_x
 
 f32 = np.float32
@@ -224,12 +225,6 @@ def dequantize_iq4_xs(q, out):
 # without target intrinsics: per vector of lanes, a vector built from
 # `extractelement(table, index)`, which LLVM's backends lower to a variable permute.
 
-def _ir_ptr(context, builder, aty, arr, off, ty):
-    # pointer to arr[off] (array of Numba type aty) as a ty*
-    data = context.make_array(aty)(context, builder, arr).data
-    return builder.bitcast(builder.gep(data, [off]), ty.as_pointer())
-
-
 def _ir_nibbles(builder, p, n):
     # the n bytes at p (i8*) -> their low and high nibbles as two <n x i16>
     nv = ir.VectorType(ir.IntType(16), n)
@@ -268,16 +263,12 @@ def kv_dot_acc(typingctx, xq, xo, src, so, stride, acc, nr, lanes, nbytes):
 
     def codegen(context, builder, sig, args):
         i16, i32 = ir.IntType(16), ir.IntType(32)
-        tv, wide = ir.VectorType(i16, 16), ir.VectorType(i32, n)
+        wide = ir.VectorType(i32, n)
         k64 = lambda v: ir.Constant(args[1].type, v)
-        ptr = lambda k, off, ty: _ir_ptr(context, builder, sig.args[k], args[k], off, ty)
+        ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
 
         def table(off):
-            one = builder.insert_element(ir.Constant(tv, None), builder.load(ptr(0, off, i16)),
-                                         ir.Constant(i32, 0))
-            x = builder.shuffle_vector(one, ir.Constant(tv, None),
-                                       ir.Constant(ir.VectorType(i32, 16), [0] * 16))
-            return builder.mul(_KV_IR, x)
+            return builder.mul(_KV_IR, splat(builder, builder.load(ptr(0, off, i16)), 16))
 
         tabs = [(table(builder.add(args[1], k64(i))), table(builder.add(args[1], k64(16 + i))))
                 for i in range(m)]
@@ -307,7 +298,7 @@ def kv_values(typingctx, src, so, lo, hi, nr, lanes):
     def codegen(context, builder, sig, args):
         nv = ir.VectorType(ir.IntType(16), n)
         k64 = lambda v: ir.Constant(args[1].type, v)
-        ptr = lambda k, off, ty: _ir_ptr(context, builder, sig.args[k], args[k], off, ty)
+        ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
         with cgutils.for_range(builder, builder.udiv(args[4], k64(n))) as loop:
             r0 = builder.mul(loop.index, k64(n))
             v_lo, v_hi = _ir_nibbles(builder, ptr(0, builder.add(args[1], r0), ir.IntType(8)), n)
