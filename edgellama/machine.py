@@ -193,10 +193,10 @@ class ThreadPolicy:
         return time.monotonic(), _busy_seconds(self._cpus) or 0.0, t.user + t.system
 
     def _measure(self) -> None:
+        if time.monotonic() - self._last[0] < self.PERIOD:
+            return                 # not every token: /proc/stat is read twice a second
         now = self._sample()
         dt = now[0] - self._last[0]
-        if dt < self.PERIOD:
-            return
         others = max(0.0, (now[1] - self._last[1]) - (now[2] - self._last[2])) / dt
         self._last = now
         # the first measurement (over the model's loading) decides at once: starting from

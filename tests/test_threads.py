@@ -25,9 +25,14 @@ class _Clock:
         self.ours = 0.0
         monkeypatch.setattr(machine.os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
         monkeypatch.setattr(machine, "default_threads", lambda: cpus)
-        monkeypatch.setattr(machine, "_busy_seconds", lambda c: self.busy)
+        self.reads = 0
+        monkeypatch.setattr(machine, "_busy_seconds", self._read)
         monkeypatch.setattr(machine.time, "monotonic", lambda: self.t)
         monkeypatch.setattr(machine.os, "times", lambda: type("T", (), {"user": self.ours, "system": 0.0})())
+
+    def _read(self, cpus):
+        self.reads += 1
+        return self.busy
 
     def run(self, seconds, ours_cores, others_cores):
         self.t += seconds
@@ -46,8 +51,9 @@ def test_automatic_count_leaves_busy_cores_to_their_owners(monkeypatch):
         clock.run(1.0, ours_cores=1.0, others_cores=1.0)
         assert p.apply() == 1
     assert numba.get_num_threads() == 1
-    clock.run(0.1, ours_cores=1.0, others_cores=0.0)      # too soon to measure again
-    assert p.apply() == 1
+    reads = clock.reads
+    clock.run(0.1, ours_cores=1.0, others_cores=0.0)      # too soon to measure again:
+    assert p.apply() == 1 and clock.reads == reads         # /proc/stat not even read
     for _ in range(3):                                    # the neighbour is gone
         clock.run(1.0, ours_cores=1.0, others_cores=0.0)
         p.apply()
