@@ -1,8 +1,9 @@
-"""Integer dot products of 4-bit and 8-bit weights with int8 activations, in the
+"""Integer dot products of 4-, 6- and 8-bit weights with int8 activations, in the
 instructions each CPU has, for kernels that keep lanes across rows; and prefetch.
 
 Numba has no vector types and LLVM does not find the pair-dot instructions in plain
-loops, so `nib_dot` (nibbles) and `i8_dot` (int8) emit LLVM IR for one block of 32
+loops, so `nib_dot` (nibbles), `i8_dot` (int8) and `q6_dot` (Q6_K's 6-bit values,
+rebuilt in registers from nibbles and 2-bit crumbs) emit LLVM IR for one block of 32
 weights of R rows, and their `_rows` forms for 4 rows of activations at once (prefill):
 
     VNNI (AVX-512)  vpdpbusd: 64 u8 x i8 products summed into 16 int32 lanes, 1 instruction
@@ -14,7 +15,8 @@ is keyed by the CPU, so a cache is never used on a CPU it was not built for).
 
 The weights' layout ("quads"): for block b of a tile of R rows, its bytes per row (16
 for nibbles: byte i holds element i in its low nibble and element 16 + i in its high
-one; 32 for int8) are grouped by four, so one 32-bit lane holds 4 bytes of one row:
+one; 32 for int8; 24 for Q6_K, see q6_dot) are grouped by four, so one 32-bit lane
+holds 4 bytes of one row:
 
     tile[o + 4R g + 4r + k] = byte 4g + k of row r    (k in 0..3; o the block's start)
 """
@@ -223,6 +225,102 @@ def i8_dot_rows(typingctx, q, o, x8, xo, xstride, acc, nr, isa):
     if not isinstance(isa, types.IntegerLiteral):
         return None
     make = _quads_dot(signed=True, ntok=TOKENS)
+    return (types.void(q, o, x8, xo, xstride, acc, nr, isa),
+            lambda context, builder, sig, args: make(context, builder, sig, args, isa.literal_value))
+
+
+def _q6_dot(ntok=1):
+    """The codegen of q6_dot (ntok 1) and q6_dot_rows (ntok TOKENS; args then as
+    nib_dot_rows')."""
+    def make(context, builder, sig, args, kind):
+        i8, i32 = ir.IntType(8), ir.IntType(32)
+        if ntok == 1:
+            oa, xoa, nra, ia = args[1], args[3], args[5], 4
+            xstride = None
+        else:
+            oa, xoa, xstride, nra, ia = args[1], args[3], args[4], args[6], 5
+        k64 = lambda v: ir.Constant(oa.type, v)
+        ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
+        n = 16 if kind == VNNI512 else 8                    # rows per vector
+        wide = ir.VectorType(i32, n)
+        c = lambda v: ir.Constant(wide, [v] * n)
+        # per row of x: its words (4 int8 each: elements 4g..4g+3) and 32 times the sum
+        # of each half (the -32 of q - 32, taken out of the sums once per row of x)
+        xws, offs = [], []
+        for k in range(ntok):
+            xo_k = xoa if k == 0 else builder.add(xoa, builder.mul(xstride, k64(k)))
+            xws.append([builder.load(ptr(2, builder.add(xo_k, k64(4 * g)), i32), align=1)
+                        for g in range(8)])
+            half = []
+            for h in range(2):
+                v = builder.load(ptr(2, builder.add(xo_k, k64(16 * h)), ir.VectorType(i8, 16)),
+                                 align=1)
+                v = builder.sext(v, ir.VectorType(i32, 16))
+                sx = call_llvm(builder, "llvm.vector.reduce.add.v16i32", i32, [v])
+                half.append(splat(builder, builder.shl(sx, ir.Constant(i32, 5)), n))
+            offs.append(half)
+        with cgutils.for_range(builder, builder.udiv(nra, k64(n))) as loop:
+            r0 = builder.mul(loop.index, k64(n))
+            rows = builder.add(oa, builder.mul(r0, k64(4)))
+            quad = lambda j: builder.load(
+                ptr(0, builder.add(rows, builder.mul(nra, k64(4 * j))), wide), align=1)
+            nib = [quad(g) for g in range(4)]
+            crumbs = [quad(4), quad(5)]
+            scs = [builder.sext(builder.load(ptr(0, builder.add(builder.add(
+                       oa, builder.mul(nra, k64(24 + h))), r0), ir.VectorType(i8, n)), align=1), wide)
+                   for h in range(2)]
+            lo, hi = [], []
+            for g in range(4):
+                # crumb quad g % 2 holds the high bits of elements 4g.. in field g // 2 and
+                # of 16 + 4g.. in field 2 + g // 2: each moved to bits 4-5 of its byte
+                cw, f = crumbs[g & 1], g >> 1
+                clo = builder.shl(cw, c(4 - 2 * f))
+                chi = cw if f == 0 else builder.lshr(cw, c(2))
+                lo.append(builder.or_(builder.and_(nib[g], c(0x0F0F0F0F)),
+                                      builder.and_(clo, c(0x30303030))))
+                hi.append(builder.or_(builder.and_(builder.lshr(nib[g], c(4)), c(0x0F0F0F0F)),
+                                      builder.and_(chi, c(0x30303030))))
+            # AVX2 adds vpmaddubsw's int16 pairs before widening: two of 2 * 63 * 127
+            # stay below 2^15, four would not
+            step = 2 if kind == AVX2 else 4
+            for k, xw in enumerate(xws):
+                res = None
+                for h, qs in enumerate((lo, hi)):
+                    pairs = [(qs[g], xw[4 * h + g]) for g in range(4)]
+                    s = None
+                    for p0 in range(0, 4, step):
+                        part = _dot(builder, kind, n, pairs[p0:p0 + step], False)
+                        s = part if s is None else builder.add(s, part)
+                    term = builder.mul(scs[h], builder.sub(s, offs[k][h]))
+                    res = term if res is None else builder.add(res, term)
+                out = r0 if k == 0 else builder.add(r0, builder.mul(nra, k64(k)))
+                builder.store(res, ptr(ia, out, wide), align=4)
+        return context.get_dummy_value()
+    return make
+
+
+@intrinsic(prefer_literal=True)
+def q6_dot(typingctx, q, o, x8, xo, acc, nr, isa):
+    """acc[:nr] (int32) = for each row r of a Q6_K block at q[o:] (u8, 26 bytes per row:
+    16 of nibbles, byte j holding the low 4 bits of elements j and 16 + j, then 8 of
+    crumbs, byte j holding the high 2 bits of elements j, j + 8, j + 16, j + 24 at bits
+    0, 2, 4, 6, both as quads; then the rows' int8 scales of elements 0..15, then of
+    16..31, R bytes each) the sum over its 32 weights q (6 bits) of
+    scale * (q - 32) * x8[xo + element]. nr a multiple of 16; isa a constant. Exact:
+    |sum| <= 2 * 128 * 16 * 32 * 127."""
+    if not isinstance(isa, types.IntegerLiteral):
+        return None
+    make = _q6_dot()
+    return (types.void(q, o, x8, xo, acc, nr, isa),
+            lambda context, builder, sig, args: make(context, builder, sig, args, isa.literal_value))
+
+
+@intrinsic(prefer_literal=True)
+def q6_dot_rows(typingctx, q, o, x8, xo, xstride, acc, nr, isa):
+    """q6_dot for TOKENS rows of x at once (as nib_dot_rows)."""
+    if not isinstance(isa, types.IntegerLiteral):
+        return None
+    make = _q6_dot(ntok=TOKENS)
     return (types.void(q, o, x8, xo, xstride, acc, nr, isa),
             lambda context, builder, sig, args: make(context, builder, sig, args, isa.literal_value))
 

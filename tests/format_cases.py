@@ -122,9 +122,10 @@ def check_dequant_tiles(lin, ref_w):
     assert not wt[:, rows:].any()
 
 
-def check_stacked(fmt, raws, ref_w, rng, block=32, x_w=None):
+def check_stacked(fmt, raws, ref_w, rng, block=32, x_w=None, int8_prefill=False):
     """q/k/v-like parts raws (rows_i, row_bytes) (150, 37, 37 rows: none a multiple of the
-    tile size) as one W of reference ref_w: matvec, outputs split back, matmul, rows."""
+    tile size) as one W of reference ref_w: matvec, outputs split back, matmul (int8_prefill:
+    x rounded to int8 per 32, q4.Int8Prefill), rows."""
     n = ref_w.shape[1]
     lin = fmt.linear(fmt, [r.reshape(-1) for r in raws], [r.shape[0] for r in raws], n)
     assert lin.out_features == 224 and lin.nbytes == sum(r.nbytes for r in raws)
@@ -136,7 +137,7 @@ def check_stacked(fmt, raws, ref_w, rng, block=32, x_w=None):
     xs = rng.standard_normal((3, n)).astype(np.float32)
     outs = np.full((3, 224), np.nan, np.float32)
     lin.matmul(xs, outs)
-    check(outs, ref_w, xs)
+    check(outs, ref_w, xs, int8_prefill)
     ids = np.array([0, 149, 150, 186, 187, 223])
     rows = np.empty((ids.size, n), np.float32)
     lin.rows(ids, rows)

@@ -4,9 +4,9 @@ Quantization is compared with ggml's own bytes: golden files made by ggml_quanti
 (tests/data/ggml_golden/q6_k_<case>.bin; `python tests/test_q6_k.py` remakes them when
 llama-cpp-python is installed) and, when it is installed, the live library as well.
 
-Linear tolerance: float32 sums, 64 * eps32 * (|W| @ |x|) as in test_linear.py; decode also
-rounds x to int8 per 16 weights (scale amax/127), so each x_i moves by at most
-amax_16(i) / 254 and the output by at most |W| @ that; both bounds are added. The
+Linear tolerance: float32 sums, 64 * eps32 * (|W| @ |x|) as in test_linear.py; decode and
+prefill also round x to int8 per 32 weights (scale amax/127), so each x_i moves by at most
+amax_32(i) / 254 and the output by at most |W| @ that; both bounds are added. The
 on-grid test shows the integer part is exact (no rounding -> float tolerance only).
 """
 import sys
@@ -143,7 +143,7 @@ def make(shape, seed=0, raw=None):
 
 
 def check(got, ref_w, x, x_quantized=False):
-    fc.check(got, ref_w, x, x_quantized, block=16)       # x is rounded per 16 weights
+    fc.check(got, ref_w, x, x_quantized)                 # x is rounded per 32 weights
 
 
 SHAPES = [(300, 256), (37, 512), (1030, 256), (16, 768), (2000, 256)]
@@ -161,10 +161,11 @@ def test_matvec(shape):
     check(out, ref, x, x_quantized=True)
 
 
-def test_matvec_on_grid_is_exact_and_int16_extremes():
-    # x on the int8 grid of every 16 (amax = 127 * 2^k): decode rounds nothing, so the
-    # answer must be float-accurate. Weights at the extremes: all q = -32 or 31 with
-    # x = +-127 everywhere puts each group sum at -+32512, the edge of the int16 bound.
+@pytest.mark.parametrize("T", [0, 1, 5])
+def test_on_grid_is_exact_and_extremes(T):
+    # x on the int8 grid of every 32 (amax = 127 * 2^k): decode (T = 0) and prefill round
+    # nothing, so the answer must be float-accurate. Weights at the extremes: all
+    # q - 32 = -32 or 31, scales -128, x = +-127: the largest int32 block sums.
     shape = (300, 512)
     rng = np.random.default_rng(4)
     raw = random_blocks(shape[0] * 2, rng).reshape(shape[0], -1)
@@ -176,17 +177,24 @@ def test_matvec_on_grid_is_exact_and_int16_extremes():
     lin, ref = make(shape, raw=raw)
     for x in (np.full(shape[1], 127, np.float32), np.full(shape[1], -127, np.float32),
               rng.integers(-127, 128, shape[1]).astype(np.float32)):
-        x[::16] = 127
+        x[::32] = 127
         x *= np.float32(2.0 ** -5)
-        out = np.empty(shape[0], np.float32)
-        lin.matvec(x, out)
+        if T == 0:
+            out = np.full(shape[0], np.nan, np.float32)
+            lin.matvec(x, out)
+        else:
+            xs = np.tile(x, (T, 1))
+            xs[1:] *= np.float32(2.0 ** -3)              # rows of x with their own scales
+            out = np.full((T, shape[0]), np.nan, np.float32)
+            lin.matmul(xs, out)
+            x = xs
         check(out, ref, x)
 
 
 @pytest.mark.parametrize("T", [1, 7])
 def test_matmul(T, monkeypatch):
     lin, ref = make((300, 512))
-    fc.check_matmul(lin, ref, T, monkeypatch)
+    fc.check_matmul(lin, ref, T, monkeypatch, x_quantized=True)
 
 
 def test_rows():
@@ -194,21 +202,33 @@ def test_rows():
     fc.check_rows(lin, ref)
 
 
-def test_dequant_tiles_match_gguf():
-    lin, ref = make((1030, 256), seed=5)
-    fc.check_dequant_tiles(lin, ref)
+@pytest.mark.parametrize("shape", [(1030, 256), (37, 768)], ids=str)
+def test_repack_round_trip(shape):
+    # every row of the tiles (ragged last tile) read back as gguf-py's values, bit for
+    # bit, with the scale and value extremes in some blocks
+    rows, n = shape
+    raw = random_blocks(rows * n // 256, np.random.default_rng(5)).reshape(rows, -1)
+    blocks = raw.reshape(-1, 210)
+    blocks[::7, 192:208] = 0x80                                  # scales -128
+    blocks[1::7, 192:208] = 0x7F                                 # scales 127
+    blocks[2::7, :192] = 0xFF                                    # every q = 63
+    blocks[3::7, :192] = 0                                       # every q = 0
+    lin, ref = make(shape, raw=raw)
+    out = np.full(shape, np.nan, np.float32)
+    lin.rows(np.arange(rows), out)
+    np.testing.assert_array_equal(out.view(np.uint32), ref.astype(np.float32).view(np.uint32))
 
 
 def test_stacked():
     rng = np.random.default_rng(7)
     raws = [random_blocks(s * 2, rng).reshape(s, -1) for s in (150, 37, 37)]
     ref = np.concatenate([gguf_dequant(r).astype(np.float64).reshape(-1, 512) for r in raws])
-    fc.check_stacked(Q6_K, raws, ref, rng, block=16)
+    fc.check_stacked(Q6_K, raws, ref, rng, int8_prefill=True)
 
 
 def test_resident_size_is_file_size():
     lin, _ = make((1030, 512))
-    tiles = lin.w.nbytes + lin.sc.nbytes + lin.d.nbytes
+    tiles = lin.q.nbytes + lin.d.nbytes
     assert tiles == lin.nt * lin.R * 2 * 210                     # 210 bytes per block, pad incl.
     assert lin.nt * lin.R - 1030 <= 1030 // 8
 

@@ -1,11 +1,12 @@
-"""simd.nib_dot and i8_dot, in each instruction set (all are compiled here; the CPU must have the
-instructions to run them, so the VNNI and AVX2 cases skip elsewhere), against a NumPy twin."""
+"""simd.nib_dot, i8_dot and q6_dot, in each instruction set (all are compiled here; the CPU
+must have the instructions to run them, so the VNNI and AVX2 cases skip elsewhere), against
+a NumPy twin."""
 import numpy as np
 import pytest
 from numba import njit
 
 from edgellama.simd import (AVX2, GENERIC, ISA, TOKENS, VNNI512, host_isa, i8_dot, i8_dot_rows,
-                           nib_dot, nib_dot_rows)
+                           nib_dot, nib_dot_rows, q6_dot, q6_dot_rows)
 
 import llvmlite.binding as llvm
 
@@ -144,3 +145,87 @@ def test_multi_row_forms_equal_one_row_each(isa, signed):
     for k in range(TOKENS):
         want = (twin8 if signed else twin)(q, o, x8, xo + k * xs, R)
         np.testing.assert_array_equal(acc[k * R:(k + 1) * R], want)
+
+
+# --- q6_dot: Q6_K blocks (nibbles, crumbs, two int8 scales per row) ------------------------
+
+@njit
+def _dot6(q, o, x8, xo, acc, R, isa):
+    if isa == 0:
+        q6_dot(q, o, x8, xo, acc, R, 0)
+    elif isa == 1:
+        q6_dot(q, o, x8, xo, acc, R, 1)
+    else:
+        q6_dot(q, o, x8, xo, acc, R, 2)
+
+
+@njit
+def _rows6(q, o, x8, xo, xs, acc, R, isa):
+    if isa == 0:
+        q6_dot_rows(q, o, x8, xo, xs, acc, R, 0)
+    elif isa == 1:
+        q6_dot_rows(q, o, x8, xo, xs, acc, R, 1)
+    else:
+        q6_dot_rows(q, o, x8, xo, xs, acc, R, 2)
+
+
+def twin6(q, o, x8, xo, R):
+    """Per row: sum over 32 weights of scale * (q - 32) * x8, q = nibble | crumb << 4 where
+    nibble byte j (quads at o) holds elements j, 16 + j and crumb byte j (quads at o + 16R)
+    elements j, j + 8, j + 16, j + 24; the int8 scales of 0..15 and 16..31 at o + 24R,
+    o + 25R."""
+    r = np.arange(R)[:, None]
+    j = np.arange(16)[None, :]
+    nib = q[o + 4 * R * (j // 4) + 4 * r + j % 4].astype(np.int64)
+    crumb = q[o + 16 * R + 4 * R * (j[:, :8] // 4) + 4 * r + j[:, :8] % 4].astype(np.int64)
+    v = np.concatenate([nib & 15, nib >> 4], axis=1)
+    for f in range(4):
+        v[:, 8 * f:8 * f + 8] |= ((crumb >> (2 * f)) & 3) << 4
+    sc = q[o + 24 * R + R * np.arange(2)[None, :] + r].view(np.int8).astype(np.int64)
+    x = x8[xo:xo + 32].astype(np.int64)
+    return (sc[:, 0] * ((v[:, :16] - 32) @ x[:16]) + sc[:, 1] * ((v[:, 16:] - 32) @ x[16:]))
+
+
+@pytest.mark.parametrize("isa", [GENERIC, AVX2, VNNI512])
+@pytest.mark.parametrize("R", [16, 32, 256])
+def test_q6_random_blocks_at_odd_offsets(isa, R):
+    if not RUNS[isa]:
+        pytest.skip("this CPU lacks the instructions")
+    rng = np.random.default_rng(R + isa)
+    q = rng.integers(0, 256, 26 * R + 64, dtype=np.uint8)
+    x8 = rng.integers(-127, 128, 80, dtype=np.int8)
+    for o, xo in [(0, 0), (7, 3), (33, 45)]:
+        acc = np.full(R, 12345, np.int32)          # overwritten, not added to
+        _dot6(q, o, x8, xo, acc, R, isa)
+        np.testing.assert_array_equal(acc, twin6(q, o, x8, xo, R))
+
+
+@pytest.mark.parametrize("isa", [GENERIC, AVX2, VNNI512])
+@pytest.mark.parametrize("qbyte", [0xFF, 0x00], ids=["q63", "q0"])
+@pytest.mark.parametrize("x", [127, -127])
+@pytest.mark.parametrize("sc", [-128, 127])
+def test_q6_extremes_are_exact(isa, qbyte, x, sc):
+    # every q 63 (vpmaddubsw pairs at 2 * 63 * 127, summed two by two in int16) or 0
+    # (q - 32 = -32), x and scales at the int8 bounds: the largest sums
+    if not RUNS[isa]:
+        pytest.skip("this CPU lacks the instructions")
+    R = 32
+    q = np.full(26 * R, qbyte, np.uint8)
+    q[24 * R:] = np.int8(sc).view(np.uint8)
+    acc = np.zeros(R, np.int32)
+    _dot6(q, 0, np.full(32, x, np.int8), 0, acc, R, isa)
+    assert (acc == 32 * sc * ((63 if qbyte else 0) - 32) * x).all()
+
+
+@pytest.mark.parametrize("isa", [GENERIC, AVX2, VNNI512])
+def test_q6_multi_row_form_equals_one_row_each(isa):
+    if not RUNS[isa]:
+        pytest.skip("this CPU lacks the instructions")
+    R, o, xo, xs = 32, 5, 3, 70
+    rng = np.random.default_rng(isa)
+    q = rng.integers(0, 256, 26 * R + 64, dtype=np.uint8)
+    x8 = rng.integers(-127, 128, xo + xs * TOKENS + 32, dtype=np.int8)
+    acc = np.full(TOKENS * R, 7, np.int32)
+    _rows6(q, o, x8, xo, xs, acc, R, isa)
+    for k in range(TOKENS):
+        np.testing.assert_array_equal(acc[k * R:(k + 1) * R], twin6(q, o, x8, xo + k * xs, R))

@@ -7,13 +7,19 @@ Within each half h (128 weights) and l < 32: ql[64h + l] holds the low bits of j
 128h + 96 + l; qh[32h + l] the high bits of 128h + l, +32, +64, +96 (bits 0-1, 2-3, 4-5, 6-7).
 
 Runtime tiles (lanes across rows, see base.TiledLinear), the file's 210 bytes per block:
-    w  (nt, nb*16*6*R) u16  per 16-weight sub-block, 2 groups of 8 weights, 3 words each:
-                            A = q0 | q1 << 6 | lo(q6) << 12,  B = q2 | q3 << 6 | lo(q7) << 12,
-                            C = q4 | q5 << 6 | hi(q6) << 12 | hi(q7) << 14
-    sc (nt, nb*16*R) i8,  d (nt, nb*R) u16 f16 bits
-Why these words: decode multiplies each field of a word by x with one shift and one
-int16 multiply-add (see prep_q6_k_x), so 6-bit values cost 10 multiplies per 8 weights
-(a 4-bit + 2-bit split would cost 16), and a group's sum fits int16.
+    q (nt, nsub*26*R) u8   per block u of 32 weights (8 per super-block), at 26 u R:
+                           16 R bytes of nibbles (byte j: the low 4 bits of elements j and
+                           16 + j, as Q4_0), 8 R of crumbs (byte j: the high 2 bits of
+                           elements j, j + 8, j + 16, j + 24), both as quads (simd.py), then
+                           the int8 scales of elements 0..15 and of 16..31 (R bytes each)
+    d (nt, nsb*R) u16      f16 bits, per super-block
+Decode quantizes x to int8 per 32 (q4.prep_q8_x, as the other pair-dot formats; llama.cpp
+uses one scale per 256 for Q6_K) and simd.q6_dot rebuilds the 6-bit values in registers
+and sums scale * (q - 32) * x8 over each block exactly in int32; then f32 per block and
+super-block. Prefill is the int8 GEMM of the same intrinsic (q4.Int8Prefill).
+Why crumbs: a crumb quad serves two nibble quads with a shift and a mask each, so the
+6-bit values cost no more loads than their bytes. The scales sit inside the quant stream
+as Q4_K's do (q4_k.py measured why).
 """
 from __future__ import annotations
 
@@ -22,7 +28,9 @@ from gguf.constants import LlamaFileType
 from numba import njit, prange
 
 from ..fp import f16_to_f32, get_f16, nearest_int, put_f16
-from .base import TiledLinear, WeightFormat, anon_array, release_pages
+from ..simd import ISA, TOKENS, prefetch_run, q6_dot, q6_dot_rows
+from .base import TiledLinear, WeightFormat, anon_array, quad_offset, release_pages
+from .q4 import Int8Prefill, prep_q8_x
 
 f32 = np.float32
 QK = 256                   # weights per super-block
@@ -178,243 +186,168 @@ def dequantize_q6_k(q, out):
 # --- load: file blocks -> tiles ----------------------------------------------------------
 
 @njit(cache=True, parallel=True)
-def repack_q6_k(raw, row0, w, sc, d):
-    # raw (rows, nb*210) u8 -> rows row0.. of the tiles w (nt, nb*96*R) u16, sc (nt, nb*16*R)
-    # u8 (int8 bits), d (nt, nb*R) u16. Block by block of one tile (its 52 KB at R = 256
-    # stay in L2 while its lanes fill).
+def repack_q6_k(raw, row0, q, d):
+    # raw (rows, nb*210) u8 -> rows row0.. of the tiles q (nt, nb*8*26*R) u8, d (nt, nb*R)
+    # u16: per block u of 32 (8 per super-block) of row r, at 26 u R: nibble byte j (< 16)
+    # = low bits of elements j | j+16 << 4 and crumb byte j (< 8) = high bits of j, j+8,
+    # j+16, j+24 (2 bits each), both as quads; then its two int8 scales, R bytes each
     rows = raw.shape[0]
     nb = raw.shape[1] // BS
     R = d.shape[1] // nb
     for t in prange(row0 // R, (row0 + rows - 1) // R + 1):
         r0 = max(0, row0 - t * R)
         r1 = min(R, row0 + rows - t * R)
-        u = np.empty(QK, np.int64)
-        wt = w[t]
-        for b in range(nb):
-            for r in range(r0, r1):
-                blk = raw[t * R + r - row0, b * BS:(b + 1) * BS]
-                unpack_block(blk, u)
-                for s in range(16):
-                    sc[t, (16 * b + s) * R + r] = blk[192 + s]
-                    for g in range(2):
-                        e = 16 * s + 8 * g
-                        o = ((16 * b + s) * 6 + 3 * g) * R + r
-                        wt[o] = u[e] | (u[e + 1] << 6) | ((u[e + 6] & 15) << 12)
-                        wt[o + R] = u[e + 2] | (u[e + 3] << 6) | ((u[e + 7] & 15) << 12)
-                        wt[o + 2 * R] = (u[e + 4] | (u[e + 5] << 6) | ((u[e + 6] >> 4) << 12)
-                                         | ((u[e + 7] >> 4) << 14))
+        v = np.empty(QK, np.int64)
+        qt = q[t]
+        for r in range(r0, r1):
+            row = raw[t * R + r - row0]
+            for b in range(nb):
+                blk = row[b * BS:(b + 1) * BS]
+                unpack_block(blk, v)
                 d[t, b * R + r] = np.uint16(blk[208]) | (np.uint16(blk[209]) << np.uint16(8))
+                for k in range(8):
+                    o = 26 * (8 * b + k) * R
+                    e = v[32 * k:32 * k + 32]
+                    for j in range(16):
+                        qt[quad_offset(o, R, r, j)] = (e[j] & 15) | ((e[16 + j] & 15) << 4)
+                    for j in range(8):
+                        qt[quad_offset(o + 16 * R, R, r, j)] = (
+                            (e[j] >> 4) | ((e[8 + j] >> 4) << 2) | ((e[16 + j] >> 4) << 4)
+                            | ((e[24 + j] >> 4) << 6))
+                    qt[o + 24 * R + r] = blk[192 + 2 * k]
+                    qt[o + 25 * R + r] = blk[193 + 2 * k]
 
 
-# --- decode: x prepared once per matvec, then int16 group sums --------------------------
-
-@njit(cache=True, fastmath=True)
-def prep_q6_k_x(x, xq, xc, xd):
-    # x (n,) f32 -> per sub-block of 16, x quantized to int8 like llama.cpp's activations
-    # but with a scale per 16 (xd (n/16,) f32 = amax/127; llama.cpp's q8_K uses one per
-    # 256), xq (n,) int32 scratch, and xc (n/16*24,) int16: 12 coefficients per group of
-    # 8 weights (x0..x7 = xq):
-    #   A: x0, x1 - 64 x0, x6 - 64 x1     B: x2, x3 - 64 x2, x7 - 64 x3
-    #   C: x4, x5 - 64 x4, 16 x6 - 64 x5, 16 x7 - 64 x6     -32 sum(x), 0
-    # so that A c0 + (A >> 6) c1 + (A >> 12) c2 + (B ...) + (C ...) + (C >> 14) c9 + c10
-    # = sum (q_i - 32) x_i: each shift exposes the next field and its coefficient cancels
-    # the fields above it. In int16 every term may wrap, but the arithmetic is exact mod
-    # 2^16 and the true sum is within 8 * 32 * 127 = 32512 < 2^15, so it comes out exact.
-    for k in range(xd.size):
-        amax = f32(0)
-        for i in range(16 * k, 16 * k + 16):
-            amax = max(amax, abs(x[i]))
-        d = amax / f32(127)
-        inv = f32(1) / d if d > 0 else f32(0)
-        xd[k] = d
-        for i in range(16 * k, 16 * k + 16):
-            xq[i] = np.int32(np.rint(x[i] * inv))
-    v = xq.reshape(-1, 8)
-    c = xc.reshape(-1, 12)
-    for m in range(v.shape[0]):
-        v0 = v[m, 0]; v1 = v[m, 1]; v2 = v[m, 2]; v3 = v[m, 3]
-        v4 = v[m, 4]; v5 = v[m, 5]; v6 = v[m, 6]; v7 = v[m, 7]
-        c[m, 0] = v0; c[m, 1] = v1 - 64 * v0; c[m, 2] = v6 - 64 * v1
-        c[m, 3] = v2; c[m, 4] = v3 - 64 * v2; c[m, 5] = v7 - 64 * v3
-        c[m, 6] = v4; c[m, 7] = v5 - 64 * v4; c[m, 8] = 16 * v6 - 64 * v5
-        c[m, 9] = 16 * v7 - 64 * v6
-        c[m, 10] = -32 * (v0 + v1 + v2 + v3 + v4 + v5 + v6 + v7)
-        c[m, 11] = 0
-
-
-@njit(cache=True, inline="always")
-def group_coefs(xc, o):
-    # the 11 coefficients of one group, xc[o:o+11], as scalars hoisted out of lane loops
-    return (np.int64(xc[o]), np.int64(xc[o + 1]), np.int64(xc[o + 2]), np.int64(xc[o + 3]),
-            np.int64(xc[o + 4]), np.int64(xc[o + 5]), np.int64(xc[o + 6]), np.int64(xc[o + 7]),
-            np.int64(xc[o + 8]), np.int64(xc[o + 9]), np.int64(xc[o + 10]))
-
-
-@njit(cache=True, inline="always")
-def group_sum(a, b, c, x):
-    # sum over one group of 8 weights (words a, b, c: u16 values) times x (group_coefs),
-    # wrapped to int16 (exact, see prep_q6_k_x); LLVM narrows the products to int16 lanes
-    a = np.int64(a)
-    b = np.int64(b)
-    c = np.int64(c)
-    return np.int16(x[10] + a * x[0] + (a >> 6) * x[1] + (a >> 12) * x[2]
-                    + b * x[3] + (b >> 6) * x[4] + (b >> 12) * x[5]
-                    + c * x[6] + (c >> 6) * x[7] + (c >> 12) * x[8] + (c >> 14) * x[9])
-
+# --- decode: x quantized to int8 once per matvec, then pair-dot sums -----------------------
 
 @njit(cache=True, fastmath=True, parallel=True)
-def matvec_q6_k(w, sc, d, xc, xd, out, scratch, s16):
-    # W (nt*R, n) Q6_K tiles w (nt, nb*96*R) u16, sc (nt, nb*16*R) i8, d (nt, nb*R) u16
-    # @ x (prep_q6_k_x) -> out (d,); scratch (nt, 2, R) f32, s16 (nt, 2, R) int16: per-tile
-    # sums. The int16 group sums get a loop of their own: without f32 in it LLVM makes it
-    # twice as wide (32 lanes).
-    nt = w.shape[0]
-    R = scratch.shape[2]
-    nb = xd.size // 16
+def matvec_q6_k(q, d, x8, xd, out, scratch, s32):
+    # W (nt*R, n) Q6_K tiles @ x (q4.prep_q8_x) -> out (d,); scratch (nt, 2, R) f32,
+    # s32 (nt, R) int32. Row . x = sum over super-blocks of d sum_u dx_u q6_dot_u, where
+    # q6_dot_u = sum over block u's two sub-blocks of scale * sum((q - 32) x8), exact
+    nt = q.shape[0]
+    R = s32.shape[1]
+    nsub = xd.size
     for t in prange(nt):
-        wt = w[t]
+        qt = q[t]
         acc = scratch[t, 0]
-        blk = scratch[t, 1]
-        g0 = s16[t, 0]
-        g1 = s16[t, 1]
+        a1 = scratch[t, 1]
+        s = s32[t]
         acc[:] = 0
-        for b in range(nb):
-            blk[:] = 0
-            for s in range(16):
-                k = 16 * b + s
-                o = 6 * k * R
-                a0 = wt[o:o + R]; b0 = wt[o + R:o + 2 * R]; c0 = wt[o + 2 * R:o + 3 * R]
-                a1 = wt[o + 3 * R:o + 4 * R]; b1 = wt[o + 4 * R:o + 5 * R]
-                c1 = wt[o + 5 * R:o + 6 * R]
-                x0 = group_coefs(xc, 24 * k)
-                x1 = group_coefs(xc, 24 * k + 12)
+        for b in range(nsub // 8):
+            a1[:] = 0
+            for k in range(8):
+                u = 8 * b + k
+                o = 26 * u * R
+                prefetch_run(qt, o + 26 * R, 26 * R)
+                q6_dot(qt, o, x8, 32 * u, s, R, ISA)
+                dx = xd[u]
                 for r in range(R):
-                    g0[r] = group_sum(a0[r], b0[r], c0[r], x0)
-                    g1[r] = group_sum(a1[r], b1[r], c1[r], x1)
-                sk = sc[t, k * R:(k + 1) * R]
-                dx = xd[k]
-                for r in range(R):
-                    blk[r] += f32(sk[r]) * dx * (f32(g0[r]) + f32(g1[r]))
+                    a1[r] += dx * f32(s[r])
             db = d[t, b * R:(b + 1) * R]
             for r in range(R):
-                acc[r] += f16_to_f32(db[r]) * blk[r]
+                acc[r] += f16_to_f32(db[r]) * a1[r]
         n = min(R, out.size - t * R)
         out[t * R:t * R + n] = acc[:n]
 
 
-# --- prefill and embedding: dequantize from tiles ----------------------------------------
-# Serial on purpose (see q4.py); values are (d * scale) * (q - 32), as ggml rounds them.
+# --- prefill: int8 GEMM over the tiles ------------------------------------------------------
 
-@njit(cache=True, inline="always")
-def group_values(a, b, c, ds):
-    # one group's words a, b, c (u16 values) of one lane, scale ds -> its 8 weights (f32)
-    a = np.int64(a)
-    b = np.int64(b)
-    c = np.int64(c)
-    return (ds * f32((a & 63) - 32), ds * f32(((a >> 6) & 63) - 32),
-            ds * f32((b & 63) - 32), ds * f32(((b >> 6) & 63) - 32),
-            ds * f32((c & 63) - 32), ds * f32(((c >> 6) & 63) - 32),
-            ds * f32(((a >> 12) | (((c >> 12) & 3) << 4)) - 32),
-            ds * f32(((b >> 12) | ((c >> 14) << 4)) - 32))
-
-
-@njit(cache=True, inline="always")
-def dequant_word_pair(wd, ds, lo, hi):
-    # the two 6-bit fields at bits 0 and 6 of the words wd (R,) u16, scales ds (R,) f32
-    # -> lo, hi (R,) f32; q - 32 through int32: converted in 32-bit lanes, not 64
-    for r in range(wd.size):
-        v = np.int64(wd[r])
-        lo[r] = ds[r] * f32(np.int32((v & 63) - 32))
-        hi[r] = ds[r] * f32(np.int32(((v >> 6) & 63) - 32))
-
-
-@njit(cache=True)
-def dequant_q6_k_tiles(w, sc, d, t0, t1, wt):
-    # Q6_K tiles t0..t1 -> wt (n, (t1-t0)*R) f32 = W[rows].T; each weight row of wt is an
-    # R-wide run of lanes: contiguous writes. Two weight rows per loop: with all 8 of a
-    # group in one loop, LLVM's overlap checks between its 12 arrays made it 3x slower.
-    nb = wt.shape[0] // QK
-    R = d.shape[1] // nb
-    dd = np.empty(R, f32)
-    ds = np.empty(R, f32)
-    for b in range(nb):
-        for t in range(t0, t1):
-            c0 = (t - t0) * R
-            db = d[t, b * R:(b + 1) * R]
-            for r in range(R):
-                dd[r] = f16_to_f32(db[r])
-            for s in range(16):
-                k = 16 * b + s
-                sk = sc[t, k * R:(k + 1) * R]
-                for r in range(R):
-                    ds[r] = dd[r] * f32(sk[r])
-                for g in range(2):
-                    o = (6 * k + 3 * g) * R
-                    j = 16 * k + 8 * g
-                    wa = w[t, o:o + R]; wb = w[t, o + R:o + 2 * R]; wc = w[t, o + 2 * R:o + 3 * R]
-                    dequant_word_pair(wa, ds, wt[j, c0:c0 + R], wt[j + 1, c0:c0 + R])
-                    dequant_word_pair(wb, ds, wt[j + 2, c0:c0 + R], wt[j + 3, c0:c0 + R])
-                    dequant_word_pair(wc, ds, wt[j + 4, c0:c0 + R], wt[j + 5, c0:c0 + R])
-                    w6 = wt[j + 6, c0:c0 + R]
-                    w7 = wt[j + 7, c0:c0 + R]
+@njit(cache=True, fastmath=True, parallel=True)
+def matmul_q6_k(q, d, x8, xd, out, s32, acc):
+    # W (nt*R, n) Q6_K tiles @ x (q4.prep_q8_rows; x8 flat (Tp*n,)) -> out (T, dout) = x W^T
+    # s32 (nt, TOKENS*R) int32, acc (nt, 2*TOKENS, R) f32: per token, the row sums and the
+    # super-block's sums (a1), as matvec_q6_k
+    T = out.shape[0]
+    nt = q.shape[0]
+    R = s32.shape[1] // TOKENS
+    nsub = xd.shape[1]
+    n = 32 * nsub
+    for t in prange(nt):
+        qt = q[t]
+        s = s32[t]
+        a = acc[t]
+        c0 = t * R
+        nc = min(R, out.shape[1] - c0)
+        for t0 in range(0, T, TOKENS):
+            a[:TOKENS] = 0
+            for b in range(nsub // 8):
+                a[TOKENS:] = 0
+                for u in range(8 * b, 8 * b + 8):
+                    q6_dot_rows(qt, 26 * u * R, x8, t0 * n + 32 * u, n, s, R, ISA)
+                    for k in range(TOKENS):
+                        dx = xd[t0 + k, u]
+                        a1 = a[TOKENS + k]
+                        sk = s[k * R:(k + 1) * R]
+                        for r in range(R):
+                            a1[r] += dx * f32(sk[r])
+                db = d[t, b * R:(b + 1) * R]
+                for k in range(TOKENS):
+                    ak = a[k]
+                    a1 = a[TOKENS + k]
                     for r in range(R):
-                        va = np.int64(wa[r]); vb = np.int64(wb[r]); vc = np.int64(wc[r])
-                        w6[r] = ds[r] * f32(np.int32(((va >> 12) | (((vc >> 12) & 3) << 4)) - 32))
-                        w7[r] = ds[r] * f32(np.int32(((vb >> 12) | ((vc >> 14) << 4)) - 32))
+                        ak[r] += f16_to_f32(db[r]) * a1[r]
+            for k in range(min(TOKENS, T - t0)):
+                out[t0 + k, c0:c0 + nc] = a[k, :nc]
 
+
+# --- embedding: dequantized rows -----------------------------------------------------------
 
 @njit(cache=True)
-def rows_q6_k(w, sc, d, ids, out):
-    # Q6_K tiles, ids (T,) -> out (T, n) f32 dequantized rows
-    nb = out.shape[1] // QK
-    R = d.shape[1] // nb
+def rows_q6_k(q, qs, d, ids, out):
+    # Q6_K tiles q (qs: the same bytes as int8), ids (T,) -> out (T, n) f32 dequantized
+    # rows, (d * scale) * (q - 32) as ggml rounds them
+    nsub = out.shape[1] // 32
+    R = d.shape[1] * 8 // nsub
     for i in range(ids.size):
         t = ids[i] // R
         r = ids[i] % R
-        for b in range(nb):
-            dd = f16_to_f32(d[t, b * R + r])
-            for s in range(16):
-                k = 16 * b + s
-                ds = dd * f32(sc[t, k * R + r])
-                for g in range(2):
-                    o = (6 * k + 3 * g) * R + r
-                    v = group_values(w[t, o], w[t, o + R], w[t, o + 2 * R], ds)
-                    j = 16 * k + 8 * g
-                    for m in range(8):
-                        out[i, j + m] = v[m]
+        qt = q[t]
+        row = out[i]
+        for u in range(nsub):
+            o = 26 * u * R
+            dd = f16_to_f32(d[t, u // 8 * R + r])
+            ds0 = dd * f32(qs[t, o + 24 * R + r])
+            ds1 = dd * f32(qs[t, o + 25 * R + r])
+            y = row[32 * u:32 * u + 32]
+            for j in range(16):
+                v = np.int32(qt[quad_offset(o, R, r, j)])
+                c = np.int32(qt[quad_offset(o + 16 * R, R, r, j & 7)]) >> (2 * (j >> 3))
+                y[j] = ds0 * f32(((v & 15) | ((c & 3) << 4)) - 32)
+                y[16 + j] = ds1 * f32(((v >> 4) | (((c >> 4) & 3) << 4)) - 32)
 
 
-class Q6KLinear(TiledLinear):
-    """Q6_K in row tiles: w (nt, nb*96*R) u16, sc (nt, nb*16*R) i8, d (nt, nb*R) u16."""
+class Q6KLinear(Int8Prefill, TiledLinear):
+    """Q6_K in row tiles: q (nt, nb*8*26*R) u8 (per block of 32: nibbles and crumbs as
+    quads, then two int8 scales), d (nt, nb*R) u16."""
+    gemm_sums = 2    # matmul_q6_k: the row sums and the super-block's sums
 
     def _load(self, raws):
         n = self.in_features
-        nb, nt, R = n // QK, self.nt, self.R
-        self.w = anon_array((nt, nb * 96 * R), np.uint16)  # zeroed: pad rows have d = 0
-        sc = anon_array((nt, nb * 16 * R), np.uint8)
-        self.d = anon_array((nt, nb * R), np.uint16)
+        nsub, nt, R = n // 32, self.nt, self.R
+        self.q = anon_array((nt, nsub * 26 * R), np.uint8)   # zeroed: pad rows have d = 0
+        self.d = anon_array((nt, nsub // 8 * R), np.uint16)
         row0 = 0
         for raw in raws:
-            repack_q6_k(raw, row0, self.w, sc, self.d)
+            repack_q6_k(raw, row0, self.q, self.d)
             release_pages(raw)
             row0 += raw.shape[0]
-        self.sc = sc.view(np.int8)
         self._scratch = np.zeros((nt, 2, R), f32)
-        self._s16 = np.zeros((nt, 2, R), np.int16)
-        self._xq = np.zeros(n, np.int32)
-        self._xc = np.zeros(n // 16 * 24, np.int16)
-        self._xd = np.zeros(n // 16, f32)
+        self._s32 = np.zeros((nt, R), np.int32)
+        self._x8 = np.zeros(n, np.int8)
+        self._xd = np.zeros(nsub, f32)
+        self._xs8 = np.zeros(nsub, np.int32)     # prep_q8_x's; q6_dot sums x8 itself
+        self._xsum = np.zeros(nsub, f32)
 
     def matvec(self, x, out):
-        prep_q6_k_x(x, self._xq, self._xc, self._xd)
-        matvec_q6_k(self.w, self.sc, self.d, self._xc, self._xd, out, self._scratch,
-                    self._s16)
+        prep_q8_x(x, self._x8, self._xd, self._xs8, self._xsum)
+        matvec_q6_k(self.q, self.d, self._x8, self._xd, out, self._scratch, self._s32)
 
-    def _dequant_tiles(self, t0, t1, wt):
-        dequant_q6_k_tiles(self.w, self.sc, self.d, t0, t1, wt)
+    def _gemm(self, x8, xd, xs8, xsum, out, s32, acc):
+        matmul_q6_k(self.q, self.d, x8, xd, out, s32, acc)
 
     def _rows(self, ids, out):
-        rows_q6_k(self.w, self.sc, self.d, ids, out)
+        rows_q6_k(self.q, self.q.view(np.int8), self.d, ids, out)
 
 
 Q6_K = WeightFormat("Q6_K", 14, QK, BS,
