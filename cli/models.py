@@ -53,6 +53,13 @@ def rm(names, yes):
     if not yes:
         what = ", ".join(f"{m.name} ({_size(m.size)})" for m in chosen)
         click.confirm(f"remove {what}?", abort=True, err=True)
+    from edgellama.tile_cache import cached_tiles
+    tiles_of = {}
+    for p, source in cached_tiles():
+        tiles_of.setdefault(source["path"], []).append(p)
     for m in chosen:
+        source = str(m.path.resolve())
         m.remove()
         click.echo(f"removed {m.name}", err=True)
+        for p in tiles_of.get(source, []):     # its start-up tiles are of no use now
+            p.unlink(missing_ok=True)

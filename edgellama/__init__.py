@@ -24,7 +24,7 @@ def __getattr__(name):
 
 
 class _KernelCacheSetup(importlib.abc.MetaPathFinder):
-    """Points Numba's cache at ours (jit.use_user_cache) once numba and our jit module are
+    """Points Numba's cache at ours (jit.prepare_numba) once numba and our jit module are
     imported, before any module with kernels defines them. Importing numba here instead
     would cost every import of edgellama (and `edgellama --help`) a third of a second."""
 
@@ -53,14 +53,14 @@ class _KernelCacheSetup(importlib.abc.MetaPathFinder):
         self.waiting.discard(name)
         if not self.waiting:
             sys.meta_path.remove(self)
-            sys.modules[self.jit].use_user_cache()
+            sys.modules[self.jit].prepare_numba()
         elif name == "numba" and self.jit not in sys.modules:
             importlib.import_module(self.jit)   # its own exec ends the setup
         # else: jit is the module importing numba; the setup runs when jit is done
 
 
 if "numba" in sys.modules:
-    from .jit import use_user_cache as _use_user_cache
-    _use_user_cache()
+    from .jit import prepare_numba as _prepare_numba
+    _prepare_numba()
 else:
     sys.meta_path.insert(0, _KernelCacheSetup())

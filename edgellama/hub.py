@@ -213,7 +213,8 @@ class CachedModel:
 
 def cached_models() -> list[CachedModel]:
     """The GGUF files and checkpoints in the Hugging Face cache, then the GGUF files in
-    edgellama's own cache (the default model among them)."""
+    edgellama's own cache (the default model among them), then the tiles kept for fast
+    starts (tile_cache.py)."""
     from huggingface_hub import scan_cache_dir
     from huggingface_hub.errors import CacheNotFound
     from .default_model import cache_dir
@@ -247,4 +248,8 @@ def cached_models() -> list[CachedModel]:
                                      lambda revs=revisions: info.delete_revisions(*revs).execute()))
     for p in sorted(cache_dir().glob("*.gguf")):
         found.append(CachedModel(p.name, p.stat().st_size, p, "gguf", p.unlink))
+    from .tile_cache import cached_tiles
+    for p, source in cached_tiles():
+        found.append(CachedModel(f"tiles/{p.name}", p.stat().st_size, p,
+                                 f"start-up tiles of {Path(source['path']).name}", p.unlink))
     return found

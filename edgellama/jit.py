@@ -73,6 +73,27 @@ def use_user_cache() -> None:
     numba.config.CACHE_DIR = str(path)
 
 
+def prepare_numba() -> None:
+    """Set Numba up for our kernels; runs once numba and this module are imported, before
+    any module with kernels defines them (the package's __init__ arranges it)."""
+    use_user_cache()
+    _import_arraymath_without_scipy()
+
+
+def _import_arraymath_without_scipy() -> None:
+    """Import numba.np.arraymath (Numba's first kernel load does) with its import-time
+    BLAS probe failing. The probe imports scipy.linalg when SciPy is installed: 0.15-0.2 s
+    of every start on this VM. No kernel of ours calls BLAS from Numba, and a kernel that
+    does (np.dot) makes Numba import SciPy then, when it is typed."""
+    if "numba.np.arraymath" in sys.modules or "scipy.linalg.cython_blas" in sys.modules:
+        return
+    sys.modules["scipy.linalg.cython_blas"] = None     # its import fails at once
+    try:
+        import numba.np.arraymath  # noqa: F401
+    finally:
+        del sys.modules["scipy.linalg.cython_blas"]
+
+
 def _compile_in_memory() -> None:
     """No disk cache for our kernels: Numba would otherwise fall back to the package's
     own directory, or fail at import when nothing is writable."""

@@ -11,8 +11,10 @@ from . import kernels as K
 from .args import ModelArgs
 from .errors import EdgeError
 from .gguf import GGUFFile
-from .formats import SUPPORTED, Linear, linear, type_name
+from .formats import SUPPORTED, Linear, block_shape, type_name
+from .formats.base import anon_array
 from .machine import ThreadPolicy, available_memory
+from .tile_cache import TileCache
 
 DEFAULT_BATCH = 512   # prefill chunk: measured on 1B Q4_0, pp512 runs 44 / 56 / 61 tok/s at
                       # 128 / 256 / 512 (BLAS needs tall products); scratch 70 MiB (1B), 80 (3B)
@@ -28,10 +30,12 @@ class KVCache:
 
     def __init__(self, args: ModelArgs, ctx: int):
         shape = (args.n_layers, args.n_kv_heads, args.head_dim, ctx)
-        # np.zeros maps pages on first touch; as each (head, dim) row spans ctx positions,
-        # residency grows in steps of 2048 positions (one 4 KiB page of every row).
-        self.kt = np.zeros(shape, np.float16)
-        self.vt = np.zeros(shape, np.float16)
+        # Anonymous 4 KiB pages, mapped on first touch: as each (head, dim) row spans ctx
+        # positions, residency grows in steps of 2048 positions (one page of every row).
+        # Not np.zeros: NumPy asks for huge pages, and the first token then faults in
+        # all of the cache (1B at ctx 8192, this VM: 0.4 s and 256 MiB resident at once).
+        self.kt = anon_array(shape, np.float16)
+        self.vt = anon_array(shape, np.float16)
         self.kt_bits, self.vt_bits = self.kt.view(np.uint16), self.vt.view(np.uint16)
         self.ctx = ctx
         self.length = 0
@@ -144,18 +148,24 @@ class Transformer:
                             f"use a smaller --ctx")
         self.ctx = ctx
         self.batch = batch = max(1, min(batch, ctx))
-        self.embed = self._linear("token_embd.weight")
-        self.output = self.embed if a.tied_output else self._linear("output.weight")
-        self.output_norm = self._vector("output_norm.weight")
-        self.layers = [
-            Layer(self._vector(f"blk.{i}.attn_norm.weight"), self._vector(f"blk.{i}.ffn_norm.weight"),
-                  self._stacked(f"blk.{i}.attn_q.weight", f"blk.{i}.attn_k.weight",
-                                f"blk.{i}.attn_v.weight"),
-                  self._linear(f"blk.{i}.attn_output.weight"),
-                  self._stacked(f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight"),
-                  self._linear(f"blk.{i}.ffn_down.weight"))
-            for i in range(a.n_layers)
-        ]
+        self._tiles = TileCache(gguf.path, sum(t.nbytes for t in gguf.tensors.values()
+                                               if block_shape(t.type_id)[0] > 1))
+        try:
+            self.embed = self._linear("token_embd.weight")
+            self.output = self.embed if a.tied_output else self._linear("output.weight")
+            self.output_norm = self._vector("output_norm.weight")
+            self.layers = [
+                Layer(self._vector(f"blk.{i}.attn_norm.weight"), self._vector(f"blk.{i}.ffn_norm.weight"),
+                      self._stacked(f"blk.{i}.attn_q.weight", f"blk.{i}.attn_k.weight",
+                                    f"blk.{i}.attn_v.weight"),
+                      self._linear(f"blk.{i}.attn_output.weight"),
+                      self._stacked(f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight"),
+                      self._linear(f"blk.{i}.ffn_down.weight"))
+                for i in range(a.n_layers)
+            ]
+            self._tiles.finish()
+        finally:
+            self._tiles.close()
         self.inv_freq = a.inv_freq()
         self.cache = KVCache(a, ctx)
         self.buf = _Buffers(a, batch, numba.config.NUMBA_NUM_THREADS, ctx)
@@ -163,7 +173,7 @@ class Transformer:
     # -- loading -------------------------------------------------------------
     def _linear(self, name: str) -> Linear:
         t = self.gguf.tensors[name]
-        return linear(t.type_id, [(self.gguf.tensor_bytes(name), t.shape)])
+        return self._tiles.linear(name, t.type_id, [(self.gguf.tensor_bytes(name), t.shape)])
 
     def _stacked(self, *names: str) -> list[Linear]:
         """Matrices applied to the same input, rows stacked so one launch does them all;
@@ -175,7 +185,8 @@ class Transformer:
                 run = []
             run.append(t)
         out.append(run)
-        return [linear(r[0].type_id, [(self.gguf.tensor_bytes(t.name), t.shape) for t in r])
+        return [self._tiles.linear("|".join(t.name for t in r), r[0].type_id,
+                                   [(self.gguf.tensor_bytes(t.name), t.shape) for t in r])
                 for r in out]
 
     def _vector(self, name: str) -> np.ndarray:
