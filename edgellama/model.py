@@ -163,9 +163,10 @@ class Transformer:
                       self._linear(f"blk.{i}.ffn_down.weight"))
                 for i in range(a.n_layers)
             ]
-            self._tiles.finish()
-        finally:
-            self._tiles.close()
+        except BaseException:
+            self._tiles.close()      # no tile file from a load that failed
+            raise
+        self._tiles.finish()
         self.inv_freq = a.inv_freq()
         self.cache = KVCache(a, ctx)
         self.buf = _Buffers(a, batch, numba.config.NUMBA_NUM_THREADS, ctx)

@@ -28,8 +28,10 @@ import json
 import mmap
 import os
 import shutil
+import queue
 import struct
 import tempfile
+import threading
 from pathlib import Path
 
 import numba
@@ -115,13 +117,19 @@ def _unscalar(v):
 
 
 class _Writer:
-    """Appends Linears' tiles to a temporary file and names it <key>.tiles at the end."""
+    """Writes Linears' tiles to a temporary file, named <key>.tiles once complete. The
+    writing runs on a thread of its own, so a first load does not wait for the disk (the
+    arrays are final once built, and the file gets only their bytes); the process waits
+    for it at exit."""
 
     def __init__(self, final: Path, source: dict):
         self.final, self.source = final, source
-        self.f = tempfile.NamedTemporaryFile(dir=final.parent, prefix=".", suffix=".tmp", delete=False)
-        self.f.write(_HEADER.pack(MAGIC, 0, 0))
+        fd, self.tmp = tempfile.mkstemp(dir=final.parent, prefix=".", suffix=".tmp")
+        self.end = _HEADER.size            # where the next array goes
         self.linears: dict = {}
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._write, args=(fd,), name="tile-cache")
+        self.thread.start()
 
     def add(self, name: str, lin: Linear) -> None:
         attrs, arrays, written = {}, {}, []
@@ -137,36 +145,52 @@ class _Writer:
                 if base:
                     arrays[k]["view_of"] = base
                 else:
-                    arrays[k]["offset"] = self._append(v)
+                    arrays[k]["offset"] = self._put(np.ascontiguousarray(v).reshape(-1).view(np.uint8))
                     written.append((k, v))
         self.linears[name] = {"class": type(lin).__name__, "attrs": attrs, "arrays": arrays}
 
-    def _append(self, a: np.ndarray) -> int:
-        pad = -self.f.tell() % 64
-        self.f.write(b"\0" * pad)
-        off = self.f.tell()
-        self.f.write(np.ascontiguousarray(a).data)
+    def _put(self, data) -> int:
+        off = -(-self.end // 64) * 64
+        self.end = off + len(data)
+        self.jobs.put((off, data))
         return off
 
     def finish(self) -> None:
         blob = json.dumps({"source": self.source, "linears": self.linears}).encode()
-        off = self.f.tell()
-        self.f.write(blob)
-        self.f.seek(0)
-        self.f.write(_HEADER.pack(MAGIC, off, len(blob)))
-        self.f.close()
-        os.replace(self.f.name, self.final)
+        off = self._put(blob)
+        self.jobs.put((0, _HEADER.pack(MAGIC, off, len(blob))))
+        self.jobs.put("done")
 
     def abandon(self) -> None:
-        self.f.close()
-        with contextlib.suppress(OSError):
-            os.unlink(self.f.name)
+        self.jobs.put("abandon")
+
+    def _write(self, fd: int) -> None:
+        ok = True
+        while (job := self.jobs.get()) not in ("done", "abandon"):
+            off, data = job
+            view = memoryview(data)
+            try:
+                while ok and len(view):
+                    n = os.pwrite(fd, view, off)
+                    view, off = view[n:], off + n
+            except OSError:
+                ok = False    # the disk is full, say: this model starts without tiles
+        os.close(fd)
+        try:
+            if ok and job == "done":
+                os.replace(self.tmp, self.final)
+                _evict(keep=self.final)
+            else:
+                os.unlink(self.tmp)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(self.tmp)
 
 
 class TileCache:
     """One model's tiles: `linear(name, type_id, parts)` returns the Linear from the tile
     file when it holds it, else builds it (and, on a first load, records it); `finish()`
-    after the last one puts a recorded file in place."""
+    after the last one puts a recorded file in place, `close()` drops it."""
 
     def __init__(self, gguf_path: str | Path, tiled_bytes: int):
         self.mm: mmap.mmap | None = None
@@ -236,20 +260,19 @@ class TileCache:
         return lin
 
     def finish(self) -> None:
-        if self.writer is None:
-            return
-        try:
+        """The last Linear is built: the file is complete once its writing is."""
+        if self.writer is not None:
             self.writer.finish()
-            _evict(keep=self.writer.final)
-        except OSError:
-            self.writer.abandon()
-        self.writer = None
 
     def close(self) -> None:
+        """Instead of finish(), when the load failed: the file is dropped."""
         if self.writer is not None:
             self.writer.abandon()
-            self.writer = None
 
+    def wait(self) -> None:
+        """Until the tile file is written (or dropped)."""
+        if self.writer is not None:
+            self.writer.thread.join()
 
 
 def cached_tiles() -> list[tuple[Path, dict]]:

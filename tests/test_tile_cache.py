@@ -4,6 +4,7 @@ second time; damaged, stale or unwritable caches never break a load."""
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -53,6 +54,7 @@ def test_restored_linear_is_the_same_linear(fmt, cache, tmp_path):
     built = first.linear("w", fmt.type_id, parts)
     assert isinstance(built, TiledLinear)
     first.finish()
+    first.wait()
     again = tc.TileCache(src, 1)
     assert again.mm is not None and again.writer is None
     restored = again.linear("w", fmt.type_id, parts)
@@ -73,11 +75,19 @@ def test_a_restored_linear_must_match_the_tensors(cache, tmp_path):
     first = tc.TileCache(src, 1)
     first.linear("w", fmt.type_id, parts)
     first.finish()
+    first.wait()
     again = tc.TileCache(src, 1)
     other = _parts(fmt, np.random.default_rng(0), rows=(340,))     # same bytes, one tensor
     lin = again.linear("w", fmt.type_id, other)
     assert lin.splits == [340]
     assert not np.shares_memory(np.frombuffer(again.mm, np.uint8), lin.q)
+
+
+def load(path):
+    """A Transformer for the GGUF at path, its tile file (if any) written."""
+    model = Transformer(GGUFFile(path), 64)
+    model._tiles.wait()
+    return model
 
 
 def _logits(model):
@@ -86,15 +96,15 @@ def _logits(model):
 
 def test_model_loads_from_its_tiles_the_second_time(cache, tmp_path):
     path = write_tiny_gguf(tmp_path / "tiny.gguf", "Q4_K", dim=256, ffn=256)
-    first = Transformer(GGUFFile(path), 64)
+    first = load(path)
     files = list(cache.glob("*.tiles"))
     assert len(files) == 1 and not list(cache.glob(".*"))
-    second = Transformer(GGUFFile(path), 64)
+    second = load(path)
     mapped = np.frombuffer(second._tiles.mm, np.uint8)
     assert all(np.shares_memory(mapped, w.q) for w in second.layers[0].wqkv)
     os.environ["EDGELLAMA_TILE_CACHE"] = "0"
     try:
-        plain = Transformer(GGUFFile(path), 64)
+        plain = load(path)
     finally:
         del os.environ["EDGELLAMA_TILE_CACHE"]
     assert plain._tiles.mm is None
@@ -106,21 +116,21 @@ def test_model_loads_from_its_tiles_the_second_time(cache, tmp_path):
 def test_cache_off_writes_nothing(cache, tmp_path, monkeypatch):
     monkeypatch.setenv("EDGELLAMA_TILE_CACHE", "0")
     path = write_tiny_gguf(tmp_path / "tiny.gguf", "Q8_0")
-    Transformer(GGUFFile(path), 64)
+    load(path)
     assert not cache.exists() or not any(cache.iterdir())
 
 
 def test_small_models_are_not_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("EDGELLAMA_CACHE", str(tmp_path))
     path = write_tiny_gguf(tmp_path / "tiny.gguf", "Q8_0")
-    Transformer(GGUFFile(path), 64)
+    load(path)
     assert not (tmp_path / "tiles").exists()
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "bad offset", "bad dtype", "empty"])
 def test_a_damaged_tile_file_is_rebuilt(cache, tmp_path, damage):
     path = write_tiny_gguf(tmp_path / "tiny.gguf", "Q4_0")
-    ref = _logits(Transformer(GGUFFile(path), 64))
+    ref = _logits(load(path))
     (f,) = cache.glob("*.tiles")
     data = bytearray(f.read_bytes())
     if damage == "truncate":
@@ -144,35 +154,35 @@ def test_a_damaged_tile_file_is_rebuilt(cache, tmp_path, damage):
     f.write_bytes(bytes(data))
     with pytest.raises(ValueError):
         tc.read_index(f)
-    model = Transformer(GGUFFile(path), 64)
+    model = load(path)
     assert model._tiles.mm is None                       # not used...
     np.testing.assert_array_equal(_logits(model), ref)
     tc.read_index(f)                                     # ...and written anew
-    assert Transformer(GGUFFile(path), 64)._tiles.mm is not None
+    assert load(path)._tiles.mm is not None
 
 
 def test_a_changed_model_file_gets_new_tiles_and_old_ones_go(cache, tmp_path):
     path = write_tiny_gguf(tmp_path / "tiny.gguf", "Q4_0", seed=1)
-    Transformer(GGUFFile(path), 64)
+    load(path)
     (old,) = cache.glob("*.tiles")
     write_tiny_gguf(path, "Q4_0", seed=2)                # rewritten in place
     os.utime(path, ns=(old.stat().st_mtime_ns + 10**9,) * 2)
-    model = Transformer(GGUFFile(path), 64)
+    model = load(path)
     assert model._tiles.mm is None
     (new,) = cache.glob("*.tiles")
     assert new != old
     os.environ["EDGELLAMA_TILE_CACHE"] = "0"
     try:
-        ref = _logits(Transformer(GGUFFile(path), 64))
+        ref = _logits(load(path))
     finally:
         del os.environ["EDGELLAMA_TILE_CACHE"]
-    np.testing.assert_array_equal(_logits(Transformer(GGUFFile(path), 64)), ref)
+    np.testing.assert_array_equal(_logits(load(path)), ref)
 
 
 def test_only_the_most_recently_used_are_kept(cache, tmp_path):
     paths = [write_tiny_gguf(tmp_path / f"m{i}.gguf", "Q8_0", seed=i) for i in range(tc.KEEP + 2)]
     for i, p in enumerate(paths):
-        Transformer(GGUFFile(p), 64)
+        load(p)
         for j, f in enumerate(sorted(cache.glob("*.tiles"), key=lambda f: f.stat().st_mtime)):
             os.utime(f, (j, j))                         # distinct times, in load order
     kept = {s["path"] for _, s in tc.cached_tiles()}
@@ -207,6 +217,9 @@ def test_a_failed_load_leaves_no_file(cache, tmp_path, monkeypatch):
     monkeypatch.setattr(Transformer, "_stacked", fail_late)
     with pytest.raises(RuntimeError):
         Transformer(GGUFFile(path), 64)
+    for t in threading.enumerate():                     # the writer drops the file
+        if t.name == "tile-cache":
+            t.join()
     assert not cache.exists() or not any(cache.iterdir())
 
 
@@ -216,7 +229,7 @@ def test_list_shows_tiles_and_rm_of_a_model_takes_its_tiles(cache, tmp_path):
     root = cache.parent
     models = [write_tiny_gguf(root / f"m{i}.gguf", "Q4_0", seed=i) for i in range(2)]
     for p in models:
-        Transformer(GGUFFile(p), 64)
+        load(p)
     env = {**os.environ, "EDGELLAMA_CACHE": str(root), "HF_HOME": str(tmp_path / "hf")}
     cli = [shutil.which("edgellama")]
 
