@@ -296,9 +296,11 @@ def matmul_q6_k(q, d, x8, xd, out, s32, acc):
 @njit(cache=True)
 def rows_q6_k(q, qs, d, ids, out):
     # Q6_K tiles q (qs: the same bytes as int8), ids (T,) -> out (T, n) f32 dequantized
-    # rows, (d * scale) * (q - 32) as ggml rounds them
+    # rows, (d * scale) * (q - 32) as ggml rounds them. A block's 6-bit values are built
+    # first, quad by quad (its nibble quad g and crumb quad g % 2), then scaled
     nsub = out.shape[1] // 32
     R = d.shape[1] * 8 // nsub
+    v = np.empty(32, np.int32)
     for i in range(ids.size):
         t = ids[i] // R
         r = ids[i] % R
@@ -306,15 +308,22 @@ def rows_q6_k(q, qs, d, ids, out):
         row = out[i]
         for u in range(nsub):
             o = 26 * u * R
+            for g in range(4):
+                nq = o + 4 * R * g + 4 * r
+                cq = o + 16 * R + 4 * R * (g & 1) + 4 * r
+                f = 2 * (g >> 1)             # field f: element 4g + k, 2 + f: 16 + 4g + k
+                for k in range(4):
+                    nb = np.int32(qt[nq + k])
+                    cb = np.int32(qt[cq + k]) >> f
+                    v[4 * g + k] = (nb & 15) | ((cb & 3) << 4)
+                    v[16 + 4 * g + k] = (nb >> 4) | (cb & 48)
             dd = f16_to_f32(d[t, u // 8 * R + r])
             ds0 = dd * f32(qs[t, o + 24 * R + r])
             ds1 = dd * f32(qs[t, o + 25 * R + r])
             y = row[32 * u:32 * u + 32]
             for j in range(16):
-                v = np.int32(qt[quad_offset(o, R, r, j)])
-                c = np.int32(qt[quad_offset(o + 16 * R, R, r, j & 7)]) >> (2 * (j >> 3))
-                y[j] = ds0 * f32(((v & 15) | ((c & 3) << 4)) - 32)
-                y[16 + j] = ds1 * f32(((v >> 4) | (((c >> 4) & 3) << 4)) - 32)
+                y[j] = ds0 * f32(v[j] - 32)
+                y[16 + j] = ds1 * f32(v[16 + j] - 32)
 
 
 class Q6KLinear(Int8Prefill, TiledLinear):
