@@ -26,8 +26,9 @@ DRAM, runs alternated with the int16 words this layout replaced and with Q4_K: d
 thread 24.0-25.0 GB/s (words 18.1-21.4, Q4_K 19.8-20.7), two threads 39-46 when quiet
 (words 34, Q4_K 36-39) and 30 with a busy neighbour, as the words and Q4_K then; prefill
 of an 8192 x 2048 matrix, T = 512: 310-379 GFLOP/s (the words' dequantize + BLAS 192-220,
-Q4_K 271-351). Its AVX2 kernels on the same CPU: decode level with Q4_K's AVX2 ones,
-prefill 0.8x their GFLOP/s.
+Q4_K 271-351); one thread 265-268 (Q4_K 280-281). Its AVX2 kernels on the same CPU, one
+thread, against Q4_K's AVX2 ones: decode 22-24 GB/s (Q4_K 20-22), prefill 199-200
+GFLOP/s (Q4_K 214-217).
 """
 from __future__ import annotations
 
