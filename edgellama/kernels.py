@@ -18,8 +18,12 @@ from .fp import f16_to_f32
 from .simd import call_llvm, ir_ptr, splat
 
 F32 = np.float32
-_TILE = 1024        # positions per chunk: long contiguous runs of each K/V row (prefetch),
-                    # scores of the chunk stay in L1 (g × 4 KiB)
+_TILE = 1024        # positions per chunk of the plain loops (each token's last n % 16
+                    # positions, or group sizes over 8): a converted K/V row chunk in L1
+_TB = 4             # query tokens per work item of prefill attention: they share every
+                    # K/V chunk while it is in L2
+_CHUNK = 256        # positions per K or V chunk of the register kernels (64 KiB of f16
+                    # at head_dim 128)
 _MIN_LOGIT = F32(-30.0)   # softmax weights below e^-30 of the max count as zero
 
 
@@ -100,37 +104,58 @@ def _fma(builder, a, b, c):
     return call_llvm(builder, "llvm.fma.v16f32", a.type, [a, b, c])
 
 
+def _unroll(G):
+    # 16-position blocks per pass of _scores16: each accumulator is one chain of dependent
+    # FMAs, and 2 FMA units of 4 cycles' latency need 8 chains in flight; at most 16
+    # accumulators. (3B, g = 3, depth 4096: one block per pass ran at about half speed.)
+    return max(1, min(4, -(-8 // G)))
+
+
 @intrinsic(prefer_literal=True)
 def _scores16(typingctx, kt, koff, stride, qs, hd, s, soff, sstride, nblk, g):
     """s[soff + j sstride + p] = sum_i qs[j hd + i] * K[i, p] for the nblk * 16 positions
     p from 0, K[i, p] the f16 bits kt[koff + i stride + p], j < g (a constant): each K
     vector is loaded and widened once for the g query heads, whose sums stay in
-    registers over the whole head dimension."""
+    registers over the whole head dimension, _unroll(g) blocks of 16 positions a pass."""
     if not isinstance(g, types.IntegerLiteral):
         return None
     G = g.literal_value
+    U = _unroll(G)
 
     def codegen(context, builder, sig, args):
-        kta, koa, sta, qsa, hda, sa, soa, ssa, nba = args[:9]
+        koa, sta, hda, soa, ssa, nba = args[1], args[2], args[4], args[6], args[7], args[8]
         f32, i16 = ir.FloatType(), ir.IntType(16)
         v16 = ir.VectorType(f32, 16)
         k64 = lambda v: ir.Constant(koa.type, v)
         ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
-        accs = [cgutils.alloca_once(builder, v16) for _ in range(G)]
-        with cgutils.for_range(builder, nba) as blk:
-            p = builder.mul(blk.index, k64(16))
-            for a in accs:
-                builder.store(ir.Constant(v16, None), a)
-            with cgutils.for_range(builder, hda) as it:
-                i = it.index
-                off = builder.add(builder.add(koa, builder.mul(i, sta)), p)
-                kf = _f16x16(builder, ptr(0, off, ir.VectorType(i16, 16)))
-                for j, a in enumerate(accs):
-                    qj = builder.load(ptr(3, builder.add(builder.mul(k64(j), hda), i), f32))
-                    builder.store(_fma(builder, splat(builder, qj, 16), kf, builder.load(a)), a)
-            for j, a in enumerate(accs):
-                o = builder.add(builder.add(soa, builder.mul(k64(j), ssa)), p)
-                builder.store(builder.load(a), ptr(5, o, v16), align=4)
+
+        def passes(first, count, u):
+            # `count` passes of u blocks each, from block `first`
+            accs = [[cgutils.alloca_once(builder, v16) for _ in range(u)] for _ in range(G)]
+            with cgutils.for_range(builder, count) as blk:
+                p = builder.mul(builder.add(first, builder.mul(blk.index, k64(u))), k64(16))
+                for row in accs:
+                    for a in row:
+                        builder.store(ir.Constant(v16, None), a)
+                with cgutils.for_range(builder, hda) as it:
+                    off = builder.add(builder.add(koa, builder.mul(it.index, sta)), p)
+                    kf = [_f16x16(builder, ptr(0, builder.add(off, k64(16 * b)), ir.VectorType(i16, 16)))
+                          for b in range(u)]
+                    for j, row in enumerate(accs):
+                        qj = builder.load(ptr(3, builder.add(builder.mul(k64(j), hda), it.index), f32))
+                        qj = splat(builder, qj, 16)
+                        for b, a in enumerate(row):
+                            builder.store(_fma(builder, qj, kf[b], builder.load(a)), a)
+                for j, row in enumerate(accs):
+                    for b, a in enumerate(row):
+                        o = builder.add(builder.add(soa, builder.mul(k64(j), ssa)), builder.add(p, k64(16 * b)))
+                        builder.store(builder.load(a), ptr(5, o, v16), align=4)
+
+        full = builder.udiv(nba, k64(U))
+        passes(k64(0), full, U)
+        if U > 1:
+            done = builder.mul(full, k64(U))
+            passes(done, builder.sub(nba, done), 1)     # the blocks left over
         return context.get_dummy_value()
 
     return types.void(kt, koff, stride, qs, hd, s, soff, sstride, nblk, g), codegen
@@ -229,89 +254,106 @@ def attention(q, kt_cache, vt_cache, pos0, scale, out, scratch):
     # filled up to pos0+T. Positions are contiguous, so scores are multiply-adds over
     # positions and each output value is one long dot product over positions.
     # out (T, H, hd). Causal: token t sees positions 0..pos0+t.
-    # scratch (threads, g·ctx + TILE + g + g·hd) f32, one row per worker thread.
+    # scratch (threads, G·ctx + TILE + G + G·hd) f32 with G = TB·g, one row per thread.
     # GQA: the g query heads of a KV head share every K and V row converted; repeated
-    # K/V is never materialised.
+    # K/V is never materialised. A work item is one KV head and a block of up to TB
+    # tokens (rows tt·g + j of its scratch): K and V are read a chunk at a time for all
+    # of them, then from L2.
     T, H, hd = q.shape
     KV, _, ctx = kt_cache.shape
     g = H // KV
-    for item in prange(T * KV):
-        t, kvh = item // KV, item % KV
-        n = pos0 + t + 1
+    G = _TB * g
+    for item in prange(-(-T // _TB) * KV):
+        t0, kvh = item // KV * _TB, item % KV
+        nt = min(T, t0 + _TB) - t0
         buf = scratch[nb.get_thread_id()]
-        s = buf[:g * ctx].reshape((g, ctx))
-        row = buf[g * ctx:g * ctx + _TILE]    # one converted K or V row chunk
-        tot_inv = buf[g * ctx + _TILE:g * ctx + _TILE + g]
-        qs = buf[g * ctx + _TILE + g:g * ctx + _TILE + g + g * hd]
+        s = buf[:G * ctx].reshape((G, ctx))
+        row = buf[G * ctx:G * ctx + _TILE]    # one converted K or V row chunk
+        tot_inv = buf[G * ctx + _TILE:G * ctx + _TILE + G]
+        qs = buf[G * ctx + _TILE + G:G * ctx + _TILE + G + G * hd]
         kt, vt = kt_cache[kvh], vt_cache[kvh]
-        for j in range(g):
-            for i in range(hd):
-                qs[j * hd + i] = q[t, kvh * g + j, i] * scale
-        # scores s[j, p] = scale · q_j · k_p: 16 positions at a time in registers, then
-        # the last n % 16 positions
-        nfull = n // 16 * 16 if g <= 8 else 0    # register sums for up to 8 heads a group
-        if nfull:
-            _scores(kt_cache, kvh * hd * ctx, ctx, qs, hd, buf, 0, ctx, nfull // 16, g)
-        for c0 in range(nfull, n, _TILE):
-            m = min(n, c0 + _TILE) - c0
+        kvo = kvh * hd * ctx
+        for tt in range(nt):
             for j in range(g):
-                s[j, c0:c0 + m] = 0
-            for i in range(hd):
-                ki = kt[i, c0:c0 + m]
-                for p in range(m):
-                    row[p] = f16_to_f32(ki[p])
+                for i in range(hd):
+                    qs[(tt * g + j) * hd + i] = q[t0 + tt, kvh * g + j, i] * scale
+        # scores s[tt g + j, p] = scale · q · k_p: 16 positions at a time in registers up
+        # to each token's last full 16 (nfull(tt)), then its last positions. What a token
+        # gets never depends on the other tokens of its block (nor on the batch size).
+        reg = g <= 8 and hd % 4 == 0                  # the register kernels' shapes
+        last = (pos0 + t0 + nt) // 16 * 16 if reg else 0
+        for c0 in range(0, last, _CHUNK):
+            for tt in range(nt):
+                nblk = (min((pos0 + t0 + tt + 1) // 16 * 16, c0 + _CHUNK) - c0) // 16
+                if nblk > 0:
+                    _scores(kt_cache, kvo + c0, ctx, qs[tt * g * hd:], hd, buf,
+                            tt * g * ctx + c0, ctx, nblk, g)
+        for tt in range(nt):
+            n = pos0 + t0 + tt + 1
+            nfull = n // 16 * 16 if reg else 0
+            for c0 in range(nfull, n, _TILE):
+                m = min(n, c0 + _TILE) - c0
                 for j in range(g):
-                    qi = qs[j * hd + i]
-                    sj = s[j, c0:c0 + m]
+                    s[tt * g + j, c0:c0 + m] = 0
+                for i in range(hd):
+                    ki = kt[i, c0:c0 + m]
                     for p in range(m):
-                        sj[p] += qi * row[p]
-        # softmax weights e^(s - max), unnormalised: out is divided by their sum at the end.
-        # Weights below e^-30 (1e-13, far under f32 resolution next to the max's 1) are
-        # zero: tiny weights would make subnormal products, ~100x slower on x86.
-        for j in range(g):
-            sj = s[j, :n]
-            mx = sj[0]
-            for p in range(n):
-                mx = max(mx, sj[p])
-            tot = F32(0.0)
-            for p in range(n):
-                x = sj[p] - mx
-                e = _exp_neg(max(x, _MIN_LOGIT))
-                e = e if x > _MIN_LOGIT else F32(0.0)
-                sj[p] = e
-                tot += e
-            out[t, kvh * g + j] = 0
-            tot_inv[j] = F32(1.0) / tot
+                        row[p] = f16_to_f32(ki[p])
+                    for j in range(g):
+                        qi = qs[(tt * g + j) * hd + i]
+                        sj = s[tt * g + j, c0:c0 + m]
+                        for p in range(m):
+                            sj[p] += qi * row[p]
+            # softmax weights e^(s - max), unnormalised: out is divided by their sum at
+            # the end. Weights below e^-30 (1e-13, far under f32 resolution next to the
+            # max's 1) are zero: tiny weights would make subnormal products, ~100x slower
+            # on x86.
+            for j in range(g):
+                sj = s[tt * g + j]
+                mx = sj[0]
+                for p in range(n):
+                    mx = max(mx, sj[p])
+                tot = F32(0.0)
+                for p in range(n):
+                    x = sj[p] - mx
+                    e = _exp_neg(max(x, _MIN_LOGIT))
+                    e = e if x > _MIN_LOGIT else F32(0.0)
+                    sj[p] = e
+                    tot += e
+                out[t0 + tt, kvh * g + j] = 0
+                tot_inv[tt * g + j] = F32(1.0) / tot
         # out[j, i] = Σ_p w[j, p] · v[i, p] / Σ_p w[j, p]: 16 positions and 4 rows of V at
-        # a time in registers, then the last n % 16 positions
-        if nfull and hd % 4 == 0:
-            for i0 in range(0, hd, 4):
-                _weighted(vt_cache, kvh * hd * ctx, ctx, i0, buf, ctx, nfull // 16,
-                          out, (t * H + kvh * g) * hd, hd, g)
-            start = nfull
-        else:
-            start = 0
-        for c0 in range(start, n, _TILE):
-            m = min(n, c0 + _TILE) - c0
-            for i in range(hd):
-                vi = vt[i, c0:c0 + m]
-                for p in range(m):
-                    row[p] = f16_to_f32(vi[p])
-                for j in range(g):
-                    sj = s[j, c0:c0 + m]
-                    d = F32(0.0)
+        # a time in registers, then each token's last positions
+        for c0 in range(0, last, _CHUNK):
+            for tt in range(nt):
+                nblk = (min((pos0 + t0 + tt + 1) // 16 * 16, c0 + _CHUNK) - c0) // 16
+                if nblk > 0:
+                    for i0 in range(0, hd, 4):
+                        _weighted(vt_cache, kvo + c0, ctx, i0, buf[tt * g * ctx + c0:], ctx,
+                                  nblk, out, ((t0 + tt) * H + kvh * g) * hd, hd, g)
+        for tt in range(nt):
+            n = pos0 + t0 + tt + 1
+            for c0 in range(n // 16 * 16 if reg else 0, n, _TILE):
+                m = min(n, c0 + _TILE) - c0
+                for i in range(hd):
+                    vi = vt[i, c0:c0 + m]
                     for p in range(m):
-                        d += sj[p] * row[p]
-                    out[t, kvh * g + j, i] += d
-        for j in range(g):
-            for i in range(hd):
-                out[t, kvh * g + j, i] *= tot_inv[j]
+                        row[p] = f16_to_f32(vi[p])
+                    for j in range(g):
+                        sj = s[tt * g + j, c0:c0 + m]
+                        d = F32(0.0)
+                        for p in range(m):
+                            d += sj[p] * row[p]
+                        out[t0 + tt, kvh * g + j, i] += d
+            for j in range(g):
+                for i in range(hd):
+                    out[t0 + tt, kvh * g + j, i] *= tot_inv[tt * g + j]
 
 
 def attention_scratch(n_threads: int, n_heads: int, n_kv_heads: int, ctx: int,
                       head_dim: int) -> np.ndarray:
-    g = n_heads // n_kv_heads
-    return np.zeros((n_threads, g * ctx + _TILE + g + g * head_dim), F32)
+    G = _TB * (n_heads // n_kv_heads)
+    return np.zeros((n_threads, G * ctx + _TILE + G + G * head_dim), F32)
 
 
 @nb.njit(cache=True, error_model="numpy")

@@ -70,6 +70,8 @@ def numpy_attention(q, k, v, pos0):
     (1, 200, 7, 1, 32, 1), (2, 50, 10, 2, 16, 1), (2, 60, 8, 1, 8, 1), (2, 90, 12, 2, 16, 1),
     (2, 100, 16, 1, 16, 1),   # 16 heads a group: past the register kernels, plain loops
     (2, 40, 4, 2, 6, 1),      # head dim not a multiple of 4: V by the plain loops
+    (9, 250, 6, 2, 64, 1),    # token blocks of 4, 4, 1 across a 256-position chunk edge
+    (13, 3, 24, 8, 128, 1),   # a block whose first tokens end before the last's full 16s
 ])
 def test_attention_matches_numpy(T, pos0, H, KV, hd, qscale):
     ctx = 1200
