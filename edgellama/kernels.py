@@ -54,14 +54,6 @@ def rope(x, cos, sin):
                 x[t, h, 2 * i + 1] = a * s + b * c
 
 
-@nb.njit(cache=True, error_model="numpy", fastmath=True)
-def swiglu(gate, up, out):
-    # gate, up (T, F) -> out (T, F) = silu(gate) * up
-    T, F = gate.shape
-    for t in range(T):
-        for i in range(F):
-            g = gate[t, i]
-            out[t, i] = g / (F32(1.0) + np.exp(-g)) * up[t, i]
 
 
 @intrinsic
@@ -90,6 +82,20 @@ def _exp_neg(x):
     p = p * y + F32(1.0)
     p = p * y + F32(1.0)
     return p * _bits_as_f32((np.int32(k) + np.int32(127)) << np.int32(23))
+
+
+@nb.njit(cache=True, error_model="numpy", fastmath=True)
+def swiglu(gate, up, out):
+    # gate, up (T, F) -> out (T, F) = silu(gate) * up, silu(g) = g sigmoid(g) with
+    # sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below, e = e^-|g| <= 1: _exp_neg's
+    # range, and SIMD (np.exp is a libm call per element: 4% of a 1B prefill)
+    T, F = gate.shape
+    for t in range(T):
+        for i in range(F):
+            g = gate[t, i]
+            e = _exp_neg(-abs(g))
+            sig = (F32(1.0) if g >= F32(0.0) else e) / (F32(1.0) + e)
+            out[t, i] = g * sig * up[t, i]
 
 
 def _f16x16(builder, p):
