@@ -4,7 +4,9 @@ instructions each CPU has, for kernels that keep lanes across rows; and prefetch
 Numba has no vector types and LLVM does not find the pair-dot instructions in plain
 loops, so `nib_dot` (nibbles), `i8_dot` (int8) and `q6_dot` (Q6_K's 6-bit values,
 rebuilt in registers from nibbles and 2-bit crumbs) emit LLVM IR for one block of 32
-weights of R rows, and their `_rows` forms for 4 rows of activations at once (prefill):
+weights of R rows, and the `_rows` forms for 4 rows of activations at once (prefill).
+`quads_gemm` is the whole prefill product of a tile of the per-32-block formats (Q4_0,
+Q4_1, Q8_0) with 4 rows of x, scales applied, its sums in registers. The instructions:
 
     VNNI (AVX-512)  vpdpbusd: 64 u8 x i8 products summed into 16 int32 lanes, 1 instruction
     AVX2            vpmaddubsw (u8 x i8 pairs -> int16) then vpmaddwd (-> int32)
@@ -65,10 +67,21 @@ def splat(builder, scalar, n):
                                   ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n))
 
 
-def _dot(builder, kind, n, pairs, signed):
+def _vnni_sum_w(builder, n, ws):
+    """<n x i32>: per 32-bit lane, the sum of the int8 weight bytes of all of ws."""
+    wide = ir.VectorType(ir.IntType(32), n)
+    ones = ir.Constant(wide, [0x01010101] * n)
+    sum_w = ir.Constant(wide, None)
+    for w in ws:
+        sum_w = call_llvm(builder, "llvm.x86.avx512.vpdpbusd.512", wide, [sum_w, ones, w])
+    return sum_w
+
+
+def _dot(builder, kind, n, pairs, signed, sum_w=None):
     """<n x i32>: per 32-bit lane, the sum over `pairs` (w <n x i32> of 4 weight bytes per
     lane, x i32 of 4 int8 activations, broadcast) of the 4 byte products. Weights are
-    u8 (< 16) or, if signed, i8."""
+    u8 (< 16) or, if signed, i8; sum_w: _vnni_sum_w of the pairs' weights, if the
+    caller has it (VNNI, signed)."""
     i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
     wide, b4 = ir.VectorType(i32, n), ir.VectorType(i8, 4 * n)
     if kind == VNNI512:
@@ -79,12 +92,11 @@ def _dot(builder, kind, n, pairs, signed):
                 total = call_llvm(builder, name, wide, [total, w, splat(builder, x, n)])
             return total
         # vpdpbusd takes u8 x i8: (x + 128) . w, less 128 sum(w) (a second vpdpbusd by 1s)
-        sum_w = ir.Constant(wide, None)
-        ones = ir.Constant(wide, [0x01010101] * n)
         for w, x in pairs:
             xu = builder.xor(x, ir.Constant(i32, 0x80808080 - (1 << 32)))
             total = call_llvm(builder, name, wide, [total, splat(builder, xu, n), w])
-            sum_w = call_llvm(builder, name, wide, [sum_w, ones, w])
+        if sum_w is None:
+            sum_w = _vnni_sum_w(builder, n, [w for w, _ in pairs])
         return builder.sub(total, builder.shl(sum_w, ir.Constant(wide, [7] * n)))
     if kind == AVX2:
         b32, h16 = ir.VectorType(i8, 32), ir.VectorType(i16, 16)
@@ -219,14 +231,84 @@ def nib_dot_rows(typingctx, q, o, x8, xo, xstride, acc, nr, isa):
             lambda context, builder, sig, args: make(context, builder, sig, args, isa.literal_value))
 
 
+# Per-32-block formats with int8 prefill (q4.matmul_blocks): what a tile holds.
+KIND_Q4_0, KIND_Q4_1, KIND_Q8_0 = 0, 1, 2
+
+
 @intrinsic(prefer_literal=True)
-def i8_dot_rows(typingctx, q, o, x8, xo, xstride, acc, nr, isa):
-    """i8_dot for TOKENS rows of x at once (as nib_dot_rows)."""
-    if not isinstance(isa, types.IntegerLiteral):
+def quads_gemm(typingctx, q, d, m, x8, xd, xs8, xsum, acc, nb, t0, kind, isa):
+    """One tile of a per-32-block format (q: its quads, R rows, nb blocks a row; d, m:
+    its f16 scales and mins, nb*R u16) times TOKENS rows t0.. of x (x8 flat (Tp*32nb,)
+    int8; xd, xs8, xsum flat (Tp*nb,)): acc[k R + r] (f32, R = acc.size // TOKENS) =
+    row r . x_{t0+k} = sum over blocks b of, with S the exact int32 sum of q x8:
+        KIND_Q4_0  d dx (S - 8 xs8)     KIND_Q4_1  d dx S + m xsum     KIND_Q8_0  d dx S
+    kind and isa constants. Each weight vector is loaded and unpacked once for the
+    TOKENS rows, and the f32 sums of a strip of rows stay in registers over all blocks
+    (the dot products alone ran twice as fast as dot + scale passes over memory)."""
+    if not isinstance(kind, types.IntegerLiteral) or not isinstance(isa, types.IntegerLiteral):
         return None
-    make = _quads_dot(signed=True, ntok=TOKENS)
-    return (types.void(q, o, x8, xo, xstride, acc, nr, isa),
-            lambda context, builder, sig, args: make(context, builder, sig, args, isa.literal_value))
+    KIND, ISA_ = kind.literal_value, isa.literal_value
+    signed = KIND == KIND_Q8_0
+
+    def codegen(context, builder, sig, args):
+        i16, i32, f32 = ir.IntType(16), ir.IntType(32), ir.FloatType()
+        nba, t0a = args[8], args[9]
+        k64 = lambda v: ir.Constant(nba.type, v)
+        ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
+        n = 16 if ISA_ == VNNI512 else 8                    # rows per vector
+        wide, vf = ir.VectorType(i32, n), ir.VectorType(f32, n)
+        halves = ir.VectorType(ir.HalfType(), n)
+        fma = lambda a, b, c: call_llvm(builder, f"llvm.fma.v{n}f32", vf, [a, b, c])
+        acc_n = context.make_array(sig.args[7])(context, builder, args[7]).nitems
+        R = builder.udiv(acc_n, k64(TOKENS))
+        groups, bb = (8, 32) if signed else (4, 16)         # 4-byte groups, bytes per row
+        ncol = builder.mul(nba, k64(32))                    # elements per row of x
+        mask = ir.Constant(wide, [0x0F0F0F0F] * n)
+        four = ir.Constant(wide, [4] * n)
+
+        def scales(arr, off):                               # n f16 values -> <n x float>
+            return builder.fpext(builder.bitcast(builder.load(ptr(arr, off, ir.VectorType(i16, n)),
+                                                              align=2), halves), vf)
+        with cgutils.for_range(builder, builder.udiv(R, k64(n))) as strip:
+            r0 = builder.mul(strip.index, k64(n))
+            accs = [cgutils.alloca_once(builder, vf) for _ in range(TOKENS)]
+            for a in accs:
+                builder.store(ir.Constant(vf, None), a)
+            with cgutils.for_range(builder, nba) as blk:
+                b = blk.index
+                base = builder.add(builder.mul(builder.mul(b, k64(bb)), R), builder.mul(r0, k64(4)))
+                ws = []
+                for g in range(groups):
+                    w = builder.load(ptr(0, builder.add(base, builder.mul(R, k64(4 * g))), wide), align=1)
+                    ws += [w] if signed else [builder.and_(w, mask),
+                                              builder.and_(builder.lshr(w, four), mask)]
+                sum_w = _vnni_sum_w(builder, n, ws) if signed and ISA_ == VNNI512 else None
+                so = builder.add(builder.mul(b, R), r0)
+                dv = scales(1, so)
+                mv = scales(2, so) if KIND == KIND_Q4_1 else None
+                for k, a in enumerate(accs):
+                    tok = builder.add(t0a, k64(k))
+                    xo = builder.add(builder.mul(tok, ncol), builder.mul(b, k64(32)))
+                    xw = [builder.load(ptr(3, builder.add(xo, k64(4 * g)), i32), align=1) for g in range(8)]
+                    if signed:
+                        pairs = list(zip(ws, xw))
+                    else:       # low nibbles with x words 0..3, high ones with 4..7
+                        pairs = [(ws[2 * g + h], xw[4 * h + g]) for g in range(4) for h in (0, 1)]
+                    dot = _dot(builder, ISA_, n, pairs, signed, sum_w)
+                    si = builder.add(builder.mul(tok, nba), b)
+                    if KIND == KIND_Q4_0:
+                        off = builder.mul(builder.load(ptr(5, si, i32)), ir.Constant(i32, 8))
+                        dot = builder.sub(dot, splat(builder, off, n))
+                    dx = splat(builder, builder.load(ptr(4, si, f32)), n)
+                    total = fma(builder.sitofp(dot, vf), builder.fmul(dv, dx), builder.load(a))
+                    if mv is not None:
+                        total = fma(mv, splat(builder, builder.load(ptr(6, si, f32)), n), total)
+                    builder.store(total, a)
+            for k, a in enumerate(accs):
+                builder.store(builder.load(a), ptr(7, builder.add(builder.mul(R, k64(k)), r0), vf), align=4)
+        return context.get_dummy_value()
+
+    return types.void(q, d, m, x8, xd, xs8, xsum, acc, nb, t0, kind, isa), codegen
 
 
 def _q6_dot(ntok=1):
@@ -305,7 +387,7 @@ def q6_dot(typingctx, q, o, x8, xo, acc, nr, isa):
     16 of nibbles, byte j holding the low 4 bits of elements j and 16 + j, then 8 of
     crumbs, byte j holding the high 2 bits of elements j, j + 8, j + 16, j + 24 at bits
     0, 2, 4, 6, both as quads; then the rows' int8 scales of elements 0..15, then of
-    16..31, R bytes each) the sum over its 32 weights q (6 bits) of
+    16..31, nr bytes each) the sum over its 32 weights q (6 bits) of
     scale * (q - 32) * x8[xo + element]. nr a multiple of 16; isa a constant. Exact:
     |sum| <= 2 * 128 * 16 * 32 * 127."""
     if not isinstance(isa, types.IntegerLiteral):

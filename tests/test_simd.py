@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from numba import njit
 
-from edgellama.simd import (AVX2, GENERIC, ISA, TOKENS, VNNI512, host_isa, i8_dot, i8_dot_rows,
-                           nib_dot, nib_dot_rows, q6_dot, q6_dot_rows)
+from edgellama.simd import (AVX2, GENERIC, ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, TOKENS, VNNI512,
+                           host_isa, i8_dot, nib_dot, nib_dot_rows, q6_dot, q6_dot_rows, quads_gemm)
 
 import llvmlite.binding as llvm
 
@@ -112,16 +112,9 @@ def test_int8_extremes_are_exact(isa, w, x):
 
 
 @njit
-def _rows(q, o, x8, xo, xs, acc, R, isa, signed):
-    # the multi-row forms, one compiled entry per instruction set
-    if signed:
-        if isa == 0:
-            i8_dot_rows(q, o, x8, xo, xs, acc, R, 0)
-        elif isa == 1:
-            i8_dot_rows(q, o, x8, xo, xs, acc, R, 1)
-        else:
-            i8_dot_rows(q, o, x8, xo, xs, acc, R, 2)
-    elif isa == 0:
+def _rows(q, o, x8, xo, xs, acc, R, isa):
+    # the multi-row form, one compiled entry per instruction set
+    if isa == 0:
         nib_dot_rows(q, o, x8, xo, xs, acc, R, 0)
     elif isa == 1:
         nib_dot_rows(q, o, x8, xo, xs, acc, R, 1)
@@ -130,21 +123,85 @@ def _rows(q, o, x8, xo, xs, acc, R, isa, signed):
 
 
 @pytest.mark.parametrize("isa", [GENERIC, AVX2, VNNI512])
-@pytest.mark.parametrize("signed", [False, True], ids=["nibbles", "int8"])
-def test_multi_row_forms_equal_one_row_each(isa, signed):
+def test_multi_row_form_equals_one_row_each(isa):
     # TOKENS rows of x at a stride (prefill): row k's sums equal the twin's for that row
     if not RUNS[isa]:
         pytest.skip("this CPU lacks the instructions")
     R, o, xo, xs = 32, 5, 3, 70
     rng = np.random.default_rng(isa)
-    q = (rng.integers(-128, 128, 32 * R + 64, dtype=np.int8) if signed
-         else rng.integers(0, 256, 16 * R + 64, dtype=np.uint8))
+    q = rng.integers(0, 256, 16 * R + 64, dtype=np.uint8)
     x8 = rng.integers(-127, 128, xo + xs * TOKENS + 32, dtype=np.int8)
     acc = np.full(TOKENS * R, 7, np.int32)
-    _rows(q, o, x8, xo, xs, acc, R, isa, signed)
+    _rows(q, o, x8, xo, xs, acc, R, isa)
     for k in range(TOKENS):
-        want = (twin8 if signed else twin)(q, o, x8, xo + k * xs, R)
-        np.testing.assert_array_equal(acc[k * R:(k + 1) * R], want)
+        np.testing.assert_array_equal(acc[k * R:(k + 1) * R], twin(q, o, x8, xo + k * xs, R))
+
+
+# --- quads_gemm: a tile of a per-32-block format times TOKENS rows of x ----------------------
+
+@njit
+def _gemm(kind, q, d, m, x8, xd, xs8, xsum, acc, nb, t0, isa):
+    # one compiled entry per (kind, instruction set): both must be constants
+    if isa == 0:
+        if kind == 0:
+            quads_gemm(q, d, m, x8, xd, xs8, xsum, acc, nb, t0, 0, 0)
+        elif kind == 1:
+            quads_gemm(q, d, m, x8, xd, xs8, xsum, acc, nb, t0, 1, 0)
+        else:
+            quads_gemm(q, d, m, x8, xd, xs8, xsum, acc, nb, t0, 2, 0)
+    elif isa == 1:
+        if kind == 0:
+            quads_gemm(q, d, m, x8, xd, xs8, xsum, acc, nb, t0, 0, 1)
+        elif kind == 1:
+            quads_gemm(q, d, m, x8, xd, xs8, xsum, acc, nb, t0, 1, 1)
+        else:
+            quads_gemm(q, d, m, x8, xd, xs8, xsum, acc, nb, t0, 2, 1)
+    elif kind == 0:
+        quads_gemm(q, d, m, x8, xd, xs8, xsum, acc, nb, t0, 0, 2)
+    elif kind == 1:
+        quads_gemm(q, d, m, x8, xd, xs8, xsum, acc, nb, t0, 1, 2)
+    else:
+        quads_gemm(q, d, m, x8, xd, xs8, xsum, acc, nb, t0, 2, 2)
+
+
+@pytest.mark.parametrize("isa", [GENERIC, AVX2, VNNI512])
+@pytest.mark.parametrize("kind", [KIND_Q4_0, KIND_Q4_1, KIND_Q8_0], ids=["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("extreme", [False, True], ids=["random", "bounds"])
+def test_quads_gemm_matches_twin(isa, kind, extreme):
+    if not RUNS[isa]:
+        pytest.skip("this CPU lacks the instructions")
+    R, nb, T, t0 = 32, 5, 2 * TOKENS, TOKENS       # the second group of TOKENS rows
+    rng = np.random.default_rng(10 * isa + kind)
+    bb = 32 if kind == KIND_Q8_0 else 16
+    if extreme:      # all-15 nibbles / -128 weights against x at +-127
+        q = np.full(bb * nb * R, 0x80 if kind == KIND_Q8_0 else 0xFF, np.uint8)
+        x8 = np.where(rng.random((T, 32 * nb)) < 0.5, -127, 127).astype(np.int8)
+    else:
+        q = rng.integers(0, 256, bb * nb * R, dtype=np.uint8)
+        x8 = rng.integers(-127, 128, (T, 32 * nb), dtype=np.int8)
+    d = rng.standard_normal(nb * R).astype(np.float16)
+    m = rng.standard_normal(nb * R).astype(np.float16)
+    xd = rng.random((T, nb)).astype(np.float32)
+    xs8 = x8.reshape(T, nb, 32).astype(np.int32).sum(axis=2)
+    xsum = rng.standard_normal((T, nb)).astype(np.float32)
+    acc = np.full(TOKENS * R, 7, np.float32)
+    _gemm(kind, q, d.view(np.uint16), m.view(np.uint16), x8.reshape(-1), xd.reshape(-1),
+          xs8.reshape(-1), xsum.reshape(-1), acc, nb, t0, isa)
+    for k in range(TOKENS):
+        tok = t0 + k
+        want = np.zeros(R)
+        for b in range(nb):
+            xo = tok * 32 * nb + 32 * b
+            dd, mm = d[b * R:(b + 1) * R].astype(np.float64), m[b * R:(b + 1) * R].astype(np.float64)
+            if kind == KIND_Q8_0:
+                S = twin8(q.view(np.int8), 32 * b * R, x8.reshape(-1), xo, R)
+            else:
+                S = twin(q, 16 * b * R, x8.reshape(-1), xo, R)
+            if kind == KIND_Q4_0:
+                S = S - 8 * xs8[tok, b]
+            want += dd * xd[tok, b] * S + (mm * xsum[tok, b] if kind == KIND_Q4_1 else 0)
+        np.testing.assert_allclose(acc[k * R:(k + 1) * R], want, rtol=2e-5,
+                                   atol=2e-5 * np.abs(want).max())
 
 
 # --- q6_dot: Q6_K blocks (nibbles, crumbs, two int8 scales per row) ------------------------

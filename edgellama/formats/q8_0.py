@@ -12,10 +12,10 @@ from gguf.constants import LlamaFileType
 from numba import njit, prange
 
 from ..fp import f16_to_f32, get_f16, put_f16, wrap_u8
-from ..simd import ISA, i8_dot
+from ..simd import ISA, KIND_Q8_0, i8_dot
 from .base import (TiledLinear, WeightFormat, anon_array, quad_offset, release_pages,
                    repack_halves, repack_quads)
-from .q4 import KIND_Q8_0, Int8Prefill, matmul_blocks, prep_q8_x
+from .q4 import Int8Prefill, matmul_blocks, prep_q8_x
 
 f32 = np.float32
 
@@ -144,7 +144,7 @@ class Q8Linear(Int8Prefill, TiledLinear):
         matvec_q8_0(self.q, self.d, self._x8, self._xd, out, self._scratch, self._s32)
 
     def _gemm(self, x8, xd, xs8, xsum, out, s32, acc):
-        matmul_blocks(KIND_Q8_0, self.q, self.d, self.d, x8, xd, xs8, xsum, out, s32, acc)
+        matmul_blocks(KIND_Q8_0, self.q, self.d, self.d, x8, xd, xs8, xsum, out, acc)
 
     def _dequant_tiles(self, t0, t1, wt):
         dequant_q8_tiles(self.q, self.d, t0, t1, wt)
