@@ -6,7 +6,8 @@ loops, so `nib_dot` (nibbles), `i8_dot` (int8) and `q6_dot` (Q6_K's 6-bit values
 rebuilt in registers from nibbles and 2-bit crumbs) emit LLVM IR for one block of 32
 weights of R rows, and the `_rows` forms for 4 rows of activations at once (prefill).
 `quads_gemm` is the whole prefill product of a tile of the per-32-block formats (Q4_0,
-Q4_1, Q8_0) with 4 rows of x, scales applied, its sums in registers. The instructions:
+Q4_1, Q8_0) with 4 rows of x, scales applied, its sums in registers; `q6_gemm` Q6_K's.
+The instructions:
 
     VNNI (AVX-512)  vpdpbusd: 64 u8 x i8 products summed into 16 int32 lanes, 1 instruction
     AVX2            vpmaddubsw (u8 x i8 pairs -> int16) then vpmaddwd (-> int32)
@@ -311,74 +312,53 @@ def quads_gemm(typingctx, q, d, m, x8, xd, xs8, xsum, acc, nb, t0, kind, isa):
     return types.void(q, d, m, x8, xd, xs8, xsum, acc, nb, t0, kind, isa), codegen
 
 
-def _q6_dot(ntok=1):
-    """The codegen of q6_dot (ntok 1) and q6_dot_rows (ntok TOKENS; args then as
-    nib_dot_rows')."""
-    def make(context, builder, sig, args, kind):
-        i8, i32 = ir.IntType(8), ir.IntType(32)
-        if ntok == 1:
-            oa, xoa, nra, ia = args[1], args[3], args[5], 4
-            xstride = None
-        else:
-            oa, xoa, xstride, nra, ia = args[1], args[3], args[4], args[6], 5
-        k64 = lambda v: ir.Constant(oa.type, v)
-        ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
-        n = 16 if kind == VNNI512 else 8                    # rows per vector
-        wide = ir.VectorType(i32, n)
-        c = lambda v: ir.Constant(wide, [v] * n)
-        # per row of x: its words (4 int8 each: elements 4g..4g+3) and 32 times the sum
-        # of each half (the -32 of q - 32, taken out of the sums once per row of x)
-        xws, offs = [], []
-        for k in range(ntok):
-            xo_k = xoa if k == 0 else builder.add(xoa, builder.mul(xstride, k64(k)))
-            xws.append([builder.load(ptr(2, builder.add(xo_k, k64(4 * g)), i32), align=1)
-                        for g in range(8)])
-            half = []
-            for h in range(2):
-                v = builder.load(ptr(2, builder.add(xo_k, k64(16 * h)), ir.VectorType(i8, 16)),
-                                 align=1)
-                v = builder.sext(v, ir.VectorType(i32, 16))
-                sx = call_llvm(builder, "llvm.vector.reduce.add.v16i32", i32, [v])
-                half.append(splat(builder, builder.shl(sx, ir.Constant(i32, 5)), n))
-            offs.append(half)
-        with cgutils.for_range(builder, builder.udiv(nra, k64(n))) as loop:
-            r0 = builder.mul(loop.index, k64(n))
-            rows = builder.add(oa, builder.mul(r0, k64(4)))
-            quad = lambda j: builder.load(
-                ptr(0, builder.add(rows, builder.mul(nra, k64(4 * j))), wide), align=1)
-            nib = [quad(g) for g in range(4)]
-            crumbs = [quad(4), quad(5)]
-            scs = [builder.sext(builder.load(ptr(0, builder.add(builder.add(
-                       oa, builder.mul(nra, k64(24 + h))), r0), ir.VectorType(i8, n)), align=1), wide)
-                   for h in range(2)]
-            lo, hi = [], []
-            for g in range(4):
-                # crumb quad g % 2 holds the high bits of elements 4g.. in field g // 2 and
-                # of 16 + 4g.. in field 2 + g // 2: each moved to bits 4-5 of its byte
-                cw, f = crumbs[g & 1], g >> 1
-                clo = builder.shl(cw, c(4 - 2 * f))
-                chi = cw if f == 0 else builder.lshr(cw, c(2))
-                lo.append(builder.or_(builder.and_(nib[g], c(0x0F0F0F0F)),
-                                      builder.and_(clo, c(0x30303030))))
-                hi.append(builder.or_(builder.and_(builder.lshr(nib[g], c(4)), c(0x0F0F0F0F)),
-                                      builder.and_(chi, c(0x30303030))))
-            # AVX2 adds vpmaddubsw's int16 pairs before widening: two of 2 * 63 * 127
-            # stay below 2^15, four would not
-            step = 2 if kind == AVX2 else 4
-            for k, xw in enumerate(xws):
-                res = None
-                for h, qs in enumerate((lo, hi)):
-                    pairs = [(qs[g], xw[4 * h + g]) for g in range(4)]
-                    s = None
-                    for p0 in range(0, 4, step):
-                        part = _dot(builder, kind, n, pairs[p0:p0 + step], False)
-                        s = part if s is None else builder.add(s, part)
-                    term = builder.mul(scs[h], builder.sub(s, offs[k][h]))
-                    res = term if res is None else builder.add(res, term)
-                out = r0 if k == 0 else builder.add(r0, builder.mul(nra, k64(k)))
-                builder.store(res, ptr(ia, out, wide), align=4)
-        return context.get_dummy_value()
-    return make
+def _q6_values(builder, n, quad):
+    """Q6_K's 6-bit values of one block of n rows: (lo, hi), 4 <n x i32> each, lane g of
+    lo holding elements 4g..4g+3 of a row, of hi 16 + 4g..; quad(j) loads quad j (nibble
+    quads 0..3, crumb quads 4, 5; see q6_dot)."""
+    i32 = ir.IntType(32)
+    c = lambda v: ir.Constant(ir.VectorType(i32, n), [v] * n)
+    nib = [quad(g) for g in range(4)]
+    crumbs = [quad(4), quad(5)]
+    lo, hi = [], []
+    for g in range(4):
+        # crumb quad g % 2 holds the high bits of elements 4g.. in field g // 2 and of
+        # 16 + 4g.. in field 2 + g // 2: each moved to bits 4-5 of its byte
+        cw, f = crumbs[g & 1], g >> 1
+        clo = builder.shl(cw, c(4 - 2 * f))
+        chi = cw if f == 0 else builder.lshr(cw, c(2))
+        lo.append(builder.or_(builder.and_(nib[g], c(0x0F0F0F0F)), builder.and_(clo, c(0x30303030))))
+        hi.append(builder.or_(builder.and_(builder.lshr(nib[g], c(4)), c(0x0F0F0F0F)),
+                              builder.and_(chi, c(0x30303030))))
+    return lo, hi
+
+
+def _q6_sum(builder, kind, n, lo, hi, xw, xs, scs):
+    """<n x i32>: sc0 (S0 - 32 xs0) + sc1 (S1 - 32 xs1), S0 and S1 the exact sums of lo
+    and hi (_q6_values) times the x words xw (8 i32 of 4 int8), xs each half's sum of x
+    (i32), scs the rows' two int8 scales (<n x i32>)."""
+    i32 = ir.IntType(32)
+    # AVX2 adds vpmaddubsw's int16 pairs before widening: two of 2 * 63 * 127 stay
+    # below 2^15, four would not
+    step = 2 if kind == AVX2 else 4
+    res = None
+    for h, qs in enumerate((lo, hi)):
+        pairs = [(qs[g], xw[4 * h + g]) for g in range(4)]
+        s = None
+        for p0 in range(0, 4, step):
+            part = _dot(builder, kind, n, pairs[p0:p0 + step], False)
+            s = part if s is None else builder.add(s, part)
+        off = splat(builder, builder.shl(xs[h], ir.Constant(i32, 5)), n)
+        term = builder.mul(scs[h], builder.sub(s, off))
+        res = term if res is None else builder.add(res, term)
+    return res
+
+
+def _q6_scales(builder, n, load_i8):
+    """The two int8 scales of a block's n rows, <n x i32> each; load_i8(h) loads the
+    <n x i8> of half h."""
+    wide = ir.VectorType(ir.IntType(32), n)
+    return [builder.sext(load_i8(h), wide) for h in range(2)]
 
 
 @intrinsic(prefer_literal=True)
@@ -392,19 +372,101 @@ def q6_dot(typingctx, q, o, x8, xo, acc, nr, isa):
     |sum| <= 2 * 128 * 16 * 32 * 127."""
     if not isinstance(isa, types.IntegerLiteral):
         return None
-    make = _q6_dot()
-    return (types.void(q, o, x8, xo, acc, nr, isa),
-            lambda context, builder, sig, args: make(context, builder, sig, args, isa.literal_value))
+    kind = isa.literal_value
+
+    def codegen(context, builder, sig, args):
+        i8, i32 = ir.IntType(8), ir.IntType(32)
+        oa, xoa, nra = args[1], args[3], args[5]
+        k64 = lambda v: ir.Constant(oa.type, v)
+        ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
+        n = 16 if kind == VNNI512 else 8                    # rows per vector
+        wide = ir.VectorType(i32, n)
+        xw = [builder.load(ptr(2, builder.add(xoa, k64(4 * g)), i32), align=1) for g in range(8)]
+        xs = []                         # each half's sum of x: for the -32 of q - 32
+        for h in range(2):
+            v = builder.load(ptr(2, builder.add(xoa, k64(16 * h)), ir.VectorType(i8, 16)), align=1)
+            xs.append(call_llvm(builder, "llvm.vector.reduce.add.v16i32", i32,
+                                [builder.sext(v, ir.VectorType(i32, 16))]))
+        with cgutils.for_range(builder, builder.udiv(nra, k64(n))) as loop:
+            r0 = builder.mul(loop.index, k64(n))
+            rows = builder.add(oa, builder.mul(r0, k64(4)))
+            lo, hi = _q6_values(builder, n, lambda j: builder.load(
+                ptr(0, builder.add(rows, builder.mul(nra, k64(4 * j))), wide), align=1))
+            scs = _q6_scales(builder, n, lambda h: builder.load(
+                ptr(0, builder.add(builder.add(oa, builder.mul(nra, k64(24 + h))), r0),
+                    ir.VectorType(i8, n)), align=1))
+            builder.store(_q6_sum(builder, kind, n, lo, hi, xw, xs, scs), ptr(4, r0, wide), align=4)
+        return context.get_dummy_value()
+
+    return types.void(q, o, x8, xo, acc, nr, isa), codegen
 
 
 @intrinsic(prefer_literal=True)
-def q6_dot_rows(typingctx, q, o, x8, xo, xstride, acc, nr, isa):
-    """q6_dot for TOKENS rows of x at once (as nib_dot_rows)."""
+def q6_gemm(typingctx, q, d, x8, xd, xs16, acc, nsub, t0, isa):
+    """One tile of Q6_K (q: R rows of nsub blocks of 32 as q6_dot reads them, block u at
+    26 u R; d: its f16 super-block scales, nsub/8*R u16) times TOKENS rows t0.. of x (x8
+    flat (Tp*32nsub,) int8, xd (Tp*nsub,) f32 its scales, xs16 (Tp*2nsub,) int32 its sums
+    per 16): acc[k R + r] (f32, R = acc.size // TOKENS) = row r . x_{t0+k} = sum over
+    super-blocks of d sum over their blocks u of dx_u q6_dot_u. isa a constant. As
+    simd.quads_gemm: each block's values are built once for the TOKENS rows, and the f32
+    sums of a strip of rows stay in registers over all blocks."""
     if not isinstance(isa, types.IntegerLiteral):
         return None
-    make = _q6_dot(ntok=TOKENS)
-    return (types.void(q, o, x8, xo, xstride, acc, nr, isa),
-            lambda context, builder, sig, args: make(context, builder, sig, args, isa.literal_value))
+    kind = isa.literal_value
+
+    def codegen(context, builder, sig, args):
+        i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+        nsa, t0a = args[6], args[7]
+        k64 = lambda v: ir.Constant(nsa.type, v)
+        ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
+        n = 16 if kind == VNNI512 else 8                    # rows per vector
+        wide, vf = ir.VectorType(i32, n), ir.VectorType(f32, n)
+        fma = lambda a, b, c: call_llvm(builder, f"llvm.fma.v{n}f32", vf, [a, b, c])
+        acc_n = context.make_array(sig.args[5])(context, builder, args[5]).nitems
+        R = builder.udiv(acc_n, k64(TOKENS))
+        ncol = builder.mul(nsa, k64(32))                    # elements per row of x
+        with cgutils.for_range(builder, builder.udiv(R, k64(n))) as strip:
+            r0 = builder.mul(strip.index, k64(n))
+            accs = [cgutils.alloca_once(builder, vf) for _ in range(2 * TOKENS)]
+            for a in accs[:TOKENS]:
+                builder.store(ir.Constant(vf, None), a)
+            with cgutils.for_range(builder, builder.udiv(nsa, k64(8))) as sblk:
+                sb = sblk.index
+                for a in accs[TOKENS:]:                     # this super-block's sums
+                    builder.store(ir.Constant(vf, None), a)
+                with cgutils.for_range(builder, k64(8)) as blk:
+                    u = builder.add(builder.mul(sb, k64(8)), blk.index)
+                    o = builder.mul(builder.mul(u, k64(26)), R)
+                    rows = builder.add(o, builder.mul(r0, k64(4)))
+                    lo, hi = _q6_values(builder, n, lambda j: builder.load(
+                        ptr(0, builder.add(rows, builder.mul(R, k64(4 * j))), wide), align=1))
+                    scs = _q6_scales(builder, n, lambda h: builder.load(
+                        ptr(0, builder.add(builder.add(o, builder.mul(R, k64(24 + h))), r0),
+                            ir.VectorType(i8, n)), align=1))
+                    for k in range(TOKENS):
+                        tok = builder.add(t0a, k64(k))
+                        xo = builder.add(builder.mul(tok, ncol), builder.mul(u, k64(32)))
+                        xw = [builder.load(ptr(2, builder.add(xo, k64(4 * g)), i32), align=1)
+                              for g in range(8)]
+                        si = builder.add(builder.mul(tok, nsa), u)
+                        xs = [builder.load(ptr(4, builder.add(builder.mul(si, k64(2)), k64(h)), i32))
+                              for h in range(2)]
+                        dot = _q6_sum(builder, kind, n, lo, hi, xw, xs, scs)
+                        dx = splat(builder, builder.load(ptr(3, si, f32)), n)
+                        a = accs[TOKENS + k]
+                        builder.store(fma(builder.sitofp(dot, vf), dx, builder.load(a)), a)
+                dv = builder.fpext(builder.bitcast(builder.load(
+                    ptr(1, builder.add(builder.mul(sb, R), r0), ir.VectorType(i16, n)), align=2),
+                    ir.VectorType(ir.HalfType(), n)), vf)
+                for k in range(TOKENS):
+                    a = accs[k]
+                    builder.store(fma(dv, builder.load(accs[TOKENS + k]), builder.load(a)), a)
+            for k in range(TOKENS):
+                builder.store(builder.load(accs[k]),
+                              ptr(5, builder.add(builder.mul(R, k64(k)), r0), vf), align=4)
+        return context.get_dummy_value()
+
+    return types.void(q, d, x8, xd, xs16, acc, nsub, t0, isa), codegen
 
 
 @intrinsic

@@ -6,7 +6,7 @@ import pytest
 from numba import njit
 
 from edgellama.simd import (AVX2, GENERIC, ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, TOKENS, VNNI512,
-                           host_isa, i8_dot, nib_dot, nib_dot_rows, q6_dot, q6_dot_rows, quads_gemm)
+                           host_isa, i8_dot, nib_dot, nib_dot_rows, q6_dot, q6_gemm, quads_gemm)
 
 import llvmlite.binding as llvm
 
@@ -217,13 +217,13 @@ def _dot6(q, o, x8, xo, acc, R, isa):
 
 
 @njit
-def _rows6(q, o, x8, xo, xs, acc, R, isa):
+def _gemm6(q, d, x8, xd, xs16, acc, nsub, t0, isa):
     if isa == 0:
-        q6_dot_rows(q, o, x8, xo, xs, acc, R, 0)
+        q6_gemm(q, d, x8, xd, xs16, acc, nsub, t0, 0)
     elif isa == 1:
-        q6_dot_rows(q, o, x8, xo, xs, acc, R, 1)
+        q6_gemm(q, d, x8, xd, xs16, acc, nsub, t0, 1)
     else:
-        q6_dot_rows(q, o, x8, xo, xs, acc, R, 2)
+        q6_gemm(q, d, x8, xd, xs16, acc, nsub, t0, 2)
 
 
 def twin6(q, o, x8, xo, R):
@@ -274,15 +274,52 @@ def test_q6_extremes_are_exact(isa, qbyte, x, sc):
     assert (acc == 32 * sc * ((63 if qbyte else 0) - 32) * x).all()
 
 
+def gemm6_case(isa, R, case):
+    """q6_gemm's acc for a random tile of R rows, 2 super-blocks, and TOKENS rows t0.. of
+    x, and its float64 twin (twin6 per block, weighted by d and the x scales). case
+    "exact": d and the x scales 1 or 2 and |x8| <= 15, so every f32 step is exact;
+    "bounds": all q 63 (q - 32 = 31) against x8 = +-127 and scales -128; "random"."""
+    nsub, T, t0 = 16, 2 * TOKENS, TOKENS           # the second group of TOKENS rows
+    rng = np.random.default_rng(10 * isa + R)
+    q = rng.integers(0, 256, 26 * nsub * R, dtype=np.uint8)
+    x8 = rng.integers(-127, 128, (T, 32 * nsub), dtype=np.int8)
+    d = rng.standard_normal(nsub // 8 * R).astype(np.float16)
+    xd = rng.random((T, nsub)).astype(np.float32)
+    if case == "exact":                        # every sum an integer below 2^24
+        x8 = rng.integers(-15, 16, x8.shape, dtype=np.int8)
+        d = (2.0 ** rng.integers(0, 2, d.size)).astype(np.float16)
+        xd = (2.0 ** rng.integers(0, 2, xd.shape)).astype(np.float32)
+    elif case == "bounds":
+        qb = q.reshape(nsub, 26, R)
+        qb[:, :24] = 0xFF
+        qb[:, 24:] = 0x80
+        x8 = np.where(rng.random(x8.shape) < 0.5, -127, 127).astype(np.int8)
+        d[:] = 1
+        xd[:] = 1
+    xs16 = x8.reshape(T, 2 * nsub, 16).astype(np.int32).sum(axis=2)
+    acc = np.full(TOKENS * R, 7, np.float32)
+    _gemm6(q, d.view(np.uint16), x8.reshape(-1), xd.reshape(-1), xs16.reshape(-1), acc, nsub,
+           t0, isa)
+    want = np.zeros((TOKENS, R))
+    for k in range(TOKENS):
+        tok = t0 + k
+        for sb in range(nsub // 8):
+            blocks = sum(xd[tok, u].astype(np.float64)
+                         * twin6(q, 26 * u * R, x8.reshape(-1), tok * 32 * nsub + 32 * u, R)
+                         for u in range(8 * sb, 8 * sb + 8))
+            want[k] += d[sb * R:(sb + 1) * R].astype(np.float64) * blocks
+    return acc.reshape(TOKENS, R), want
+
+
 @pytest.mark.parametrize("isa", [GENERIC, AVX2, VNNI512])
-def test_q6_multi_row_form_equals_one_row_each(isa):
+@pytest.mark.parametrize("R", [32, 256])
+@pytest.mark.parametrize("case", ["exact", "bounds", "random"])
+def test_q6_gemm_matches_twin(isa, R, case):
     if not RUNS[isa]:
         pytest.skip("this CPU lacks the instructions")
-    R, o, xo, xs = 32, 5, 3, 70
-    rng = np.random.default_rng(isa)
-    q = rng.integers(0, 256, 26 * R + 64, dtype=np.uint8)
-    x8 = rng.integers(-127, 128, xo + xs * TOKENS + 32, dtype=np.int8)
-    acc = np.full(TOKENS * R, 7, np.int32)
-    _rows6(q, o, x8, xo, xs, acc, R, isa)
-    for k in range(TOKENS):
-        np.testing.assert_array_equal(acc[k * R:(k + 1) * R], twin6(q, o, x8, xo + k * xs, R))
+    got, want = gemm6_case(isa, R, case)
+    if case == "random":
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    else:
+        np.testing.assert_array_equal(got, want)
+

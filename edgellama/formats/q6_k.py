@@ -16,7 +16,8 @@ Runtime tiles (lanes across rows, see base.TiledLinear), the file's 210 bytes pe
 Decode quantizes x to int8 per 32 (q4.prep_q8_x, as the other pair-dot formats; llama.cpp
 uses one scale per 256 for Q6_K) and simd.q6_dot rebuilds the 6-bit values in registers
 and sums scale * (q - 32) * x8 over each block exactly in int32; then f32 per block and
-super-block. Prefill is the int8 GEMM of the same intrinsic (q4.Int8Prefill).
+super-block. Prefill (q4.Int8Prefill) is simd.q6_gemm: the same sums for 4 rows of x per
+weight load, its f32 sums kept in registers over all of a tile's blocks.
 Why crumbs: a crumb quad serves two nibble quads with a shift and a mask each, so the
 6-bit values cost no more loads than their bytes. The scales sit inside the quant stream
 as Q4_K's do (q4_k.py measured why); decode prefetches the next block, as Q4_K does
@@ -24,11 +25,12 @@ as Q4_K's do (q4_k.py measured why); decode prefetches the next block, as Q4_K d
 Measured on this 2-core EPYC VM (AVX-512 VNNI), 8 layers of Llama 3.2 1B shapes read from
 DRAM, runs alternated with the int16 words this layout replaced and with Q4_K: decode one
 thread 24.0-25.0 GB/s (words 18.1-21.4, Q4_K 19.8-20.7), two threads 39-46 when quiet
-(words 34, Q4_K 36-39) and 30 with a busy neighbour, as the words and Q4_K then; prefill
-of an 8192 x 2048 matrix, T = 512: 310-379 GFLOP/s (the words' dequantize + BLAS 192-220,
-Q4_K 271-351); one thread 265-268 (Q4_K 280-281). Its AVX2 kernels on the same CPU, one
-thread, against Q4_K's AVX2 ones: decode 22-24 GB/s (Q4_K 20-22), prefill 199-200
-GFLOP/s (Q4_K 214-217).
+(words 34, Q4_K 36-39) and 30 with a busy neighbour, as the words and Q4_K then. Prefill
+of an 8192 x 2048 matrix, T = 512, one thread: 446-453 GFLOP/s (Q4_K 308-337; the same
+sums written to memory per block and scaled in a Numba loop, as Q4_K does, 297-330), two
+threads 622-832 when quiet (Q4_K 533-575; the words' dequantize + BLAS 192-220). Its AVX2
+kernels on the same CPU, one thread, against Q4_K's AVX2 ones: decode 22-24 GB/s (Q4_K
+20-22), prefill 192-194 GFLOP/s (Q4_K 215-221; per-block sums in memory 200-201).
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from gguf.constants import LlamaFileType
 from numba import njit, prange
 
 from ..fp import f16_to_f32, get_f16, nearest_int, put_f16
-from ..simd import ISA, TOKENS, prefetch_run, q6_dot, q6_dot_rows
+from ..simd import ISA, TOKENS, prefetch_run, q6_dot, q6_gemm
 from .base import TiledLinear, WeightFormat, anon_array, quad_offset, release_pages
 from .q4 import Int8Prefill, prep_q8_x
 
@@ -262,40 +264,32 @@ def matvec_q6_k(q, d, x8, xd, out, scratch, s32):
 
 # --- prefill: int8 GEMM over the tiles ------------------------------------------------------
 
-@njit(cache=True, fastmath=True, parallel=True)
-def matmul_q6_k(q, d, x8, xd, out, s32, acc):
-    # W (nt*R, n) Q6_K tiles @ x (q4.prep_q8_rows; x8 flat (Tp*n,)) -> out (T, dout) = x W^T
-    # s32 (nt, TOKENS*R) int32, acc (nt, 2*TOKENS, R) f32: per token, the row sums and the
-    # super-block's sums (a1), as matvec_q6_k
+@njit(cache=True)
+def sums16(x8, xs16):
+    # x8 (m*16,) int8 -> xs16 (m,) int32, the sum of each 16 (q6_gemm's half-block sums)
+    for i in range(xs16.size):
+        s = 0
+        for j in range(16 * i, 16 * i + 16):
+            s += x8[j]
+        xs16[i] = s
+
+
+@njit(cache=True, parallel=True)
+def matmul_q6_k(q, d, x8, xd, xs16, out, acc):
+    # W (nt*R, n) Q6_K tiles @ x (q4.prep_q8_rows; x8 flat (Tp*n,), xs16 its sums per 16)
+    # -> out (T, dout) = x W^T; acc (nt, TOKENS, R) f32: per-tile sums (simd.q6_gemm)
     T = out.shape[0]
     nt = q.shape[0]
-    R = s32.shape[1] // TOKENS
+    R = acc.shape[2]
     nsub = xd.shape[1]
-    n = 32 * nsub
+    xdf = xd.reshape(-1)
     for t in prange(nt):
-        qt = q[t]
-        s = s32[t]
         a = acc[t]
+        af = a.reshape(-1)
         c0 = t * R
         nc = min(R, out.shape[1] - c0)
         for t0 in range(0, T, TOKENS):
-            a[:TOKENS] = 0
-            for b in range(nsub // 8):
-                a[TOKENS:] = 0
-                for u in range(8 * b, 8 * b + 8):
-                    q6_dot_rows(qt, 26 * u * R, x8, t0 * n + 32 * u, n, s, R, ISA)
-                    for k in range(TOKENS):
-                        dx = xd[t0 + k, u]
-                        a1 = a[TOKENS + k]
-                        sk = s[k * R:(k + 1) * R]
-                        for r in range(R):
-                            a1[r] += dx * f32(sk[r])
-                db = d[t, b * R:(b + 1) * R]
-                for k in range(TOKENS):
-                    ak = a[k]
-                    a1 = a[TOKENS + k]
-                    for r in range(R):
-                        ak[r] += f16_to_f32(db[r]) * a1[r]
+            q6_gemm(q[t], d[t], x8, xdf, xs16, af, nsub, t0, ISA)
             for k in range(min(TOKENS, T - t0)):
                 out[t0 + k, c0:c0 + nc] = a[k, :nc]
 
@@ -338,7 +332,6 @@ def rows_q6_k(q, qs, d, ids, out):
 class Q6KLinear(Int8Prefill, TiledLinear):
     """Q6_K in row tiles: q (nt, nb*8*26*R) u8 (per block of 32: nibbles and crumbs as
     quads, then two int8 scales), d (nt, nb*R) u16."""
-    gemm_sums = 2    # matmul_q6_k: the row sums and the super-block's sums
 
     def _load(self, raws):
         n = self.in_features
@@ -362,7 +355,9 @@ class Q6KLinear(Int8Prefill, TiledLinear):
         matvec_q6_k(self.q, self.d, self._x8, self._xd, out, self._scratch, self._s32)
 
     def _gemm(self, x8, xd, xs8, xsum, out, s32, acc):
-        matmul_q6_k(self.q, self.d, x8, xd, out, s32, acc)
+        xs16 = np.empty(x8.size // 16, np.int32)
+        sums16(x8, xs16)
+        matmul_q6_k(self.q, self.d, x8, xd, xs16, out, acc)
 
     def _rows(self, ids, out):
         rows_q6_k(self.q, self.q.view(np.int8), self.d, ids, out)
