@@ -30,8 +30,8 @@ of an 8192 x 2048 matrix, T = 512, one thread: 435-453 GFLOP/s (Q4_K 308-348; th
 sums written to memory per block and scaled in a Numba loop, as Q4_K does, 297-338), two
 threads 622-832 when quiet (Q4_K 533-575; the words' dequantize + BLAS 192-220). Its AVX2
 kernels on the same CPU, one thread, against Q4_K's AVX2 ones: decode 22-24 GB/s (Q4_K
-20-22), prefill 168-186 GFLOP/s (Q4_K 199-222; per-block sums in memory 187-194: with
-8 rows a vector instead of 16, the x words and offsets reloaded per strip weigh more).
+20-22), prefill 168-186 GFLOP/s (Q4_K 199-222; per-block sums in memory 187-194, which
+load each block's x words once per block instead of once per strip of 8 rows).
 """
 from __future__ import annotations
 
