@@ -286,9 +286,11 @@ def cached_tiles() -> list[tuple[Path, dict]]:
 
 
 def _evict(keep: Path) -> None:
-    """Keep the KEEP most recently used tile files whose source is unchanged; remove the
-    rest, and temporary files left by an interrupted first load."""
+    """Keep `keep` and the KEEP - 1 most recently used other tile files whose source is
+    unchanged, one per source (tiles of an older edgellama or thread count for the same
+    model go); remove the rest, and temporary files left by an interrupted first load."""
     kept = 0
+    sources = {p: s["path"] for p, s in cached_tiles()}
     for p, source in cached_tiles():
         try:
             st = os.stat(source["path"])
@@ -296,7 +298,7 @@ def _evict(keep: Path) -> None:
                 source["size"], source["mtime_ns"], source["inode"])
         except OSError:
             current = False
-        if p == keep or (current and kept < KEEP - 1):
+        if p == keep or (current and kept < KEEP - 1 and source["path"] != sources.get(keep)):
             kept += p != keep
             continue
         with contextlib.suppress(OSError):

@@ -242,3 +242,14 @@ def test_list_shows_tiles_and_rm_of_a_model_takes_its_tiles(cache, tmp_path):
                                        f"tiles/{t1} start-up tiles of m1.gguf"])
     subprocess.run([*cli, "rm", "-y", "m0.gguf", f"tiles/{t1}"], env=env, check=True, capture_output=True)
     assert listed() == ["m1.gguf gguf"]
+
+
+def test_new_tiles_of_a_model_replace_its_older_ones(cache, tmp_path, monkeypatch):
+    # another layout digest (an upgrade) or thread count: a new key for the same file
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "Q4_0")
+    load(path)
+    (old,) = cache.glob("*.tiles")
+    monkeypatch.setattr(tc.numba.config, "NUMBA_NUM_THREADS", tc.numba.config.NUMBA_NUM_THREADS + 1)
+    assert load(path)._tiles.mm is None
+    (new,) = cache.glob("*.tiles")
+    assert new != old
