@@ -11,6 +11,9 @@ hits both alike; the table shows medians and the ratio ours / llama.cpp.
 Cases:
 - pp: prompt processing of --pp tokens (batch 512) after `depth` tokens in the cache;
 - tg: decoding --tg tokens one at a time after `depth` + --pp tokens;
+- ceiling: the read bandwidth of a parallel sum over 2 GiB, measured in a process of its
+  own between the engines' (with the row's thread count); decode's bytes per token
+  (weights and K/V) times tokens/s over it says how close each engine is to the memory;
 - busy 1: the same with one CPU-bound process running beside it (what a laptop with a
   browser open looks like). edgellama runs with its default thread setting there
   (the column "threads" says what it was asked for; default = adaptive), llama.cpp
@@ -59,7 +62,19 @@ def worker_edgellama(path: str, threads: int | None, depth: int, pp: int, tg: in
     for i, t in enumerate(toks):
         m.forward([t], depth + pp + i)
     t_tg = time.perf_counter() - t0
-    return {"pp": pp / t_pp, "tg": tg / t_tg, "threads": policy.current}
+    from edgellama.benchmark import decode_bytes
+    return {"pp": pp / t_pp, "tg": tg / t_tg, "threads": policy.current,
+            "bytes": decode_bytes(m, depth + pp + tg // 2)}
+
+
+def worker_ceiling(threads: int | None) -> dict:
+    """The read bandwidth of a parallel float32 sum over 2 GiB (the decode ceiling)."""
+    import numba
+
+    from edgellama.membw import measure_read_bandwidth
+    if threads:
+        numba.set_num_threads(threads)
+    return {"gb_s": measure_read_bandwidth(2 << 30)}
 
 
 def worker_llamacpp(path: str, threads: int, depth: int, pp: int, tg: int) -> dict:
@@ -159,8 +174,9 @@ def busy_process(on: bool):
 def run_one(engine: str, path: str, threads: int | None, depth: int, pp: int, tg: int) -> dict:
     if engine == "llama.cpp":
         path = with_tokenizer(path)
-    cmd = [sys.executable, __file__, "--worker", engine, "--file", path,
-           "--depth", str(depth), "--pp", str(pp), "--tg", str(tg)]
+    cmd = [sys.executable, __file__, "--worker", engine]
+    if engine != "ceiling":
+        cmd += ["--file", path, "--depth", str(depth), "--pp", str(pp), "--tg", str(tg)]
     if threads is not None:
         cmd += ["--worker-threads", str(threads)]
     res = subprocess.run(cmd, capture_output=True, text=True)
@@ -181,10 +197,13 @@ def main() -> None:
     ap.add_argument("--tg", type=int, default=64)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=(*ENGINES, "ceiling"), help=argparse.SUPPRESS)
     ap.add_argument("--worker-threads", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
 
+    if a.worker == "ceiling":
+        print(json.dumps(worker_ceiling(a.worker_threads)))
+        return
     if a.worker:
         fn = worker_edgellama if a.worker == "edgellama" else worker_llamacpp
         print(json.dumps(fn(a.file, a.worker_threads, int(a.depth), a.pp, a.tg)))
@@ -197,14 +216,16 @@ def main() -> None:
     for busy in (int(b) for b in a.busy.split(",")):
         for depth in (int(d) for d in a.depth.split(",")):
             for threads in (int(t) for t in a.threads.split(",")):
-                got = {e: [] for e in ENGINES}
+                got = {e: [] for e in (*ENGINES, "ceiling")}
                 with busy_process(busy):
                     for _ in range(a.reps):
-                        for e in ENGINES:
+                        for e in got:
                             # busy: ours at its default (adaptive) setting, as users run it
                             t = None if (busy and e == "edgellama") else threads
                             got[e].append(run_one(e, path, t, depth, a.pp, a.tg))
-                row = {"busy": busy, "depth": depth, "threads": threads}
+                row = {"busy": busy, "depth": depth, "threads": threads,
+                       "ceiling GB/s": statistics.median(r["gb_s"] for r in got["ceiling"]),
+                       "decode bytes": got["edgellama"][0]["bytes"]}
                 for e in ENGINES:
                     for k in ("pp", "tg"):
                         row[f"{e} {k}"] = statistics.median(r[k] for r in got[e])
@@ -218,10 +239,17 @@ def main() -> None:
             json.dump(result, f, indent=1)
 
 
+def _of_ceiling(r: dict, engine: str) -> float:
+    """Decode's bytes/s (weights and K/V read per token) as a share of the ceiling."""
+    return r[f"{engine} tg"] * r["decode bytes"] / 1e9 / r["ceiling GB/s"]
+
+
 def _line(r: dict) -> str:
     return (f"busy={r['busy']} depth={r['depth']} threads={r['threads']}: "
             f"pp {r['edgellama pp']:.1f} / {r['llama.cpp pp']:.1f}  "
-            f"tg {r['edgellama tg']:.1f} / {r['llama.cpp tg']:.1f}")
+            f"tg {r['edgellama tg']:.1f} / {r['llama.cpp tg']:.1f}  "
+            f"(of a {r['ceiling GB/s']:.0f} GB/s ceiling: {_of_ceiling(r, 'edgellama'):.0%} / "
+            f"{_of_ceiling(r, 'llama.cpp'):.0%})")
 
 
 def table(res: dict) -> str:
@@ -229,15 +257,17 @@ def table(res: dict) -> str:
            f"pp{res['pp']}, tg{res['tg']}, median of {res['reps']}",
            "",
            "| threads | depth | busy | prefill ours / llama.cpp t/s | ratio | "
-           "decode ours / llama.cpp t/s | ratio |",
-           "|---|---|---|---|---|---|---|"]
+           "decode ours / llama.cpp t/s | ratio | decode, % of the read ceiling (GB/s) |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         ours_t = "default" if r["busy"] else r["threads"]
         out.append(f"| {ours_t} vs {r['threads']} | {r['depth']} | {'yes' if r['busy'] else 'no'} | "
                    f"{r['edgellama pp']:.1f} / {r['llama.cpp pp']:.1f} | "
                    f"{r['edgellama pp'] / r['llama.cpp pp']:.2f}× | "
                    f"{r['edgellama tg']:.1f} / {r['llama.cpp tg']:.1f} | "
-                   f"{r['edgellama tg'] / r['llama.cpp tg']:.2f}× |")
+                   f"{r['edgellama tg'] / r['llama.cpp tg']:.2f}× | "
+                   f"{_of_ceiling(r, 'edgellama'):.0%} / {_of_ceiling(r, 'llama.cpp'):.0%} "
+                   f"({r['ceiling GB/s']:.0f}) |")
     return "\n".join(out)
 
 

@@ -195,7 +195,7 @@ def _linear_params(model: Transformer) -> int:
     return sum(w.out_features * w.in_features for w in model.linears())
 
 
-def _decode_bytes(model: Transformer, depth: int) -> int:
+def decode_bytes(model: Transformer, depth: int) -> int:
     """Bytes read per decoded token: all linear weights, the output matrix and the
     K/V of `depth` cached positions (the one embedding row is negligible)."""
     return sum(w.nbytes for w in model.linears()) + KVCache.bytes_needed(model.args, depth)
@@ -333,7 +333,7 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
     pp_m, pp_sd = _mean_sd(pp)
     tg_m, tg_sd = _mean_sd(tg)
     tgd_m, tgd_sd = _mean_sd(tg_depth) if tg_depth else (0.0, 0.0)
-    bytes0, bytesd = _decode_bytes(model, 1), _decode_bytes(model, depth)
+    bytes0, bytesd = decode_bytes(model, 1), decode_bytes(model, depth)
     ours_gflops = 2.0 * _linear_params(model) * pp_m / 1e9
     speed = {"pp_tps": pp_m, "pp_sd": pp_sd, "tg_tps": tg_m, "tg_sd": tg_sd,
              "words_per_token": WORDS_PER_TOKEN,
