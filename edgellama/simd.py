@@ -6,7 +6,8 @@ loops, so `nib_dot` (nibbles), `i8_dot` (int8) and `q6_dot` (Q6_K's 6-bit values
 rebuilt in registers from nibbles and 2-bit crumbs) emit LLVM IR for one block of 32
 weights of R rows, and the `_rows` forms for 4 rows of activations at once (prefill).
 `quads_gemm` is the whole prefill product of a tile of the per-32-block formats (Q4_0,
-Q4_1, Q8_0) with 4 rows of x, scales applied, its sums in registers; `q6_gemm` Q6_K's.
+Q4_1, Q8_0) with 4 rows of x, scales applied, its sums in registers; `q6_gemm` Q6_K's,
+`q4k_gemm` Q4_K's.
 The instructions:
 
     VNNI (AVX-512)  vpdpbusd: 64 u8 x i8 products summed into 16 int32 lanes, 1 instruction
@@ -310,6 +311,91 @@ def quads_gemm(typingctx, q, d, m, x8, xd, xs8, xsum, acc, nb, t0, kind, isa):
         return context.get_dummy_value()
 
     return types.void(q, d, m, x8, xd, xs8, xsum, acc, nb, t0, kind, isa), codegen
+
+
+@intrinsic(prefer_literal=True)
+def q4k_gemm(typingctx, q, d, dmin, x8, xd, xsum, acc, nsub, t0, isa):
+    """One tile of Q4_K (q: R rows of nsub sub-blocks of 32, sub-block u at 18 u R: its
+    nibbles as quads, as nib_dot reads them, then the rows' 6-bit sc (R bytes) and m (R
+    bytes); d, dmin: its f16 super-block scales, nsub/8*R u16) times TOKENS rows t0.. of
+    x (x8 flat (Tp*32nsub,) int8; xd, xsum flat (Tp*nsub,) f32): acc[k R + r] (f32,
+    R = acc.size // TOKENS) = row r . x_{t0+k} = sum over super-blocks of
+        d sum_u sc_u dx_u S_u - dmin sum_u m_u xsum_u,   S_u the exact int32 sum(q x8).
+    isa a constant. As quads_gemm: each sub-block's nibbles are unpacked once for the
+    TOKENS rows, and the f32 sums of a strip of rows stay in registers over all blocks."""
+    if not isinstance(isa, types.IntegerLiteral):
+        return None
+    kind = isa.literal_value
+
+    def codegen(context, builder, sig, args):
+        i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+        nsa, t0a = args[7], args[8]
+        k64 = lambda v: ir.Constant(nsa.type, v)
+        ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
+        n = 16 if kind == VNNI512 else 8                    # rows per vector
+        wide, vf = ir.VectorType(i32, n), ir.VectorType(f32, n)
+        fma = lambda a, b, c: call_llvm(builder, f"llvm.fma.v{n}f32", vf, [a, b, c])
+        acc_n = context.make_array(sig.args[6])(context, builder, args[6]).nitems
+        R = builder.udiv(acc_n, k64(TOKENS))
+        ncol = builder.mul(nsa, k64(32))                    # elements per row of x
+        mask = ir.Constant(wide, [0x0F0F0F0F] * n)
+        four = ir.Constant(wide, [4] * n)
+
+        def u8s(off):                                       # n u8 bytes of q -> <n x float>
+            return builder.uitofp(builder.load(ptr(0, off, ir.VectorType(i8, n)), align=1), vf)
+
+        def f16s(arr, off):                                 # n f16 values -> <n x float>
+            return builder.fpext(builder.bitcast(builder.load(ptr(arr, off, ir.VectorType(i16, n)),
+                                                              align=2),
+                                                 ir.VectorType(ir.HalfType(), n)), vf)
+        with cgutils.for_range(builder, builder.udiv(R, k64(n))) as strip:
+            r0 = builder.mul(strip.index, k64(n))
+            # per token: the sum, and this super-block's scale (a1) and min (a2) sums
+            accs = [cgutils.alloca_once(builder, vf) for _ in range(3 * TOKENS)]
+            for a in accs[:TOKENS]:
+                builder.store(ir.Constant(vf, None), a)
+            with cgutils.for_range(builder, builder.udiv(nsa, k64(8))) as sblk:
+                sb = sblk.index
+                for a in accs[TOKENS:]:
+                    builder.store(ir.Constant(vf, None), a)
+                with cgutils.for_range(builder, k64(8)) as blk:
+                    u = builder.add(builder.mul(sb, k64(8)), blk.index)
+                    o = builder.mul(builder.mul(u, k64(18)), R)
+                    rows = builder.add(o, builder.mul(r0, k64(4)))
+                    ws = []
+                    for g in range(4):
+                        w = builder.load(ptr(0, builder.add(rows, builder.mul(R, k64(4 * g))), wide),
+                                         align=1)
+                        ws += [builder.and_(w, mask), builder.and_(builder.lshr(w, four), mask)]
+                    scv = u8s(builder.add(builder.add(o, builder.mul(R, k64(16))), r0))
+                    mv = u8s(builder.add(builder.add(o, builder.mul(R, k64(17))), r0))
+                    for k in range(TOKENS):
+                        tok = builder.add(t0a, k64(k))
+                        xo = builder.add(builder.mul(tok, ncol), builder.mul(u, k64(32)))
+                        xw = [builder.load(ptr(3, builder.add(xo, k64(4 * g)), i32), align=1)
+                              for g in range(8)]
+                        # low nibbles with x words 0..3, high ones with 4..7
+                        pairs = [(ws[2 * g + h], xw[4 * h + g]) for g in range(4) for h in (0, 1)]
+                        dot = _dot(builder, kind, n, pairs, False)
+                        si = builder.add(builder.mul(tok, nsa), u)
+                        dx = splat(builder, builder.load(ptr(4, si, f32)), n)
+                        a1, a2 = accs[TOKENS + k], accs[2 * TOKENS + k]
+                        builder.store(fma(builder.sitofp(dot, vf), builder.fmul(scv, dx),
+                                          builder.load(a1)), a1)
+                        xs = splat(builder, builder.load(ptr(5, si, f32)), n)
+                        builder.store(fma(mv, xs, builder.load(a2)), a2)
+                so = builder.add(builder.mul(sb, R), r0)
+                dv, mnv = f16s(1, so), f16s(2, so)
+                for k in range(TOKENS):
+                    a = accs[k]
+                    total = fma(dv, builder.load(accs[TOKENS + k]), builder.load(a))
+                    builder.store(fma(builder.fneg(mnv), builder.load(accs[2 * TOKENS + k]), total), a)
+            for k in range(TOKENS):
+                builder.store(builder.load(accs[k]),
+                              ptr(6, builder.add(builder.mul(R, k64(k)), r0), vf), align=4)
+        return context.get_dummy_value()
+
+    return types.void(q, d, dmin, x8, xd, xsum, acc, nsub, t0, isa), codegen
 
 
 def _q6_values(builder, n, quad):

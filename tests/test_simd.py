@@ -6,7 +6,8 @@ import pytest
 from numba import njit
 
 from edgellama.simd import (AVX2, GENERIC, ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, TOKENS, VNNI512,
-                           host_isa, i8_dot, nib_dot, nib_dot_rows, q6_dot, q6_gemm, quads_gemm)
+                           host_isa, i8_dot, nib_dot, nib_dot_rows, q4k_gemm, q6_dot, q6_gemm,
+                           quads_gemm)
 
 import llvmlite.binding as llvm
 
@@ -323,3 +324,71 @@ def test_q6_gemm_matches_twin(isa, R, case):
     else:
         np.testing.assert_array_equal(got, want)
 
+
+
+# --- q4k_gemm: a Q4_K tile (nibble quads, then 6-bit sc and m per sub-block) --------------
+
+@njit
+def _gemm4k(q, d, dmin, x8, xd, xsum, acc, nsub, t0, isa):
+    if isa == 0:
+        q4k_gemm(q, d, dmin, x8, xd, xsum, acc, nsub, t0, 0)
+    elif isa == 1:
+        q4k_gemm(q, d, dmin, x8, xd, xsum, acc, nsub, t0, 1)
+    else:
+        q4k_gemm(q, d, dmin, x8, xd, xsum, acc, nsub, t0, 2)
+
+
+def gemm4k_case(isa, R, case):
+    """q4k_gemm's acc for a random tile of R rows, 2 super-blocks, and TOKENS rows t0.. of
+    x, and its float64 twin: per super-block d sum_u sc_u dx_u S_u - dmin sum_u m_u xsum_u,
+    S_u = twin (the nibble quads at 18 u R). case "exact": d, dmin and the x scales 1 or
+    2, |x8| <= 7, integer xsum, so every f32 step is exact; "bounds": all nibbles 15,
+    sc = m = 63, x8 = +-127; "random"."""
+    nsub, T, t0 = 16, 2 * TOKENS, TOKENS           # the second group of TOKENS rows
+    rng = np.random.default_rng(10 * isa + R)
+    qb = rng.integers(0, 256, (nsub, 18, R), dtype=np.uint8)
+    qb[:, 16:] &= 63                               # sc, m: 6 bits
+    x8 = rng.integers(-127, 128, (T, 32 * nsub), dtype=np.int8)
+    d = rng.standard_normal(nsub // 8 * R).astype(np.float16)
+    dmin = rng.standard_normal(nsub // 8 * R).astype(np.float16)
+    xd = rng.random((T, nsub)).astype(np.float32)
+    xsum = rng.standard_normal((T, nsub)).astype(np.float32)
+    if case == "exact":                            # every sum an integer below 2^24
+        x8 = rng.integers(-7, 8, x8.shape, dtype=np.int8)
+        d = (2.0 ** rng.integers(0, 2, d.size)).astype(np.float16)
+        dmin = (2.0 ** rng.integers(0, 2, d.size)).astype(np.float16)
+        xd = (2.0 ** rng.integers(0, 2, xd.shape)).astype(np.float32)
+        xsum = rng.integers(-50, 51, xsum.shape).astype(np.float32)
+    elif case == "bounds":
+        qb[:, :16] = 0xFF
+        qb[:, 16:] = 63
+        x8 = np.where(rng.random(x8.shape) < 0.5, -127, 127).astype(np.int8)
+    q = qb.reshape(-1)
+    acc = np.full(TOKENS * R, 7, np.float32)
+    _gemm4k(q, d.view(np.uint16), dmin.view(np.uint16), x8.reshape(-1), xd.reshape(-1),
+            xsum.reshape(-1), acc, nsub, t0, isa)
+    want = np.zeros((TOKENS, R))
+    for k in range(TOKENS):
+        tok = t0 + k
+        for sb in range(nsub // 8):
+            a1 = a2 = 0
+            for u in range(8 * sb, 8 * sb + 8):
+                S = twin(q, 18 * u * R, x8.reshape(-1), tok * 32 * nsub + 32 * u, R)
+                a1 = a1 + qb[u, 16].astype(np.float64) * xd[tok, u] * S
+                a2 = a2 + qb[u, 17].astype(np.float64) * xsum[tok, u]
+            rs = slice(sb * R, (sb + 1) * R)
+            want[k] += d[rs].astype(np.float64) * a1 - dmin[rs].astype(np.float64) * a2
+    return acc.reshape(TOKENS, R), want
+
+
+@pytest.mark.parametrize("isa", [GENERIC, AVX2, VNNI512])
+@pytest.mark.parametrize("R", [32, 256])
+@pytest.mark.parametrize("case", ["exact", "bounds", "random"])
+def test_q4k_gemm_matches_twin(isa, R, case):
+    if not RUNS[isa]:
+        pytest.skip("this CPU lacks the instructions")
+    got, want = gemm4k_case(isa, R, case)
+    if case == "exact":
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())

@@ -242,7 +242,6 @@ class Int8Prefill:
     2-core EPYC (AVX-512 VNNI), Q4_0 8192 x 2048 at T = 512, 2 threads: 150-240 GFLOP/s
     against 30-65 for dequantize + BLAS; 480-540 with simd.quads_gemm (320 with the
     scales applied in a pass over memory per block, in the same runs)."""
-    gemm_sums = 1    # f32 sums per row of x and tile lane that the format's _gemm keeps
 
     def matmul(self, x, out):
         T, n = x.shape
@@ -251,11 +250,11 @@ class Int8Prefill:
         xd, xsum = np.zeros((Tp, n // 32), f32), np.zeros((Tp, n // 32), f32)
         xs8 = np.zeros((Tp, n // 32), np.int32)
         prep_q8_rows(x, x8, xd, xs8, xsum)
-        self._gemm(x8.reshape(-1), xd, xs8, xsum, out, np.empty((self.nt, TOKENS * self.R), np.int32),
-                   np.empty((self.nt, self.gemm_sums * TOKENS, self.R), f32))
+        self._gemm(x8.reshape(-1), xd, xs8, xsum, out, np.empty((self.nt, TOKENS, self.R), f32))
 
-    def _gemm(self, x8, xd, xs8, xsum, out, s32, acc):
-        """out (T, out_features) = x W^T from prep_q8_rows' arrays and per-tile scratch."""
+    def _gemm(self, x8, xd, xs8, xsum, out, acc):
+        """out (T, out_features) = x W^T from prep_q8_rows' arrays; acc (nt, TOKENS, R)
+        f32 per-tile scratch."""
         raise NotImplementedError
 
 
@@ -341,7 +340,7 @@ class Q4Linear(Int8Prefill, TiledLinear):
             matvec_q4_1(self.q, self.d, self.m, self._x8, self._xd, self._xsum, out,
                         self._scratch, self._s32)
 
-    def _gemm(self, x8, xd, xs8, xsum, out, s32, acc):
+    def _gemm(self, x8, xd, xs8, xsum, out, acc):
         matmul_blocks(KIND_Q4_0 if self.type_name == "Q4_0" else KIND_Q4_1, self.q, self.d, self.m,
                       x8, xd, xs8, xsum, out, acc)
 

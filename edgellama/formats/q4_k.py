@@ -18,13 +18,16 @@ j and j+16 of the sub-block) and stored as Q4_0's tiles store them (quads, simd.
 the same pair-dot kernel (simd.nib_dot on q4.prep_q8_x's int8 x) runs on them.
 4.625 bits per weight resident (4.5 in the file). Decode: per sub-block the exact
 int32 sum(q x8), weighted by sc_s and m_s in f32, then by d and dmin once per
-super-block.
+super-block. Prefill (q4.Int8Prefill) is simd.q4k_gemm: the same sums for 4 rows of x
+per tile, in registers.
 Why sc and m sit inside the quant stream: read from DRAM (24 matrices of 2048 x 8192,
 2 threads, this 2-core VM), the same kernel reads 0.79x Q4_0's bytes/s with sc and m in
 arrays of their own, 0.89-0.92x interleaved, and 0.68x with d and dmin interleaved too.
 Measured as committed (2048 x 8192, Q4_0 in the same run): decode 0.79-0.85x Q4_0's
-bytes/s from DRAM and 0.8x from L3 with 2 threads (0.88x and 0.83x with one); prefill
-(T = 512) 1.0x Q4_0's time.
+bytes/s from DRAM and 0.8x from L3 with 2 threads (0.88x and 0.83x with one). Prefill
+(8192 x 2048, T = 512, one thread, the other core busy): 325 GFLOP/s with the scale
+and min passes over memory per sub-block, 579-581 with q4k_gemm, Q4_0 594-608 in the
+same runs.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ from gguf.constants import LlamaFileType
 from numba import njit, prange
 
 from ..fp import f16_to_f32, get_f16, nearest_int, put_f16
-from ..simd import ISA, TOKENS, nib_dot, nib_dot_rows, prefetch_run
+from ..simd import ISA, TOKENS, nib_dot, prefetch_run, q4k_gemm
 from .base import TiledLinear, WeightFormat, anon_array, quad_offset, release_pages
 from .q4 import Int8Prefill, prep_q8_x
 
@@ -370,48 +373,22 @@ def matvec_q4_k(q, d, dmin, x8, xd, xsum, out, scratch, s32):
         out[t * R:t * R + n] = acc[:n]
 
 
-@njit(cache=True, fastmath=True, parallel=True)
-def matmul_q4_k(q, d, dmin, x8, xd, xsum, out, s32, acc):
-    # W (nt*R, n) Q4_K tiles @ x (q4.prep_q8_rows; x8 flat (Tp*n,)) -> out (T, dout) = x W^T
-    # s32 (nt, TOKENS*R) int32, acc (nt, 3*TOKENS, R) f32: per token, the row sums and the
-    # super-block's scale (a1) and min (a2) sums, as matvec_q4_k
+@njit(cache=True, parallel=True)
+def matmul_q4_k(q, d, dmin, x8, xd, xsum, out, acc):
+    # W (nt*R, n) Q4_K tiles @ x (q4.prep_q8_rows; x8 flat (Tp*n,)) -> out (T, dout) = x W^T;
+    # acc (nt, TOKENS, R) f32: per-tile sums (simd.q4k_gemm)
     T = out.shape[0]
     nt = q.shape[0]
-    R = s32.shape[1] // TOKENS
+    R = acc.shape[2]
     nsub = xd.shape[1]
-    n = 32 * nsub
+    xdf, xsumf = xd.reshape(-1), xsum.reshape(-1)
     for t in prange(nt):
-        qt = q[t]
-        s = s32[t]
         a = acc[t]
+        af = a.reshape(-1)
         c0 = t * R
         nc = min(R, out.shape[1] - c0)
         for t0 in range(0, T, TOKENS):
-            a[:TOKENS] = 0
-            for b in range(nsub // 8):
-                a[TOKENS:] = 0
-                for u in range(8 * b, 8 * b + 8):
-                    o = 18 * u * R
-                    nib_dot_rows(qt, o, x8, t0 * n + 32 * u, n, s, R, ISA)
-                    scu = qt[o + 16 * R:o + 17 * R]
-                    mu = qt[o + 17 * R:o + 18 * R]
-                    for k in range(TOKENS):
-                        dx = xd[t0 + k, u]
-                        xs = xsum[t0 + k, u]
-                        a1 = a[TOKENS + k]
-                        a2 = a[2 * TOKENS + k]
-                        sk = s[k * R:(k + 1) * R]
-                        for r in range(R):
-                            a1[r] += f32(scu[r]) * (dx * f32(sk[r]))
-                            a2[r] += f32(mu[r]) * xs
-                db = d[t, b * R:(b + 1) * R]
-                mb = dmin[t, b * R:(b + 1) * R]
-                for k in range(TOKENS):
-                    ak = a[k]
-                    a1 = a[TOKENS + k]
-                    a2 = a[2 * TOKENS + k]
-                    for r in range(R):
-                        ak[r] += f16_to_f32(db[r]) * a1[r] - f16_to_f32(mb[r]) * a2[r]
+            q4k_gemm(q[t], d[t], dmin[t], x8, xdf, xsumf, af, nsub, t0, ISA)
             for k in range(min(TOKENS, T - t0)):
                 out[t0 + k, c0:c0 + nc] = a[k, :nc]
 
@@ -496,8 +473,6 @@ class KLinear(TiledLinear):
 class Q4KLinear(Int8Prefill, KLinear):
     """Q4_K in row tiles (KLinear, S = 18): 16 bytes of nibbles per row and sub-block, in
     Q4_0 order, as quads."""
-    gemm_sums = 3    # matmul_q4_k: the row sums, and the super-block's scale and min sums
-
     def _load(self, raws):
         super()._load(raws)
         self._s32 = np.zeros((self.nt, self.R), np.int32)
@@ -512,8 +487,8 @@ class Q4KLinear(Int8Prefill, KLinear):
         matvec_q4_k(self.q, self.d, self.dmin, self._x8, self._xd, self._xsum, out,
                     self._scratch, self._s32)
 
-    def _gemm(self, x8, xd, xs8, xsum, out, s32, acc):
-        matmul_q4_k(self.q, self.d, self.dmin, x8, xd, xsum, out, s32, acc)
+    def _gemm(self, x8, xd, xs8, xsum, out, acc):
+        matmul_q4_k(self.q, self.d, self.dmin, x8, xd, xsum, out, acc)
 
     def _dequant_tiles(self, t0, t1, wt):
         dequant_q4_k_tiles(self.q, self.d, self.dmin, t0, t1, wt)

@@ -355,7 +355,7 @@ class Q6KLinear(Int8Prefill, TiledLinear):
         prep_q8_x(x, self._x8, self._xd, self._xs8, self._xsum)
         matvec_q6_k(self.q, self.d, self._x8, self._xd, out, self._scratch, self._s32)
 
-    def _gemm(self, x8, xd, xs8, xsum, out, s32, acc):
+    def _gemm(self, x8, xd, xs8, xsum, out, acc):
         xs16 = np.empty(x8.size // 16, np.int32)
         sums16(x8, xs16)
         matmul_q6_k(self.q, self.d, x8, xd, xs16, out, acc)

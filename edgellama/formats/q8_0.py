@@ -143,7 +143,7 @@ class Q8Linear(Int8Prefill, TiledLinear):
         prep_q8_x(x, self._x8, self._xd, self._xs8, self._xsum)
         matvec_q8_0(self.q, self.d, self._x8, self._xd, out, self._scratch, self._s32)
 
-    def _gemm(self, x8, xd, xs8, xsum, out, s32, acc):
+    def _gemm(self, x8, xd, xs8, xsum, out, acc):
         matmul_blocks(KIND_Q8_0, self.q, self.d, self.d, x8, xd, xs8, xsum, out, acc)
 
     def _dequant_tiles(self, t0, t1, wt):
