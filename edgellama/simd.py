@@ -4,11 +4,9 @@ instructions each CPU has, for kernels that keep lanes across rows; and prefetch
 Numba has no vector types and LLVM does not find the pair-dot instructions in plain
 loops, so `nib_dot` (nibbles), `i8_dot` (int8) and `q6_dot` (Q6_K's 6-bit values,
 rebuilt in registers from nibbles and 2-bit crumbs) emit LLVM IR for one block of 32
-weights of R rows, and the `_rows` forms for 4 rows of activations at once (prefill).
-`quads_gemm` is the whole prefill product of a tile of the per-32-block formats (Q4_0,
-Q4_1, Q8_0) with 4 rows of x, scales applied, its sums in registers; `q6_gemm` Q6_K's,
-`q4k_gemm` Q4_K's.
-The instructions:
+weights of R rows (decode). `quads_gemm` is the whole prefill product of a tile of the
+per-32-block formats (Q4_0, Q4_1, Q8_0) with 4 rows of x, scales applied, its sums in
+registers; `q6_gemm` Q6_K's, `q4k_gemm` Q4_K's. The instructions:
 
     VNNI (AVX-512)  vpdpbusd: 64 u8 x i8 products summed into 16 int32 lanes, 1 instruction
     AVX2            vpmaddubsw (u8 x i8 pairs -> int16) then vpmaddwd (-> int32)
@@ -131,17 +129,11 @@ def _dot(builder, kind, n, pairs, signed, sum_w=None):
     return total
 
 
-def _quads_dot(signed, ntok=1):
-    """The codegen of nib_dot (signed False) and i8_dot (signed True); with ntok > 1,
-    of their forms for ntok activation rows at once (args then: q, o, x8, xo, xstride,
-    acc, nr, isa; acc[k nr + r] for row k of x), each weight load serving them all."""
+def _quads_dot(signed):
+    """The codegen of nib_dot (signed False) and i8_dot (signed True)."""
     def make(context, builder, sig, args, kind):
         i32 = ir.IntType(32)
-        if ntok == 1:
-            oa, xoa, nra, ia = args[1], args[3], args[5], 4
-            xstride = None
-        else:
-            oa, xoa, xstride, nra, ia = args[1], args[3], args[4], args[6], 5
+        oa, xoa, nra = args[1], args[3], args[5]
         k64 = lambda v: ir.Constant(oa.type, v)
         ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
         n = 16 if kind == VNNI512 else 8                    # rows per vector
@@ -149,30 +141,24 @@ def _quads_dot(signed, ntok=1):
         groups = 8 if signed else 4                         # 4-byte groups per row
         # x words (4 int8 each), per group: i8 elements 4g..4g+3; nibbles: the low
         # nibbles' elements 4g.., then the high nibbles' 16 + 4g..
-        xws = []
-        for k in range(ntok):
-            xo_k = xoa if k == 0 else builder.add(xoa, builder.mul(xstride, k64(k)))
-            xws.append([builder.load(ptr(2, builder.add(xo_k, k64(4 * g)), i32), align=1)
-                        for g in range(8)])
-        mask = ir.Constant(wide, [0x0F0F0F0F] * n)
-        four = ir.Constant(wide, [4] * n)
-        if ntok == 1 and not signed:
-            # nibbles, one token: one pass over the rows per 4-byte group, so the block's
-            # bytes are read in address order (one stream for the prefetcher), the sums
-            # kept in acc. Q4_0 4096 x 2048, 2 threads, same runs: from DRAM 40-47 GB/s
-            # against 36-39 for all groups per row pass (4 streams 1 KiB apart), though
-            # 107-122 against 148-153 from cache. int8 (Q8_0) loses both ways: not used.
+        xw = [builder.load(ptr(2, builder.add(xoa, k64(4 * g)), i32), align=1) for g in range(8)]
+        if not signed:
+            # nibbles: one pass over the rows per 4-byte group, so the block's bytes are
+            # read in address order (one stream for the prefetcher), the sums kept in acc.
+            # Q4_0 4096 x 2048, 2 threads, same runs: from DRAM 40-47 GB/s against 36-39
+            # for all groups per row pass (4 streams 1 KiB apart), though 107-122 against
+            # 148-153 from cache. int8 (Q8_0) loses both ways: not used.
+            mask = ir.Constant(wide, [0x0F0F0F0F] * n)
+            four = ir.Constant(wide, [4] * n)
             for g in range(groups):
                 with cgutils.for_range(builder, builder.udiv(nra, k64(n))) as loop:
                     r0 = builder.mul(loop.index, k64(n))
                     p = builder.add(builder.add(oa, builder.mul(nra, k64(4 * g))), builder.mul(r0, k64(4)))
                     w = builder.load(ptr(0, p, wide), align=1)
-                    xw = xws[0]
-                    pairs = [(w, xw[g])] if signed else [
-                        (builder.and_(w, mask), xw[g]),
-                        (builder.and_(builder.lshr(w, four), mask), xw[4 + g])]
+                    pairs = [(builder.and_(w, mask), xw[g]),
+                             (builder.and_(builder.lshr(w, four), mask), xw[4 + g])]
                     part = _dot(builder, kind, n, pairs, signed)
-                    pa = ptr(ia, r0, wide)
+                    pa = ptr(4, r0, wide)
                     builder.store(part if g == 0 else builder.add(builder.load(pa, align=4), part),
                                   pa, align=4)
             return context.get_dummy_value()
@@ -181,16 +167,8 @@ def _quads_dot(signed, ntok=1):
             ws = []
             for g in range(groups):
                 p = builder.add(builder.add(oa, builder.mul(nra, k64(4 * g))), builder.mul(r0, k64(4)))
-                w = builder.load(ptr(0, p, wide), align=1)
-                ws += [w] if signed else [builder.and_(w, mask),
-                                          builder.and_(builder.lshr(w, four), mask)]
-            for k, xw in enumerate(xws):
-                if signed:
-                    pairs = list(zip(ws, xw))
-                else:       # low nibbles with x words 0..3, high ones with 4..7
-                    pairs = [(ws[2 * g + h], xw[4 * h + g]) for g in range(4) for h in (0, 1)]
-                out = r0 if k == 0 else builder.add(r0, builder.mul(nra, k64(k)))
-                builder.store(_dot(builder, kind, n, pairs, signed), ptr(ia, out, wide), align=4)
+                ws.append(builder.load(ptr(0, p, wide), align=1))
+            builder.store(_dot(builder, kind, n, list(zip(ws, xw)), signed), ptr(4, r0, wide), align=4)
         return context.get_dummy_value()
     return make
 
@@ -219,18 +197,7 @@ def i8_dot(typingctx, q, o, x8, xo, acc, nr, isa):
             lambda context, builder, sig, args: make(context, builder, sig, args, isa.literal_value))
 
 
-TOKENS = 4       # activation rows per call of the multi-row forms (prefill)
-
-
-@intrinsic(prefer_literal=True)
-def nib_dot_rows(typingctx, q, o, x8, xo, xstride, acc, nr, isa):
-    """nib_dot for TOKENS rows of x at once: acc[k nr + r] (int32) for the x8 values at
-    xo + k xstride, k < TOKENS. Each weight vector is loaded and unpacked once."""
-    if not isinstance(isa, types.IntegerLiteral):
-        return None
-    make = _quads_dot(signed=False, ntok=TOKENS)
-    return (types.void(q, o, x8, xo, xstride, acc, nr, isa),
-            lambda context, builder, sig, args: make(context, builder, sig, args, isa.literal_value))
+TOKENS = 4       # rows of x per call of the _gemm intrinsics (prefill)
 
 
 # Per-32-block formats with int8 prefill (q4.matmul_blocks): what a tile holds.

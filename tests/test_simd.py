@@ -1,13 +1,12 @@
-"""simd.nib_dot, i8_dot and q6_dot, in each instruction set (all are compiled here; the CPU
-must have the instructions to run them, so the VNNI and AVX2 cases skip elsewhere), against
-a NumPy twin."""
+"""simd.nib_dot, i8_dot, q6_dot and the prefill intrinsics (quads_gemm, q6_gemm, q4k_gemm),
+in each instruction set (all are compiled here; the CPU must have the instructions to run
+them, so the VNNI and AVX2 cases skip elsewhere), against a NumPy twin."""
 import numpy as np
 import pytest
 from numba import njit
 
 from edgellama.simd import (AVX2, GENERIC, ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, TOKENS, VNNI512,
-                           host_isa, i8_dot, nib_dot, nib_dot_rows, q4k_gemm, q6_dot, q6_gemm,
-                           quads_gemm)
+                           host_isa, i8_dot, nib_dot, q4k_gemm, q6_dot, q6_gemm, quads_gemm)
 
 import llvmlite.binding as llvm
 
@@ -110,32 +109,6 @@ def test_int8_extremes_are_exact(isa, w, x):
     acc = np.zeros(R, np.int32)
     _dot8(np.full(32 * R, w, np.int8), 0, np.full(32, x, np.int8), 0, acc, R, isa)
     assert (acc == 32 * w * x).all()
-
-
-@njit
-def _rows(q, o, x8, xo, xs, acc, R, isa):
-    # the multi-row form, one compiled entry per instruction set
-    if isa == 0:
-        nib_dot_rows(q, o, x8, xo, xs, acc, R, 0)
-    elif isa == 1:
-        nib_dot_rows(q, o, x8, xo, xs, acc, R, 1)
-    else:
-        nib_dot_rows(q, o, x8, xo, xs, acc, R, 2)
-
-
-@pytest.mark.parametrize("isa", [GENERIC, AVX2, VNNI512])
-def test_multi_row_form_equals_one_row_each(isa):
-    # TOKENS rows of x at a stride (prefill): row k's sums equal the twin's for that row
-    if not RUNS[isa]:
-        pytest.skip("this CPU lacks the instructions")
-    R, o, xo, xs = 32, 5, 3, 70
-    rng = np.random.default_rng(isa)
-    q = rng.integers(0, 256, 16 * R + 64, dtype=np.uint8)
-    x8 = rng.integers(-127, 128, xo + xs * TOKENS + 32, dtype=np.int8)
-    acc = np.full(TOKENS * R, 7, np.int32)
-    _rows(q, o, x8, xo, xs, acc, R, isa)
-    for k in range(TOKENS):
-        np.testing.assert_array_equal(acc[k * R:(k + 1) * R], twin(q, o, x8, xo + k * xs, R))
 
 
 # --- quads_gemm: a tile of a per-32-block format times TOKENS rows of x ----------------------
