@@ -25,9 +25,11 @@ Why sc and m sit inside the quant stream: read from DRAM (24 matrices of 2048 x 
 arrays of their own, 0.89-0.92x interleaved, and 0.68x with d and dmin interleaved too.
 Measured as committed (2048 x 8192, Q4_0 in the same run): decode 0.79-0.85x Q4_0's
 bytes/s from DRAM and 0.8x from L3 with 2 threads (0.88x and 0.83x with one). Prefill
-(8192 x 2048, T = 512, one thread, the other core busy): 325 GFLOP/s with the scale
-and min passes over memory per sub-block, 579-581 with q4k_gemm, Q4_0 594-608 in the
-same runs.
+(8192 x 2048, T = 512, the other core busy with another job): one thread 325 GFLOP/s
+with the scale and min passes over memory per sub-block, 579-581 with q4k_gemm (Q4_0
+594-608 in the same runs: Q4_K's tile is 3% larger); 2 threads 252-330 -> 430 (Q4_0
+429-447). Folding d and dmin into each sub-block's weights (no per-super-block sums)
+measured 0.91-0.95x Q4_0's GFLOP/s in the same runs, one thread, against 0.97-0.98x.
 """
 from __future__ import annotations
 
