@@ -27,7 +27,7 @@ DRAM, runs alternated with the int16 words this layout replaced and with Q4_K: d
 thread 24.0-25.0 GB/s (words 18.1-21.4, Q4_K 19.8-20.7), two threads 39-46 when quiet
 (words 34, Q4_K 36-39) and 30 with a busy neighbour, as the words and Q4_K then. Prefill
 of an 8192 x 2048 matrix, T = 512, one thread: 435-453 GFLOP/s (Q4_K 308-348; the same
-sums written to memory per block and scaled in a Numba loop, as Q4_K does, 297-338), two
+sums written to memory per block and scaled in a Numba loop, as Q4_K did then, 297-338), two
 threads 622-832 when quiet (Q4_K 533-575; the words' dequantize + BLAS 192-220). Its AVX2
 kernels on the same CPU, one thread, against Q4_K's AVX2 ones: decode 22-24 GB/s (Q4_K
 20-22), prefill 168-186 GFLOP/s (Q4_K 199-222; per-block sums in memory 187-194, which
