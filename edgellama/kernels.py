@@ -85,17 +85,19 @@ def _exp_neg(x):
 
 
 @nb.njit(cache=True, error_model="numpy", fastmath=True)
-def swiglu(gate, up, out):
-    # gate, up (T, F) -> out (T, F) = silu(gate) * up, silu(g) = g sigmoid(g) with
-    # sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below, e = e^-|g| <= 1: _exp_neg's
-    # range, and SIMD (np.exp is a libm call per element: 4% of a 1B prefill)
-    T, F = gate.shape
+def swiglu(gate_up, out):
+    # gate_up (T, 2F) = [gate | up] -> out (T, F) = silu(gate) * up, silu(g) = g sigmoid(g)
+    # with sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below, e = e^-|g| <= 1:
+    # _exp_neg's range, and SIMD (np.exp is a libm call per element: 4% of a 1B prefill).
+    # One C-contiguous array, not two column slices of it: Numba vectorises only loops
+    # over arrays it knows are contiguous (the slices took 12% of a 1B prefill).
+    T, F = out.shape
     for t in range(T):
         for i in range(F):
-            g = gate[t, i]
+            g = gate_up[t, i]
             e = _exp_neg(-abs(g))
             sig = (F32(1.0) if g >= F32(0.0) else e) / (F32(1.0) + e)
-            out[t, i] = g * sig * up[t, i]
+            out[t, i] = g * sig * gate_up[t, F + i]
 
 
 def _f16x16(builder, p):

@@ -264,7 +264,7 @@ class Transformer:
             K.add_inplace(x, o)
             K.rmsnorm(x, layer.ffn_norm, a.norm_eps, h)
             _linears(h, layer.w_gate_up, gate_up)
-            K.swiglu(gate_up[:, :a.ffn_dim], gate_up[:, a.ffn_dim:], act)
+            K.swiglu(gate_up, act)
             _linear(act, layer.w_down, o)
             K.add_inplace(x, o)
         cache.length = pos + T
