@@ -116,15 +116,24 @@ def test_smollm2_chat_answers_and_stops(smollm2):
 
 
 def test_smollm2_matches_reference_logits(smollm2, smollm2_gguf):
+    # Q4_1 prefill and decode round activations to int8 per 32 (as llama.cpp's q8_1), so
+    # over 30 layers the logits move with every rounding that flips: on one 5-token prompt
+    # the largest logit error went 12%, 14%, 17.5% of the largest logit for three
+    # implementations of SwiGLU equal to 2e-7. Several prompts, then: each keeps its argmax
+    # and a correlation near 1, and the largest errors stay under 25% (mean under 15%;
+    # measured 6-17.5%, mean 10%). A wrong layout or scale gives errors of 100% or more.
     meta, W = load_reference(smollm2_gguf)
-    ids = smollm2.tokenizer.encode("The capital of France is")
-    ref = reference_forward(meta, W, ids)[-1]
-    got = smollm2.logits(ids)
-    # Q4_1 prefill and decode round activations to int8 per 32 (as llama.cpp's q8_1): over
-    # 30 layers the largest logit error is ~9% of the largest logit (decode, token by
-    # token, was 11% with float prefill); the argmax holds
-    assert _rel_err(got, ref) < 0.15
-    assert int(np.argmax(got)) == int(np.argmax(ref))
+    errs = []
+    for prompt in ("The capital of France is", "Once upon a time, in a small village,",
+                   "def fibonacci(n):", "Water boils at"):
+        ids = smollm2.tokenizer.encode(prompt)
+        ref = reference_forward(meta, W, ids)[-1]
+        smollm2.reset()
+        got = smollm2.logits(ids)
+        errs.append(_rel_err(got, ref))
+        assert int(np.argmax(got)) == int(np.argmax(ref)), prompt
+        assert np.corrcoef(got, ref)[0, 1] > 0.98, prompt
+    assert max(errs) < 0.25 and np.mean(errs) < 0.15, errs
 
 
 def test_prefix_reuse_prefills_only_new_tokens(smollm2):
