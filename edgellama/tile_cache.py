@@ -47,7 +47,6 @@ MIN_BYTES = 64 << 20        # models with fewer bytes of tiles are repacked ever
 KEEP = 3                    # tile files kept, most recently used first
 _DTYPES = {"u1", "i1", "u2", "i2", "u4", "i4", "f2", "f4"}   # what tiles are made of
 _MAX_INDEX = 16 << 20
-_MADV_POPULATE_READ = 22
 
 
 def tiles_dir() -> Path:
@@ -81,15 +80,30 @@ def read_index(path: Path) -> tuple[dict, int]:
             raise ValueError("not a tile file")
         f.seek(off)
         index = json.loads(f.read(n))
-    if not isinstance(index, dict) or not isinstance(index.get("linears"), dict):
+    if not isinstance(index, dict) or not isinstance(index.get("linears"), dict) \
+            or not isinstance(index.get("source"), dict):
         raise ValueError("bad index")
     for entry in index["linears"].values():
-        for a in entry["arrays"].values():
-            if a["dtype"] not in _DTYPES or not all(isinstance(s, int) and s >= 0 for s in a["shape"]):
+        if not isinstance(entry.get("class"), str) or not isinstance(entry.get("attrs"), dict) \
+                or not isinstance(entry.get("arrays"), dict):
+            raise ValueError("bad entry")
+        for v in entry["attrs"].values():
+            try:
+                _unscalar(v)
+            except (KeyError, TypeError) as e:
+                raise ValueError("not an attribute we write") from e
+        for name, a in entry["arrays"].items():
+            if a["dtype"] not in _DTYPES or not isinstance(a["shape"], list) \
+                    or not all(isinstance(s, int) and s >= 0 for s in a["shape"]):
                 raise ValueError("bad array entry")
             nbytes = int(np.prod(a["shape"])) * np.dtype(a["dtype"]).itemsize
-            if "offset" in a and not _HEADER.size <= a["offset"] <= off - nbytes:
+            if "offset" in a and not (isinstance(a["offset"], int)
+                                      and _HEADER.size <= a["offset"] <= off - nbytes):
                 raise ValueError("array outside the file")
+            if "view_of" in a and "offset" not in entry["arrays"].get(a["view_of"], {}):
+                raise ValueError("a view of no array")
+            if "offset" not in a and "view_of" not in a and not name.startswith("_"):
+                raise ValueError("an array with no data")
     return index, size
 
 
@@ -221,8 +235,6 @@ class TileCache:
             # private and writable: the kernels take writable arrays (read-only ones would
             # compile a second set); nothing writes the tiles, so every page stays shared
             self.mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
-        with contextlib.suppress(OSError):
-            self.mm.madvise(_MADV_POPULATE_READ)
         self.index = index["linears"]
         os.utime(path)                 # most recently used: kept by _evict
 
@@ -230,10 +242,11 @@ class TileCache:
         fmt = BY_ID.get(type_id)
         entry = self.index.get(name)
         if fmt is not None and entry is not None and entry["class"] == fmt.linear.__name__:
-            lin = self._restore(fmt.linear, entry)
-            if (lin.type_id, lin.in_features, lin.splits) == (
-                    type_id, int(parts[0][1][1]), [int(s[0]) for _, s in parts]):
-                return lin
+            with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
+                lin = self._restore(fmt.linear, entry)     # (read_index checked the entry)
+                if (lin.type_id, lin.in_features, lin.splits) == (
+                        type_id, int(parts[0][1][1]), [int(s[0]) for _, s in parts]):
+                    return lin
         lin = linear(type_id, parts)
         if self.writer is not None and isinstance(lin, TiledLinear):
             try:

@@ -127,7 +127,8 @@ def test_small_models_are_not_cached(tmp_path, monkeypatch):
     assert not (tmp_path / "tiles").exists()
 
 
-@pytest.mark.parametrize("damage", ["truncate", "garbage", "bad offset", "bad dtype", "empty"])
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "bad offset", "bad dtype", "empty",
+                                    "no attrs", "unknown format", "view of nothing"])
 def test_a_damaged_tile_file_is_rebuilt(cache, tmp_path, damage):
     path = write_tiny_gguf(tmp_path / "tiny.gguf", "Q4_0")
     ref = _logits(load(path))
@@ -145,8 +146,14 @@ def test_a_damaged_tile_file_is_rebuilt(cache, tmp_path, damage):
         arr = next(a for a in entry["arrays"].values() if "offset" in a)
         if damage == "bad offset":
             arr["offset"] = len(data)
-        else:
+        elif damage == "bad dtype":
             arr["dtype"] = "O"
+        elif damage == "no attrs":
+            del entry["attrs"]
+        elif damage == "unknown format":
+            entry["attrs"]["fmt"] = {"format": "Q9_9"}
+        else:
+            entry["arrays"]["extra"] = {"dtype": "u1", "shape": [4], "view_of": "nothing"}
         blob = __import__("json").dumps(index).encode()
         off = tc._HEADER.unpack(bytes(data[:tc._HEADER.size]))[1]
         data = data[:off] + blob
