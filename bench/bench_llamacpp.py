@@ -51,6 +51,7 @@ def worker_edgellama(path: str, threads: int | None, depth: int, pp: int, tg: in
     policy = ThreadPolicy(threads)              # None: automatic, as edgellama.load does
     # Transformer, not edgellama.load: shape files have no tokenizer
     m = Transformer(GGUFFile(path), ctx=depth + pp + tg + 8, threads=policy)
+    m.wait_for_tiles()
     m.forward(_tokens(16, 0), 0)                     # warm-up: kernels loaded, pages touched
     m.forward(_tokens(1, 1), 16)
     m.cache.fill_random(depth, __import__("numpy").random.default_rng(0))

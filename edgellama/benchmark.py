@@ -249,6 +249,8 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
             as loading:
         model = Transformer(g, ctx, threads=policy)
     load_s = time.perf_counter() - t0 - loading.seconds
+    progress("loading the model: writing its start-up tiles (first load only)")
+    model.wait_for_tiles()         # a first load writes them on a thread: not while timing
     a = model.args
     if n_prompt + 1 > ctx:
         raise EdgeError(f"-p {n_prompt} does not fit --ctx {ctx}")

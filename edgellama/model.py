@@ -172,6 +172,11 @@ class Transformer:
         self.buf = _Buffers(a, batch, numba.config.NUMBA_NUM_THREADS, ctx)
 
     # -- loading -------------------------------------------------------------
+    def wait_for_tiles(self) -> None:
+        """Until a first load's start-up tile file is written (tile_cache.py): benchmarks
+        time nothing while it is, as the writing takes CPU and memory bandwidth."""
+        self._tiles.wait()
+
     def _linear(self, name: str) -> Linear:
         t = self.gguf.tensors[name]
         return self._tiles.linear(name, t.type_id, [(self.gguf.tensor_bytes(name), t.shape)])
