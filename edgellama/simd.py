@@ -200,6 +200,31 @@ def i8_dot(typingctx, q, o, x8, xo, acc, nr, isa):
 TOKENS = 4       # rows of x per call of the _gemm intrinsics (prefill)
 
 
+class _GemmFrame:
+    """What the _gemm intrinsics share: rows per vector (n) for the instruction set, their
+    int and float vector types, the tile height R (acc holds TOKENS rows of R), the
+    elements per row of x (32 per block), a pointer maker, and loads of n f16 scales."""
+
+    def __init__(self, context, builder, sig, args, isa, acc_i, nb_i):
+        self.builder = builder
+        self.k64 = lambda v: ir.Constant(args[nb_i].type, v)
+        self.ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
+        self.n = n = 16 if isa == VNNI512 else 8            # rows per vector
+        self.wide, self.vf = ir.VectorType(ir.IntType(32), n), ir.VectorType(ir.FloatType(), n)
+        acc_n = context.make_array(sig.args[acc_i])(context, builder, args[acc_i]).nitems
+        self.R = builder.udiv(acc_n, self.k64(TOKENS))
+        self.ncol = builder.mul(args[nb_i], self.k64(32))   # elements per row of x
+
+    def fma(self, a, b, c):
+        return call_llvm(self.builder, f"llvm.fma.v{self.n}f32", self.vf, [a, b, c])
+
+    def f16s(self, k, off):
+        """n f16 values of argument k at off -> <n x float>."""
+        b = self.builder
+        v = b.load(self.ptr(k, off, ir.VectorType(ir.IntType(16), self.n)), align=2)
+        return b.fpext(b.bitcast(v, ir.VectorType(ir.HalfType(), self.n)), self.vf)
+
+
 # Per-32-block formats with int8 prefill (q4.matmul_blocks): what a tile holds.
 KIND_Q4_0, KIND_Q4_1, KIND_Q8_0 = 0, 1, 2
 
@@ -220,24 +245,14 @@ def quads_gemm(typingctx, q, d, m, x8, xd, xs8, xsum, acc, nb, t0, kind, isa):
     signed = KIND == KIND_Q8_0
 
     def codegen(context, builder, sig, args):
-        i16, i32, f32 = ir.IntType(16), ir.IntType(32), ir.FloatType()
+        i32, f32 = ir.IntType(32), ir.FloatType()
         nba, t0a = args[8], args[9]
-        k64 = lambda v: ir.Constant(nba.type, v)
-        ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
-        n = 16 if ISA_ == VNNI512 else 8                    # rows per vector
-        wide, vf = ir.VectorType(i32, n), ir.VectorType(f32, n)
-        halves = ir.VectorType(ir.HalfType(), n)
-        fma = lambda a, b, c: call_llvm(builder, f"llvm.fma.v{n}f32", vf, [a, b, c])
-        acc_n = context.make_array(sig.args[7])(context, builder, args[7]).nitems
-        R = builder.udiv(acc_n, k64(TOKENS))
+        fr = _GemmFrame(context, builder, sig, args, ISA_, acc_i=7, nb_i=8)
+        k64, ptr, n, wide, vf, fma, R, ncol = (fr.k64, fr.ptr, fr.n, fr.wide, fr.vf, fr.fma,
+                                               fr.R, fr.ncol)
         groups, bb = (8, 32) if signed else (4, 16)         # 4-byte groups, bytes per row
-        ncol = builder.mul(nba, k64(32))                    # elements per row of x
         mask = ir.Constant(wide, [0x0F0F0F0F] * n)
         four = ir.Constant(wide, [4] * n)
-
-        def scales(arr, off):                               # n f16 values -> <n x float>
-            return builder.fpext(builder.bitcast(builder.load(ptr(arr, off, ir.VectorType(i16, n)),
-                                                              align=2), halves), vf)
         with cgutils.for_range(builder, builder.udiv(R, k64(n))) as strip:
             r0 = builder.mul(strip.index, k64(n))
             accs = [cgutils.alloca_once(builder, vf) for _ in range(TOKENS)]
@@ -253,8 +268,8 @@ def quads_gemm(typingctx, q, d, m, x8, xd, xs8, xsum, acc, nb, t0, kind, isa):
                                               builder.and_(builder.lshr(w, four), mask)]
                 sum_w = _vnni_sum_w(builder, n, ws) if signed and ISA_ == VNNI512 else None
                 so = builder.add(builder.mul(b, R), r0)
-                dv = scales(1, so)
-                mv = scales(2, so) if KIND == KIND_Q4_1 else None
+                dv = fr.f16s(1, so)
+                mv = fr.f16s(2, so) if KIND == KIND_Q4_1 else None
                 for k, a in enumerate(accs):
                     tok = builder.add(t0a, k64(k))
                     xo = builder.add(builder.mul(tok, ncol), builder.mul(b, k64(32)))
@@ -295,26 +310,17 @@ def q4k_gemm(typingctx, q, d, dmin, x8, xd, xsum, acc, nsub, t0, isa):
     kind = isa.literal_value
 
     def codegen(context, builder, sig, args):
-        i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+        i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
         nsa, t0a = args[7], args[8]
-        k64 = lambda v: ir.Constant(nsa.type, v)
-        ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
-        n = 16 if kind == VNNI512 else 8                    # rows per vector
-        wide, vf = ir.VectorType(i32, n), ir.VectorType(f32, n)
-        fma = lambda a, b, c: call_llvm(builder, f"llvm.fma.v{n}f32", vf, [a, b, c])
-        acc_n = context.make_array(sig.args[6])(context, builder, args[6]).nitems
-        R = builder.udiv(acc_n, k64(TOKENS))
-        ncol = builder.mul(nsa, k64(32))                    # elements per row of x
+        fr = _GemmFrame(context, builder, sig, args, kind, acc_i=6, nb_i=7)
+        k64, ptr, n, wide, vf, fma, R, ncol = (fr.k64, fr.ptr, fr.n, fr.wide, fr.vf, fr.fma,
+                                               fr.R, fr.ncol)
         mask = ir.Constant(wide, [0x0F0F0F0F] * n)
         four = ir.Constant(wide, [4] * n)
 
         def u8s(off):                                       # n u8 bytes of q -> <n x float>
             return builder.uitofp(builder.load(ptr(0, off, ir.VectorType(i8, n)), align=1), vf)
 
-        def f16s(arr, off):                                 # n f16 values -> <n x float>
-            return builder.fpext(builder.bitcast(builder.load(ptr(arr, off, ir.VectorType(i16, n)),
-                                                              align=2),
-                                                 ir.VectorType(ir.HalfType(), n)), vf)
         with cgutils.for_range(builder, builder.udiv(R, k64(n))) as strip:
             r0 = builder.mul(strip.index, k64(n))
             # per token: the sum, and this super-block's scale (a1) and min (a2) sums
@@ -352,7 +358,7 @@ def q4k_gemm(typingctx, q, d, dmin, x8, xd, xsum, acc, nsub, t0, isa):
                         xs = splat(builder, builder.load(ptr(5, si, f32)), n)
                         builder.store(fma(mv, xs, builder.load(a2)), a2)
                 so = builder.add(builder.mul(sb, R), r0)
-                dv, mnv = f16s(1, so), f16s(2, so)
+                dv, mnv = fr.f16s(1, so), fr.f16s(2, so)
                 for k in range(TOKENS):
                     a = accs[k]
                     total = fma(dv, builder.load(accs[TOKENS + k]), builder.load(a))
@@ -474,16 +480,11 @@ def q6_gemm(typingctx, q, d, x8, xd, xs16, acc, nsub, t0, isa):
     kind = isa.literal_value
 
     def codegen(context, builder, sig, args):
-        i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+        i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
         nsa, t0a = args[6], args[7]
-        k64 = lambda v: ir.Constant(nsa.type, v)
-        ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
-        n = 16 if kind == VNNI512 else 8                    # rows per vector
-        wide, vf = ir.VectorType(i32, n), ir.VectorType(f32, n)
-        fma = lambda a, b, c: call_llvm(builder, f"llvm.fma.v{n}f32", vf, [a, b, c])
-        acc_n = context.make_array(sig.args[5])(context, builder, args[5]).nitems
-        R = builder.udiv(acc_n, k64(TOKENS))
-        ncol = builder.mul(nsa, k64(32))                    # elements per row of x
+        fr = _GemmFrame(context, builder, sig, args, kind, acc_i=5, nb_i=6)
+        k64, ptr, n, wide, vf, fma, R, ncol = (fr.k64, fr.ptr, fr.n, fr.wide, fr.vf, fr.fma,
+                                               fr.R, fr.ncol)
         with cgutils.for_range(builder, builder.udiv(R, k64(n))) as strip:
             r0 = builder.mul(strip.index, k64(n))
             accs = [cgutils.alloca_once(builder, vf) for _ in range(2 * TOKENS)]
@@ -514,9 +515,7 @@ def q6_gemm(typingctx, q, d, x8, xd, xs16, acc, nsub, t0, isa):
                         dx = splat(builder, builder.load(ptr(3, si, f32)), n)
                         a = accs[TOKENS + k]
                         builder.store(fma(builder.sitofp(dot, vf), dx, builder.load(a)), a)
-                dv = builder.fpext(builder.bitcast(builder.load(
-                    ptr(1, builder.add(builder.mul(sb, R), r0), ir.VectorType(i16, n)), align=2),
-                    ir.VectorType(ir.HalfType(), n)), vf)
+                dv = fr.f16s(1, builder.add(builder.mul(sb, R), r0))
                 for k in range(TOKENS):
                     a = accs[k]
                     builder.store(fma(dv, builder.load(accs[TOKENS + k]), builder.load(a)), a)
