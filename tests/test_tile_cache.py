@@ -86,7 +86,7 @@ def test_a_restored_linear_must_match_the_tensors(cache, tmp_path):
 def load(path):
     """A Transformer for the GGUF at path, its tile file (if any) written."""
     model = Transformer(GGUFFile(path), 64)
-    model._tiles.wait()
+    model.wait_for_tiles()
     return model
 
 
