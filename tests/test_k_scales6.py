@@ -308,6 +308,8 @@ def test_rows_and_tiles_bit_exact(name):
     np.testing.assert_array_equal(out, ref[ids])
     with pytest.raises(IndexError):
         lin.rows(np.array([300]), out[:1])
+    if name == "Q4_K":                                   # its prefill never dequantizes
+        return
     wt = np.full((shape[1], lin.nt * lin.R), np.nan, np.float32)
     lin._dequant_tiles(0, lin.nt, wt)
     np.testing.assert_array_equal(wt[:, :shape[0]], ref.T)

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 from numba import njit
 
-from edgellama.simd import (AVX2, GENERIC, ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, TOKENS, VNNI512,
-                           host_isa, i8_dot, nib_dot, q4k_gemm, q6_dot, q6_gemm, quads_gemm)
+from edgellama.simd import (AVX2, GENERIC, ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, Q4K_D, Q4K_DMIN,
+                            Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q4K_STRIP, TOKENS, VNNI512,
+                            host_isa, i8_dot, nib_dot, q4k_gemm, q6_dot, q6_gemm, quads_gemm)
 
 import llvmlite.binding as llvm
 
@@ -299,68 +300,93 @@ def test_q6_gemm_matches_twin(isa, R, case):
 
 
 
-# --- q4k_gemm: a Q4_K tile (nibble quads, then 6-bit sc and m per sub-block) --------------
+# --- q4k_gemm: Q4_K records (per 16 rows and super-block: d, dmin, sc, m, nibble quads) ----
 
 @njit
-def _gemm4k(q, d, dmin, x8, xd, xsum, acc, nsub, t0, isa):
-    if isa == 0:
-        q4k_gemm(q, d, dmin, x8, xd, xsum, acc, nsub, t0, 0)
+def _gemm4k(q, x8, xd, xsum, acc, nsub, t0, tokens, isa):
+    if tokens == 1:
+        if isa == 0:
+            q4k_gemm(q, x8, xd, xsum, acc, nsub, t0, 1, 0)
+        elif isa == 1:
+            q4k_gemm(q, x8, xd, xsum, acc, nsub, t0, 1, 1)
+        else:
+            q4k_gemm(q, x8, xd, xsum, acc, nsub, t0, 1, 2)
+    elif isa == 0:
+        q4k_gemm(q, x8, xd, xsum, acc, nsub, t0, TOKENS, 0)
     elif isa == 1:
-        q4k_gemm(q, d, dmin, x8, xd, xsum, acc, nsub, t0, 1)
+        q4k_gemm(q, x8, xd, xsum, acc, nsub, t0, TOKENS, 1)
     else:
-        q4k_gemm(q, d, dmin, x8, xd, xsum, acc, nsub, t0, 2)
+        q4k_gemm(q, x8, xd, xsum, acc, nsub, t0, TOKENS, 2)
 
 
-def gemm4k_case(isa, R, case):
-    """q4k_gemm's acc for a random tile of R rows, 2 super-blocks, and TOKENS rows t0.. of
+def q4k_records(d, dmin, sc, m, nib):
+    """A tile of Q4_K records from per-row values: d, dmin (R, nsb) f16; sc, m (R, nsub) u8;
+    nib (R, nsub, 16) u8, byte j holding elements j and j + 16 of its sub-block."""
+    R, nsb = d.shape
+    rec = np.zeros((R // Q4K_STRIP, nsb, Q4K_RECORD), np.uint8)
+    for r in range(R):
+        s, lane = divmod(r, Q4K_STRIP)
+        for b in range(nsb):
+            out = rec[s, b]
+            out[Q4K_D + 2 * lane:Q4K_D + 2 * lane + 2] = d[r, b:b + 1].view(np.uint8)
+            out[Q4K_DMIN + 2 * lane:Q4K_DMIN + 2 * lane + 2] = dmin[r, b:b + 1].view(np.uint8)
+            for k in range(8):
+                u = 8 * b + k
+                out[Q4K_SC + 16 * k + lane] = sc[r, u]
+                out[Q4K_M + 16 * k + lane] = m[r, u]
+                for j in range(16):
+                    out[Q4K_QS + 256 * k + 64 * (j // 4) + 4 * lane + j % 4] = nib[r, u, j]
+    return rec.reshape(-1)
+
+
+def gemm4k_case(isa, R, tokens, case):
+    """q4k_gemm's acc for a random tile of R rows, 2 super-blocks, and `tokens` rows t0.. of
     x, and its float64 twin: per super-block d sum_u sc_u dx_u S_u - dmin sum_u m_u xsum_u,
-    S_u = twin (the nibble quads at 18 u R). case "exact": d, dmin and the x scales 1 or
-    2, |x8| <= 7, integer xsum, so every f32 step is exact; "bounds": all nibbles 15,
-    sc = m = 63, x8 = +-127; "random"."""
-    nsub, T, t0 = 16, 2 * TOKENS, TOKENS           # the second group of TOKENS rows
-    rng = np.random.default_rng(10 * isa + R)
-    qb = rng.integers(0, 256, (nsub, 18, R), dtype=np.uint8)
-    qb[:, 16:] &= 63                               # sc, m: 6 bits
+    S_u the sum of the sub-block's nibbles times x8. case "exact": d, dmin and the x
+    scales 1 or 2, |x8| <= 7, integer xsum, so every f32 step is exact; "bounds": all
+    nibbles 15, sc = m = 63, x8 = +-127; "random"."""
+    nsub, t0 = 16, tokens                           # the second group of rows of x
+    T = 2 * tokens
+    rng = np.random.default_rng(10 * isa + R + tokens)
+    nib = rng.integers(0, 256, (R, nsub, 16), dtype=np.uint8)
+    sc, m = rng.integers(0, 64, (2, R, nsub), dtype=np.uint8)
     x8 = rng.integers(-127, 128, (T, 32 * nsub), dtype=np.int8)
-    d = rng.standard_normal(nsub // 8 * R).astype(np.float16)
-    dmin = rng.standard_normal(nsub // 8 * R).astype(np.float16)
+    d = rng.standard_normal((R, nsub // 8)).astype(np.float16)
+    dmin = rng.standard_normal((R, nsub // 8)).astype(np.float16)
     xd = rng.random((T, nsub)).astype(np.float32)
     xsum = rng.standard_normal((T, nsub)).astype(np.float32)
     if case == "exact":                            # every sum an integer below 2^24
         x8 = rng.integers(-7, 8, x8.shape, dtype=np.int8)
-        d = (2.0 ** rng.integers(0, 2, d.size)).astype(np.float16)
-        dmin = (2.0 ** rng.integers(0, 2, d.size)).astype(np.float16)
+        d = (2.0 ** rng.integers(0, 2, d.shape)).astype(np.float16)
+        dmin = (2.0 ** rng.integers(0, 2, d.shape)).astype(np.float16)
         xd = (2.0 ** rng.integers(0, 2, xd.shape)).astype(np.float32)
         xsum = rng.integers(-50, 51, xsum.shape).astype(np.float32)
     elif case == "bounds":
-        qb[:, :16] = 0xFF
-        qb[:, 16:] = 63
+        nib[:] = 0xFF
+        sc[:] = m[:] = 63
         x8 = np.where(rng.random(x8.shape) < 0.5, -127, 127).astype(np.int8)
-    q = qb.reshape(-1)
-    acc = np.full(TOKENS * R, 7, np.float32)
-    _gemm4k(q, d.view(np.uint16), dmin.view(np.uint16), x8.reshape(-1), xd.reshape(-1),
-            xsum.reshape(-1), acc, nsub, t0, isa)
-    want = np.zeros((TOKENS, R))
-    for k in range(TOKENS):
+    acc = np.full(tokens * R, 7, np.float32)
+    _gemm4k(q4k_records(d, dmin, sc, m, nib), x8.reshape(-1), xd.reshape(-1),
+            xsum.reshape(-1), acc, nsub, t0, tokens, isa)
+    vals = np.concatenate([nib & 15, nib >> 4], axis=2).astype(np.int64)   # (R, nsub, 32)
+    want = np.zeros((tokens, R))
+    for k in range(tokens):
         tok = t0 + k
-        for sb in range(nsub // 8):
-            a1 = a2 = 0
-            for u in range(8 * sb, 8 * sb + 8):
-                S = twin(q, 18 * u * R, x8.reshape(-1), tok * 32 * nsub + 32 * u, R)
-                a1 = a1 + qb[u, 16].astype(np.float64) * xd[tok, u] * S
-                a2 = a2 + qb[u, 17].astype(np.float64) * xsum[tok, u]
-            rs = slice(sb * R, (sb + 1) * R)
-            want[k] += d[rs].astype(np.float64) * a1 - dmin[rs].astype(np.float64) * a2
-    return acc.reshape(TOKENS, R), want
+        S = np.einsum("rue,ue->ru", vals, x8[tok].reshape(nsub, 32).astype(np.int64))
+        a1 = (sc * xd[tok] * S).reshape(R, nsub // 8, 8).sum(axis=2)
+        a2 = (m * xsum[tok].astype(np.float64)).reshape(R, nsub // 8, 8).sum(axis=2)
+        want[k] = (d.astype(np.float64) * a1 - dmin.astype(np.float64) * a2).sum(axis=1)
+    return acc.reshape(tokens, R), want
 
 
 @pytest.mark.parametrize("isa", [GENERIC, AVX2, VNNI512])
-@pytest.mark.parametrize("R", [32, 256])
+@pytest.mark.parametrize("R", [16, 32, 256])
+@pytest.mark.parametrize("tokens", [1, TOKENS])
 @pytest.mark.parametrize("case", ["exact", "bounds", "random"])
-def test_q4k_gemm_matches_twin(isa, R, case):
+def test_q4k_gemm_matches_twin(isa, R, tokens, case):
     if not RUNS[isa]:
         pytest.skip("this CPU lacks the instructions")
-    got, want = gemm4k_case(isa, R, case)
+    got, want = gemm4k_case(isa, R, tokens, case)
     if case == "exact":
         np.testing.assert_array_equal(got, want)
     else:

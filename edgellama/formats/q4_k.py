@@ -9,27 +9,19 @@ s < 4: sc = scales[s] & 63, m = scales[s+4] & 63; s >= 4: the low 4 bits from
 scales[s+4] (sc low nibble, m high nibble), the top 2 from bits 6-7 of scales[s-4] (sc)
 and scales[s] (m).
 
-Runtime tiles (lanes across rows, see base.TiledLinear), shared by Q4_K and Q5_K:
-    q (nt, nsub*S*R) u8     per sub-block u, at u*S*R: its quants ((S-2)*R bytes), then
-                            its sc (R bytes), then its m (R bytes)
-    d, dmin (nt, nsb*R) u16 f16 bits, per super-block
-Q4_K: S = 18, the quants are the nibbles re-paired into Q4_0 order (byte j holds elements
-j and j+16 of the sub-block) and stored as Q4_0's tiles store them (quads, simd.py), so
-the same pair-dot kernel (simd.nib_dot on q4.prep_q8_x's int8 x) runs on them.
-4.625 bits per weight resident (4.5 in the file). Decode: per sub-block the exact
-int32 sum(q x8), weighted by sc_s and m_s in f32, then by d and dmin once per
-super-block. Prefill (q4.Int8Prefill) is simd.q4k_gemm: the same sums for 4 rows of x
-per tile, in registers.
-Why sc and m sit inside the quant stream: read from DRAM (24 matrices of 2048 x 8192,
-2 threads, this 2-core VM), the same kernel reads 0.79x Q4_0's bytes/s with sc and m in
-arrays of their own, 0.89-0.92x interleaved, and 0.68x with d and dmin interleaved too.
-Measured as committed (2048 x 8192, Q4_0 in the same run): decode 0.79-0.85x Q4_0's
-bytes/s from DRAM and 0.8x from L3 with 2 threads (0.88x and 0.83x with one). Prefill
-(8192 x 2048, T = 512, the other core busy with another job): one thread 325 GFLOP/s
-with the scale and min passes over memory per sub-block, 579-581 with q4k_gemm (Q4_0
-594-608 in the same runs: Q4_K's tile is 3% larger); 2 threads 252-330 -> 430 (Q4_0
-429-447). Folding d and dmin into each sub-block's weights (no per-super-block sums)
-measured 0.91-0.95x Q4_0's GFLOP/s in the same runs, one thread, against 0.97-0.98x.
+Runtime tiles (lanes across rows, see base.TiledLinear): q (nt, R/16 * nsb * 2368) u8,
+records of 16 rows and one super-block (layout in simd.py, Q4K_*): the rows' d and dmin,
+their 6-bit sc and m decoded to bytes, then each sub-block's nibbles re-paired into Q4_0
+order (byte j holds elements j and j+16) as quads of the 16 rows. 4.625 bits per weight
+resident (4.5 in the file). Decode and prefill are one intrinsic, simd.q4k_gemm: per
+sub-block the exact int32 sum(q x8) (x8 from q4.prep_q8_x), weighted by sc and m in f32
+registers, then by d and dmin once per super-block.
+Why records: a strip of 16 rows reads one address-ordered run holding everything its
+sums need. Read from DRAM (16 matrices of 16384 x 2048, this 2-core VM, Q4_0 in the
+same runs), decode went from 0.70-0.77x Q4_0's bytes/s to 0.88-0.93x with 2 threads
+(1 thread 0.70x -> 0.91-1.0x) against the earlier tiles: per sub-block 16 bytes of
+quads then sc and m per row (18 R bytes), the pair-dot (nib_dot) in passes over memory
+and the scales applied in a second pass.
 """
 from __future__ import annotations
 
@@ -38,8 +30,9 @@ from gguf.constants import LlamaFileType
 from numba import njit, prange
 
 from ..fp import f16_to_f32, get_f16, nearest_int, put_f16
-from ..simd import ISA, TOKENS, nib_dot, prefetch_run, q4k_gemm
-from .base import TiledLinear, WeightFormat, anon_array, quad_offset, release_pages
+from ..simd import (ISA, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q4K_STRIP,
+                    TOKENS, q4k_gemm)
+from .base import TiledLinear, WeightFormat, anon_array, release_pages
 from .q4 import Int8Prefill, prep_q8_x
 
 f32 = np.float32
@@ -288,215 +281,123 @@ def dequantize_q4_k(q, out):
                 y[64 * p + 32 + i] = dsc[2 * p + 1] * f32(v >> 4) - msc[2 * p + 1]
 
 
-# --- load: file blocks -> tiles ------------------------------------------------------------
-
-@njit(cache=True, inline="always")
-def repack_k_tile_scales(tile, bs, S, r0, qt, dt, mt):
-    # d, dmin and the 6-bit scales and mins of the K-quant rows tile (n, nsb*bs) u8 -> lanes
-    # r0..r0+n of one tile: dt, mt (nsb*R,) u16, and in qt (nsub*S*R,) u8 the sc of
-    # sub-block u at (S u + S - 2) R + lane, its m R further
-    n = tile.shape[0]
-    nsb = tile.shape[1] // bs
-    R = dt.size // nsb
-    for b in range(nsb):
-        o = b * bs
-        for r in range(n):
-            dt[b * R + r0 + r] = np.uint16(tile[r, o]) | (np.uint16(tile[r, o + 1]) << np.uint16(8))
-            mt[b * R + r0 + r] = np.uint16(tile[r, o + 2]) | (np.uint16(tile[r, o + 3]) << np.uint16(8))
-        for j in range(8):
-            p = (S * (8 * b + j) + S - 2) * R + r0
-            for r in range(n):
-                sc, m = get_scale_min_k4(tile[r], o + 4, j)
-                qt[p + r] = sc
-                qt[p + R + r] = m
-
+# --- load: file blocks -> records --------------------------------------------------------
 
 @njit(cache=True, parallel=True)
-def repack_q4_k(raw, row0, q, d, dmin):
-    # Q4_K rows raw (rows, nsb*144) u8 -> rows row0.. of the tiles q (nt, nsub*18*R), d,
-    # dmin (nt, nsb*R): per sub-block s of row t*R + r, byte j (< 16) of its quads at
-    # 18 s R = q_j | q_j+16 << 4, then sc and m (R bytes each). One pass per tile.
+def repack_q4_k(raw, row0, q):
+    # Q4_K rows raw (rows, nsb*144) u8 -> rows row0.. of the tiles q (nt, R/16*nsb*2368):
+    # row t*R + r is lane r % 16 of strip r // 16, its super-block b in record
+    # strip*nsb + b (simd.py's Q4K_* layout). One pass per tile (L2-resident).
     rows = raw.shape[0]
     nsb = raw.shape[1] // 144
-    R = d.shape[1] // nsb
+    R = q.shape[1] // (nsb * Q4K_RECORD) * Q4K_STRIP
     for t in prange(row0 // R, (row0 + rows - 1) // R + 1):
         r0 = max(0, row0 - t * R)
         r1 = min(R, row0 + rows - t * R)
-        tile = raw[t * R + r0 - row0:t * R + r1 - row0]
         qt = q[t]
-        repack_k_tile_scales(tile, 144, 18, r0, qt, d[t], dmin[t])
-        for s in range(8 * nsb):
-            sh = 4 * (s & 1)
-            src = (s >> 3) * 144 + 16 + 32 * ((s & 7) >> 1)
-            for r in range(r1 - r0):
-                row = tile[r]
-                for i in range(16):
-                    qt[quad_offset(18 * s * R, R, r0 + r, i)] = (
-                        ((row[src + i] >> sh) & 15) | (((row[src + 16 + i] >> sh) & 15) << 4))
+        for r in range(r0, r1):
+            row = raw[t * R + r - row0]
+            lane = r % Q4K_STRIP
+            for b in range(nsb):
+                o = b * 144
+                rec = (r // Q4K_STRIP * nsb + b) * Q4K_RECORD
+                for k in range(2):
+                    qt[rec + Q4K_D + 2 * lane + k] = row[o + k]
+                    qt[rec + Q4K_DMIN + 2 * lane + k] = row[o + 2 + k]
+                for j in range(8):
+                    sc, m = get_scale_min_k4(row, o + 4, j)
+                    qt[rec + Q4K_SC + 16 * j + lane] = sc
+                    qt[rec + Q4K_M + 16 * j + lane] = m
+                    sh = 4 * (j & 1)
+                    src = o + 16 + 32 * (j >> 1)
+                    dst = rec + Q4K_QS + 256 * j + 4 * lane
+                    for i in range(16):
+                        qt[dst + 64 * (i >> 2) + (i & 3)] = (
+                            ((row[src + i] >> sh) & 15) | (((row[src + 16 + i] >> sh) & 15) << 4))
 
 
-# --- decode --------------------------------------------------------------------------------
+# --- decode and prefill: simd.q4k_gemm --------------------------------------------------------
 
-@njit(cache=True, fastmath=True, parallel=True)
-def matvec_q4_k(q, d, dmin, x8, xd, xsum, out, scratch, s32):
-    # W (nt*R, n) Q4_K tiles @ x (prep_q8_x) -> out (d,); scratch (nt, 3, R) f32,
-    # s32 (nt, R) int32. Row . x = sum over super-blocks of
-    #   d sum_s sc_s dx_s sum(q x8)_s - dmin sum_s m_s sum(x)_s
-    nt = q.shape[0]
-    R = s32.shape[1]
-    nsb = xd.size // 8
-    for t in prange(nt):
-        qt = q[t]
-        acc = scratch[t, 0]
-        a1 = scratch[t, 1]
-        a2 = scratch[t, 2]
-        s = s32[t]
-        acc[:] = 0
-        for b in range(nsb):
-            a1[:] = 0
-            a2[:] = 0
-            for k in range(8):
-                u = 8 * b + k
-                o = 18 * u * R
-                prefetch_run(qt, o + 18 * R, 18 * R)
-                nib_dot(qt, o, x8, 32 * u, s, R, ISA)
-                scu = qt[o + 16 * R:o + 17 * R]
-                mu = qt[o + 17 * R:o + 18 * R]
-                dx = xd[u]
-                xs = xsum[u]
-                for r in range(R):
-                    a1[r] += f32(scu[r]) * (dx * f32(s[r]))
-                    a2[r] += f32(mu[r]) * xs
-            db = d[t, b * R:(b + 1) * R]
-            mb = dmin[t, b * R:(b + 1) * R]
-            for r in range(R):
-                acc[r] += f16_to_f32(db[r]) * a1[r] - f16_to_f32(mb[r]) * a2[r]
+@njit(cache=True, parallel=True)
+def matvec_q4_k(q, x8, xd, xsum, out, acc):
+    # W (nt*R, n) Q4_K tiles @ x (prep_q8_x) -> out (d,); acc (nt, R) f32 per-tile sums
+    R = acc.shape[1]
+    for t in prange(q.shape[0]):
+        q4k_gemm(q[t], x8, xd, xsum, acc[t], xd.size, 0, 1, ISA)
         n = min(R, out.size - t * R)
-        out[t * R:t * R + n] = acc[:n]
+        out[t * R:t * R + n] = acc[t, :n]
 
 
 @njit(cache=True, parallel=True)
-def matmul_q4_k(q, d, dmin, x8, xd, xsum, out, acc):
+def matmul_q4_k(q, x8, xd, xsum, out, acc):
     # W (nt*R, n) Q4_K tiles @ x (q4.prep_q8_rows; x8 flat (Tp*n,)) -> out (T, dout) = x W^T;
-    # acc (nt, TOKENS, R) f32: per-tile sums (simd.q4k_gemm)
+    # acc (nt, TOKENS, R) f32 per-tile sums
     T = out.shape[0]
-    nt = q.shape[0]
     R = acc.shape[2]
     nsub = xd.shape[1]
     xdf, xsumf = xd.reshape(-1), xsum.reshape(-1)
-    for t in prange(nt):
+    for t in prange(q.shape[0]):
         a = acc[t]
-        af = a.reshape(-1)
         c0 = t * R
         nc = min(R, out.shape[1] - c0)
         for t0 in range(0, T, TOKENS):
-            q4k_gemm(q[t], d[t], dmin[t], x8, xdf, xsumf, af, nsub, t0, ISA)
+            q4k_gemm(q[t], x8, xdf, xsumf, a.reshape(-1), nsub, t0, TOKENS, ISA)
             for k in range(min(TOKENS, T - t0)):
                 out[t0 + k, c0:c0 + nc] = a[k, :nc]
 
 
-# --- prefill and embedding: dequantize from tiles (serial, exact: see q4.py) ----------------
-
-@njit(cache=True, inline="always")
-def k_tile_scales(q, d, dmin, S, t, u, R, dsc, msc):
-    # lanes of tile t, sub-block u: d * sc and dmin * m (f32, as gguf-py) -> dsc, msc (R,)
-    b = u // 8
-    o = (S * u + S - 2) * R
-    for r in range(R):
-        dsc[r] = f16_to_f32(d[t, b * R + r]) * f32(q[t, o + r])
-        msc[r] = f16_to_f32(dmin[t, b * R + r]) * f32(q[t, o + R + r])
-
+# --- embedding --------------------------------------------------------------------------------
 
 @njit(cache=True)
-def dequant_q4_k_tiles(q, d, dmin, t0, t1, wt):
-    # Q4_K tiles t0..t1 -> wt (n, (t1-t0)*R) f32 = W[rows].T
-    nsub = wt.shape[0] // 32
-    R = d.shape[1] * 8 // nsub
-    dsc = np.empty(R, f32)
-    msc = np.empty(R, f32)
-    for u in range(nsub):
-        for t in range(t0, t1):
-            k_tile_scales(q, d, dmin, 18, t, u, R, dsc, msc)
-            c = (t - t0) * R
-            for j in range(16):
-                qj = q[t, quad_offset(18 * u * R, R, 0, j):]    # byte j of row r: qj[4r]
-                lo = wt[32 * u + j, c:c + R]
-                hi = wt[32 * u + 16 + j, c:c + R]
-                for r in range(R):
-                    lo[r] = dsc[r] * f32(qj[4 * r] & 15) - msc[r]
-                    hi[r] = dsc[r] * f32(qj[4 * r] >> 4) - msc[r]
-
-
-@njit(cache=True)
-def rows_q4_k(q, d, dmin, ids, out):
-    # Q4_K tiles, ids (T,) -> out (T, n) f32 dequantized rows
-    nsub = out.shape[1] // 32
-    R = d.shape[1] * 8 // nsub
+def rows_q4_k(q, ids, out):
+    # Q4_K tiles, ids (T,) -> out (T, n) f32 dequantized rows, bit-exact with gguf-py
+    nsb = out.shape[1] // QK_K
+    R = q.shape[1] // (nsb * Q4K_RECORD) * Q4K_STRIP
     for i in range(ids.size):
         t = ids[i] // R
-        r = ids[i] % R
+        lane = ids[i] % R % Q4K_STRIP
         row = out[i]
-        for u in range(nsub):
-            b = u // 8
-            ds = f16_to_f32(d[t, b * R + r]) * f32(q[t, (18 * u + 16) * R + r])
-            ms = f16_to_f32(dmin[t, b * R + r]) * f32(q[t, (18 * u + 17) * R + r])
-            for j in range(16):
-                v = q[t, quad_offset(18 * u * R, R, r, j)]
-                row[32 * u + j] = ds * f32(v & 15) - ms
-                row[32 * u + 16 + j] = ds * f32(v >> 4) - ms
+        for b in range(nsb):
+            rec = q[t, (ids[i] % R // Q4K_STRIP * nsb + b) * Q4K_RECORD:]
+            d = get_f16(rec, Q4K_D + 2 * lane)
+            dmin = get_f16(rec, Q4K_DMIN + 2 * lane)
+            for j in range(8):
+                ds = d * f32(rec[Q4K_SC + 16 * j + lane])
+                ms = dmin * f32(rec[Q4K_M + 16 * j + lane])
+                y = row[QK_K * b + 32 * j:]
+                for i2 in range(16):
+                    v = rec[Q4K_QS + 256 * j + 64 * (i2 >> 2) + 4 * lane + (i2 & 3)]
+                    y[i2] = ds * f32(v & 15) - ms
+                    y[16 + i2] = ds * f32(v >> 4) - ms
 
 
-class KLinear(TiledLinear):
-    """What Q4_K and Q5_K tiles share: q (nt, nsub*S*R) u8, each sub-block's quants then
-    its 6-bit scale and min; d, dmin (nt, nsb*R) u16 f16 bits. A subclass sets S, fills
-    the tiles (_repack) and adds its activation buffers."""
-    S = 18                     # bytes per row per sub-block in q
+class Q4KLinear(Int8Prefill, TiledLinear):
+    """Q4_K in records of 16 rows and one super-block (simd.py's Q4K_* layout)."""
 
     def _load(self, raws):
         n = self.in_features
-        nsub, nt, R = n // 32, self.nt, self.R
-        self.q = anon_array((nt, nsub * self.S * R), np.uint8)   # zeroed: pad rows add nothing
-        self.d = anon_array((nt, nsub // 8 * R), np.uint16)
-        self.dmin = anon_array((nt, nsub // 8 * R), np.uint16)
+        nsb, nt, R = n // QK_K, self.nt, self.R
+        self.q = anon_array((nt, R // Q4K_STRIP * nsb * Q4K_RECORD), np.uint8)  # pad rows: 0
         row0 = 0
         for raw in raws:
-            self._repack(raw, row0)
+            repack_q4_k(raw, row0, self.q)
             release_pages(raw)
             row0 += raw.shape[0]
-        self._scratch = np.zeros((nt, 3, R), f32)
-        self._xd = np.zeros(nsub, f32)
-        self._xsum = np.zeros(nsub, f32)
-
-    def _repack(self, raw: np.ndarray, row0: int) -> None:
-        """File rows raw (rows, row_bytes) -> rows row0.. of q, d, dmin."""
-        raise NotImplementedError
-
-
-class Q4KLinear(Int8Prefill, KLinear):
-    """Q4_K in row tiles (KLinear, S = 18): 16 bytes of nibbles per row and sub-block, in
-    Q4_0 order, as quads."""
-    def _load(self, raws):
-        super()._load(raws)
-        self._s32 = np.zeros((self.nt, self.R), np.int32)
-        self._x8 = np.zeros(self.in_features, np.int8)
-        self._xs8 = np.zeros(self.in_features // 32, np.int32)   # unused by Q4_K's sums
-
-    def _repack(self, raw, row0):
-        repack_q4_k(raw, row0, self.q, self.d, self.dmin)
+        self._acc = np.zeros((nt, R), f32)
+        self._x8 = np.zeros(n, np.int8)
+        self._xd = np.zeros(n // 32, f32)
+        self._xs8 = np.zeros(n // 32, np.int32)      # prep_q8_x's; unused by Q4_K's sums
+        self._xsum = np.zeros(n // 32, f32)
 
     def matvec(self, x, out):
         prep_q8_x(x, self._x8, self._xd, self._xs8, self._xsum)
-        matvec_q4_k(self.q, self.d, self.dmin, self._x8, self._xd, self._xsum, out,
-                    self._scratch, self._s32)
+        matvec_q4_k(self.q, self._x8, self._xd, self._xsum, out, self._acc)
 
     def _gemm(self, x8, xd, xs8, xsum, out, acc):
-        matmul_q4_k(self.q, self.d, self.dmin, x8, xd, xsum, out, acc)
-
-    def _dequant_tiles(self, t0, t1, wt):
-        dequant_q4_k_tiles(self.q, self.d, self.dmin, t0, t1, wt)
+        matmul_q4_k(self.q, x8, xd, xsum, out, acc)
 
     def _rows(self, ids, out):
-        rows_q4_k(self.q, self.d, self.dmin, ids, out)
+        rows_q4_k(self.q, ids, out)
 
 
 Q4_K = WeightFormat("Q4_K", 12, QK_K, 144,

@@ -4,8 +4,10 @@
     x = d * sc_s * (q + 16 h) - dmin * m_s   for element e of sub-block s
 q and the 6-bit scales as in Q4_K (q4_k.py); h, the fifth bit, is bit s of qh[e].
 
-Runtime tiles: q4_k.KLinear's, S = 22: per row and sub-block, ten u16 words (20 bytes)
-then sc and m. 5.625 bits per weight resident (5.5 in the file). The words are q5.py's
+Runtime tiles (lanes across rows, see base.TiledLinear): q (nt, nsub*22*R) u8, per
+sub-block u at 22 u R: per row ten u16 words (20 bytes, as R-wide lanes), then the rows'
+sc (R bytes), then their m (R bytes); d, dmin (nt, nsb*R) u16 f16 bits per super-block.
+5.625 bits per weight resident (5.5 in the file). The words are q5.py's
 (Q5_0 / Q5_1): per group of 16 weights (half a sub-block), word k holds values 3k, 3k+1,
 3k+2 in bits 0-4, 5-9, 10-14 and bit k of value 15 in bit 15; each word summed in int16
 lanes as w a0 + (w >> 5) a1 + (w >> 10) a2 + (w >> 15) a3 with coefficients from
@@ -27,9 +29,8 @@ from numba import njit, prange
 
 from ..fp import f16_to_f32, get_f16
 from ..simd import prefetch_run
-from .base import WeightFormat
-from .q4_k import (_CHUNK, _G, QK_K, KLinear, k_group_scratch, k_scales, k_tile_scales,
-                   quantize_k_group, repack_k_tile_scales)
+from .base import TiledLinear, WeightFormat, anon_array, release_pages
+from .q4_k import _CHUNK, _G, QK_K, get_scale_min_k4, k_group_scratch, k_scales, quantize_k_group
 from .q5 import prep_q5_x, q5_block
 
 f32 = np.float32
@@ -100,6 +101,27 @@ def q5_word(raw, o, s, w):
     return v
 
 
+@njit(cache=True, inline="always")
+def repack_k_tile_scales(tile, bs, S, r0, qt, dt, mt):
+    # d, dmin and the 6-bit scales and mins of the K-quant rows tile (n, nsb*bs) u8 -> lanes
+    # r0..r0+n of one tile: dt, mt (nsb*R,) u16, and in qt (nsub*S*R,) u8 the sc of
+    # sub-block u at (S u + S - 2) R + lane, its m R further
+    n = tile.shape[0]
+    nsb = tile.shape[1] // bs
+    R = dt.size // nsb
+    for b in range(nsb):
+        o = b * bs
+        for r in range(n):
+            dt[b * R + r0 + r] = np.uint16(tile[r, o]) | (np.uint16(tile[r, o + 1]) << np.uint16(8))
+            mt[b * R + r0 + r] = np.uint16(tile[r, o + 2]) | (np.uint16(tile[r, o + 3]) << np.uint16(8))
+        for j in range(8):
+            p = (S * (8 * b + j) + S - 2) * R + r0
+            for r in range(n):
+                sc, m = get_scale_min_k4(tile[r], o + 4, j)
+                qt[p + r] = sc
+                qt[p + R + r] = m
+
+
 @njit(cache=True, parallel=True)
 def repack_q5_k(raw, row0, q, q16, d, dmin):
     # Q5_K rows raw (rows, nsb*176) u8 -> rows row0.. of the tiles q (nt, nsub*22*R) u8
@@ -127,7 +149,8 @@ def repack_q5_k(raw, row0, q, q16, d, dmin):
 @njit(cache=True, fastmath=True, parallel=True)
 def matvec_q5_k(q, q16, d, dmin, xc, xd, xm5, xsum, out, scratch, s16):
     # W (nt*R, n) Q5_K tiles q (q16 its u16 view) @ x (q5.prep_q5_x) -> out (d,);
-    # scratch (nt, 3, R) f32, s16 (nt, 2, R) int16. As matvec_q4_k, with
+    # scratch (nt, 3, R) f32, s16 (nt, 2, R) int16. Row . x = sum over super-blocks of
+    #   d sum_s sc_s dx_s sum(q xq)_s - dmin sum_s m_s sum(x)_s, with
     # sum(q xq) = s0 + s1 - xm5[2u] - xm5[2u+1]
     nt = q.shape[0]
     R = s16.shape[2]
@@ -167,6 +190,16 @@ def matvec_q5_k(q, q16, d, dmin, xc, xd, xm5, xsum, out, scratch, s16):
 
 
 # --- prefill and embedding (serial, exact) --------------------------------------------------
+
+@njit(cache=True, inline="always")
+def k_tile_scales(q, d, dmin, S, t, u, R, dsc, msc):
+    # lanes of tile t, sub-block u: d * sc and dmin * m (f32, as gguf-py) -> dsc, msc (R,)
+    b = u // 8
+    o = (S * u + S - 2) * R
+    for r in range(R):
+        dsc[r] = f16_to_f32(d[t, b * R + r]) * f32(q[t, o + r])
+        msc[r] = f16_to_f32(dmin[t, b * R + r]) * f32(q[t, o + R + r])
+
 
 @njit(cache=True)
 def dequant_q5_k_tiles(q, q16, d, dmin, t0, t1, wt):
@@ -225,22 +258,30 @@ def rows_q5_k(q, q16, d, dmin, ids, out):
             row[32 * u + 31] = ds * f32(top1) - ms
 
 
-class Q5KLinear(KLinear):
-    """Q5_K in row tiles (KLinear, S = 22): ten u16 words per row and sub-block."""
-    S = 22
+class Q5KLinear(TiledLinear):
+    """Q5_K in row tiles: ten u16 words, then sc and m, per row and sub-block."""
+    S = 22                     # bytes per row per sub-block in q
 
     def _load(self, raws):
-        super()._load(raws)
-        self.q16 = self.q.view(np.uint16)        # the words' view of the tiles
-        n, nsub = self.in_features, self.in_features // 32
-        self._s16 = np.zeros((self.nt, 2, self.R), np.int16)
+        n = self.in_features
+        nsub, nt, R = n // 32, self.nt, self.R
+        self.q = anon_array((nt, nsub * self.S * R), np.uint8)   # zeroed: pad rows add nothing
+        self.q16 = self.q.view(np.uint16)                       # the words' view of the tiles
+        self.d = anon_array((nt, nsub // 8 * R), np.uint16)
+        self.dmin = anon_array((nt, nsub // 8 * R), np.uint16)
+        row0 = 0
+        for raw in raws:
+            repack_q5_k(raw, row0, self.q, self.q16, self.d, self.dmin)
+            release_pages(raw)
+            row0 += raw.shape[0]
+        self._scratch = np.zeros((nt, 3, R), f32)
+        self._s16 = np.zeros((nt, 2, R), np.int16)
         self._x8 = np.zeros(n, np.int8)
+        self._xd = np.zeros(nsub, f32)
         self._xs8 = np.zeros(nsub, np.int32)
+        self._xsum = np.zeros(nsub, f32)
         self._xc = np.zeros(nsub * 40, np.int16)
         self._xm5 = np.zeros(nsub * 2, np.int16)
-
-    def _repack(self, raw, row0):
-        repack_q5_k(raw, row0, self.q, self.q.view(np.uint16), self.d, self.dmin)
 
     def matvec(self, x, out):
         prep_q5_x(x, self._x8, self._xd, self._xs8, self._xsum, self._xc, self._xm5)
