@@ -2,11 +2,12 @@
 instructions each CPU has, for kernels that keep lanes across rows; and prefetch.
 
 Numba has no vector types and LLVM does not find the pair-dot instructions in plain
-loops, so `nib_dot` (nibbles), `i8_dot` (int8) and `q6_dot` (Q6_K's 6-bit values,
-rebuilt in registers from nibbles and 2-bit crumbs) emit LLVM IR for one block of 32
-weights of R rows (decode). `quads_gemm` is the whole prefill product of a tile of the
-per-32-block formats (Q4_0, Q4_1, Q8_0) with 4 rows of x, scales applied, its sums in
-registers; `q6_gemm` Q6_K's, `q4k_gemm` Q4_K's. The instructions:
+loops, so `nib_dot` (nibbles) and `i8_dot` (int8) emit LLVM IR for one block of 32
+weights of R rows (decode of Q4_0, Q4_1, Q8_0), `quads_gemm` the whole prefill product
+of a tile of those formats with 4 rows of x, scales applied, its sums in registers, and
+`q4k_gemm` and `q6_gemm` the whole product of a tile of Q4_K or Q6_K (Q6_K's 6-bit
+values rebuilt in registers from nibbles and 2-bit crumbs) with 1 row of x (decode) or
+4 (prefill). The instructions:
 
     VNNI (AVX-512)  vpdpbusd: 64 u8 x i8 products summed into 16 int32 lanes, 1 instruction
     AVX2            vpmaddubsw (u8 x i8 pairs -> int16) then vpmaddwd (-> int32)
@@ -17,10 +18,11 @@ is keyed by the CPU, so a cache is never used on a CPU it was not built for).
 
 The weights' layout ("quads"): for block b of a tile of R rows, its bytes per row (16
 for nibbles: byte i holds element i in its low nibble and element 16 + i in its high
-one; 32 for int8; 24 for Q6_K, see q6_dot) are grouped by four, so one 32-bit lane
-holds 4 bytes of one row:
+one; 32 for int8) are grouped by four, so one 32-bit lane holds 4 bytes of one row:
 
     tile[o + 4R g + 4r + k] = byte 4g + k of row r    (k in 0..3; o the block's start)
+
+Q4_K and Q6_K tiles are records of 16 rows holding the same quads with R = 16 (below).
 """
 from __future__ import annotations
 
@@ -295,15 +297,63 @@ def quads_gemm(typingctx, q, d, m, x8, xd, xs8, xsum, acc, nb, t0, kind, isa):
     return types.void(q, d, m, x8, xd, xs8, xsum, acc, nb, t0, kind, isa), codegen
 
 
-# Q4_K tiles (q4_k.py) are records, one per strip of Q4K_STRIP rows and super-block of
+# Q4_K tiles (q4_k.py) are records, one per strip of RECORD_ROWS rows and super-block of
 # 256 weights, all a strip's super-blocks in a row, then the next strip's; per record
 # (byte offsets): the rows' d (f16) at Q4K_D, dmin at Q4K_DMIN, their 6-bit sc of the 8
 # sub-blocks at Q4K_SC + 16 k + lane, m at Q4K_M + 16 k + lane, and sub-block k's
-# nibbles at Q4K_QS + 256 k as quads of the 16 rows (byte 4g + i of lane l at 64 g + 4 l
+# nibbles at Q4K_QS + 256 k as quads of the strip's rows (byte 4g + i of lane l at 64 g + 4 l
 # + i). A strip reads one address-ordered run, everything a product needs in it.
-Q4K_STRIP = 16
+RECORD_ROWS = 16           # rows per strip of the record layouts (Q4_K, Q6_K)
 Q4K_D, Q4K_DMIN, Q4K_SC, Q4K_M, Q4K_QS = 0, 32, 64, 192, 320
 Q4K_RECORD = Q4K_QS + 8 * 256                        # 2368 bytes, 37 cache lines
+
+
+def _over_records(context, builder, sig, args, fr, nsub, record, tokens, sums_per_token,
+                  block, finish):
+    """The loops of q4k_gemm and q6_gemm over a tile of records (layouts above): per
+    vector of n rows (lanes lane.. of their strip) and super-block sb, with rec the byte
+    offset of its record in q (argument 0): zero `sums_per_token` f32 vectors per token
+    (sums[j][t]), call block(sb, k, rec, lane, sums) for its 8 blocks k, each after
+    prefetching an eighth of the next record, then finish(rec, lane, sums, totals),
+    totals[t] one f32 vector per token that finish adds to and that is stored to
+    acc[t R + row] at the end. The prefetch, from DRAM (this VM, 2 threads): 16 Q4_K
+    matrices of 16384 x 2048, 31-37 GB/s against 23-33 without (the record after next no
+    better); Q6_K 128256 x 2048, 0.77-0.90x Q4_0's bytes/s spread over the blocks against
+    0.63-0.74x all at the start of the record."""
+    k64, n, vf = fr.k64, fr.n, fr.vf
+    per_strip = RECORD_ROWS // n                        # row vectors per strip
+    nsb = builder.udiv(nsub, k64(8))
+    with cgutils.for_range(builder, builder.udiv(fr.R, k64(n))) as vec:
+        strip = builder.udiv(vec.index, k64(per_strip))
+        lane = builder.mul(builder.urem(vec.index, k64(per_strip)), k64(n))   # first lane
+        totals = [cgutils.alloca_once(builder, vf) for _ in range(tokens)]
+        sums = [[cgutils.alloca_once(builder, vf) for _ in range(tokens)]
+                for _ in range(sums_per_token)]
+        for a in totals:
+            builder.store(ir.Constant(vf, None), a)
+        with cgutils.for_range(builder, nsb) as sblk:
+            sb = sblk.index
+            rec = builder.mul(builder.add(builder.mul(strip, nsb), sb), k64(record))
+            for a in (a for row in sums for a in row):
+                builder.store(ir.Constant(vf, None), a)
+            lines = list(range(0, record, 64))
+            for k in range(8):
+                for line in lines[k * len(lines) // 8:(k + 1) * len(lines) // 8]:
+                    prefetch_ir(context, builder, sig.args[0], args[0],
+                                builder.add(rec, k64(record + line)))
+                block(sb, k, rec, lane, sums)
+            finish(rec, lane, sums, totals)
+        r0 = builder.mul(vec.index, k64(n))
+        for t, a in enumerate(totals):
+            builder.store(builder.load(a), fr.ptr(4, builder.add(builder.mul(fr.R, k64(t)), r0), vf),
+                          align=4)
+
+
+def _x_words(builder, fr, tok, u):
+    """The 8 i32 words (4 int8 each) of block u of row tok of x8 (argument 1)."""
+    xo = builder.add(builder.mul(tok, fr.ncol), builder.mul(u, fr.k64(32)))
+    return [builder.load(fr.ptr(1, builder.add(xo, fr.k64(4 * g)), ir.IntType(32)), align=1)
+            for g in range(8)]
 
 
 @intrinsic(prefer_literal=True)
@@ -315,77 +365,55 @@ def q4k_gemm(typingctx, q, x8, xd, xsum, acc, nsub, t0, tokens, isa):
         d sum_u sc_u dx_u S_u - dmin sum_u m_u xsum_u,   S_u the exact int32 sum(q x8).
     tokens (1 for decode, TOKENS for prefill) and isa constants. Each sub-block's
     nibbles are unpacked once for the tokens, and the f32 sums of a vector of rows stay
-    in registers over the whole row. The next record is prefetched: from DRAM (16 of
-    16384 x 2048, this VM) 31-37 GB/s against 23-33 without, with 2 threads."""
+    in registers over the whole row."""
     if not isinstance(isa, types.IntegerLiteral) or not isinstance(tokens, types.IntegerLiteral):
         return None
     kind, TOK = isa.literal_value, tokens.literal_value
 
     def codegen(context, builder, sig, args):
-        i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+        i8, f32 = ir.IntType(8), ir.FloatType()
         nsa, t0a = args[5], args[6]
         fr = _GemmFrame(context, builder, sig, args, kind, acc_i=4, nb_i=5, tokens=TOK)
-        k64, ptr, n, wide, vf, fma, R, ncol = (fr.k64, fr.ptr, fr.n, fr.wide, fr.vf, fr.fma,
-                                               fr.R, fr.ncol)
-        per_strip = Q4K_STRIP // n                          # row vectors per strip
-        nsb = builder.udiv(nsa, k64(8))
+        k64, ptr, n, wide, vf, fma = fr.k64, fr.ptr, fr.n, fr.wide, fr.vf, fr.fma
         mask = ir.Constant(wide, [0x0F0F0F0F] * n)
         four = ir.Constant(wide, [4] * n)
 
         def u8s(off):                                       # n u8 bytes of q -> <n x float>
             return builder.uitofp(builder.load(ptr(0, off, ir.VectorType(i8, n)), align=1), vf)
 
-        with cgutils.for_range(builder, builder.udiv(R, k64(n))) as vec:
-            strip = builder.udiv(vec.index, k64(per_strip))
-            lane = builder.mul(builder.urem(vec.index, k64(per_strip)), k64(n))   # first lane
-            # per token: the sum, and this super-block's scale (a1) and min (a2) sums
-            accs = [cgutils.alloca_once(builder, vf) for _ in range(3 * TOK)]
-            for a in accs[:TOK]:
-                builder.store(ir.Constant(vf, None), a)
-            with cgutils.for_range(builder, nsb) as sblk:
-                sb = sblk.index
-                rec = builder.mul(builder.add(builder.mul(strip, nsb), sb), k64(Q4K_RECORD))
-                for line in range(0, Q4K_RECORD, 64):
-                    prefetch_ir(context, builder, sig.args[0], args[0],
-                                builder.add(rec, k64(Q4K_RECORD + line)))
-                for a in accs[TOK:]:
-                    builder.store(ir.Constant(vf, None), a)
-                quads = builder.add(rec, builder.mul(lane, k64(4)))
-                for k in range(8):
-                    u = builder.add(builder.mul(sb, k64(8)), k64(k))
-                    ws = []
-                    for g in range(4):
-                        w = builder.load(ptr(0, builder.add(quads, k64(Q4K_QS + 256 * k + 64 * g)),
-                                             wide), align=1)
-                        ws += [builder.and_(w, mask), builder.and_(builder.lshr(w, four), mask)]
-                    scv = u8s(builder.add(builder.add(rec, lane), k64(Q4K_SC + 16 * k)))
-                    mv = u8s(builder.add(builder.add(rec, lane), k64(Q4K_M + 16 * k)))
-                    for t in range(TOK):
-                        tok = builder.add(t0a, k64(t))
-                        xo = builder.add(builder.mul(tok, ncol), builder.mul(u, k64(32)))
-                        xw = [builder.load(ptr(1, builder.add(xo, k64(4 * g)), i32), align=1)
-                              for g in range(8)]
-                        # low nibbles with x words 0..3, high ones with 4..7
-                        pairs = [(ws[2 * g + h], xw[4 * h + g]) for g in range(4) for h in (0, 1)]
-                        dot = _dot(builder, kind, n, pairs, False)
-                        si = builder.add(builder.mul(tok, nsa), u)
-                        dx = splat(builder, builder.load(ptr(2, si, f32)), n)
-                        a1, a2 = accs[TOK + t], accs[2 * TOK + t]
-                        builder.store(fma(builder.sitofp(dot, vf), builder.fmul(scv, dx),
-                                          builder.load(a1)), a1)
-                        xs = splat(builder, builder.load(ptr(3, si, f32)), n)
-                        builder.store(fma(mv, xs, builder.load(a2)), a2)
-                halves = builder.add(rec, builder.mul(lane, k64(2)))
-                dv = fr.f16s(0, builder.add(halves, k64(Q4K_D)))
-                mnv = fr.f16s(0, builder.add(halves, k64(Q4K_DMIN)))
-                for t in range(TOK):
-                    a = accs[t]
-                    total = fma(dv, builder.load(accs[TOK + t]), builder.load(a))
-                    builder.store(fma(builder.fneg(mnv), builder.load(accs[2 * TOK + t]), total), a)
-            r0 = builder.mul(vec.index, k64(n))
+        def block(sb, k, rec, lane, sums):                  # sums: scale (a1), min (a2)
+            u = builder.add(builder.mul(sb, k64(8)), k64(k))
+            quads = builder.add(rec, builder.mul(lane, k64(4)))
+            ws = []
+            for g in range(4):
+                w = builder.load(ptr(0, builder.add(quads, k64(Q4K_QS + 256 * k + 64 * g)), wide),
+                                 align=1)
+                ws += [builder.and_(w, mask), builder.and_(builder.lshr(w, four), mask)]
+            scv = u8s(builder.add(builder.add(rec, lane), k64(Q4K_SC + 16 * k)))
+            mv = u8s(builder.add(builder.add(rec, lane), k64(Q4K_M + 16 * k)))
             for t in range(TOK):
-                builder.store(builder.load(accs[t]),
-                              ptr(4, builder.add(builder.mul(R, k64(t)), r0), vf), align=4)
+                tok = builder.add(t0a, k64(t))
+                xw = _x_words(builder, fr, tok, u)
+                # low nibbles with x words 0..3, high ones with 4..7
+                pairs = [(ws[2 * g + h], xw[4 * h + g]) for g in range(4) for h in (0, 1)]
+                dot = _dot(builder, kind, n, pairs, False)
+                si = builder.add(builder.mul(tok, nsa), u)
+                dx = splat(builder, builder.load(ptr(2, si, f32)), n)
+                a1, a2 = sums[0][t], sums[1][t]
+                builder.store(fma(builder.sitofp(dot, vf), builder.fmul(scv, dx),
+                                  builder.load(a1)), a1)
+                xs = splat(builder, builder.load(ptr(3, si, f32)), n)
+                builder.store(fma(mv, xs, builder.load(a2)), a2)
+
+        def finish(rec, lane, sums, totals):
+            halves = builder.add(rec, builder.mul(lane, k64(2)))
+            dv = fr.f16s(0, builder.add(halves, k64(Q4K_D)))
+            mnv = fr.f16s(0, builder.add(halves, k64(Q4K_DMIN)))
+            for t, a in enumerate(totals):
+                total = fma(dv, builder.load(sums[0][t]), builder.load(a))
+                builder.store(fma(builder.fneg(mnv), builder.load(sums[1][t]), total), a)
+
+        _over_records(context, builder, sig, args, fr, nsa, Q4K_RECORD, TOK, 2, block, finish)
         return context.get_dummy_value()
 
     return types.void(q, x8, xd, xsum, acc, nsub, t0, tokens, isa), codegen
@@ -394,7 +422,7 @@ def q4k_gemm(typingctx, q, x8, xd, xsum, acc, nsub, t0, tokens, isa):
 def _q6_values(builder, n, quad):
     """Q6_K's 6-bit values of one block of n rows: (lo, hi), 4 <n x i32> each, lane g of
     lo holding elements 4g..4g+3 of a row, of hi 16 + 4g..; quad(j) loads quad j (nibble
-    quads 0..3, crumb quads 4, 5; see q6_dot)."""
+    quads 0..3, crumb quads 4, 5; Q6_K's records below)."""
     i32 = ir.IntType(32)
     c = lambda v: ir.Constant(ir.VectorType(i32, n), [v] * n)
     nib = [quad(g) for g in range(4)]
@@ -443,108 +471,64 @@ def _q6_scales(builder, n, load_i8):
     return [builder.sext(load_i8(h), wide) for h in range(2)]
 
 
-@intrinsic(prefer_literal=True)
-def q6_dot(typingctx, q, o, x8, xo, acc, nr, isa):
-    """acc[:nr] (int32) = for each row r of a Q6_K block at q[o:] (u8, 26 bytes per row:
-    16 of nibbles, byte j holding the low 4 bits of elements j and 16 + j, then 8 of
-    crumbs, byte j holding the high 2 bits of elements j, j + 8, j + 16, j + 24 at bits
-    0, 2, 4, 6, both as quads; then the rows' int8 scales of elements 0..15, then of
-    16..31, nr bytes each) the sum over its 32 weights q (6 bits) of
-    scale * (q - 32) * x8[xo + element]. nr a multiple of 16; isa a constant. Exact:
-    |sum| <= 2 * 128 * 16 * 32 * 127."""
-    if not isinstance(isa, types.IntegerLiteral):
-        return None
-    kind = isa.literal_value
-
-    def codegen(context, builder, sig, args):
-        i8, i32 = ir.IntType(8), ir.IntType(32)
-        oa, xoa, nra = args[1], args[3], args[5]
-        k64 = lambda v: ir.Constant(oa.type, v)
-        ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
-        n = 16 if kind == VNNI512 else 8                    # rows per vector
-        wide = ir.VectorType(i32, n)
-        xw = [builder.load(ptr(2, builder.add(xoa, k64(4 * g)), i32), align=1) for g in range(8)]
-        xs = []                         # each half's sum of x: for the -32 of q - 32
-        for h in range(2):
-            v = builder.load(ptr(2, builder.add(xoa, k64(16 * h)), ir.VectorType(i8, 16)), align=1)
-            xs.append(call_llvm(builder, "llvm.vector.reduce.add.v16i32", i32,
-                                [builder.sext(v, ir.VectorType(i32, 16))]))
-        # before the row loop: built inside it (in _q6_sum), LLVM left them there and
-        # decode ran at 21.6 against 24.3 GB/s (one thread, 1B shapes)
-        offs = _q6_offsets(builder, n, xs)
-        with cgutils.for_range(builder, builder.udiv(nra, k64(n))) as loop:
-            r0 = builder.mul(loop.index, k64(n))
-            rows = builder.add(oa, builder.mul(r0, k64(4)))
-            lo, hi = _q6_values(builder, n, lambda j: builder.load(
-                ptr(0, builder.add(rows, builder.mul(nra, k64(4 * j))), wide), align=1))
-            scs = _q6_scales(builder, n, lambda h: builder.load(
-                ptr(0, builder.add(builder.add(oa, builder.mul(nra, k64(24 + h))), r0),
-                    ir.VectorType(i8, n)), align=1))
-            builder.store(_q6_sum(builder, kind, n, lo, hi, xw, offs, scs), ptr(4, r0, wide), align=4)
-        return context.get_dummy_value()
-
-    return types.void(q, o, x8, xo, acc, nr, isa), codegen
+# Q6_K tiles (q6_k.py) are records as Q4_K's, one per strip of RECORD_ROWS rows and
+# super-block; per record (byte offsets): the rows' d (f16) at Q6K_D, the int8 scales of
+# block k (of 32 weights) at Q6K_SC + 32 k + 16 h + lane for its elements 16 h.., and
+# block k's quads at Q6K_QS + 384 k: 4 of nibbles (byte j: the low 4 bits of elements j
+# and 16 + j), then 2 of crumbs (byte j: the high 2 bits of elements j, j + 8, j + 16,
+# j + 24 at bits 0, 2, 4, 6); quad g at 64 g, byte 4g + i of lane l at 64 g + 4 l + i.
+Q6K_D, Q6K_SC, Q6K_QS = 0, 32, 320                  # 32 bytes of padding before the quads
+Q6K_RECORD = Q6K_QS + 8 * 384                        # 3392 bytes, 53 cache lines
 
 
 @intrinsic(prefer_literal=True)
-def q6_gemm(typingctx, q, d, x8, xd, xs16, acc, nsub, t0, isa):
-    """One tile of Q6_K (q: R rows of nsub blocks of 32 as q6_dot reads them, block u at
-    26 u R; d: its f16 super-block scales, nsub/8*R u16) times TOKENS rows t0.. of x (x8
-    flat (Tp*32nsub,) int8, xd (Tp*nsub,) f32 its scales, xs16 (Tp*2nsub,) int32 its sums
-    per 16): acc[k R + r] (f32, R = acc.size // TOKENS) = row r . x_{t0+k} = sum over
-    super-blocks of d sum over their blocks u of dx_u q6_dot_u. isa a constant. As
-    simd.quads_gemm: each block's values are built once for the TOKENS rows, and the f32
-    sums of a strip of rows stay in registers over all blocks."""
-    if not isinstance(isa, types.IntegerLiteral):
+def q6_gemm(typingctx, q, x8, xd, xs16, acc, nsub, t0, tokens, isa):
+    """One tile of Q6_K records (q: R rows of nsub blocks of 32, layout above) times
+    `tokens` rows t0.. of x (x8 flat (Tp*32nsub,) int8, xd (Tp*nsub,) f32 its scales,
+    xs16 (Tp*2nsub,) int32 its sums per 16): acc[k R + r] (f32, R = acc.size // tokens)
+    = row r . x_{t0+k} = sum over super-blocks of d sum over their blocks u of dx_u S_u,
+    S_u = sum over u's two halves of scale * sum((q - 32) x8), exact in int32 (|S_u| <=
+    2 * 128 * 16 * 32 * 127). tokens (1 for decode, TOKENS for prefill) and isa
+    constants. Each block's 6-bit values are built once for the tokens, and the f32
+    sums of a vector of rows stay in registers over the whole row."""
+    if not isinstance(isa, types.IntegerLiteral) or not isinstance(tokens, types.IntegerLiteral):
         return None
-    kind = isa.literal_value
+    kind, TOK = isa.literal_value, tokens.literal_value
 
     def codegen(context, builder, sig, args):
         i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
-        nsa, t0a = args[6], args[7]
-        fr = _GemmFrame(context, builder, sig, args, kind, acc_i=5, nb_i=6)
-        k64, ptr, n, wide, vf, fma, R, ncol = (fr.k64, fr.ptr, fr.n, fr.wide, fr.vf, fr.fma,
-                                               fr.R, fr.ncol)
-        with cgutils.for_range(builder, builder.udiv(R, k64(n))) as strip:
-            r0 = builder.mul(strip.index, k64(n))
-            accs = [cgutils.alloca_once(builder, vf) for _ in range(2 * TOKENS)]
-            for a in accs[:TOKENS]:
-                builder.store(ir.Constant(vf, None), a)
-            with cgutils.for_range(builder, builder.udiv(nsa, k64(8))) as sblk:
-                sb = sblk.index
-                for a in accs[TOKENS:]:                     # this super-block's sums
-                    builder.store(ir.Constant(vf, None), a)
-                with cgutils.for_range(builder, k64(8)) as blk:
-                    u = builder.add(builder.mul(sb, k64(8)), blk.index)
-                    o = builder.mul(builder.mul(u, k64(26)), R)
-                    rows = builder.add(o, builder.mul(r0, k64(4)))
-                    lo, hi = _q6_values(builder, n, lambda j: builder.load(
-                        ptr(0, builder.add(rows, builder.mul(R, k64(4 * j))), wide), align=1))
-                    scs = _q6_scales(builder, n, lambda h: builder.load(
-                        ptr(0, builder.add(builder.add(o, builder.mul(R, k64(24 + h))), r0),
-                            ir.VectorType(i8, n)), align=1))
-                    for k in range(TOKENS):
-                        tok = builder.add(t0a, k64(k))
-                        xo = builder.add(builder.mul(tok, ncol), builder.mul(u, k64(32)))
-                        xw = [builder.load(ptr(2, builder.add(xo, k64(4 * g)), i32), align=1)
-                              for g in range(8)]
-                        si = builder.add(builder.mul(tok, nsa), u)
-                        xs = [builder.load(ptr(4, builder.add(builder.mul(si, k64(2)), k64(h)), i32))
-                              for h in range(2)]
-                        dot = _q6_sum(builder, kind, n, lo, hi, xw, _q6_offsets(builder, n, xs), scs)
-                        dx = splat(builder, builder.load(ptr(3, si, f32)), n)
-                        a = accs[TOKENS + k]
-                        builder.store(fma(builder.sitofp(dot, vf), dx, builder.load(a)), a)
-                dv = fr.f16s(1, builder.add(builder.mul(sb, R), r0))
-                for k in range(TOKENS):
-                    a = accs[k]
-                    builder.store(fma(dv, builder.load(accs[TOKENS + k]), builder.load(a)), a)
-            for k in range(TOKENS):
-                builder.store(builder.load(accs[k]),
-                              ptr(5, builder.add(builder.mul(R, k64(k)), r0), vf), align=4)
+        nsa, t0a = args[5], args[6]
+        fr = _GemmFrame(context, builder, sig, args, kind, acc_i=4, nb_i=5, tokens=TOK)
+        k64, ptr, n, wide, vf, fma = fr.k64, fr.ptr, fr.n, fr.wide, fr.vf, fr.fma
+
+        def block(sb, k, rec, lane, sums):
+            u = builder.add(builder.mul(sb, k64(8)), k64(k))
+            quads = builder.add(rec, builder.mul(lane, k64(4)))
+            lo, hi = _q6_values(builder, n, lambda j: builder.load(
+                ptr(0, builder.add(quads, k64(Q6K_QS + 384 * k + 64 * j)), wide), align=1))
+            scs = _q6_scales(builder, n, lambda h: builder.load(
+                ptr(0, builder.add(builder.add(rec, lane), k64(Q6K_SC + 32 * k + 16 * h)),
+                    ir.VectorType(i8, n)), align=1))
+            for t in range(TOK):
+                tok = builder.add(t0a, k64(t))
+                si = builder.add(builder.mul(tok, nsa), u)
+                xs = [builder.load(ptr(3, builder.add(builder.mul(si, k64(2)), k64(h)), i32))
+                      for h in range(2)]
+                dot = _q6_sum(builder, kind, n, lo, hi, _x_words(builder, fr, tok, u),
+                              _q6_offsets(builder, n, xs), scs)
+                dx = splat(builder, builder.load(ptr(2, si, f32)), n)
+                a = sums[0][t]
+                builder.store(fma(builder.sitofp(dot, vf), dx, builder.load(a)), a)
+
+        def finish(rec, lane, sums, totals):
+            dv = fr.f16s(0, builder.add(rec, builder.add(k64(Q6K_D), builder.mul(lane, k64(2)))))
+            for t, a in enumerate(totals):
+                builder.store(fma(dv, builder.load(sums[0][t]), builder.load(a)), a)
+
+        _over_records(context, builder, sig, args, fr, nsa, Q6K_RECORD, TOK, 1, block, finish)
         return context.get_dummy_value()
 
-    return types.void(q, d, x8, xd, xs16, acc, nsub, t0, isa), codegen
+    return types.void(q, x8, xd, xs16, acc, nsub, t0, tokens, isa), codegen
 
 
 def prefetch_ir(context, builder, aty, arr, off):

@@ -1,4 +1,4 @@
-"""simd.nib_dot, i8_dot, q6_dot and the prefill intrinsics (quads_gemm, q6_gemm, q4k_gemm),
+"""simd.nib_dot, i8_dot and the tile intrinsics (quads_gemm, q6_gemm, q4k_gemm),
 in each instruction set (all are compiled here; the CPU must have the instructions to run
 them, so the VNNI and AVX2 cases skip elsewhere), against a NumPy twin."""
 import numpy as np
@@ -6,8 +6,9 @@ import pytest
 from numba import njit
 
 from edgellama.simd import (AVX2, GENERIC, ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, Q4K_D, Q4K_DMIN,
-                            Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q4K_STRIP, TOKENS, VNNI512,
-                            host_isa, i8_dot, nib_dot, q4k_gemm, q6_dot, q6_gemm, quads_gemm)
+                            Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC,
+                            RECORD_ROWS, TOKENS, VNNI512, host_isa, i8_dot, nib_dot, q4k_gemm,
+                            q6_gemm, quads_gemm)
 
 import llvmlite.binding as llvm
 
@@ -179,125 +180,104 @@ def test_quads_gemm_matches_twin(isa, kind, extreme):
                                    atol=2e-5 * np.abs(want).max())
 
 
-# --- q6_dot: Q6_K blocks (nibbles, crumbs, two int8 scales per row) ------------------------
+# --- q6_gemm: Q6_K records (per 16 rows and super-block: d, int8 scales, nibble and crumb quads)
 
 @njit
-def _dot6(q, o, x8, xo, acc, R, isa):
-    if isa == 0:
-        q6_dot(q, o, x8, xo, acc, R, 0)
+def _gemm6(q, x8, xd, xs16, acc, nsub, t0, tokens, isa):
+    if tokens == 1:
+        if isa == 0:
+            q6_gemm(q, x8, xd, xs16, acc, nsub, t0, 1, 0)
+        elif isa == 1:
+            q6_gemm(q, x8, xd, xs16, acc, nsub, t0, 1, 1)
+        else:
+            q6_gemm(q, x8, xd, xs16, acc, nsub, t0, 1, 2)
+    elif isa == 0:
+        q6_gemm(q, x8, xd, xs16, acc, nsub, t0, TOKENS, 0)
     elif isa == 1:
-        q6_dot(q, o, x8, xo, acc, R, 1)
+        q6_gemm(q, x8, xd, xs16, acc, nsub, t0, TOKENS, 1)
     else:
-        q6_dot(q, o, x8, xo, acc, R, 2)
+        q6_gemm(q, x8, xd, xs16, acc, nsub, t0, TOKENS, 2)
 
 
-@njit
-def _gemm6(q, d, x8, xd, xs16, acc, nsub, t0, isa):
-    if isa == 0:
-        q6_gemm(q, d, x8, xd, xs16, acc, nsub, t0, 0)
-    elif isa == 1:
-        q6_gemm(q, d, x8, xd, xs16, acc, nsub, t0, 1)
-    else:
-        q6_gemm(q, d, x8, xd, xs16, acc, nsub, t0, 2)
+def q6_records(d, sc, vals):
+    """A tile of Q6_K records from per-row values: d (R, nsb) f16, sc (R, nsub, 2) i8 (the
+    scales of elements 0..15 and 16..31 of each block), vals (R, nsub, 32) the 6-bit q."""
+    R, nsb = d.shape
+    rec = np.zeros((R // RECORD_ROWS, nsb, Q6K_RECORD), np.uint8)
+    nib = (vals[:, :, :16] & 15) | ((vals[:, :, 16:] & 15) << 4)                 # (R, nsub, 16)
+    hi = vals >> 4
+    crumb = hi[:, :, :8] | (hi[:, :, 8:16] << 2) | (hi[:, :, 16:24] << 4) | (hi[:, :, 24:] << 6)
+    for r in range(R):
+        s, lane = divmod(r, RECORD_ROWS)
+        for b in range(nsb):
+            out = rec[s, b]
+            out[Q6K_D + 2 * lane:Q6K_D + 2 * lane + 2] = d[r, b:b + 1].view(np.uint8)
+            for k in range(8):
+                u = 8 * b + k
+                out[Q6K_SC + 32 * k + lane] = sc[r, u, 0].view(np.uint8)
+                out[Q6K_SC + 32 * k + 16 + lane] = sc[r, u, 1].view(np.uint8)
+                o = Q6K_QS + 384 * k + 4 * lane
+                for j in range(16):
+                    out[o + 64 * (j // 4) + j % 4] = nib[r, u, j]
+                for j in range(8):
+                    out[o + 256 + 64 * (j // 4) + j % 4] = crumb[r, u, j]
+    return rec.reshape(-1)
 
 
-def twin6(q, o, x8, xo, R):
-    """Per row: sum over 32 weights of scale * (q - 32) * x8, q = nibble | crumb << 4 where
-    nibble byte j (quads at o) holds elements j, 16 + j and crumb byte j (quads at o + 16R)
-    elements j, j + 8, j + 16, j + 24; the int8 scales of 0..15 and 16..31 at o + 24R,
-    o + 25R."""
-    r = np.arange(R)[:, None]
-    j = np.arange(16)[None, :]
-    nib = q[o + 4 * R * (j // 4) + 4 * r + j % 4].astype(np.int64)
-    crumb = q[o + 16 * R + 4 * R * (j[:, :8] // 4) + 4 * r + j[:, :8] % 4].astype(np.int64)
-    v = np.concatenate([nib & 15, nib >> 4], axis=1)
-    for f in range(4):
-        v[:, 8 * f:8 * f + 8] |= ((crumb >> (2 * f)) & 3) << 4
-    sc = q[o + 24 * R + R * np.arange(2)[None, :] + r].view(np.int8).astype(np.int64)
-    x = x8[xo:xo + 32].astype(np.int64)
-    return (sc[:, 0] * ((v[:, :16] - 32) @ x[:16]) + sc[:, 1] * ((v[:, 16:] - 32) @ x[16:]))
-
-
-@pytest.mark.parametrize("isa", [GENERIC, AVX2, VNNI512])
-@pytest.mark.parametrize("R", [16, 32, 256])
-def test_q6_random_blocks_at_odd_offsets(isa, R):
-    if not RUNS[isa]:
-        pytest.skip("this CPU lacks the instructions")
-    rng = np.random.default_rng(R + isa)
-    q = rng.integers(0, 256, 26 * R + 64, dtype=np.uint8)
-    x8 = rng.integers(-127, 128, 80, dtype=np.int8)
-    for o, xo in [(0, 0), (7, 3), (33, 45)]:
-        acc = np.full(R, 12345, np.int32)          # overwritten, not added to
-        _dot6(q, o, x8, xo, acc, R, isa)
-        np.testing.assert_array_equal(acc, twin6(q, o, x8, xo, R))
-
-
-@pytest.mark.parametrize("isa", [GENERIC, AVX2, VNNI512])
-@pytest.mark.parametrize("qbyte", [0xFF, 0x00], ids=["q63", "q0"])
-@pytest.mark.parametrize("x", [127, -127])
-@pytest.mark.parametrize("sc", [-128, 127])
-def test_q6_extremes_are_exact(isa, qbyte, x, sc):
-    # every q 63 (vpmaddubsw pairs at 2 * 63 * 127, summed two by two in int16) or 0
-    # (q - 32 = -32), x and scales at the int8 bounds: the largest sums
-    if not RUNS[isa]:
-        pytest.skip("this CPU lacks the instructions")
-    R = 32
-    q = np.full(26 * R, qbyte, np.uint8)
-    q[24 * R:] = np.int8(sc).view(np.uint8)
-    acc = np.zeros(R, np.int32)
-    _dot6(q, 0, np.full(32, x, np.int8), 0, acc, R, isa)
-    assert (acc == 32 * sc * ((63 if qbyte else 0) - 32) * x).all()
-
-
-def gemm6_case(isa, R, case):
-    """q6_gemm's acc for a random tile of R rows, 2 super-blocks, and TOKENS rows t0.. of
-    x, and its float64 twin (twin6 per block, weighted by d and the x scales). case
-    "exact": d and the x scales 1 or 2 and |x8| <= 15, so every f32 step is exact;
-    "bounds": all q 63 (q - 32 = 31) against x8 = +-127 and scales -128; "random"."""
-    nsub, T, t0 = 16, 2 * TOKENS, TOKENS           # the second group of TOKENS rows
-    rng = np.random.default_rng(10 * isa + R)
-    q = rng.integers(0, 256, 26 * nsub * R, dtype=np.uint8)
+def gemm6_case(isa, R, tokens, case):
+    """q6_gemm's acc for a random tile of R rows, 2 super-blocks, and `tokens` rows t0.. of
+    x, and its float64 twin: per super-block d sum_u dx_u S_u, S_u = sum over block u's
+    halves of scale * sum((q - 32) x8). case "exact": d and the x scales 1 or 2 and
+    |x8| <= 15, so every f32 step is exact; "q63", "q0": every q 63 or 0 against
+    x8 = +-127 and scales at the int8 bounds, the largest sums (vpmaddubsw pairs at
+    2 * 63 * 127, summed two by two in int16); "random"."""
+    nsub, t0 = 16, tokens                           # the second group of rows of x
+    T = 2 * tokens
+    rng = np.random.default_rng(10 * isa + R + tokens)
+    vals = rng.integers(0, 64, (R, nsub, 32))
+    sc = rng.integers(-128, 128, (R, nsub, 2)).astype(np.int8)
     x8 = rng.integers(-127, 128, (T, 32 * nsub), dtype=np.int8)
-    d = rng.standard_normal(nsub // 8 * R).astype(np.float16)
+    d = rng.standard_normal((R, nsub // 8)).astype(np.float16)
     xd = rng.random((T, nsub)).astype(np.float32)
     if case == "exact":                        # every sum an integer below 2^24
         x8 = rng.integers(-15, 16, x8.shape, dtype=np.int8)
-        d = (2.0 ** rng.integers(0, 2, d.size)).astype(np.float16)
+        d = (2.0 ** rng.integers(0, 2, d.shape)).astype(np.float16)
         xd = (2.0 ** rng.integers(0, 2, xd.shape)).astype(np.float32)
-    elif case == "bounds":
-        qb = q.reshape(nsub, 26, R)
-        qb[:, :24] = 0xFF
-        qb[:, 24:] = 0x80
+    elif case in ("q63", "q0"):
+        vals[:] = 63 if case == "q63" else 0
+        sc = np.where(rng.random(sc.shape) < 0.5, -128, 127).astype(np.int8)
         x8 = np.where(rng.random(x8.shape) < 0.5, -127, 127).astype(np.int8)
         d[:] = 1
         xd[:] = 1
     xs16 = x8.reshape(T, 2 * nsub, 16).astype(np.int32).sum(axis=2)
-    acc = np.full(TOKENS * R, 7, np.float32)
-    _gemm6(q, d.view(np.uint16), x8.reshape(-1), xd.reshape(-1), xs16.reshape(-1), acc, nsub,
-           t0, isa)
-    want = np.zeros((TOKENS, R))
-    for k in range(TOKENS):
+    acc = np.full(tokens * R, 7, np.float32)
+    _gemm6(q6_records(d, sc, vals), x8.reshape(-1), xd.reshape(-1), xs16.reshape(-1), acc,
+           nsub, t0, tokens, isa)
+    want = np.zeros((tokens, R))
+    for k in range(tokens):
         tok = t0 + k
-        for sb in range(nsub // 8):
-            blocks = sum(xd[tok, u].astype(np.float64)
-                         * twin6(q, 26 * u * R, x8.reshape(-1), tok * 32 * nsub + 32 * u, R)
-                         for u in range(8 * sb, 8 * sb + 8))
-            want[k] += d[sb * R:(sb + 1) * R].astype(np.float64) * blocks
-    return acc.reshape(TOKENS, R), want
+        xh = x8[tok].reshape(nsub, 2, 16).astype(np.int64)
+        S = (sc.astype(np.int64)
+             * np.einsum("ruhe,uhe->ruh", vals.reshape(R, nsub, 2, 16) - 32, xh)).sum(axis=2)
+        blocks = (xd[tok].astype(np.float64) * S).reshape(R, nsub // 8, 8).sum(axis=2)
+        want[k] = (d.astype(np.float64) * blocks).sum(axis=1)
+    return acc.reshape(tokens, R), want
 
 
 @pytest.mark.parametrize("isa", [GENERIC, AVX2, VNNI512])
-@pytest.mark.parametrize("R", [32, 256])
-@pytest.mark.parametrize("case", ["exact", "bounds", "random"])
-def test_q6_gemm_matches_twin(isa, R, case):
+@pytest.mark.parametrize("R", [16, 32, 256])
+@pytest.mark.parametrize("tokens", [1, TOKENS])
+@pytest.mark.parametrize("case", ["exact", "q63", "q0", "random"])
+def test_q6_gemm_matches_twin(isa, R, tokens, case):
     if not RUNS[isa]:
         pytest.skip("this CPU lacks the instructions")
-    got, want = gemm6_case(isa, R, case)
-    if case == "random":
-        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
-    else:
+    got, want = gemm6_case(isa, R, tokens, case)
+    if case == "exact":
         np.testing.assert_array_equal(got, want)
-
+    elif case == "random":
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    else:   # sums past 2^24 round in f32; an int16 or int32 overflow would be off by 2^15+
+        np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 # --- q4k_gemm: Q4_K records (per 16 rows and super-block: d, dmin, sc, m, nibble quads) ----
@@ -323,9 +303,9 @@ def q4k_records(d, dmin, sc, m, nib):
     """A tile of Q4_K records from per-row values: d, dmin (R, nsb) f16; sc, m (R, nsub) u8;
     nib (R, nsub, 16) u8, byte j holding elements j and j + 16 of its sub-block."""
     R, nsb = d.shape
-    rec = np.zeros((R // Q4K_STRIP, nsb, Q4K_RECORD), np.uint8)
+    rec = np.zeros((R // RECORD_ROWS, nsb, Q4K_RECORD), np.uint8)
     for r in range(R):
-        s, lane = divmod(r, Q4K_STRIP)
+        s, lane = divmod(r, RECORD_ROWS)
         for b in range(nsb):
             out = rec[s, b]
             out[Q4K_D + 2 * lane:Q4K_D + 2 * lane + 2] = d[r, b:b + 1].view(np.uint8)

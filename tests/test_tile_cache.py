@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from edgellama import tile_cache as tc
-from edgellama.formats import FORMATS, linear, quantize
+from edgellama.formats import FORMATS, quantize
 from edgellama.formats.base import TiledLinear
 from edgellama.gguf import GGUFFile
 from edgellama.model import Transformer

@@ -29,8 +29,8 @@ import numpy as np
 from gguf.constants import LlamaFileType
 from numba import njit, prange
 
-from ..fp import f16_to_f32, get_f16, nearest_int, put_f16
-from ..simd import (ISA, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q4K_STRIP,
+from ..fp import get_f16, nearest_int, put_f16
+from ..simd import (ISA, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, RECORD_ROWS,
                     TOKENS, q4k_gemm)
 from .base import TiledLinear, WeightFormat, anon_array, release_pages
 from .q4 import Int8Prefill, prep_q8_x
@@ -290,17 +290,17 @@ def repack_q4_k(raw, row0, q):
     # strip*nsb + b (simd.py's Q4K_* layout). One pass per tile (L2-resident).
     rows = raw.shape[0]
     nsb = raw.shape[1] // 144
-    R = q.shape[1] // (nsb * Q4K_RECORD) * Q4K_STRIP
+    R = q.shape[1] // (nsb * Q4K_RECORD) * RECORD_ROWS
     for t in prange(row0 // R, (row0 + rows - 1) // R + 1):
         r0 = max(0, row0 - t * R)
         r1 = min(R, row0 + rows - t * R)
         qt = q[t]
         for r in range(r0, r1):
             row = raw[t * R + r - row0]
-            lane = r % Q4K_STRIP
+            lane = r % RECORD_ROWS
             for b in range(nsb):
                 o = b * 144
-                rec = (r // Q4K_STRIP * nsb + b) * Q4K_RECORD
+                rec = (r // RECORD_ROWS * nsb + b) * Q4K_RECORD
                 for k in range(2):
                     qt[rec + Q4K_D + 2 * lane + k] = row[o + k]
                     qt[rec + Q4K_DMIN + 2 * lane + k] = row[o + 2 + k]
@@ -352,13 +352,13 @@ def matmul_q4_k(q, x8, xd, xsum, out, acc):
 def rows_q4_k(q, ids, out):
     # Q4_K tiles, ids (T,) -> out (T, n) f32 dequantized rows, bit-exact with gguf-py
     nsb = out.shape[1] // QK_K
-    R = q.shape[1] // (nsb * Q4K_RECORD) * Q4K_STRIP
+    R = q.shape[1] // (nsb * Q4K_RECORD) * RECORD_ROWS
     for i in range(ids.size):
         t = ids[i] // R
-        lane = ids[i] % R % Q4K_STRIP
+        lane = ids[i] % R % RECORD_ROWS
         row = out[i]
         for b in range(nsb):
-            rec = q[t, (ids[i] % R // Q4K_STRIP * nsb + b) * Q4K_RECORD:]
+            rec = q[t, (ids[i] % R // RECORD_ROWS * nsb + b) * Q4K_RECORD:]
             d = get_f16(rec, Q4K_D + 2 * lane)
             dmin = get_f16(rec, Q4K_DMIN + 2 * lane)
             for j in range(8):
@@ -377,7 +377,7 @@ class Q4KLinear(Int8Prefill, TiledLinear):
     def _load(self, raws):
         n = self.in_features
         nsb, nt, R = n // QK_K, self.nt, self.R
-        self.q = anon_array((nt, R // Q4K_STRIP * nsb * Q4K_RECORD), np.uint8)  # pad rows: 0
+        self.q = anon_array((nt, R // RECORD_ROWS * nsb * Q4K_RECORD), np.uint8)  # pad rows: 0
         row0 = 0
         for raw in raws:
             repack_q4_k(raw, row0, self.q)

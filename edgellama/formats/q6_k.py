@@ -6,32 +6,29 @@ Within each half h (128 weights) and l < 32: ql[64h + l] holds the low bits of j
 (low nibble) and 128h + 64 + l (high nibble), ql[64h + 32 + l] those of 128h + 32 + l and
 128h + 96 + l; qh[32h + l] the high bits of 128h + l, +32, +64, +96 (bits 0-1, 2-3, 4-5, 6-7).
 
-Runtime tiles (lanes across rows, see base.TiledLinear), the file's 210 bytes per block:
-    q (nt, nsub*26*R) u8   per block u of 32 weights (8 per super-block), at 26 u R:
-                           16 R bytes of nibbles (byte j: the low 4 bits of elements j and
-                           16 + j, as Q4_0), 8 R of crumbs (byte j: the high 2 bits of
-                           elements j, j + 8, j + 16, j + 24), both as quads (simd.py), then
-                           the int8 scales of elements 0..15 and of 16..31 (R bytes each)
-    d (nt, nsb*R) u16      f16 bits, per super-block
-Decode quantizes x to int8 per 32 (q4.prep_q8_x, as the other pair-dot formats; llama.cpp
-uses one scale per 256 for Q6_K) and simd.q6_dot rebuilds the 6-bit values in registers
-and sums scale * (q - 32) * x8 over each block exactly in int32; then f32 per block and
-super-block. Prefill (q4.Int8Prefill) is simd.q6_gemm: the same sums for 4 rows of x per
-weight load, its f32 sums kept in registers over all of a tile's blocks.
+Runtime tiles (lanes across rows, see base.TiledLinear): q (nt, R/16 * nsb * 3392) u8,
+records of 16 rows and one super-block (layout in simd.py, Q6K_*): the rows' d, their
+int8 scales, then per block of 32 weights 16 bytes of nibbles (byte j: the low 4 bits of
+elements j and 16 + j, as Q4_0) and 8 of crumbs (byte j: the high 2 bits of elements j,
+j + 8, j + 16, j + 24), both as quads of the strip's rows. 6.625 bits per weight resident
+(6.5625 in the file). Decode quantizes x to int8 per 32 (q4.prep_q8_x, as the other
+pair-dot formats; llama.cpp uses one scale per 256 for Q6_K); decode and prefill are one
+intrinsic, simd.q6_gemm, which rebuilds the 6-bit values in registers, sums
+scale * (q - 32) * x8 over each block exactly in int32, and keeps its f32 sums in
+registers over a whole row.
 Why crumbs: a crumb quad serves two nibble quads with a shift and a mask each, so the
-6-bit values cost no more loads than their bytes. The scales sit inside the quant stream
-as Q4_K's do (q4_k.py measured why); decode prefetches the next block, as Q4_K does
-(without: 18 against 24.5 GB/s one thread).
-Measured on this 2-core EPYC VM (AVX-512 VNNI), 8 layers of Llama 3.2 1B shapes read from
-DRAM, runs alternated with the int16 words this layout replaced and with Q4_K: decode one
-thread 24.0-25.0 GB/s (words 18.1-21.4, Q4_K 19.8-20.7), two threads 39-46 when quiet
-(words 34, Q4_K 36-39) and 30 with a busy neighbour, as the words and Q4_K then. Prefill
-of an 8192 x 2048 matrix, T = 512, one thread: 435-453 GFLOP/s (Q4_K 308-348; the same
-sums written to memory per block and scaled in a Numba loop, as Q4_K did then, 297-338), two
-threads 622-832 when quiet (Q4_K 533-575; the words' dequantize + BLAS 192-220). Its AVX2
-kernels on the same CPU, one thread, against Q4_K's AVX2 ones: decode 22-24 GB/s (Q4_K
-20-22), prefill 168-186 GFLOP/s (Q4_K 199-222; per-block sums in memory 187-194, which
-load each block's x words once per block instead of once per strip of 8 rows).
+6-bit values cost no more loads than their bytes. Why records: as Q4_K's (q4_k.py), one
+address-ordered run per strip of rows with its scales in it.
+Measured on this 2-core EPYC VM (AVX-512 VNNI), 128256 x 2048 (the 1B output matrix)
+read from DRAM, runs alternated with the tiles the records replaced (per block of 32:
+26 R bytes of quads then the two scales, d apart; the sums per block written to memory
+and scaled in a Numba loop): decode 2 threads 0.77-0.90x Q4_0's bytes/s against
+0.70-0.81x, one thread 0.81-0.88x against 0.81-0.84x. From L2/L3 (2048 x 2048) one
+thread reads 0.87x of what the earlier tiles did: per 16 rows the records load and
+broadcast each block's x words, which a pass over all R rows loaded once.
+Earlier, against the int16 words the crumbs replaced: decode one thread 24.0-25.0 GB/s
+(words 18.1-21.4); prefill of an 8192 x 2048 matrix, T = 512, one thread 435-453
+GFLOP/s, two threads 622-832 when quiet (the words' dequantize + BLAS 192-220).
 """
 from __future__ import annotations
 
@@ -39,9 +36,9 @@ import numpy as np
 from gguf.constants import LlamaFileType
 from numba import njit, prange
 
-from ..fp import f16_to_f32, get_f16, nearest_int, put_f16
-from ..simd import ISA, TOKENS, prefetch_run, q6_dot, q6_gemm
-from .base import TiledLinear, WeightFormat, anon_array, quad_offset, release_pages
+from ..fp import get_f16, nearest_int, put_f16
+from ..simd import ISA, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS, TOKENS, q6_gemm
+from .base import TiledLinear, WeightFormat, anon_array, release_pages
 from .q4 import Int8Prefill, prep_q8_x
 
 f32 = np.float32
@@ -195,17 +192,17 @@ def dequantize_q6_k(q, out):
                     out[b * QK + i] = ds * f32(u[i] - 32)
 
 
-# --- load: file blocks -> tiles ----------------------------------------------------------
+# --- load: file blocks -> records --------------------------------------------------------
 
 @njit(cache=True, parallel=True)
-def repack_q6_k(raw, row0, q, d):
-    # raw (rows, nb*210) u8 -> rows row0.. of the tiles q (nt, nb*8*26*R) u8, d (nt, nb*R)
-    # u16: per block u of 32 (8 per super-block) of row r, at 26 u R: nibble byte j (< 16)
-    # = low bits of elements j | j+16 << 4 and crumb byte j (< 8) = high bits of j, j+8,
-    # j+16, j+24 (2 bits each), both as quads; then its two int8 scales, R bytes each
+def repack_q6_k(raw, row0, q):
+    # raw (rows, nb*210) u8 -> rows row0.. of the tiles q (nt, R/16*nb*3392) u8: row
+    # t*R + r is lane r % 16 of strip r // 16, its super-block b in record strip*nb + b
+    # (simd.py's Q6K_* layout): per block k of 32, nibble byte j (< 16) = low bits of
+    # elements j | j+16 << 4 and crumb byte j (< 8) = high bits of j, j+8, j+16, j+24
     rows = raw.shape[0]
     nb = raw.shape[1] // BS
-    R = d.shape[1] // nb
+    R = q.shape[1] // (nb * Q6K_RECORD) * RECORD_ROWS
     for t in prange(row0 // R, (row0 + rows - 1) // R + 1):
         r0 = max(0, row0 - t * R)
         r1 = min(R, row0 + rows - t * R)
@@ -213,57 +210,27 @@ def repack_q6_k(raw, row0, q, d):
         qt = q[t]
         for r in range(r0, r1):
             row = raw[t * R + r - row0]
+            lane = r % RECORD_ROWS
             for b in range(nb):
                 blk = row[b * BS:(b + 1) * BS]
                 unpack_block(blk, v)
-                d[t, b * R + r] = np.uint16(blk[208]) | (np.uint16(blk[209]) << np.uint16(8))
+                rec = (r // RECORD_ROWS * nb + b) * Q6K_RECORD
+                qt[rec + Q6K_D + 2 * lane] = blk[208]
+                qt[rec + Q6K_D + 2 * lane + 1] = blk[209]
                 for k in range(8):
-                    o = 26 * (8 * b + k) * R
                     e = v[32 * k:32 * k + 32]
+                    qt[rec + Q6K_SC + 32 * k + lane] = blk[192 + 2 * k]
+                    qt[rec + Q6K_SC + 32 * k + 16 + lane] = blk[193 + 2 * k]
+                    o = rec + Q6K_QS + 384 * k + 4 * lane
                     for j in range(16):
-                        qt[quad_offset(o, R, r, j)] = (e[j] & 15) | ((e[16 + j] & 15) << 4)
+                        qt[o + 64 * (j >> 2) + (j & 3)] = (e[j] & 15) | ((e[16 + j] & 15) << 4)
                     for j in range(8):
-                        qt[quad_offset(o + 16 * R, R, r, j)] = (
+                        qt[o + 256 + 64 * (j >> 2) + (j & 3)] = (
                             (e[j] >> 4) | ((e[8 + j] >> 4) << 2) | ((e[16 + j] >> 4) << 4)
                             | ((e[24 + j] >> 4) << 6))
-                    qt[o + 24 * R + r] = blk[192 + 2 * k]
-                    qt[o + 25 * R + r] = blk[193 + 2 * k]
 
 
-# --- decode: x quantized to int8 once per matvec, then pair-dot sums -----------------------
-
-@njit(cache=True, fastmath=True, parallel=True)
-def matvec_q6_k(q, d, x8, xd, out, scratch, s32):
-    # W (nt*R, n) Q6_K tiles @ x (q4.prep_q8_x) -> out (d,); scratch (nt, 2, R) f32,
-    # s32 (nt, R) int32. Row . x = sum over super-blocks of d sum_u dx_u q6_dot_u, where
-    # q6_dot_u = sum over block u's two sub-blocks of scale * sum((q - 32) x8), exact
-    nt = q.shape[0]
-    R = s32.shape[1]
-    nsub = xd.size
-    for t in prange(nt):
-        qt = q[t]
-        acc = scratch[t, 0]
-        a1 = scratch[t, 1]
-        s = s32[t]
-        acc[:] = 0
-        for b in range(nsub // 8):
-            a1[:] = 0
-            for k in range(8):
-                u = 8 * b + k
-                o = 26 * u * R
-                prefetch_run(qt, o + 26 * R, 26 * R)
-                q6_dot(qt, o, x8, 32 * u, s, R, ISA)
-                dx = xd[u]
-                for r in range(R):
-                    a1[r] += dx * f32(s[r])
-            db = d[t, b * R:(b + 1) * R]
-            for r in range(R):
-                acc[r] += f16_to_f32(db[r]) * a1[r]
-        n = min(R, out.size - t * R)
-        out[t * R:t * R + n] = acc[:n]
-
-
-# --- prefill: int8 GEMM over the tiles ------------------------------------------------------
+# --- decode and prefill: simd.q6_gemm over x quantized to int8 -----------------------------
 
 @njit(cache=True)
 def sums16(x8, xs16):
@@ -276,21 +243,30 @@ def sums16(x8, xs16):
 
 
 @njit(cache=True, parallel=True)
-def matmul_q6_k(q, d, x8, xd, xs16, out, acc):
+def matvec_q6_k(q, x8, xd, xs16, out, acc):
+    # W (nt*R, n) Q6_K tiles @ x (q4.prep_q8_x, xs16 its sums per 16) -> out (d,);
+    # acc (nt, R) f32 per-tile sums
+    R = acc.shape[1]
+    for t in prange(q.shape[0]):
+        q6_gemm(q[t], x8, xd, xs16, acc[t], xd.size, 0, 1, ISA)
+        n = min(R, out.size - t * R)
+        out[t * R:t * R + n] = acc[t, :n]
+
+
+@njit(cache=True, parallel=True)
+def matmul_q6_k(q, x8, xd, xs16, out, acc):
     # W (nt*R, n) Q6_K tiles @ x (q4.prep_q8_rows; x8 flat (Tp*n,), xs16 its sums per 16)
-    # -> out (T, dout) = x W^T; acc (nt, TOKENS, R) f32: per-tile sums (simd.q6_gemm)
+    # -> out (T, dout) = x W^T; acc (nt, TOKENS, R) f32 per-tile sums
     T = out.shape[0]
-    nt = q.shape[0]
     R = acc.shape[2]
     nsub = xd.shape[1]
     xdf = xd.reshape(-1)
-    for t in prange(nt):
+    for t in prange(q.shape[0]):
         a = acc[t]
-        af = a.reshape(-1)
         c0 = t * R
         nc = min(R, out.shape[1] - c0)
         for t0 in range(0, T, TOKENS):
-            q6_gemm(q[t], d[t], x8, xdf, xs16, af, nsub, t0, ISA)
+            q6_gemm(q[t], x8, xdf, xs16, a.reshape(-1), nsub, t0, TOKENS, ISA)
             for k in range(min(TOKENS, T - t0)):
                 out[t0 + k, c0:c0 + nc] = a[k, :nc]
 
@@ -298,70 +274,68 @@ def matmul_q6_k(q, d, x8, xd, xs16, out, acc):
 # --- embedding: dequantized rows -----------------------------------------------------------
 
 @njit(cache=True)
-def rows_q6_k(q, qs, d, ids, out):
-    # Q6_K tiles q (qs: the same bytes as int8), ids (T,) -> out (T, n) f32 dequantized
-    # rows, (d * scale) * (q - 32) as ggml rounds them. A block's 6-bit values are built
-    # first, quad by quad (its nibble quad g and crumb quad g % 2), then scaled
-    nsub = out.shape[1] // 32
-    R = d.shape[1] * 8 // nsub
+def rows_q6_k(q, ids, out):
+    # Q6_K tiles, ids (T,) -> out (T, n) f32 dequantized rows, (d * scale) * (q - 32) as
+    # ggml rounds them. A block's 6-bit values are built first, quad by quad (its nibble
+    # quad g and crumb quad g % 2), then scaled
+    nb = out.shape[1] // QK
+    R = q.shape[1] // (nb * Q6K_RECORD) * RECORD_ROWS
     v = np.empty(32, np.int32)
     for i in range(ids.size):
         t = ids[i] // R
-        r = ids[i] % R
-        qt = q[t]
+        lane = ids[i] % R % RECORD_ROWS
         row = out[i]
-        for u in range(nsub):
-            o = 26 * u * R
-            for g in range(4):
-                nq = o + 4 * R * g + 4 * r
-                cq = o + 16 * R + 4 * R * (g & 1) + 4 * r
-                f = 2 * (g >> 1)             # field f: element 4g + k, 2 + f: 16 + 4g + k
-                for k in range(4):
-                    nb = np.int32(qt[nq + k])
-                    cb = np.int32(qt[cq + k]) >> f
-                    v[4 * g + k] = (nb & 15) | ((cb & 3) << 4)
-                    v[16 + 4 * g + k] = (nb >> 4) | (cb & 48)
-            dd = f16_to_f32(d[t, u // 8 * R + r])
-            ds0 = dd * f32(qs[t, o + 24 * R + r])
-            ds1 = dd * f32(qs[t, o + 25 * R + r])
-            y = row[32 * u:32 * u + 32]
-            for j in range(16):
-                y[j] = ds0 * f32(v[j] - 32)
-                y[16 + j] = ds1 * f32(v[16 + j] - 32)
+        for b in range(nb):
+            rec = q[t, (ids[i] % R // RECORD_ROWS * nb + b) * Q6K_RECORD:]
+            dd = get_f16(rec, Q6K_D + 2 * lane)
+            for k in range(8):
+                o = Q6K_QS + 384 * k + 4 * lane
+                for g in range(4):
+                    f = 2 * (g >> 1)         # field f: element 4g + i, 2 + f: 16 + 4g + i
+                    for i2 in range(4):
+                        nq = np.int32(rec[o + 64 * g + i2])
+                        cq = np.int32(rec[o + 256 + 64 * (g & 1) + i2]) >> f
+                        v[4 * g + i2] = (nq & 15) | ((cq & 3) << 4)
+                        v[16 + 4 * g + i2] = (nq >> 4) | (cq & 48)
+                ds0 = dd * f32(np.int8(rec[Q6K_SC + 32 * k + lane]))
+                ds1 = dd * f32(np.int8(rec[Q6K_SC + 32 * k + 16 + lane]))
+                y = row[QK * b + 32 * k:QK * b + 32 * k + 32]
+                for j in range(16):
+                    y[j] = ds0 * f32(v[j] - 32)
+                    y[16 + j] = ds1 * f32(v[16 + j] - 32)
 
 
 class Q6KLinear(Int8Prefill, TiledLinear):
-    """Q6_K in row tiles: q (nt, nb*8*26*R) u8 (per block of 32: nibbles and crumbs as
-    quads, then two int8 scales), d (nt, nb*R) u16."""
+    """Q6_K in records of 16 rows and one super-block (simd.py's Q6K_* layout)."""
 
     def _load(self, raws):
         n = self.in_features
-        nsub, nt, R = n // 32, self.nt, self.R
-        self.q = anon_array((nt, nsub * 26 * R), np.uint8)   # zeroed: pad rows have d = 0
-        self.d = anon_array((nt, nsub // 8 * R), np.uint16)
+        nb, nt, R = n // QK, self.nt, self.R
+        self.q = anon_array((nt, R // RECORD_ROWS * nb * Q6K_RECORD), np.uint8)  # pad rows: 0
         row0 = 0
         for raw in raws:
-            repack_q6_k(raw, row0, self.q, self.d)
+            repack_q6_k(raw, row0, self.q)
             release_pages(raw)
             row0 += raw.shape[0]
-        self._scratch = np.zeros((nt, 2, R), f32)
-        self._s32 = np.zeros((nt, R), np.int32)
+        self._acc = np.zeros((nt, R), f32)
         self._x8 = np.zeros(n, np.int8)
-        self._xd = np.zeros(nsub, f32)
-        self._xs8 = np.zeros(nsub, np.int32)     # prep_q8_x's; q6_dot sums x8 itself
-        self._xsum = np.zeros(nsub, f32)
+        self._xd = np.zeros(n // 32, f32)
+        self._xs8 = np.zeros(n // 32, np.int32)      # prep_q8_x's; q6_gemm takes xs16
+        self._xsum = np.zeros(n // 32, f32)
+        self._xs16 = np.zeros(n // 16, np.int32)
 
     def matvec(self, x, out):
         prep_q8_x(x, self._x8, self._xd, self._xs8, self._xsum)
-        matvec_q6_k(self.q, self.d, self._x8, self._xd, out, self._scratch, self._s32)
+        sums16(self._x8, self._xs16)
+        matvec_q6_k(self.q, self._x8, self._xd, self._xs16, out, self._acc)
 
     def _gemm(self, x8, xd, xs8, xsum, out, acc):
         xs16 = np.empty(x8.size // 16, np.int32)
         sums16(x8, xs16)
-        matmul_q6_k(self.q, self.d, x8, xd, xs16, out, acc)
+        matmul_q6_k(self.q, x8, xd, xs16, out, acc)
 
     def _rows(self, ids, out):
-        rows_q6_k(self.q, self.q.view(np.int8), self.d, ids, out)
+        rows_q6_k(self.q, ids, out)
 
 
 Q6_K = WeightFormat("Q6_K", 14, QK, BS,
