@@ -5,9 +5,9 @@ Numba has no vector types and LLVM does not find the pair-dot instructions in pl
 loops, so `nib_dot` (nibbles) and `i8_dot` (int8) emit LLVM IR for one block of 32
 weights of R rows (decode of Q4_0, Q4_1, Q8_0), `quads_gemm` the whole prefill product
 of a tile of those formats with 4 rows of x, scales applied, its sums in registers, and
-`q4k_gemm` and `q6_gemm` the whole product of a tile of Q4_K or Q6_K (Q6_K's 6-bit
-values rebuilt in registers from nibbles and 2-bit crumbs) with 1 row of x (decode) or
-4 (prefill). The instructions:
+`q4k_gemm` and `q6_gemm` the whole product of a tile of Q4_K or Q5_K, or of Q6_K (5-
+and 6-bit values rebuilt in registers from nibbles and 1-bit or 2-bit fields) with 1 row
+of x (decode) or 4 (prefill). The instructions:
 
     VNNI (AVX-512)  vpdpbusd: 64 u8 x i8 products summed into 16 int32 lanes, 1 instruction
     AVX2            vpmaddubsw (u8 x i8 pairs -> int16) then vpmaddwd (-> int32)
@@ -22,7 +22,8 @@ one; 32 for int8) are grouped by four, so one 32-bit lane holds 4 bytes of one r
 
     tile[o + 4R g + 4r + k] = byte 4g + k of row r    (k in 0..3; o the block's start)
 
-Q4_K and Q6_K tiles are records of 16 rows holding the same quads with R = 16 (below).
+Q4_K, Q5_K and Q6_K tiles are records of 16 rows holding the same quads with R = 16
+(below).
 """
 from __future__ import annotations
 
@@ -303,9 +304,14 @@ def quads_gemm(typingctx, q, d, m, x8, xd, xs8, xsum, acc, nb, t0, kind, isa):
 # sub-blocks at Q4K_SC + 16 k + lane, m at Q4K_M + 16 k + lane, and sub-block k's
 # nibbles at Q4K_QS + 256 k as quads of the strip's rows (byte 4g + i of lane l at 64 g + 4 l
 # + i). A strip reads one address-ordered run, everything a product needs in it.
-RECORD_ROWS = 16           # rows per strip of the record layouts (Q4_K, Q6_K)
+RECORD_ROWS = 16           # rows per strip of the record layouts (Q4_K, Q5_K, Q6_K)
 Q4K_D, Q4K_DMIN, Q4K_SC, Q4K_M, Q4K_QS = 0, 32, 64, 192, 320
 Q4K_RECORD = Q4K_QS + 8 * 256                        # 2368 bytes, 37 cache lines
+# Q5_K's records are Q4_K's and then the fifth bits: sub-block k's at Q5K_QH + 64 k, one
+# 32-bit word per lane, bit 2g + h of its byte i the fifth bit of element 16 h + 4 g + i
+# (the element whose low 4 bits sit in nibble h of byte i of quad g)
+Q5K_QH = Q4K_RECORD
+Q5K_RECORD = Q5K_QH + 8 * 64                         # 2880 bytes, 45 cache lines
 
 
 def _over_records(context, builder, sig, args, fr, nsub, record, tokens, sums_per_token,
@@ -357,26 +363,26 @@ def _x_words(builder, fr, tok, u):
 
 
 @intrinsic(prefer_literal=True)
-def q4k_gemm(typingctx, q, x8, xd, xsum, acc, nsub, t0, tokens, isa):
-    """One tile of Q4_K records (q: R rows of nsub sub-blocks of 32, layout above) times
-    `tokens` rows t0.. of x (x8 flat (Tp*32nsub,) int8; xd, xsum flat (Tp*nsub,) f32):
-    acc[k R + r] (f32, R = acc.size // tokens) = row r . x_{t0+k} = sum over
-    super-blocks of
+def q4k_gemm(typingctx, q, x8, xd, xsum, acc, nsub, t0, tokens, bits, isa):
+    """One tile of Q4_K records (bits 4) or Q5_K records (bits 5) (q: R rows of nsub
+    sub-blocks of 32, layout above) times `tokens` rows t0.. of x (x8 flat (Tp*32nsub,)
+    int8; xd, xsum flat (Tp*nsub,) f32): acc[k R + r] (f32, R = acc.size // tokens) =
+    row r . x_{t0+k} = sum over super-blocks of
         d sum_u sc_u dx_u S_u - dmin sum_u m_u xsum_u,   S_u the exact int32 sum(q x8).
-    tokens (1 for decode, TOKENS for prefill) and isa constants. Each sub-block's
-    nibbles are unpacked once for the tokens, and the f32 sums of a vector of rows stay
-    in registers over the whole row."""
-    if not isinstance(isa, types.IntegerLiteral) or not isinstance(tokens, types.IntegerLiteral):
+    tokens (1 for decode, TOKENS for prefill), bits and isa constants. Each sub-block's
+    values are unpacked once for the tokens (Q5_K's fifth bits or-ed in as Q6_K's
+    crumbs are), and the f32 sums of a vector of rows stay in registers over the whole
+    row."""
+    if not all(isinstance(v, types.IntegerLiteral) for v in (tokens, bits, isa)):
         return None
-    kind, TOK = isa.literal_value, tokens.literal_value
+    kind, TOK, five = isa.literal_value, tokens.literal_value, bits.literal_value == 5
 
     def codegen(context, builder, sig, args):
         i8, f32 = ir.IntType(8), ir.FloatType()
         nsa, t0a = args[5], args[6]
         fr = _GemmFrame(context, builder, sig, args, kind, acc_i=4, nb_i=5, tokens=TOK)
         k64, ptr, n, wide, vf, fma = fr.k64, fr.ptr, fr.n, fr.wide, fr.vf, fr.fma
-        mask = ir.Constant(wide, [0x0F0F0F0F] * n)
-        four = ir.Constant(wide, [4] * n)
+        c = lambda v: ir.Constant(wide, [v] * n)
 
         def u8s(off):                                       # n u8 bytes of q -> <n x float>
             return builder.uitofp(builder.load(ptr(0, off, ir.VectorType(i8, n)), align=1), vf)
@@ -384,11 +390,20 @@ def q4k_gemm(typingctx, q, x8, xd, xsum, acc, nsub, t0, tokens, isa):
         def block(sb, k, rec, lane, sums):                  # sums: scale (a1), min (a2)
             u = builder.add(builder.mul(sb, k64(8)), k64(k))
             quads = builder.add(rec, builder.mul(lane, k64(4)))
+            if five:
+                hb = builder.load(ptr(0, builder.add(quads, k64(Q5K_QH + 64 * k)), wide), align=1)
             ws = []
             for g in range(4):
                 w = builder.load(ptr(0, builder.add(quads, k64(Q4K_QS + 256 * k + 64 * g)), wide),
                                  align=1)
-                ws += [builder.and_(w, mask), builder.and_(builder.lshr(w, four), mask)]
+                for h, v in enumerate((builder.and_(w, c(0x0F0F0F0F)),
+                                       builder.and_(builder.lshr(w, c(4)), c(0x0F0F0F0F)))):
+                    if five:                                # bit 2g + h of each byte -> bit 4
+                        f = 2 * g + h
+                        moved = (builder.shl(hb, c(4 - f)) if f < 4 else
+                                 builder.lshr(hb, c(f - 4)) if f > 4 else hb)
+                        v = builder.or_(v, builder.and_(moved, c(0x10101010)))
+                    ws.append(v)
             scv = u8s(builder.add(builder.add(rec, lane), k64(Q4K_SC + 16 * k)))
             mv = u8s(builder.add(builder.add(rec, lane), k64(Q4K_M + 16 * k)))
             for t in range(TOK):
@@ -396,7 +411,11 @@ def q4k_gemm(typingctx, q, x8, xd, xsum, acc, nsub, t0, tokens, isa):
                 xw = _x_words(builder, fr, tok, u)
                 # low nibbles with x words 0..3, high ones with 4..7
                 pairs = [(ws[2 * g + h], xw[4 * h + g]) for g in range(4) for h in (0, 1)]
-                dot = _dot(builder, kind, n, pairs, False)
+                if five and kind == AVX2:   # vpmaddubsw pairs of 2 * 31 * 127: 4 in int16
+                    dot = builder.add(_dot(builder, kind, n, pairs[:4], False),
+                                      _dot(builder, kind, n, pairs[4:], False))
+                else:
+                    dot = _dot(builder, kind, n, pairs, False)
                 si = builder.add(builder.mul(tok, nsa), u)
                 dx = splat(builder, builder.load(ptr(2, si, f32)), n)
                 a1, a2 = sums[0][t], sums[1][t]
@@ -413,10 +432,11 @@ def q4k_gemm(typingctx, q, x8, xd, xsum, acc, nsub, t0, tokens, isa):
                 total = fma(dv, builder.load(sums[0][t]), builder.load(a))
                 builder.store(fma(builder.fneg(mnv), builder.load(sums[1][t]), total), a)
 
-        _over_records(context, builder, sig, args, fr, nsa, Q4K_RECORD, TOK, 2, block, finish)
+        _over_records(context, builder, sig, args, fr, nsa, Q5K_RECORD if five else Q4K_RECORD,
+                      TOK, 2, block, finish)
         return context.get_dummy_value()
 
-    return types.void(q, x8, xd, xsum, acc, nsub, t0, tokens, isa), codegen
+    return types.void(q, x8, xd, xsum, acc, nsub, t0, tokens, bits, isa), codegen
 
 
 def _q6_values(builder, n, quad):

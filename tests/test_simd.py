@@ -3,12 +3,12 @@ in each instruction set (all are compiled here; the CPU must have the instructio
 them, so the VNNI and AVX2 cases skip elsewhere), against a NumPy twin."""
 import numpy as np
 import pytest
-from numba import njit
+from numba import literally, njit
 
 from edgellama.simd import (AVX2, GENERIC, ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, Q4K_D, Q4K_DMIN,
-                            Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC,
-                            RECORD_ROWS, TOKENS, VNNI512, host_isa, i8_dot, nib_dot, q4k_gemm,
-                            q6_gemm, quads_gemm)
+                            Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH, Q5K_RECORD, Q6K_D, Q6K_QS,
+                            Q6K_RECORD, Q6K_SC, RECORD_ROWS, TOKENS, VNNI512, host_isa, i8_dot,
+                            nib_dot, q4k_gemm, q6_gemm, quads_gemm)
 
 import llvmlite.binding as llvm
 
@@ -19,13 +19,8 @@ RUNS = {GENERIC: True, AVX2: bool(_F.get("avx2")),
 
 @njit
 def _dot(q, o, x8, xo, acc, R, isa):
-    # one compiled entry per instruction set (the intrinsic wants a constant)
-    if isa == 0:
-        nib_dot(q, o, x8, xo, acc, R, 0)
-    elif isa == 1:
-        nib_dot(q, o, x8, xo, acc, R, 1)
-    else:
-        nib_dot(q, o, x8, xo, acc, R, 2)
+    # literally: one compiled entry per instruction set (the intrinsic wants a constant)
+    nib_dot(q, o, x8, xo, acc, R, literally(isa))
 
 
 def twin(q, o, x8, xo, R):
@@ -72,12 +67,7 @@ def test_extremes_are_exact(isa, xval):
 
 @njit
 def _dot8(q, o, x8, xo, acc, R, isa):
-    if isa == 0:
-        i8_dot(q, o, x8, xo, acc, R, 0)
-    elif isa == 1:
-        i8_dot(q, o, x8, xo, acc, R, 1)
-    else:
-        i8_dot(q, o, x8, xo, acc, R, 2)
+    i8_dot(q, o, x8, xo, acc, R, literally(isa))
 
 
 def twin8(q, o, x8, xo, R):
@@ -117,27 +107,7 @@ def test_int8_extremes_are_exact(isa, w, x):
 
 @njit
 def _gemm(kind, q, d, m, x8, xd, xs8, xsum, acc, nb, t0, isa):
-    # one compiled entry per (kind, instruction set): both must be constants
-    if isa == 0:
-        if kind == 0:
-            quads_gemm(q, d, m, x8, xd, xs8, xsum, acc, nb, t0, 0, 0)
-        elif kind == 1:
-            quads_gemm(q, d, m, x8, xd, xs8, xsum, acc, nb, t0, 1, 0)
-        else:
-            quads_gemm(q, d, m, x8, xd, xs8, xsum, acc, nb, t0, 2, 0)
-    elif isa == 1:
-        if kind == 0:
-            quads_gemm(q, d, m, x8, xd, xs8, xsum, acc, nb, t0, 0, 1)
-        elif kind == 1:
-            quads_gemm(q, d, m, x8, xd, xs8, xsum, acc, nb, t0, 1, 1)
-        else:
-            quads_gemm(q, d, m, x8, xd, xs8, xsum, acc, nb, t0, 2, 1)
-    elif kind == 0:
-        quads_gemm(q, d, m, x8, xd, xs8, xsum, acc, nb, t0, 0, 2)
-    elif kind == 1:
-        quads_gemm(q, d, m, x8, xd, xs8, xsum, acc, nb, t0, 1, 2)
-    else:
-        quads_gemm(q, d, m, x8, xd, xs8, xsum, acc, nb, t0, 2, 2)
+    quads_gemm(q, d, m, x8, xd, xs8, xsum, acc, nb, t0, literally(kind), literally(isa))
 
 
 @pytest.mark.parametrize("isa", [GENERIC, AVX2, VNNI512])
@@ -184,19 +154,7 @@ def test_quads_gemm_matches_twin(isa, kind, extreme):
 
 @njit
 def _gemm6(q, x8, xd, xs16, acc, nsub, t0, tokens, isa):
-    if tokens == 1:
-        if isa == 0:
-            q6_gemm(q, x8, xd, xs16, acc, nsub, t0, 1, 0)
-        elif isa == 1:
-            q6_gemm(q, x8, xd, xs16, acc, nsub, t0, 1, 1)
-        else:
-            q6_gemm(q, x8, xd, xs16, acc, nsub, t0, 1, 2)
-    elif isa == 0:
-        q6_gemm(q, x8, xd, xs16, acc, nsub, t0, TOKENS, 0)
-    elif isa == 1:
-        q6_gemm(q, x8, xd, xs16, acc, nsub, t0, TOKENS, 1)
-    else:
-        q6_gemm(q, x8, xd, xs16, acc, nsub, t0, TOKENS, 2)
+    q6_gemm(q, x8, xd, xs16, acc, nsub, t0, literally(tokens), literally(isa))
 
 
 def q6_records(d, sc, vals):
@@ -280,30 +238,21 @@ def test_q6_gemm_matches_twin(isa, R, tokens, case):
         np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
-# --- q4k_gemm: Q4_K records (per 16 rows and super-block: d, dmin, sc, m, nibble quads) ----
+# --- q4k_gemm: Q4_K and Q5_K records (per 16 rows and super-block: d, dmin, sc, m, nibble
+# quads; Q5_K then its fifth bits) ----------------------------------------------------------
 
 @njit
-def _gemm4k(q, x8, xd, xsum, acc, nsub, t0, tokens, isa):
-    if tokens == 1:
-        if isa == 0:
-            q4k_gemm(q, x8, xd, xsum, acc, nsub, t0, 1, 0)
-        elif isa == 1:
-            q4k_gemm(q, x8, xd, xsum, acc, nsub, t0, 1, 1)
-        else:
-            q4k_gemm(q, x8, xd, xsum, acc, nsub, t0, 1, 2)
-    elif isa == 0:
-        q4k_gemm(q, x8, xd, xsum, acc, nsub, t0, TOKENS, 0)
-    elif isa == 1:
-        q4k_gemm(q, x8, xd, xsum, acc, nsub, t0, TOKENS, 1)
-    else:
-        q4k_gemm(q, x8, xd, xsum, acc, nsub, t0, TOKENS, 2)
+def _gemm4k(q, x8, xd, xsum, acc, nsub, t0, tokens, bits, isa):
+    q4k_gemm(q, x8, xd, xsum, acc, nsub, t0, literally(tokens), literally(bits), literally(isa))
 
 
-def q4k_records(d, dmin, sc, m, nib):
-    """A tile of Q4_K records from per-row values: d, dmin (R, nsb) f16; sc, m (R, nsub) u8;
-    nib (R, nsub, 16) u8, byte j holding elements j and j + 16 of its sub-block."""
+def k_records(d, dmin, sc, m, vals, bits):
+    """A tile of Q4_K (bits 4) or Q5_K (bits 5) records from per-row values: d, dmin
+    (R, nsb) f16; sc, m (R, nsub) u8; vals (R, nsub, 32) the levels of each sub-block."""
     R, nsb = d.shape
-    rec = np.zeros((R // RECORD_ROWS, nsb, Q4K_RECORD), np.uint8)
+    size = Q4K_RECORD if bits == 4 else Q5K_RECORD
+    rec = np.zeros((R // RECORD_ROWS, nsb, size), np.uint8)
+    nib = (vals[:, :, :16] & 15) | ((vals[:, :, 16:] & 15) << 4)                 # (R, nsub, 16)
     for r in range(R):
         s, lane = divmod(r, RECORD_ROWS)
         for b in range(nsb):
@@ -316,19 +265,24 @@ def q4k_records(d, dmin, sc, m, nib):
                 out[Q4K_M + 16 * k + lane] = m[r, u]
                 for j in range(16):
                     out[Q4K_QS + 256 * k + 64 * (j // 4) + 4 * lane + j % 4] = nib[r, u, j]
+                if bits == 5:       # bit 2g + h of byte i: the fifth bit of element 16h + 4g + i
+                    for e in range(32):
+                        h, g, i = e // 16, e % 16 // 4, e % 4
+                        out[Q5K_QH + 64 * k + 4 * lane + i] |= (vals[r, u, e] >> 4) << (2 * g + h)
     return rec.reshape(-1)
 
 
-def gemm4k_case(isa, R, tokens, case):
+def gemm4k_case(isa, R, tokens, bits, case):
     """q4k_gemm's acc for a random tile of R rows, 2 super-blocks, and `tokens` rows t0.. of
     x, and its float64 twin: per super-block d sum_u sc_u dx_u S_u - dmin sum_u m_u xsum_u,
-    S_u the sum of the sub-block's nibbles times x8. case "exact": d, dmin and the x
-    scales 1 or 2, |x8| <= 7, integer xsum, so every f32 step is exact; "bounds": all
-    nibbles 15, sc = m = 63, x8 = +-127; "random"."""
+    S_u the sum of the sub-block's levels times x8. case "exact": d, dmin and the x
+    scales 1 or 2, |x8| <= 7, integer xsum, so every f32 step is exact; "bounds": every
+    level at its maximum (15 or 31: AVX2's int16 pair sums at their largest), sc = m = 63,
+    x8 = +-127; "random"."""
     nsub, t0 = 16, tokens                           # the second group of rows of x
     T = 2 * tokens
-    rng = np.random.default_rng(10 * isa + R + tokens)
-    nib = rng.integers(0, 256, (R, nsub, 16), dtype=np.uint8)
+    rng = np.random.default_rng(10 * isa + R + tokens + bits)
+    vals = rng.integers(0, 1 << bits, (R, nsub, 32))
     sc, m = rng.integers(0, 64, (2, R, nsub), dtype=np.uint8)
     x8 = rng.integers(-127, 128, (T, 32 * nsub), dtype=np.int8)
     d = rng.standard_normal((R, nsub // 8)).astype(np.float16)
@@ -342,13 +296,12 @@ def gemm4k_case(isa, R, tokens, case):
         xd = (2.0 ** rng.integers(0, 2, xd.shape)).astype(np.float32)
         xsum = rng.integers(-50, 51, xsum.shape).astype(np.float32)
     elif case == "bounds":
-        nib[:] = 0xFF
+        vals[:] = (1 << bits) - 1
         sc[:] = m[:] = 63
         x8 = np.where(rng.random(x8.shape) < 0.5, -127, 127).astype(np.int8)
     acc = np.full(tokens * R, 7, np.float32)
-    _gemm4k(q4k_records(d, dmin, sc, m, nib), x8.reshape(-1), xd.reshape(-1),
-            xsum.reshape(-1), acc, nsub, t0, tokens, isa)
-    vals = np.concatenate([nib & 15, nib >> 4], axis=2).astype(np.int64)   # (R, nsub, 32)
+    _gemm4k(k_records(d, dmin, sc, m, vals, bits), x8.reshape(-1), xd.reshape(-1),
+            xsum.reshape(-1), acc, nsub, t0, tokens, bits, isa)
     want = np.zeros((tokens, R))
     for k in range(tokens):
         tok = t0 + k
@@ -362,11 +315,12 @@ def gemm4k_case(isa, R, tokens, case):
 @pytest.mark.parametrize("isa", [GENERIC, AVX2, VNNI512])
 @pytest.mark.parametrize("R", [16, 32, 256])
 @pytest.mark.parametrize("tokens", [1, TOKENS])
+@pytest.mark.parametrize("bits", [4, 5])
 @pytest.mark.parametrize("case", ["exact", "bounds", "random"])
-def test_q4k_gemm_matches_twin(isa, R, tokens, case):
+def test_q4k_gemm_matches_twin(isa, R, tokens, bits, case):
     if not RUNS[isa]:
         pytest.skip("this CPU lacks the instructions")
-    got, want = gemm4k_case(isa, R, tokens, case)
+    got, want = gemm4k_case(isa, R, tokens, bits, case)
     if case == "exact":
         np.testing.assert_array_equal(got, want)
     else:

@@ -30,8 +30,8 @@ from gguf.constants import LlamaFileType
 from numba import njit, prange
 
 from ..fp import get_f16, nearest_int, put_f16
-from ..simd import (ISA, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, RECORD_ROWS,
-                    TOKENS, q4k_gemm)
+from ..simd import (ISA, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH, Q5K_RECORD,
+                    RECORD_ROWS, TOKENS, q4k_gemm)
 from .base import TiledLinear, WeightFormat, anon_array, release_pages
 from .q4 import Int8Prefill, prep_q8_x
 
@@ -281,16 +281,18 @@ def dequantize_q4_k(q, out):
                 y[64 * p + 32 + i] = dsc[2 * p + 1] * f32(v >> 4) - msc[2 * p + 1]
 
 
-# --- load: file blocks -> records --------------------------------------------------------
+# --- load: file blocks -> records (Q4_K, and Q5_K with its fifth bits) -------------------
 
 @njit(cache=True, parallel=True)
-def repack_q4_k(raw, row0, q):
-    # Q4_K rows raw (rows, nsb*144) u8 -> rows row0.. of the tiles q (nt, R/16*nsb*2368):
-    # row t*R + r is lane r % 16 of strip r // 16, its super-block b in record
-    # strip*nsb + b (simd.py's Q4K_* layout). One pass per tile (L2-resident).
+def repack_k(raw, row0, q, bs, record):
+    # Q4_K (bs 144) or Q5_K (bs 176) rows raw (rows, nsb*bs) u8 -> rows row0.. of the
+    # tiles q (nt, R/16*nsb*record): row t*R + r is lane r % 16 of strip r // 16, its
+    # super-block b in record strip*nsb + b (simd.py's Q4K_* and Q5K_* layouts). One pass
+    # per tile (L2-resident).
     rows = raw.shape[0]
-    nsb = raw.shape[1] // 144
-    R = q.shape[1] // (nsb * Q4K_RECORD) * RECORD_ROWS
+    nsb = raw.shape[1] // bs
+    R = q.shape[1] // (nsb * record) * RECORD_ROWS
+    qs = bs - 128                                    # the nibbles: after Q5_K's qh[32]
     for t in prange(row0 // R, (row0 + rows - 1) // R + 1):
         r0 = max(0, row0 - t * R)
         r1 = min(R, row0 + rows - t * R)
@@ -299,8 +301,8 @@ def repack_q4_k(raw, row0, q):
             row = raw[t * R + r - row0]
             lane = r % RECORD_ROWS
             for b in range(nsb):
-                o = b * 144
-                rec = (r // RECORD_ROWS * nsb + b) * Q4K_RECORD
+                o = b * bs
+                rec = (r // RECORD_ROWS * nsb + b) * record
                 for k in range(2):
                     qt[rec + Q4K_D + 2 * lane + k] = row[o + k]
                     qt[rec + Q4K_DMIN + 2 * lane + k] = row[o + 2 + k]
@@ -309,29 +311,38 @@ def repack_q4_k(raw, row0, q):
                     qt[rec + Q4K_SC + 16 * j + lane] = sc
                     qt[rec + Q4K_M + 16 * j + lane] = m
                     sh = 4 * (j & 1)
-                    src = o + 16 + 32 * (j >> 1)
+                    src = o + qs + 32 * (j >> 1)
                     dst = rec + Q4K_QS + 256 * j + 4 * lane
                     for i in range(16):
                         qt[dst + 64 * (i >> 2) + (i & 3)] = (
                             ((row[src + i] >> sh) & 15) | (((row[src + 16 + i] >> sh) & 15) << 4))
+                    if bs == 176:                    # bit j of qh[e]: element e's fifth bit
+                        hw = rec + Q5K_QH + 64 * j + 4 * lane
+                        for e in range(32):
+                            h, g, i = e >> 4, (e >> 2) & 3, e & 3
+                            qt[hw + i] |= ((row[o + 16 + e] >> j) & 1) << (2 * g + h)
 
 
 # --- decode and prefill: simd.q4k_gemm --------------------------------------------------------
 
 @njit(cache=True, parallel=True)
-def matvec_q4_k(q, x8, xd, xsum, out, acc):
-    # W (nt*R, n) Q4_K tiles @ x (prep_q8_x) -> out (d,); acc (nt, R) f32 per-tile sums
+def matvec_k(q, x8, xd, xsum, out, acc, bits):
+    # W (nt*R, n) Q4_K (bits 4) or Q5_K (bits 5) tiles @ x (prep_q8_x) -> out (d,);
+    # acc (nt, R) f32 per-tile sums
     R = acc.shape[1]
     for t in prange(q.shape[0]):
-        q4k_gemm(q[t], x8, xd, xsum, acc[t], xd.size, 0, 1, ISA)
+        if bits == 4:
+            q4k_gemm(q[t], x8, xd, xsum, acc[t], xd.size, 0, 1, 4, ISA)
+        else:
+            q4k_gemm(q[t], x8, xd, xsum, acc[t], xd.size, 0, 1, 5, ISA)
         n = min(R, out.size - t * R)
         out[t * R:t * R + n] = acc[t, :n]
 
 
 @njit(cache=True, parallel=True)
-def matmul_q4_k(q, x8, xd, xsum, out, acc):
-    # W (nt*R, n) Q4_K tiles @ x (q4.prep_q8_rows; x8 flat (Tp*n,)) -> out (T, dout) = x W^T;
-    # acc (nt, TOKENS, R) f32 per-tile sums
+def matmul_k(q, x8, xd, xsum, out, acc, bits):
+    # W (nt*R, n) Q4_K or Q5_K tiles @ x (q4.prep_q8_rows; x8 flat (Tp*n,)) -> out (T, dout)
+    # = x W^T; acc (nt, TOKENS, R) f32 per-tile sums
     T = out.shape[0]
     R = acc.shape[2]
     nsub = xd.shape[1]
@@ -341,7 +352,10 @@ def matmul_q4_k(q, x8, xd, xsum, out, acc):
         c0 = t * R
         nc = min(R, out.shape[1] - c0)
         for t0 in range(0, T, TOKENS):
-            q4k_gemm(q[t], x8, xdf, xsumf, a.reshape(-1), nsub, t0, TOKENS, ISA)
+            if bits == 4:
+                q4k_gemm(q[t], x8, xdf, xsumf, a.reshape(-1), nsub, t0, TOKENS, 4, ISA)
+            else:
+                q4k_gemm(q[t], x8, xdf, xsumf, a.reshape(-1), nsub, t0, TOKENS, 5, ISA)
             for k in range(min(TOKENS, T - t0)):
                 out[t0 + k, c0:c0 + nc] = a[k, :nc]
 
@@ -349,55 +363,63 @@ def matmul_q4_k(q, x8, xd, xsum, out, acc):
 # --- embedding --------------------------------------------------------------------------------
 
 @njit(cache=True)
-def rows_q4_k(q, ids, out):
-    # Q4_K tiles, ids (T,) -> out (T, n) f32 dequantized rows, bit-exact with gguf-py
+def rows_k(q, ids, out, record):
+    # Q4_K or Q5_K (record Q5K_RECORD) tiles, ids (T,) -> out (T, n) f32 dequantized rows,
+    # bit-exact with gguf-py
     nsb = out.shape[1] // QK_K
-    R = q.shape[1] // (nsb * Q4K_RECORD) * RECORD_ROWS
+    R = q.shape[1] // (nsb * record) * RECORD_ROWS
     for i in range(ids.size):
         t = ids[i] // R
         lane = ids[i] % R % RECORD_ROWS
         row = out[i]
         for b in range(nsb):
-            rec = q[t, (ids[i] % R // RECORD_ROWS * nsb + b) * Q4K_RECORD:]
+            rec = q[t, (ids[i] % R // RECORD_ROWS * nsb + b) * record:]
             d = get_f16(rec, Q4K_D + 2 * lane)
             dmin = get_f16(rec, Q4K_DMIN + 2 * lane)
             for j in range(8):
                 ds = d * f32(rec[Q4K_SC + 16 * j + lane])
                 ms = dmin * f32(rec[Q4K_M + 16 * j + lane])
                 y = row[QK_K * b + 32 * j:]
-                for i2 in range(16):
-                    v = rec[Q4K_QS + 256 * j + 64 * (i2 >> 2) + 4 * lane + (i2 & 3)]
-                    y[i2] = ds * f32(v & 15) - ms
-                    y[16 + i2] = ds * f32(v >> 4) - ms
+                for e in range(16):
+                    v = rec[Q4K_QS + 256 * j + 64 * (e >> 2) + 4 * lane + (e & 3)]
+                    lo, hi = v & 15, v >> 4
+                    if record == Q5K_RECORD:
+                        hb = rec[Q5K_QH + 64 * j + 4 * lane + (e & 3)] >> (2 * ((e >> 2) & 3))
+                        lo |= (hb & 1) << 4
+                        hi |= (hb & 2) << 3
+                    y[e] = ds * f32(lo) - ms
+                    y[16 + e] = ds * f32(hi) - ms
 
 
 class Q4KLinear(Int8Prefill, TiledLinear):
-    """Q4_K in records of 16 rows and one super-block (simd.py's Q4K_* layout)."""
+    """Q4_K in records of 16 rows and one super-block (simd.py's Q4K_* layout); Q5_K
+    (q5_k.py) is this with BITS 5 (its fifth bits after the nibbles)."""
+    BITS, BLOCK_BYTES, RECORD = 4, 144, Q4K_RECORD
 
     def _load(self, raws):
         n = self.in_features
         nsb, nt, R = n // QK_K, self.nt, self.R
-        self.q = anon_array((nt, R // RECORD_ROWS * nsb * Q4K_RECORD), np.uint8)  # pad rows: 0
+        self.q = anon_array((nt, R // RECORD_ROWS * nsb * self.RECORD), np.uint8)  # pad rows: 0
         row0 = 0
         for raw in raws:
-            repack_q4_k(raw, row0, self.q)
+            repack_k(raw, row0, self.q, self.BLOCK_BYTES, self.RECORD)
             release_pages(raw)
             row0 += raw.shape[0]
         self._acc = np.zeros((nt, R), f32)
         self._x8 = np.zeros(n, np.int8)
         self._xd = np.zeros(n // 32, f32)
-        self._xs8 = np.zeros(n // 32, np.int32)      # prep_q8_x's; unused by Q4_K's sums
+        self._xs8 = np.zeros(n // 32, np.int32)      # prep_q8_x's; unused by these sums
         self._xsum = np.zeros(n // 32, f32)
 
     def matvec(self, x, out):
         prep_q8_x(x, self._x8, self._xd, self._xs8, self._xsum)
-        matvec_q4_k(self.q, self._x8, self._xd, self._xsum, out, self._acc)
+        matvec_k(self.q, self._x8, self._xd, self._xsum, out, self._acc, self.BITS)
 
     def _gemm(self, x8, xd, xs8, xsum, out, acc):
-        matmul_q4_k(self.q, x8, xd, xsum, out, acc)
+        matmul_k(self.q, x8, xd, xsum, out, acc, self.BITS)
 
     def _rows(self, ids, out):
-        rows_q4_k(self.q, ids, out)
+        rows_k(self.q, ids, out, self.RECORD)
 
 
 Q4_K = WeightFormat("Q4_K", 12, QK_K, 144,
