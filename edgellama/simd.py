@@ -218,6 +218,10 @@ class _GemmFrame:
         self.R = builder.udiv(acc_n, self.k64(tokens))
         self.ncol = builder.mul(args[nb_i], self.k64(32))   # elements per row of x
 
+    def at(self, i, stride, const):
+        """The offset const + i * stride, i an IR integer."""
+        return self.builder.add(self.builder.mul(i, self.k64(stride)), self.k64(const))
+
     def fma(self, a, b, c):
         return call_llvm(self.builder, f"llvm.fma.v{self.n}f32", self.vf, [a, b, c])
 
@@ -319,13 +323,16 @@ def _over_records(context, builder, sig, args, fr, nsub, record, tokens, sums_pe
     """The loops of q4k_gemm and q6_gemm over a tile of records (layouts above): per
     vector of n rows (lanes lane.. of their strip) and super-block sb, with rec the byte
     offset of its record in q (argument 0): zero `sums_per_token` f32 vectors per token
-    (sums[j][t]), call block(sb, k, rec, lane, sums) for its 8 blocks k, each after
-    prefetching an eighth of the next record, then finish(rec, lane, sums, totals),
+    (sums[j][t]); for its 8 blocks k (an IR loop index), prefetch an eighth of the next
+    record and call block(sb, k, rec, lane, sums); then finish(rec, lane, sums, totals),
     totals[t] one f32 vector per token that finish adds to and that is stored to
-    acc[t R + row] at the end. The prefetch, from DRAM (this VM, 2 threads): 16 Q4_K
-    matrices of 16384 x 2048, 31-37 GB/s against 23-33 without (the record after next no
-    better); Q6_K 128256 x 2048, 0.77-0.90x Q4_0's bytes/s spread over the blocks against
-    0.63-0.74x all at the start of the record."""
+    acc[t R + row] at the end. Measured on this VM: the 8 blocks unrolled, Q4_K prefill
+    ran 440 against 580 GFLOP/s (one thread) and decode 0.86-0.96x against 1.08-1.12x
+    Q4_0's bytes/s. The prefetch, from DRAM, 2 threads: 16 Q4_K matrices of
+    16384 x 2048, 31-37 GB/s against 23-33 without (the record after next no better);
+    Q6_K 128256 x 2048, 0.77-0.90x Q4_0's bytes/s spread over the blocks against
+    0.63-0.74x all at a record's start; prefill (one thread) without it, Q5_K 374
+    against 505 and Q6_K 347 against 420 GFLOP/s."""
     k64, n, vf = fr.k64, fr.n, fr.vf
     per_strip = RECORD_ROWS // n                        # row vectors per strip
     nsb = builder.udiv(nsub, k64(8))
@@ -342,11 +349,13 @@ def _over_records(context, builder, sig, args, fr, nsub, record, tokens, sums_pe
             rec = builder.mul(builder.add(builder.mul(strip, nsb), sb), k64(record))
             for a in (a for row in sums for a in row):
                 builder.store(ir.Constant(vf, None), a)
-            lines = list(range(0, record, 64))
-            for k in range(8):
-                for line in lines[k * len(lines) // 8:(k + 1) * len(lines) // 8]:
+            per_block = -(-record // (8 * 64))                 # lines to prefetch per block
+            with cgutils.for_range(builder, k64(8)) as blk:
+                k = blk.index
+                ahead = builder.add(rec, builder.mul(k, k64(64 * per_block)))
+                for line in range(per_block):
                     prefetch_ir(context, builder, sig.args[0], args[0],
-                                builder.add(rec, k64(record + line)))
+                                builder.add(ahead, k64(record + 64 * line)))
                 block(sb, k, rec, lane, sums)
             finish(rec, lane, sums, totals)
         r0 = builder.mul(vec.index, k64(n))
@@ -381,20 +390,20 @@ def q4k_gemm(typingctx, q, x8, xd, xsum, acc, nsub, t0, tokens, bits, isa):
         i8, f32 = ir.IntType(8), ir.FloatType()
         nsa, t0a = args[5], args[6]
         fr = _GemmFrame(context, builder, sig, args, kind, acc_i=4, nb_i=5, tokens=TOK)
-        k64, ptr, n, wide, vf, fma = fr.k64, fr.ptr, fr.n, fr.wide, fr.vf, fr.fma
+        k64, ptr, n, wide, vf, fma, at = fr.k64, fr.ptr, fr.n, fr.wide, fr.vf, fr.fma, fr.at
         c = lambda v: ir.Constant(wide, [v] * n)
 
         def u8s(off):                                       # n u8 bytes of q -> <n x float>
             return builder.uitofp(builder.load(ptr(0, off, ir.VectorType(i8, n)), align=1), vf)
 
         def block(sb, k, rec, lane, sums):                  # sums: scale (a1), min (a2)
-            u = builder.add(builder.mul(sb, k64(8)), k64(k))
+            u = builder.add(builder.mul(sb, k64(8)), k)
             quads = builder.add(rec, builder.mul(lane, k64(4)))
             if five:
-                hb = builder.load(ptr(0, builder.add(quads, k64(Q5K_QH + 64 * k)), wide), align=1)
+                hb = builder.load(ptr(0, builder.add(quads, at(k, 64, Q5K_QH)), wide), align=1)
             ws = []
             for g in range(4):
-                w = builder.load(ptr(0, builder.add(quads, k64(Q4K_QS + 256 * k + 64 * g)), wide),
+                w = builder.load(ptr(0, builder.add(quads, at(k, 256, Q4K_QS + 64 * g)), wide),
                                  align=1)
                 for h, v in enumerate((builder.and_(w, c(0x0F0F0F0F)),
                                        builder.and_(builder.lshr(w, c(4)), c(0x0F0F0F0F)))):
@@ -404,8 +413,8 @@ def q4k_gemm(typingctx, q, x8, xd, xsum, acc, nsub, t0, tokens, bits, isa):
                                  builder.lshr(hb, c(f - 4)) if f > 4 else hb)
                         v = builder.or_(v, builder.and_(moved, c(0x10101010)))
                     ws.append(v)
-            scv = u8s(builder.add(builder.add(rec, lane), k64(Q4K_SC + 16 * k)))
-            mv = u8s(builder.add(builder.add(rec, lane), k64(Q4K_M + 16 * k)))
+            scv = u8s(builder.add(builder.add(rec, lane), at(k, 16, Q4K_SC)))
+            mv = u8s(builder.add(builder.add(rec, lane), at(k, 16, Q4K_M)))
             for t in range(TOK):
                 tok = builder.add(t0a, k64(t))
                 xw = _x_words(builder, fr, tok, u)
@@ -520,14 +529,15 @@ def q6_gemm(typingctx, q, x8, xd, xs16, acc, nsub, t0, tokens, isa):
         nsa, t0a = args[5], args[6]
         fr = _GemmFrame(context, builder, sig, args, kind, acc_i=4, nb_i=5, tokens=TOK)
         k64, ptr, n, wide, vf, fma = fr.k64, fr.ptr, fr.n, fr.wide, fr.vf, fr.fma
+        at = fr.at
 
         def block(sb, k, rec, lane, sums):
-            u = builder.add(builder.mul(sb, k64(8)), k64(k))
+            u = builder.add(builder.mul(sb, k64(8)), k)
             quads = builder.add(rec, builder.mul(lane, k64(4)))
             lo, hi = _q6_values(builder, n, lambda j: builder.load(
-                ptr(0, builder.add(quads, k64(Q6K_QS + 384 * k + 64 * j)), wide), align=1))
+                ptr(0, builder.add(quads, at(k, 384, Q6K_QS + 64 * j)), wide), align=1))
             scs = _q6_scales(builder, n, lambda h: builder.load(
-                ptr(0, builder.add(builder.add(rec, lane), k64(Q6K_SC + 32 * k + 16 * h)),
+                ptr(0, builder.add(builder.add(rec, lane), at(k, 32, Q6K_SC + 16 * h)),
                     ir.VectorType(i8, n)), align=1))
             for t in range(TOK):
                 tok = builder.add(t0a, k64(t))

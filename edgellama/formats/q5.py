@@ -199,7 +199,7 @@ def prep_q5_x(x, x8, xd, xs8, xsum, c, xm5):
 def q5_block(q16, o, c, k, s0, s1, m0, m1):
     # s0, s1 (R,) int16 = m0, m1 + the words q16[o:o+5R], q16[o+5R:o+10R] (groups 0 and 1
     # of one block, lanes across rows) times their coefficients c[k:k+20], c[k+20:k+40]
-    # (prep_q5_x). Shared with q5_k (a Q5_K sub-block is a Q5 block).
+    # (prep_q5_x)
     R = s0.size
     a00 = c[k]; a01 = c[k + 1]; a02 = c[k + 2]; a03 = c[k + 3]
     a10 = c[k + 4]; a11 = c[k + 5]; a12 = c[k + 6]; a13 = c[k + 7]
