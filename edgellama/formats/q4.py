@@ -8,8 +8,8 @@ Runtime tiles (lanes across rows, see base.TiledLinear):
     q (nt, nb*16*R) u8 the file's nibble bytes as "quads" (simd.py: 4 bytes of a row
     side by side), d [, m] (nt, nb*R) u16 f16 bits
 Decode quantizes x to int8 per block (prep_q8_x, as llama.cpp does) and sums nibble
-times x8 exactly in int32 with the CPU's pair-dot instructions (simd.nib_dot), as do
-Q4_K's kernels (q4_k.py), whose nibbles are stored the same way.
+times x8 exactly in int32 with the CPU's pair-dot instructions (simd.nib_dot); prefill
+is an int8 GEMM over the tiles (Int8Prefill, simd.quads_gemm).
 """
 from __future__ import annotations
 
@@ -258,32 +258,7 @@ class Int8Prefill:
         raise NotImplementedError
 
 
-# --- prefill and embedding: dequantize from tiles ----------------------------------------
-# Serial on purpose: this is a few % of the matmul's time, and a parallel region between BLAS
-# calls fights BLAS's threads (spin-waits) and stalls whenever any core is busy.
-
-@njit(cache=True, fastmath=True)
-def dequant_q4_tiles(q, d, m, m_off, t0, t1, wt):
-    # Q4 tiles t0..t1 -> wt (n, (t1-t0)*R) f32 = W[rows].T; m_off: Q4_0 -8 (x = (q-8) d),
-    # Q4_1 1 (x = q d + m). Rows of wt are R-wide runs of lanes: contiguous writes.
-    nb = wt.shape[0] // 32
-    R = d.shape[1] // nb
-    dsc = np.empty(R, f32)
-    msc = np.empty(R, f32)
-    for b in range(nb):
-        for t in range(t0, t1):
-            for r in range(R):
-                dsc[r] = f16_to_f32(d[t, b * R + r])
-                msc[r] = f16_to_f32(m[t, b * R + r]) * m_off
-            c = (t - t0) * R
-            for j in range(16):
-                qj = q[t, 16 * b * R + (j >> 2) * 4 * R + (j & 3):]    # byte j: qj[4r]
-                lo = wt[32 * b + j, c:c + R]
-                hi = wt[32 * b + 16 + j, c:c + R]
-                for r in range(R):
-                    lo[r] = f32(qj[4 * r] & 15) * dsc[r] + msc[r]
-                    hi[r] = f32(qj[4 * r] >> 4) * dsc[r] + msc[r]
-
+# --- embedding: dequantized rows ----------------------------------------------------------
 
 @njit(cache=True, fastmath=True)
 def rows_q4(q, d, m, m_off, ids, out):
@@ -343,9 +318,6 @@ class Q4Linear(Int8Prefill, TiledLinear):
     def _gemm(self, x8, xd, xs8, xsum, out, acc):
         matmul_blocks(KIND_Q4_0 if self.type_name == "Q4_0" else KIND_Q4_1, self.q, self.d, self.m,
                       x8, xd, xs8, xsum, out, acc)
-
-    def _dequant_tiles(self, t0, t1, wt):
-        dequant_q4_tiles(self.q, self.d, self.m, self.m_off, t0, t1, wt)
 
     def _rows(self, ids, out):
         rows_q4(self.q, self.d, self.m, self.m_off, ids, out)

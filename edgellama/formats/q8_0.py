@@ -86,24 +86,6 @@ def matvec_q8_0(q, d, x8, xd, out, scratch, s32):
 
 
 @njit(cache=True, fastmath=True)
-def dequant_q8_tiles(q, d, t0, t1, wt):
-    # Q8_0 tiles t0..t1 -> wt (n, (t1-t0)*R) f32 = W[rows].T (serial: see q4.py)
-    nb = wt.shape[0] // 32
-    R = d.shape[1] // nb
-    dsc = np.empty(R, f32)
-    for b in range(nb):
-        for t in range(t0, t1):
-            for r in range(R):
-                dsc[r] = f16_to_f32(d[t, b * R + r])
-            c = (t - t0) * R
-            for j in range(32):
-                qj = q[t, quad_offset(32 * b * R, R, 0, j):]    # byte j of row r: qj[4r]
-                w = wt[32 * b + j, c:c + R]
-                for r in range(R):
-                    w[r] = f32(qj[4 * r]) * dsc[r]
-
-
-@njit(cache=True, fastmath=True)
 def rows_q8(q, d, ids, out):
     # Q8_0 tiles, ids (T,) -> out (T, n) f32 dequantized rows
     nb = out.shape[1] // 32
@@ -145,9 +127,6 @@ class Q8Linear(Int8Prefill, TiledLinear):
 
     def _gemm(self, x8, xd, xs8, xsum, out, acc):
         matmul_blocks(KIND_Q8_0, self.q, self.d, self.d, x8, xd, xs8, xsum, out, acc)
-
-    def _dequant_tiles(self, t0, t1, wt):
-        dequant_q8_tiles(self.q, self.d, t0, t1, wt)
 
     def _rows(self, ids, out):
         rows_q8(self.q, self.d, ids, out)
