@@ -19,7 +19,7 @@ def test_dry_run_finds_the_kernels_and_warm_up_leaves_nothing_to_compile(tmp_pat
     assert watch.count == 0                       # nothing compiled or ran
     assert isinstance(K.rmsnorm, Dispatcher)      # the kernels are back in their modules
     names = [d.py_func.__name__ for d, _ in calls]
-    assert {"rmsnorm", "rope", "attention", "swiglu", "matvec_q4_1"} <= set(names)
+    assert {"rmsnorm", "rope", "attention", "swiglu", "matvec_blocks"} <= set(names)
     assert len(calls) == len(set(calls))
     shown = []
     warm = jit.warm_up(llm.model, lambda n, total, name: shown.append((n, total, name)))

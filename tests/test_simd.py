@@ -1,14 +1,14 @@
-"""simd.nib_dot, i8_dot and the tile intrinsics (quads_gemm, q6_gemm, q4k_gemm),
+"""simd's tile intrinsics (blocks_gemm, q4k_gemm, q6_gemm),
 in each instruction set (all are compiled here; the CPU must have the instructions to run
 them, so the VNNI and AVX2 cases skip elsewhere), against a NumPy twin."""
 import numpy as np
 import pytest
 from numba import literally, njit
 
-from edgellama.simd import (AVX2, GENERIC, ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, Q4K_D, Q4K_DMIN,
-                            Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH, Q5K_RECORD, Q6K_D, Q6K_QS,
-                            Q6K_RECORD, Q6K_SC, RECORD_ROWS, TOKENS, VNNI512, host_isa, i8_dot,
-                            nib_dot, q4k_gemm, q6_gemm, quads_gemm)
+from edgellama.simd import (AVX2, BLOCK_HEAD, BLOCK_QUADS, GENERIC, ISA, KIND_Q4_0, KIND_Q4_1,
+                            KIND_Q8_0, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH,
+                            Q5K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS, TOKENS,
+                            VNNI512, blocks_gemm, host_isa, q4k_gemm, q6_gemm)
 
 import llvmlite.binding as llvm
 
@@ -17,137 +17,91 @@ RUNS = {GENERIC: True, AVX2: bool(_F.get("avx2")),
         VNNI512: bool(_F.get("avx512vnni") and _F.get("avx512bw"))}
 
 
-@njit
-def _dot(q, o, x8, xo, acc, R, isa):
-    # literally: one compiled entry per instruction set (the intrinsic wants a constant)
-    nib_dot(q, o, x8, xo, acc, R, literally(isa))
-
-
-def twin(q, o, x8, xo, R):
-    """sum over 32 weights of nibble * x8 per row; byte i of row r at o + 4R(i//4) + 4r + i%4."""
-    i = np.arange(16)
-    idx = o + 4 * R * (i // 4)[None, :] + 4 * np.arange(R)[:, None] + (i % 4)[None, :]
-    v = q[idx].astype(np.int64)
-    x = x8.astype(np.int64)
-    return (v & 15) @ x[xo:xo + 16] + (v >> 4) @ x[xo + 16:xo + 32]
-
-
 def test_host_isa_is_what_the_kernels_use():
     assert ISA == host_isa() and RUNS[ISA]
 
 
-@pytest.mark.parametrize("isa", [GENERIC, AVX2, VNNI512])
-@pytest.mark.parametrize("R", [16, 32, 256])
-def test_random_blocks_at_odd_offsets(isa, R):
-    if not RUNS[isa]:
-        pytest.skip("this CPU lacks the instructions")
-    rng = np.random.default_rng(R + isa)
-    q = rng.integers(0, 256, 16 * R + 64, dtype=np.uint8)
-    x8 = rng.integers(-127, 128, 80, dtype=np.int8)
-    for o, xo in [(0, 0), (7, 3), (33, 45)]:
-        acc = np.full(R, 12345, np.int32)          # overwritten, not added to
-        _dot(q, o, x8, xo, acc, R, isa)
-        np.testing.assert_array_equal(acc, twin(q, o, x8, xo, R))
-
-
-@pytest.mark.parametrize("isa", [GENERIC, AVX2, VNNI512])
-@pytest.mark.parametrize("xval", [127, -127])
-def test_extremes_are_exact(isa, xval):
-    # every nibble 15, every x at the int8 bound: the largest sums, where int16
-    # intermediate sums (AVX2, generic) would overflow if they were not bounded
-    if not RUNS[isa]:
-        pytest.skip("this CPU lacks the instructions")
-    R = 16
-    q = np.full(16 * R, 255, np.uint8)
-    x8 = np.full(32, xval, np.int8)
-    acc = np.zeros(R, np.int32)
-    _dot(q, 0, x8, 0, acc, R, isa)
-    assert (acc == 32 * 15 * xval).all()
-
+# --- blocks_gemm: records of a per-32-block format (Q4_0, Q4_1, Q8_0) -----------------------
 
 @njit
-def _dot8(q, o, x8, xo, acc, R, isa):
-    i8_dot(q, o, x8, xo, acc, R, literally(isa))
+def _blocks(q, x8, xd, xs8, xsum, acc, nb, group, t0, tokens, kind, isa):
+    # literally: one compiled entry per constant combination the intrinsic needs
+    blocks_gemm(q, x8, xd, xs8, xsum, acc, nb, group, t0, literally(tokens), literally(kind),
+                literally(isa))
 
 
-def twin8(q, o, x8, xo, R):
-    """sum over 32 int8 weights of w * x8 per row; byte j of row r at o + 4R(j//4) + 4r + j%4."""
-    j = np.arange(32)
-    idx = o + 4 * R * (j // 4)[None, :] + 4 * np.arange(R)[:, None] + (j % 4)[None, :]
-    return q[idx].astype(np.int64) @ x8[xo:xo + 32].astype(np.int64)
+def block_records(kind, group, d, m, wbytes):
+    """A tile of records of `group` blocks from per-row values: d, m (R, nb) f16 (m for
+    Q4_1 only); wbytes (R, nb, 16 or 32) u8 each block's bytes (Q4: byte j holds elements
+    j and j + 16; Q8_0: the int8)."""
+    R, nb = d.shape
+    bb = BLOCK_HEAD[kind] + BLOCK_QUADS[kind]
+    rec = np.zeros((R // RECORD_ROWS, nb // group, group * bb), np.uint8)
+    for r in range(R):
+        s, lane = divmod(r, RECORD_ROWS)
+        for b in range(nb):
+            g, k = divmod(b, group)
+            out = rec[s, g]
+            out[32 * k + 2 * lane:32 * k + 2 * lane + 2] = d[r, b:b + 1].view(np.uint8)
+            if kind == KIND_Q4_1:
+                o = 32 * group + 32 * k + 2 * lane
+                out[o:o + 2] = m[r, b:b + 1].view(np.uint8)
+            qo = BLOCK_HEAD[kind] * group + BLOCK_QUADS[kind] * k + 4 * lane
+            for j in range(wbytes.shape[2]):
+                out[qo + 64 * (j // 4) + j % 4] = wbytes[r, b, j]
+    return rec.reshape(-1)
 
 
-@pytest.mark.parametrize("isa", [GENERIC, AVX2, VNNI512])
-@pytest.mark.parametrize("R", [16, 32, 256])
-def test_int8_random_blocks_at_odd_offsets(isa, R):
-    if not RUNS[isa]:
-        pytest.skip("this CPU lacks the instructions")
-    rng = np.random.default_rng(R + isa)
-    q = rng.integers(-128, 128, 32 * R + 64, dtype=np.int8)
-    x8 = rng.integers(-127, 128, 80, dtype=np.int8)
-    for o, xo in [(0, 0), (5, 3), (33, 45)]:
-        acc = np.full(R, 12345, np.int32)
-        _dot8(q, o, x8, xo, acc, R, isa)
-        np.testing.assert_array_equal(acc, twin8(q, o, x8, xo, R))
-
-
-@pytest.mark.parametrize("isa", [GENERIC, AVX2, VNNI512])
-@pytest.mark.parametrize("w,x", [(-128, -127), (-128, 127), (127, 127), (127, -127)])
-def test_int8_extremes_are_exact(isa, w, x):
-    # -128 weights (no int8 negation) at the bounds of x: pair sums at the int16 edge
-    if not RUNS[isa]:
-        pytest.skip("this CPU lacks the instructions")
-    R = 16
-    acc = np.zeros(R, np.int32)
-    _dot8(np.full(32 * R, w, np.int8), 0, np.full(32, x, np.int8), 0, acc, R, isa)
-    assert (acc == 32 * w * x).all()
-
-
-# --- quads_gemm: a tile of a per-32-block format times TOKENS rows of x ----------------------
-
-@njit
-def _gemm(kind, q, d, m, x8, xd, xs8, xsum, acc, nb, t0, isa):
-    quads_gemm(q, d, m, x8, xd, xs8, xsum, acc, nb, t0, literally(kind), literally(isa))
+def blocks_case(isa, kind, R, group, tokens, case):
+    """blocks_gemm's acc for a random tile of R rows of 2 records of `group` blocks, and
+    `tokens` rows t0.. of x, and its float64 twin: per block d dx S (Q4_0: S - 8 xs8;
+    Q4_1: + m xsum), S the block's exact sum of weights times x8. case "bounds": every
+    nibble 15 or every int8 weight -128 against x8 = +-127, the largest sums (AVX2's
+    int16 pairs at their edge); "random"."""
+    nb, t0 = 2 * group, tokens                     # the second group of rows of x
+    T = 2 * tokens
+    nw = 32 if kind == KIND_Q8_0 else 16
+    rng = np.random.default_rng(100 * isa + 10 * kind + R + group + tokens)
+    w = rng.integers(0, 256, (R, nb, nw), dtype=np.uint8)
+    x8 = rng.integers(-127, 128, (T, 32 * nb), dtype=np.int8)
+    if case == "bounds":
+        w[:] = 0x80 if kind == KIND_Q8_0 else 0xFF
+        x8 = np.where(rng.random(x8.shape) < 0.5, -127, 127).astype(np.int8)
+    d = rng.standard_normal((R, nb)).astype(np.float16)
+    m = rng.standard_normal((R, nb)).astype(np.float16)
+    xd = rng.random((T, nb)).astype(np.float32)
+    xs8 = x8.reshape(T, nb, 32).astype(np.int32).sum(axis=2)
+    xsum = rng.standard_normal((T, nb)).astype(np.float32)
+    acc = np.full(tokens * R, 7, np.float32)
+    _blocks(block_records(kind, group, d, m, w), x8.reshape(-1), xd.reshape(-1),
+            xs8.reshape(-1), xsum.reshape(-1), acc, nb, group, t0, tokens, kind, isa)
+    if kind == KIND_Q8_0:
+        vals = w.view(np.int8).astype(np.int64)                              # (R, nb, 32)
+    else:
+        vals = np.concatenate([w & 15, w >> 4], axis=2).astype(np.int64)
+    want = np.zeros((tokens, R))
+    for k in range(tokens):
+        tok = t0 + k
+        S = np.einsum("rbe,be->rb", vals, x8[tok].reshape(nb, 32).astype(np.int64)).astype(np.float64)
+        if kind == KIND_Q4_0:
+            S = S - 8 * xs8[tok]
+        terms = d.astype(np.float64) * xd[tok] * S
+        if kind == KIND_Q4_1:
+            terms += m.astype(np.float64) * xsum[tok]
+        want[k] = terms.sum(axis=1)
+    return acc.reshape(tokens, R), want
 
 
 @pytest.mark.parametrize("isa", [GENERIC, AVX2, VNNI512])
 @pytest.mark.parametrize("kind", [KIND_Q4_0, KIND_Q4_1, KIND_Q8_0], ids=["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("extreme", [False, True], ids=["random", "bounds"])
-def test_quads_gemm_matches_twin(isa, kind, extreme):
+@pytest.mark.parametrize("R,group", [(16, 8), (32, 1), (256, 2)])
+@pytest.mark.parametrize("tokens", [1, TOKENS])
+@pytest.mark.parametrize("case", ["bounds", "random"])
+def test_blocks_gemm_matches_twin(isa, kind, R, group, tokens, case):
     if not RUNS[isa]:
         pytest.skip("this CPU lacks the instructions")
-    R, nb, T, t0 = 32, 5, 2 * TOKENS, TOKENS       # the second group of TOKENS rows
-    rng = np.random.default_rng(10 * isa + kind)
-    bb = 32 if kind == KIND_Q8_0 else 16
-    if extreme:      # all-15 nibbles / -128 weights against x at +-127
-        q = np.full(bb * nb * R, 0x80 if kind == KIND_Q8_0 else 0xFF, np.uint8)
-        x8 = np.where(rng.random((T, 32 * nb)) < 0.5, -127, 127).astype(np.int8)
-    else:
-        q = rng.integers(0, 256, bb * nb * R, dtype=np.uint8)
-        x8 = rng.integers(-127, 128, (T, 32 * nb), dtype=np.int8)
-    d = rng.standard_normal(nb * R).astype(np.float16)
-    m = rng.standard_normal(nb * R).astype(np.float16)
-    xd = rng.random((T, nb)).astype(np.float32)
-    xs8 = x8.reshape(T, nb, 32).astype(np.int32).sum(axis=2)
-    xsum = rng.standard_normal((T, nb)).astype(np.float32)
-    acc = np.full(TOKENS * R, 7, np.float32)
-    _gemm(kind, q, d.view(np.uint16), m.view(np.uint16), x8.reshape(-1), xd.reshape(-1),
-          xs8.reshape(-1), xsum.reshape(-1), acc, nb, t0, isa)
-    for k in range(TOKENS):
-        tok = t0 + k
-        want = np.zeros(R)
-        for b in range(nb):
-            xo = tok * 32 * nb + 32 * b
-            dd, mm = d[b * R:(b + 1) * R].astype(np.float64), m[b * R:(b + 1) * R].astype(np.float64)
-            if kind == KIND_Q8_0:
-                S = twin8(q.view(np.int8), 32 * b * R, x8.reshape(-1), xo, R)
-            else:
-                S = twin(q, 16 * b * R, x8.reshape(-1), xo, R)
-            if kind == KIND_Q4_0:
-                S = S - 8 * xs8[tok, b]
-            want += dd * xd[tok, b] * S + (mm * xsum[tok, b] if kind == KIND_Q4_1 else 0)
-        np.testing.assert_allclose(acc[k * R:(k + 1) * R], want, rtol=2e-5,
-                                   atol=2e-5 * np.abs(want).max())
+    got, want = blocks_case(isa, kind, R, group, tokens, case)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
 
 # --- q6_gemm: Q6_K records (per 16 rows and super-block: d, int8 scales, nibble and crumb quads)

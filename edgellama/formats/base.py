@@ -248,36 +248,6 @@ def repack_bytes(raw, row0, bs, lo, hi, dst):
                     lane[r] = col[r]
 
 
-@njit(cache=True, inline="always")
-def quad_offset(o, R, r, j):
-    # where byte j (0..15) of row r of a block starting at o sits in a tile of R rows
-    # laid out as quads (simd.py): 4 bytes of a row side by side, rows after rows
-    return o + (j >> 2) * 4 * R + 4 * r + (j & 3)
-
-
-@njit(cache=True, parallel=True)
-def repack_quads(raw, row0, bs, lo, w, dst):
-    # The w bytes (a multiple of 4) at lo of every block (bs bytes) of raw (rows, nb*bs) u8
-    # -> rows row0.. of the tiles dst (nt, nb*w*R) u8 as quads (simd.py):
-    # dst[t, quad_offset(w b R, R, r, j)] = byte lo+j of block b of row t*R + r
-    rows = raw.shape[0]
-    nb = raw.shape[1] // bs
-    R = dst.shape[1] // (nb * w)
-    for t in prange(row0 // R, (row0 + rows - 1) // R + 1):
-        r0 = max(0, row0 - t * R)
-        r1 = min(R, row0 + rows - t * R)
-        tile = raw[t * R + r0 - row0:t * R + r1 - row0]
-        dt = dst[t]
-        for r in range(r1 - r0):
-            src = tile[r]
-            for b in range(nb):
-                o = w * b * R + 4 * (r0 + r)
-                s = b * bs + lo
-                for g in range(w // 4):
-                    for k in range(4):
-                        dt[o + 4 * R * g + k] = src[s + 4 * g + k]
-
-
 @njit(cache=True, parallel=True)
 def repack_halves(raw, row0, bs, off, dst):
     # The u16 (f16 bits) at byte off of every block of raw (rows, nb*bs) u8 -> rows

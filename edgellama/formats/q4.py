@@ -4,12 +4,12 @@
     Q4_1  20 bytes  d:f16, m:f16, qs:u8[16]  x_j = nibble_j * d + m
 Element j < 16 is the low nibble of qs[j], j >= 16 the high nibble of qs[j - 16].
 
-Runtime tiles (lanes across rows, see base.TiledLinear):
-    q (nt, nb*16*R) u8 the file's nibble bytes as "quads" (simd.py: 4 bytes of a row
-    side by side), d [, m] (nt, nb*R) u16 f16 bits
-Decode quantizes x to int8 per block (prep_q8_x, as llama.cpp does) and sums nibble
-times x8 exactly in int32 with the CPU's pair-dot instructions (simd.nib_dot); prefill
-is an int8 GEMM over the tiles (Int8Prefill, simd.quads_gemm).
+Runtime tiles (lanes across rows, see base.TiledLinear), shared with Q8_0 (q8_0.py):
+records of 16 rows and G blocks (simd.py's layout; G = record_group(nb)), the rows' f16
+d (and m) of each block, then the blocks' bytes as quads (for Q4, the file's nibble
+bytes). Decode quantizes x to int8 per block (prep_q8_x, as llama.cpp does); decode and
+prefill are one intrinsic, simd.blocks_gemm, which sums q times x8 exactly in int32
+with the CPU's pair-dot instructions and keeps its f32 sums in registers over a row.
 """
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ import numpy as np
 from gguf.constants import LlamaFileType
 from numba import njit, prange
 
-from ..fp import f16_to_f32, get_f16, put_f16, wrap_u8
-from ..simd import ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, TOKENS, nib_dot, quads_gemm
-from .base import (TiledLinear, WeightFormat, anon_array, quad_offset, release_pages,
-                   repack_halves, repack_quads)
+from ..fp import get_f16, put_f16, wrap_u8
+from ..simd import (BLOCK_HEAD, BLOCK_QUADS, ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, RECORD_ROWS,
+                    TOKENS, blocks_gemm)
+from .base import TiledLinear, WeightFormat, anon_array, release_pages
 
 f32 = np.float32
 
@@ -150,54 +150,6 @@ def prep_q8_x(x, x8, xd, xs8, xsum):
         xsum[b] = s
 
 
-@njit(cache=True, fastmath=True, parallel=True)
-def matvec_q4_0(q, d, x8, xd, xs8, out, scratch, s32):
-    # W (nt*R, n) Q4_0 tiles q (nt, nb*16*R) quads, d (nt, nb*R) @ x (prep_q8_x) -> out (d,)
-    # scratch (nt, R) f32, s32 (nt, R) int32: per-tile sums; sum((q - 8) x8) = s - 8 xs8
-    nt = q.shape[0]
-    R = s32.shape[1]
-    nb = xd.size
-    for t in prange(nt):
-        qt = q[t]
-        dt = d[t]
-        acc = scratch[t]
-        s = s32[t]
-        acc[:] = 0
-        for b in range(nb):
-            nib_dot(qt, 16 * b * R, x8, 32 * b, s, R, ISA)
-            db = dt[b * R:(b + 1) * R]
-            dx = xd[b]
-            off = 8 * xs8[b]
-            for r in range(R):
-                acc[r] += f16_to_f32(db[r]) * dx * f32(s[r] - off)
-        n = min(R, out.size - t * R)
-        out[t * R:t * R + n] = acc[:n]
-
-
-@njit(cache=True, fastmath=True, parallel=True)
-def matvec_q4_1(q, d, m, x8, xd, xsum, out, scratch, s32):
-    # W (nt*R, n) Q4_1 tiles q (nt, nb*16*R) quads, d, m (nt, nb*R) @ x (prep_q8_x) -> out
-    # row . x = sum_b d_b dx_b sum(q x8) + m_b sum(x)
-    nt = q.shape[0]
-    R = s32.shape[1]
-    nb = xd.size
-    for t in prange(nt):
-        qt = q[t]
-        acc = scratch[t]
-        s = s32[t]
-        acc[:] = 0
-        for b in range(nb):
-            nib_dot(qt, 16 * b * R, x8, 32 * b, s, R, ISA)
-            db = d[t, b * R:(b + 1) * R]
-            mb = m[t, b * R:(b + 1) * R]
-            dx = xd[b]
-            xs = xsum[b]
-            for r in range(R):
-                acc[r] += f16_to_f32(db[r]) * dx * f32(s[r]) + f16_to_f32(mb[r]) * xs
-        n = min(R, out.size - t * R)
-        out[t * R:t * R + n] = acc[:n]
-
-
 # --- prefill: int8 GEMM over the tiles ------------------------------------------------------
 
 @njit(cache=True, parallel=True)
@@ -209,28 +161,27 @@ def prep_q8_rows(x, x8, xd, xs8, xsum):
 
 
 @njit(cache=True, parallel=True)
-def matmul_blocks(kind, q, d, m, x8, xd, xs8, xsum, out, acc):
-    # W (nt*R, n) tiles of a per-32-block format (kind: KIND_Q4_0, _Q4_1 or _Q8_0; m
-    # unused but for Q4_1) @ x (prep_q8_rows; x8 flat (Tp*n,)) -> out (T, dout) = x W^T.
-    # acc (nt, TOKENS, R) f32: per-tile sums. A tile's weights (R rows, L2-sized) are
-    # read once per group of TOKENS rows of x (simd.quads_gemm).
+def matmul_blocks(q, x8, xd, xs8, xsum, out, acc, G, kind):
+    # W (nt*R, n) records of a per-32-block format (kind KIND_*, G blocks a record) @ x
+    # (prep_q8_rows; x8 flat (Tp*n,)) -> out (T, dout) = x W^T; acc (nt, TOKENS, R) f32
+    # per-tile sums. A tile's weights (R rows, L2-sized) are read once per group of
+    # TOKENS rows of x.
     T = out.shape[0]
-    nt = q.shape[0]
     R = acc.shape[2]
     nb = xd.shape[1]
     xdf, xs8f, xsumf = xd.reshape(-1), xs8.reshape(-1), xsum.reshape(-1)
-    for t in prange(nt):
+    for t in prange(q.shape[0]):
         a = acc[t]
         af = a.reshape(-1)
         c0 = t * R
         nc = min(R, out.shape[1] - c0)
         for t0 in range(0, T, TOKENS):
             if kind == KIND_Q4_0:
-                quads_gemm(q[t], d[t], m[t], x8, xdf, xs8f, xsumf, af, nb, t0, KIND_Q4_0, ISA)
+                blocks_gemm(q[t], x8, xdf, xs8f, xsumf, af, nb, G, t0, TOKENS, KIND_Q4_0, ISA)
             elif kind == KIND_Q4_1:
-                quads_gemm(q[t], d[t], m[t], x8, xdf, xs8f, xsumf, af, nb, t0, KIND_Q4_1, ISA)
+                blocks_gemm(q[t], x8, xdf, xs8f, xsumf, af, nb, G, t0, TOKENS, KIND_Q4_1, ISA)
             else:
-                quads_gemm(q[t], d[t], m[t], x8, xdf, xs8f, xsumf, af, nb, t0, KIND_Q8_0, ISA)
+                blocks_gemm(q[t], x8, xdf, xs8f, xsumf, af, nb, G, t0, TOKENS, KIND_Q8_0, ISA)
             for k in range(min(TOKENS, T - t0)):
                 out[t0 + k, c0:c0 + nc] = a[k, :nc]
 
@@ -258,49 +209,108 @@ class Int8Prefill:
         raise NotImplementedError
 
 
-# --- embedding: dequantized rows ----------------------------------------------------------
+# --- the records: load, decode, embedding ----------------------------------------------------
+
+def record_group(nb: int) -> int:
+    """Blocks per record for rows of nb blocks: 8 (256 weights), or the largest power of 2
+    that divides nb."""
+    g = 8
+    while nb % g:
+        g //= 2
+    return g
+
+
+@njit(cache=True, parallel=True)
+def repack_blocks(raw, row0, q, G, kind):
+    # rows raw (rows, nb*bs) u8 of a per-32-block format (kind KIND_*) -> rows row0.. of
+    # the tiles q (nt, R/16 * nb*bb) u8 (bb = BLOCK_HEAD + BLOCK_QUADS): row t*R + r is
+    # lane r % 16 of strip r // 16, its block b block b % G of record strip*nb/G + b // G
+    nq = BLOCK_QUADS[kind] // 16                     # quant bytes per row and block
+    bs = nq + (4 if kind == KIND_Q4_1 else 2)
+    rows = raw.shape[0]
+    nb = raw.shape[1] // bs
+    bb = BLOCK_HEAD[kind] + BLOCK_QUADS[kind]
+    R = q.shape[1] // (nb * bb) * RECORD_ROWS
+    for t in prange(row0 // R, (row0 + rows - 1) // R + 1):
+        r0 = max(0, row0 - t * R)
+        r1 = min(R, row0 + rows - t * R)
+        qt = q[t]
+        for r in range(r0, r1):
+            row = raw[t * R + r - row0]
+            lane = r % RECORD_ROWS
+            for b in range(nb):
+                o = b * bs
+                k = b % G
+                rec = (r // RECORD_ROWS * (nb // G) + b // G) * G * bb
+                for i in range(2):
+                    qt[rec + 32 * k + 2 * lane + i] = row[o + i]
+                    if kind == KIND_Q4_1:
+                        qt[rec + 32 * G + 32 * k + 2 * lane + i] = row[o + 2 + i]
+                dst = rec + BLOCK_HEAD[kind] * G + BLOCK_QUADS[kind] * k + 4 * lane
+                for j in range(nq):
+                    qt[dst + 64 * (j >> 2) + (j & 3)] = row[o + bs - nq + j]
+
+
+@njit(cache=True, parallel=True)
+def matvec_blocks(q, x8, xd, xs8, xsum, out, acc, G, kind):
+    # W (nt*R, n) records of a per-32-block format @ x (prep_q8_x) -> out (d,);
+    # acc (nt, R) f32 per-tile sums
+    R = acc.shape[1]
+    for t in prange(q.shape[0]):
+        if kind == KIND_Q4_0:
+            blocks_gemm(q[t], x8, xd, xs8, xsum, acc[t], xd.size, G, 0, 1, KIND_Q4_0, ISA)
+        elif kind == KIND_Q4_1:
+            blocks_gemm(q[t], x8, xd, xs8, xsum, acc[t], xd.size, G, 0, 1, KIND_Q4_1, ISA)
+        else:
+            blocks_gemm(q[t], x8, xd, xs8, xsum, acc[t], xd.size, G, 0, 1, KIND_Q8_0, ISA)
+        n = min(R, out.size - t * R)
+        out[t * R:t * R + n] = acc[t, :n]
+
 
 @njit(cache=True, fastmath=True)
-def rows_q4(q, d, m, m_off, ids, out):
-    # Q4 tiles, ids (T,) -> out (T, n) f32 dequantized rows
+def rows_blocks(q, ids, out, G, kind):
+    # records of a per-32-block format, ids (T,) -> out (T, n) f32 dequantized rows
     nb = out.shape[1] // 32
-    R = d.shape[1] // nb
+    bb = BLOCK_HEAD[kind] + BLOCK_QUADS[kind]
+    R = q.shape[1] // (nb * bb) * RECORD_ROWS
     for i in range(ids.size):
         t = ids[i] // R
-        r = ids[i] % R
+        lane = ids[i] % R % RECORD_ROWS
         row = out[i]
         for b in range(nb):
-            dd = f16_to_f32(d[t, b * R + r])
-            mm = f16_to_f32(m[t, b * R + r]) * m_off if m_off == f32(1) else dd * m_off
-            for j in range(16):
-                v = q[t, quad_offset(16 * b * R, R, r, j)]
-                row[32 * b + j] = f32(v & 15) * dd + mm
-                row[32 * b + 16 + j] = f32(v >> 4) * dd + mm
+            k = b % G
+            rec = q[t, (ids[i] % R // RECORD_ROWS * (nb // G) + b // G) * G * bb:]
+            dd = get_f16(rec, 32 * k + 2 * lane)
+            qs = rec[BLOCK_HEAD[kind] * G + BLOCK_QUADS[kind] * k + 4 * lane:]
+            y = row[32 * b:32 * b + 32]
+            if kind == KIND_Q8_0:
+                for j in range(32):
+                    y[j] = f32(np.int8(qs[64 * (j >> 2) + (j & 3)])) * dd
+            else:
+                mm = get_f16(rec, 32 * G + 32 * k + 2 * lane) if kind == KIND_Q4_1 else dd * f32(-8)
+                for j in range(16):
+                    v = qs[64 * (j >> 2) + (j & 3)]
+                    y[j] = f32(v & 15) * dd + mm
+                    y[16 + j] = f32(v >> 4) * dd + mm
 
 
-class Q4Linear(Int8Prefill, TiledLinear):
-    """Q4_0 / Q4_1 in row tiles: q (nt, nb*16*R) u8 quads (see simd.py), d [, m] (nt, nb*R)
-    u16."""
+class BlocksLinear(Int8Prefill, TiledLinear):
+    """Q4_0, Q4_1 and Q8_0 in records of 16 rows and G blocks (simd.py's layout)."""
+    KINDS = {"Q4_0": KIND_Q4_0, "Q4_1": KIND_Q4_1, "Q8_0": KIND_Q8_0}
 
     def _load(self, raws):
         n = self.in_features
         nb, nt, R = n // 32, self.nt, self.R
-        has_m = self.type_name == "Q4_1"
-        bs = self.fmt.type_size
-        self.q = anon_array((nt, nb * 16 * R), np.uint8)   # zeroed: pad rows add nothing
-        self.d = anon_array((nt, nb * R), np.uint16)
-        self.m = anon_array((nt, nb * R), np.uint16) if has_m else self.d
-        self.m_off = f32(1.0 if has_m else -8.0)           # Q4_1 adds m; Q4_0 adds -8 d
+        self.kind = self.KINDS[self.type_name]
+        self.group = record_group(nb)
+        bb = BLOCK_HEAD[self.kind] + BLOCK_QUADS[self.kind]
+        self.q = anon_array((nt, R // RECORD_ROWS * nb * bb), np.uint8)   # pad rows: d = 0
         row0 = 0
         for raw in raws:
-            repack_halves(raw, row0, bs, 0, self.d)
-            if has_m:
-                repack_halves(raw, row0, bs, 2, self.m)
-            repack_quads(raw, row0, bs, bs - 16, 16, self.q)
+            repack_blocks(raw, row0, self.q, self.group, self.kind)
             release_pages(raw)
             row0 += raw.shape[0]
-        self._scratch = np.zeros((nt, R), f32)
-        self._s32 = np.zeros((nt, R), np.int32)
+        self._acc = np.zeros((nt, R), f32)
         self._x8 = np.zeros(n, np.int8)
         self._xd = np.zeros(nb, f32)
         self._xs8 = np.zeros(nb, np.int32)
@@ -308,22 +318,17 @@ class Q4Linear(Int8Prefill, TiledLinear):
 
     def matvec(self, x, out):
         prep_q8_x(x, self._x8, self._xd, self._xs8, self._xsum)
-        if self.type_name == "Q4_0":
-            matvec_q4_0(self.q, self.d, self._x8, self._xd, self._xs8, out,
-                        self._scratch, self._s32)
-        else:
-            matvec_q4_1(self.q, self.d, self.m, self._x8, self._xd, self._xsum, out,
-                        self._scratch, self._s32)
+        matvec_blocks(self.q, self._x8, self._xd, self._xs8, self._xsum, out, self._acc,
+                      self.group, self.kind)
 
     def _gemm(self, x8, xd, xs8, xsum, out, acc):
-        matmul_blocks(KIND_Q4_0 if self.type_name == "Q4_0" else KIND_Q4_1, self.q, self.d, self.m,
-                      x8, xd, xs8, xsum, out, acc)
+        matmul_blocks(self.q, x8, xd, xs8, xsum, out, acc, self.group, self.kind)
 
     def _rows(self, ids, out):
-        rows_q4(self.q, self.d, self.m, self.m_off, ids, out)
+        rows_blocks(self.q, ids, out, self.group, self.kind)
 
 
-Q4_0 = WeightFormat("Q4_0", 2, 32, 18, "d:f16, qs:u8[16]; x=(nibble-8)*d", Q4Linear,
+Q4_0 = WeightFormat("Q4_0", 2, 32, 18, "d:f16, qs:u8[16]; x=(nibble-8)*d", BlocksLinear,
                     dequantize_q4_0, quantize_q4_0, LlamaFileType.MOSTLY_Q4_0)
-Q4_1 = WeightFormat("Q4_1", 3, 32, 20, "d:f16, m:f16, qs:u8[16]; x=nibble*d+m", Q4Linear,
+Q4_1 = WeightFormat("Q4_1", 3, 32, 20, "d:f16, m:f16, qs:u8[16]; x=nibble*d+m", BlocksLinear,
                     dequantize_q4_1, quantize_q4_1, LlamaFileType.MOSTLY_Q4_1)
