@@ -187,12 +187,14 @@ def matmul_blocks(q, x8, xd, xs8, xsum, out, acc, G, kind):
 
 
 class Int8Prefill:
-    """Prefill as an int8 GEMM for tiles the pair-dot kernels read (Q4_0, Q4_1, Q8_0,
-    Q4_K): x is quantized to int8 per block of 32, row by row, as decode and llama.cpp
-    do, and each tile of weights is multiplied in place, never dequantized. On this
-    2-core EPYC (AVX-512 VNNI), Q4_0 8192 x 2048 at T = 512, 2 threads: 150-240 GFLOP/s
-    against 30-65 for dequantize + BLAS; 480-540 with simd.quads_gemm (320 with the
-    scales applied in a pass over memory per block, in the same runs)."""
+    """Prefill as an int8 GEMM for the record tiles the pair-dot kernels read (Q4_0,
+    Q4_1, Q8_0, Q4_K, Q5_K, Q6_K): x is quantized to int8 per block of 32, row by row, as
+    decode and llama.cpp do, and each tile of weights is multiplied in place, never
+    dequantized. On this 2-core EPYC (AVX-512 VNNI), Q4_0 8192 x 2048 at T = 512, 2
+    threads: 150-240 GFLOP/s with a pair-dot pass per block against 30-65 for
+    dequantize + BLAS; 480-540 with the float sums in registers (320 with the scales
+    applied in a pass over memory per block, in the same runs); 1054-1155 for
+    16384 x 2048 with records (simd.blocks_gemm)."""
 
     def matmul(self, x, out):
         T, n = x.shape
