@@ -165,15 +165,13 @@ class _GemmFrame:
         return b.fpext(b.bitcast(v, ir.VectorType(ir.HalfType(), self.n)), self.vf)
 
 
-
-
+RECORD_ROWS = 16           # rows per strip of every record layout (below)
 # Q4_K tiles (q4_k.py) are records, one per strip of RECORD_ROWS rows and super-block of
 # 256 weights, all a strip's super-blocks in a row, then the next strip's; per record
 # (byte offsets): the rows' d (f16) at Q4K_D, dmin at Q4K_DMIN, their 6-bit sc of the 8
 # sub-blocks at Q4K_SC + 16 k + lane, m at Q4K_M + 16 k + lane, and sub-block k's
-# nibbles at Q4K_QS + 256 k as quads of the strip's rows (byte 4g + i of lane l at 64 g + 4 l
-# + i). A strip reads one address-ordered run, everything a product needs in it.
-RECORD_ROWS = 16           # rows per strip of the record layouts (Q4_K, Q5_K, Q6_K)
+# nibbles at Q4K_QS + 256 k as quads of the strip's rows (byte 4g + i of lane l at
+# 64 g + 4 l + i). A strip reads one address-ordered run, everything a product needs in it.
 Q4K_D, Q4K_DMIN, Q4K_SC, Q4K_M, Q4K_QS = 0, 32, 64, 192, 320
 Q4K_RECORD = Q4K_QS + 8 * 256                        # 2368 bytes, 37 cache lines
 # Q5_K's records are Q4_K's and then the fifth bits: sub-block k's at Q5K_QH + 64 k, one
@@ -291,8 +289,8 @@ def blocks_gemm(typingctx, q, x8, xd, xs8, xsum, acc, nb, group, t0, tokens, kin
             sum_w = _vnni_sum_w(builder, n, ws) if signed and ISA_ == VNNI512 else None
             halves = builder.add(rec, builder.mul(lane, k64(2)))
             dv = fr.f16s(0, builder.add(halves, at(k, 32, 0)))
-            mv = (fr.f16s(0, builder.add(builder.add(halves, builder.mul(ga, k64(32))), at(k, 32, 0)))
-                  if KIND == KIND_Q4_1 else None)
+            mins = builder.add(halves, builder.mul(ga, k64(32)))     # Q4_1's m after the d
+            mv = fr.f16s(0, builder.add(mins, at(k, 32, 0))) if KIND == KIND_Q4_1 else None
             for t, a in enumerate(sums[0]):
                 tok = builder.add(t0a, k64(t))
                 xw = _x_words(builder, fr, tok, b)

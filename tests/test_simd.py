@@ -82,7 +82,8 @@ def blocks_case(isa, kind, R, group, tokens, case):
     want = np.zeros((tokens, R))
     for k in range(tokens):
         tok = t0 + k
-        S = np.einsum("rbe,be->rb", vals, x8[tok].reshape(nb, 32).astype(np.int64)).astype(np.float64)
+        S = np.einsum("rbe,be->rb", vals, x8[tok].reshape(nb, 32).astype(np.int64))
+        S = S.astype(np.float64)
         if kind == KIND_Q4_0:
             S = S - 8 * xs8[tok]
         terms = d.astype(np.float64) * xd[tok] * S

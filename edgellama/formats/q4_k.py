@@ -20,8 +20,9 @@ Why records: a strip of 16 rows reads one address-ordered run holding everything
 sums need. Read from DRAM (16 matrices of 16384 x 2048, this 2-core VM, 2 threads, Q4_0
 in the same runs, before Q4_0 became records too), decode reads 1.08-1.12x Q4_0's
 bytes/s, against 0.70-0.77x with the earlier tiles (per sub-block 16 R bytes of quads
-then sc and m, a pair-dot pass over the rows and the scales applied in a second pass). Prefill (16384 x 2048,
-T = 512): one thread 580 GFLOP/s (Q4_0 590), two 1162-1169 (Q4_0 1157-1163).
+then sc and m, a pair-dot pass over the rows and the scales applied in a second pass).
+Prefill (16384 x 2048, T = 512): one thread 580 GFLOP/s (Q4_0 590), two 1162-1169
+(Q4_0 1157-1163).
 """
 from __future__ import annotations
 
