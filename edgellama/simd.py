@@ -244,11 +244,7 @@ def _x_words(builder, fr, tok, u):
 KIND_Q4_0, KIND_Q4_1, KIND_Q8_0 = 0, 1, 2
 BLOCK_HEAD = (32, 64, 32)                            # bytes of scales per block
 BLOCK_QUADS = (256, 256, 512)                        # bytes of quads per block
-
-
-def block_bytes(kind: int) -> int:
-    """Bytes per block (16 rows) of a kind's records."""
-    return BLOCK_HEAD[kind] + BLOCK_QUADS[kind]
+BLOCK_BYTES = tuple(h + q for h, q in zip(BLOCK_HEAD, BLOCK_QUADS))   # per block, 16 rows
 
 
 @intrinsic(prefer_literal=True)
@@ -313,7 +309,7 @@ def blocks_gemm(typingctx, q, x8, xd, xs8, xsum, acc, nb, group, t0, tokens, kin
             for a, s_ in zip(totals, sums[0]):
                 builder.store(builder.fadd(builder.load(a), builder.load(s_)), a)
 
-        _over_records(context, builder, sig, args, fr, nba, ga, block_bytes(KIND), TOK, 1,
+        _over_records(context, builder, sig, args, fr, nba, ga, BLOCK_BYTES[KIND], TOK, 1,
                       block, finish)
         return context.get_dummy_value()
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from numba import literally, njit
 
-from edgellama.simd import (AVX2, BLOCK_HEAD, BLOCK_QUADS, GENERIC, ISA, KIND_Q4_0, KIND_Q4_1,
+from edgellama.simd import (AVX2, BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, GENERIC, ISA, KIND_Q4_0, KIND_Q4_1,
                             KIND_Q8_0, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH,
                             Q5K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS, TOKENS,
                             VNNI512, blocks_gemm, host_isa, q4k_gemm, q6_gemm)
@@ -35,7 +35,7 @@ def block_records(kind, group, d, m, wbytes):
     Q4_1 only); wbytes (R, nb, 16 or 32) u8 each block's bytes (Q4: byte j holds elements
     j and j + 16; Q8_0: the int8)."""
     R, nb = d.shape
-    bb = BLOCK_HEAD[kind] + BLOCK_QUADS[kind]
+    bb = BLOCK_BYTES[kind]
     rec = np.zeros((R // RECORD_ROWS, nb // group, group * bb), np.uint8)
     for r in range(R):
         s, lane = divmod(r, RECORD_ROWS)

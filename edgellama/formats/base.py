@@ -9,7 +9,7 @@ whatever layout its kernels read fastest:
     matmul  prefill, T tokens: out = x @ W.T, by dequantizing a few MB of rows at a
             time and handing them to NumPy's BLAS (shared here; a format only says
             how to dequantize a run of rows), or, for the formats with pair-dot
-            kernels, as an int8 GEMM over the tiles (q4.Int8Prefill)
+            kernels, as an int8 GEMM over the tiles (q4.RecordLinear)
     rows    embedding lookup: dequantized rows of W
 
 Quantized formats repack the file's blocks once at load into row tiles (`TiledLinear`)

@@ -18,7 +18,7 @@ from gguf.constants import LlamaFileType
 from numba import njit, prange
 
 from ..fp import get_f16, put_f16, wrap_u8
-from ..simd import (BLOCK_HEAD, BLOCK_QUADS, ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, RECORD_ROWS,
+from ..simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, RECORD_ROWS,
                     TOKENS, blocks_gemm)
 from .base import TiledLinear, WeightFormat, anon_array, release_pages
 
@@ -186,15 +186,39 @@ def matmul_blocks(q, x8, xd, xs8, xsum, out, acc, G, kind):
                 out[t0 + k, c0:c0 + nc] = a[k, :nc]
 
 
-class Int8Prefill:
-    """Prefill as an int8 GEMM for the record tiles the pair-dot kernels read (Q4_0,
-    Q4_1, Q8_0, Q4_K, Q5_K, Q6_K): x is quantized to int8 per block of 32, row by row, as
+class RecordLinear(TiledLinear):
+    """What the record formats (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) share: their tiles q
+    (nt, R/16 * strip bytes) u8, filled by _repack and then the file's pages released;
+    decode's buffers (x quantized to int8 per block of 32 by prep_q8_x, per-tile sums);
+    and prefill as an int8 GEMM: x is quantized to int8 per block of 32, row by row, as
     decode and llama.cpp do, and each tile of weights is multiplied in place, never
     dequantized. On this 2-core EPYC (AVX-512 VNNI), Q4_0 8192 x 2048 at T = 512, 2
     threads: 150-240 GFLOP/s with a pair-dot pass per block against 30-65 for
     dequantize + BLAS; 480-540 with the float sums in registers (320 with the scales
     applied in a pass over memory per block, in the same runs); 1054-1155 for
     16384 x 2048 with records (simd.blocks_gemm)."""
+
+    def _load(self, raws):
+        n, nt, R = self.in_features, self.nt, self.R
+        self.q = anon_array((nt, R // RECORD_ROWS * self._strip_bytes()), np.uint8)  # pad rows: 0
+        row0 = 0
+        for raw in raws:
+            self._repack(raw, row0)
+            release_pages(raw)
+            row0 += raw.shape[0]
+        self._acc = np.zeros((nt, R), f32)
+        self._x8 = np.zeros(n, np.int8)
+        self._xd = np.zeros(n // 32, f32)
+        self._xs8 = np.zeros(n // 32, np.int32)
+        self._xsum = np.zeros(n // 32, f32)
+
+    def _strip_bytes(self) -> int:
+        """Bytes of the records of one strip of 16 rows (a whole row's length)."""
+        raise NotImplementedError
+
+    def _repack(self, raw: np.ndarray, row0: int) -> None:
+        """File rows raw (rows, row_bytes) -> rows row0.. of q."""
+        raise NotImplementedError
 
     def matmul(self, x, out):
         T, n = x.shape
@@ -225,13 +249,13 @@ def record_group(nb: int) -> int:
 @njit(cache=True, parallel=True)
 def repack_blocks(raw, row0, q, G, kind):
     # rows raw (rows, nb*bs) u8 of a per-32-block format (kind KIND_*) -> rows row0.. of
-    # the tiles q (nt, R/16 * nb*bb) u8 (bb = BLOCK_HEAD + BLOCK_QUADS): row t*R + r is
+    # the tiles q (nt, R/16 * nb*bb) u8 (bb = BLOCK_BYTES[kind]): row t*R + r is
     # lane r % 16 of strip r // 16, its block b block b % G of record strip*nb/G + b // G
     nq = BLOCK_QUADS[kind] // 16                     # quant bytes per row and block
     bs = nq + (4 if kind == KIND_Q4_1 else 2)
     rows = raw.shape[0]
     nb = raw.shape[1] // bs
-    bb = BLOCK_HEAD[kind] + BLOCK_QUADS[kind]
+    bb = BLOCK_BYTES[kind]
     R = q.shape[1] // (nb * bb) * RECORD_ROWS
     for t in prange(row0 // R, (row0 + rows - 1) // R + 1):
         r0 = max(0, row0 - t * R)
@@ -273,7 +297,7 @@ def matvec_blocks(q, x8, xd, xs8, xsum, out, acc, G, kind):
 def rows_blocks(q, ids, out, G, kind):
     # records of a per-32-block format, ids (T,) -> out (T, n) f32 dequantized rows
     nb = out.shape[1] // 32
-    bb = BLOCK_HEAD[kind] + BLOCK_QUADS[kind]
+    bb = BLOCK_BYTES[kind]
     R = q.shape[1] // (nb * bb) * RECORD_ROWS
     for i in range(ids.size):
         t = ids[i] // R
@@ -296,27 +320,20 @@ def rows_blocks(q, ids, out, G, kind):
                     y[16 + j] = f32(v >> 4) * dd + mm
 
 
-class BlocksLinear(Int8Prefill, TiledLinear):
+class BlocksLinear(RecordLinear):
     """Q4_0, Q4_1 and Q8_0 in records of 16 rows and G blocks (simd.py's layout)."""
     KINDS = {"Q4_0": KIND_Q4_0, "Q4_1": KIND_Q4_1, "Q8_0": KIND_Q8_0}
 
     def _load(self, raws):
-        n = self.in_features
-        nb, nt, R = n // 32, self.nt, self.R
         self.kind = self.KINDS[self.type_name]
-        self.group = record_group(nb)
-        bb = BLOCK_HEAD[self.kind] + BLOCK_QUADS[self.kind]
-        self.q = anon_array((nt, R // RECORD_ROWS * nb * bb), np.uint8)   # pad rows: d = 0
-        row0 = 0
-        for raw in raws:
-            repack_blocks(raw, row0, self.q, self.group, self.kind)
-            release_pages(raw)
-            row0 += raw.shape[0]
-        self._acc = np.zeros((nt, R), f32)
-        self._x8 = np.zeros(n, np.int8)
-        self._xd = np.zeros(nb, f32)
-        self._xs8 = np.zeros(nb, np.int32)
-        self._xsum = np.zeros(nb, f32)
+        self.group = record_group(self.in_features // 32)
+        super()._load(raws)
+
+    def _strip_bytes(self):
+        return self.in_features // 32 * BLOCK_BYTES[self.kind]
+
+    def _repack(self, raw, row0):
+        repack_blocks(raw, row0, self.q, self.group, self.kind)
 
     def matvec(self, x, out):
         prep_q8_x(x, self._x8, self._xd, self._xs8, self._xsum)

@@ -33,8 +33,8 @@ from numba import njit, prange
 from ..fp import get_f16, nearest_int, put_f16
 from ..simd import (ISA, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH, Q5K_RECORD,
                     RECORD_ROWS, TOKENS, q4k_gemm)
-from .base import TiledLinear, WeightFormat, anon_array, release_pages
-from .q4 import Int8Prefill, prep_q8_x
+from .base import WeightFormat
+from .q4 import RecordLinear, prep_q8_x
 
 f32 = np.float32
 QK_K = 256
@@ -392,25 +392,16 @@ def rows_k(q, ids, out, record):
                     y[16 + e] = ds * f32(hi) - ms
 
 
-class Q4KLinear(Int8Prefill, TiledLinear):
+class Q4KLinear(RecordLinear):
     """Q4_K in records of 16 rows and one super-block (simd.py's Q4K_* layout); Q5_K
     (q5_k.py) is this with BITS 5 (its fifth bits after the nibbles)."""
     BITS, BLOCK_BYTES, RECORD = 4, 144, Q4K_RECORD
 
-    def _load(self, raws):
-        n = self.in_features
-        nsb, nt, R = n // QK_K, self.nt, self.R
-        self.q = anon_array((nt, R // RECORD_ROWS * nsb * self.RECORD), np.uint8)  # pad rows: 0
-        row0 = 0
-        for raw in raws:
-            repack_k(raw, row0, self.q, self.BLOCK_BYTES, self.RECORD)
-            release_pages(raw)
-            row0 += raw.shape[0]
-        self._acc = np.zeros((nt, R), f32)
-        self._x8 = np.zeros(n, np.int8)
-        self._xd = np.zeros(n // 32, f32)
-        self._xs8 = np.zeros(n // 32, np.int32)      # prep_q8_x's; unused by these sums
-        self._xsum = np.zeros(n // 32, f32)
+    def _strip_bytes(self):
+        return self.in_features // QK_K * self.RECORD
+
+    def _repack(self, raw, row0):
+        repack_k(raw, row0, self.q, self.BLOCK_BYTES, self.RECORD)
 
     def matvec(self, x, out):
         prep_q8_x(x, self._x8, self._xd, self._xs8, self._xsum)

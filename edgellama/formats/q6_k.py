@@ -37,8 +37,8 @@ from numba import njit, prange
 
 from ..fp import get_f16, nearest_int, put_f16
 from ..simd import ISA, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS, TOKENS, q6_gemm
-from .base import TiledLinear, WeightFormat, anon_array, release_pages
-from .q4 import Int8Prefill, prep_q8_x
+from .base import WeightFormat
+from .q4 import RecordLinear, prep_q8_x
 
 f32 = np.float32
 QK = 256                   # weights per super-block
@@ -304,24 +304,18 @@ def rows_q6_k(q, ids, out):
                     y[16 + j] = ds1 * f32(v[16 + j] - 32)
 
 
-class Q6KLinear(Int8Prefill, TiledLinear):
+class Q6KLinear(RecordLinear):
     """Q6_K in records of 16 rows and one super-block (simd.py's Q6K_* layout)."""
 
     def _load(self, raws):
-        n = self.in_features
-        nb, nt, R = n // QK, self.nt, self.R
-        self.q = anon_array((nt, R // RECORD_ROWS * nb * Q6K_RECORD), np.uint8)  # pad rows: 0
-        row0 = 0
-        for raw in raws:
-            repack_q6_k(raw, row0, self.q)
-            release_pages(raw)
-            row0 += raw.shape[0]
-        self._acc = np.zeros((nt, R), f32)
-        self._x8 = np.zeros(n, np.int8)
-        self._xd = np.zeros(n // 32, f32)
-        self._xs8 = np.zeros(n // 32, np.int32)      # prep_q8_x's; q6_gemm takes xs16
-        self._xsum = np.zeros(n // 32, f32)
-        self._xs16 = np.zeros(n // 16, np.int32)
+        super()._load(raws)
+        self._xs16 = np.zeros(self.in_features // 16, np.int32)   # q6_gemm's x sums per 16
+
+    def _strip_bytes(self):
+        return self.in_features // QK * Q6K_RECORD
+
+    def _repack(self, raw, row0):
+        repack_q6_k(raw, row0, self.q)
 
     def matvec(self, x, out):
         prep_q8_x(x, self._x8, self._xd, self._xs8, self._xsum)
