@@ -259,8 +259,8 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
     rss_load = resident_memory() or 0
     # the KV cache's pages are mapped on first write: touch them all, so the memory
     # measured is what a conversation filling the context will use
-    model.cache.kt[...] = 0
-    model.cache.vt[...] = 0
+    model.cache.k[...] = 0
+    model.cache.v[...] = 0
 
     def compiling(n, total, name):
         progress(f"compiling kernels (first run only): {n}/{total} {name}" if total

@@ -23,6 +23,15 @@ def f16_to_f32(typingctx, h):
 
 
 @intrinsic
+def f32_to_f16(typingctx, x):
+    # f32 -> u16 f16 bits, rounded to nearest even (as NumPy's astype(float16)): LLVM's
+    # fptrunc float -> half, vcvtps2ph (F16C), vectorises in loops
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return types.uint16(types.float32), codegen
+
+
+@intrinsic
 def bf16_to_f32(typingctx, h):
     # u16 bf16 bits -> f32: the top half of the f32 bit pattern
     def codegen(context, builder, sig, args):

@@ -10,21 +10,23 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 from llvmlite import ir
+import llvmlite.binding as llvm
 from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .fp import f16_to_f32
-from .simd import call_llvm, ir_ptr, splat
+from .fp import f16_to_f32, f32_to_f16
+from .simd import call_llvm, ir_ptr, prefetch_ir, splat
 
 F32 = np.float32
-_TILE = 1024        # positions per chunk of the plain loops (each token's last n % 16
-                    # positions, or group sizes over 8): a converted K/V row chunk in L1
+KV_BLOCK = 16       # positions per block of the K cache: one vector of halves per head dim
 _TB = 4             # query tokens per work item of prefill attention: they share every
                     # K/V chunk while it is in L2
-_CHUNK = 256        # positions per K or V chunk of the register kernels (64 KiB of f16
-                    # at head_dim 128)
+_CHUNK = 256        # positions per K or V chunk of prefill attention (64 KiB of f16 at
+                    # head_dim 128)
 _MIN_LOGIT = F32(-30.0)   # softmax weights below e^-30 of the max count as zero
+_PREFETCH = 4096    # f16 elements (8 KiB) ahead that attention prefetches K and V: 1B, depth
+                    # 4096, 2 threads, from DRAM: 22-26 -> 31-34 GB/s
 
 
 @nb.njit(cache=True, error_model="numpy", fastmath=True)
@@ -100,6 +102,11 @@ def swiglu(gate_up, out):
             out[t, i] = g * sig * gate_up[t, F + i]
 
 
+def kv_capacity(ctx: int) -> int:
+    """Positions the KV cache holds for a context of ctx: whole blocks of K."""
+    return -(-ctx // KV_BLOCK) * KV_BLOCK
+
+
 def _f16x16(builder, p):
     # <16 x float>: the 16 IEEE halves at p (an i16 vector pointer), widened
     v = builder.load(p, align=2)
@@ -112,52 +119,72 @@ def _fma(builder, a, b, c):
     return call_llvm(builder, "llvm.fma.v16f32", a.type, [a, b, c])
 
 
-def _unroll(G):
-    # 16-position blocks per pass of _scores16: each accumulator is one chain of dependent
-    # FMAs, and 2 FMA units of 4 cycles' latency need 8 chains in flight; at most 16
-    # accumulators. (3B, g = 3, depth 4096: one block per pass ran at about half speed.)
-    return max(1, min(4, -(-8 // G)))
+# Registers, in 16-float vectors: 32 zmm hold 32 of them on AVX-512, 16 ymm only 8 (each
+# is two ymm) on AVX2 and other targets; a few stay free for the loaded K or V. (Numba's
+# kernel cache is keyed by the CPU, so these never meet another CPU's cache.)
+_AVX512 = bool(llvm.get_host_cpu_features().get("avx512f"))
+_VREGS = 28 if _AVX512 else 7
+
+
+def _unroll(g):
+    # K blocks per pass of _scores16: g·u sums, each one chain of dependent FMAs; two FMA
+    # units of 4 cycles' latency want 8 chains of full registers in flight, as far as the
+    # registers go (3B, g = 3, depth 4096: one block a pass ran at half speed on AVX-512)
+    chains = 8 if _AVX512 else 4
+    return max(1, min(4, -(-chains // g), _VREGS // (g + 1)))
+
+
+def _vcols(g):
+    # 16-column vectors of V per pass of _weighted16: g·c sums and c V vectors in registers
+    return max(1, min(4, _VREGS // (g + 1)))
 
 
 @intrinsic(prefer_literal=True)
-def _scores16(typingctx, kt, koff, stride, qs, hd, s, soff, sstride, nblk, g):
-    """s[soff + j sstride + p] = sum_i qs[j hd + i] * K[i, p] for the nblk * 16 positions
-    p from 0, K[i, p] the f16 bits kt[koff + i stride + p], j < g (a constant): each K
-    vector is loaded and widened once for the g query heads, whose sums stay in
-    registers over the whole head dimension, _unroll(g) blocks of 16 positions a pass."""
+def _scores16(typingctx, kt, koff, qs, hd, s, soff, sstride, nblk, g):
+    """s[soff + j sstride + 16 b + l] = sum_i qs[j hd + i] * K(b, i, l) for the nblk
+    blocks b of 16 positions (lanes l) from koff, K(b, i, l) the f16 bits
+    kt[koff + 16 hd b + 16 i + l], j < g (a constant): each K vector is loaded and
+    widened once for the g query heads, whose sums stay in registers over the whole
+    head dimension, _unroll(g) blocks a pass."""
     if not isinstance(g, types.IntegerLiteral):
         return None
     G = g.literal_value
     U = _unroll(G)
 
     def codegen(context, builder, sig, args):
-        koa, sta, hda, soa, ssa, nba = args[1], args[2], args[4], args[6], args[7], args[8]
+        koa, hda, soa, ssa, nba = args[1], args[3], args[5], args[6], args[7]
         f32, i16 = ir.FloatType(), ir.IntType(16)
         v16 = ir.VectorType(f32, 16)
         k64 = lambda v: ir.Constant(koa.type, v)
         ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
+        bstride = builder.mul(hda, k64(16))
 
         def passes(first, count, u):
             # `count` passes of u blocks each, from block `first`
             accs = [[cgutils.alloca_once(builder, v16) for _ in range(u)] for _ in range(G)]
-            with cgutils.for_range(builder, count) as blk:
-                p = builder.mul(builder.add(first, builder.mul(blk.index, k64(u))), k64(16))
+            with cgutils.for_range(builder, count) as pas:
+                b0 = builder.add(first, builder.mul(pas.index, k64(u)))
+                base = [builder.add(koa, builder.mul(builder.add(b0, k64(b)), bstride)) for b in range(u)]
                 for row in accs:
                     for a in row:
                         builder.store(ir.Constant(v16, None), a)
                 with cgutils.for_range(builder, hda) as it:
-                    off = builder.add(builder.add(koa, builder.mul(it.index, sta)), p)
-                    kf = [_f16x16(builder, ptr(0, builder.add(off, k64(16 * b)), ir.VectorType(i16, 16)))
+                    i16off = builder.mul(it.index, k64(16))
+                    for b in range(u):
+                        prefetch_ir(context, builder, sig.args[0], args[0],
+                                    builder.add(builder.add(base[b], i16off), k64(_PREFETCH)))
+                    kf = [_f16x16(builder, ptr(0, builder.add(base[b], i16off), ir.VectorType(i16, 16)))
                           for b in range(u)]
                     for j, row in enumerate(accs):
-                        qj = builder.load(ptr(3, builder.add(builder.mul(k64(j), hda), it.index), f32))
+                        qj = builder.load(ptr(2, builder.add(builder.mul(k64(j), hda), it.index), f32))
                         qj = splat(builder, qj, 16)
                         for b, a in enumerate(row):
                             builder.store(_fma(builder, qj, kf[b], builder.load(a)), a)
                 for j, row in enumerate(accs):
                     for b, a in enumerate(row):
-                        o = builder.add(builder.add(soa, builder.mul(k64(j), ssa)), builder.add(p, k64(16 * b)))
-                        builder.store(builder.load(a), ptr(5, o, v16), align=4)
+                        o = builder.add(builder.add(soa, builder.mul(k64(j), ssa)),
+                                        builder.mul(builder.add(b0, k64(b)), k64(16)))
+                        builder.store(builder.load(a), ptr(4, o, v16), align=4)
 
         full = builder.udiv(nba, k64(U))
         passes(k64(0), full, U)
@@ -166,156 +193,175 @@ def _scores16(typingctx, kt, koff, stride, qs, hd, s, soff, sstride, nblk, g):
             passes(done, builder.sub(nba, done), 1)     # the blocks left over
         return context.get_dummy_value()
 
-    return types.void(kt, koff, stride, qs, hd, s, soff, sstride, nblk, g), codegen
+    return types.void(kt, koff, qs, hd, s, soff, sstride, nblk, g), codegen
 
 
 @intrinsic(prefer_literal=True)
-def _weighted16(typingctx, vt, voff, stride, i0, w, wstride, nblk, out, ooff, ostride, g):
-    """out[ooff + j ostride + i0 + ii] += sum_p w[j wstride + p] * V[i0 + ii, p] for
-    ii < 4, j < g (a constant), over the nblk * 16 positions p from 0, V[i, p] the f16
-    bits vt[voff + i stride + p]: 4 V rows and g weight rows per step, 4 g sums in
-    registers."""
+def _weighted16(typingctx, v, voff, hd, w, wstride, n, out, ooff, ostride, g):
+    """out[ooff + j ostride + c] += sum_p w[j wstride + p] * V(p, c) for c < hd, j < g
+    (a constant), over the n positions p, V(p, c) the f16 bits v[voff + p hd + c]:
+    _vcols(g) vectors of 16 columns a pass over the positions (then single vectors for
+    the rest), their g sums in registers; hd a multiple of 16."""
     if not isinstance(g, types.IntegerLiteral):
         return None
     G = g.literal_value
+    C = _vcols(G)
 
     def codegen(context, builder, sig, args):
-        vta, voa, sta, i0a, wa, wsa, nba, oa, ooa, osa = args[:10]
+        voa, hda, wsa, na, ooa, osa = args[1], args[2], args[4], args[5], args[7], args[8]
         f32, i16 = ir.FloatType(), ir.IntType(16)
         v16 = ir.VectorType(f32, 16)
         k64 = lambda v: ir.Constant(voa.type, v)
         ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
-        accs = [[cgutils.alloca_once(builder, v16) for _ in range(4)] for _ in range(G)]
-        for row in accs:
-            for a in row:
-                builder.store(ir.Constant(v16, None), a)
-        with cgutils.for_range(builder, nba) as blk:
-            p = builder.mul(blk.index, k64(16))
-            vs = []
-            for ii in range(4):
-                off = builder.add(builder.add(voa, builder.mul(builder.add(i0a, k64(ii)), sta)), p)
-                vs.append(_f16x16(builder, ptr(0, off, ir.VectorType(i16, 16))))
-            for j in range(G):
-                wj = builder.load(ptr(4, builder.add(builder.mul(k64(j), wsa), p), v16), align=4)
-                for ii in range(4):
-                    a = accs[j][ii]
-                    builder.store(_fma(builder, wj, vs[ii], builder.load(a)), a)
-        for j in range(G):
-            for ii in range(4):
-                o = builder.add(builder.add(ooa, builder.mul(k64(j), osa)), builder.add(i0a, k64(ii)))
-                po = ptr(7, o, f32)
-                tot = call_llvm(builder, "llvm.vector.reduce.fadd.v16f32", f32,
-                                [ir.Constant(f32, 0.0), builder.load(accs[j][ii])])
-                builder.store(builder.fadd(builder.load(po), tot), po)
+
+        def passes(first, count, cw):
+            # `count` passes of cw vectors of columns each, from column `first`
+            accs = [[cgutils.alloca_once(builder, v16) for _ in range(cw)] for _ in range(G)]
+            with cgutils.for_range(builder, count) as grp:
+                c0 = builder.add(first, builder.mul(grp.index, k64(16 * cw)))
+                outs = [[ptr(6, builder.add(builder.add(ooa, builder.mul(k64(j), osa)),
+                                           builder.add(c0, k64(16 * c))), v16) for c in range(cw)]
+                        for j in range(G)]
+                for j in range(G):
+                    for c in range(cw):
+                        builder.store(builder.load(outs[j][c], align=4), accs[j][c])
+                with cgutils.for_range(builder, na) as pos:
+                    row = builder.add(builder.add(voa, builder.mul(pos.index, hda)), c0)
+                    for c in range(0, cw, 2):     # a line holds 2 vectors
+                        prefetch_ir(context, builder, sig.args[0], args[0],
+                                    builder.add(row, k64(_PREFETCH + 16 * c)))
+                    vs = [_f16x16(builder, ptr(0, builder.add(row, k64(16 * c)), ir.VectorType(i16, 16)))
+                          for c in range(cw)]
+                    for j in range(G):
+                        wj = builder.load(ptr(3, builder.add(builder.mul(k64(j), wsa), pos.index), f32))
+                        wj = splat(builder, wj, 16)
+                        for c in range(cw):
+                            a = accs[j][c]
+                            builder.store(_fma(builder, wj, vs[c], builder.load(a)), a)
+                for j in range(G):
+                    for c in range(cw):
+                        builder.store(builder.load(accs[j][c]), outs[j][c], align=4)
+
+        full = builder.udiv(hda, k64(16 * C))
+        passes(k64(0), full, C)
+        if C > 1:
+            done = builder.mul(full, k64(16 * C))
+            passes(done, builder.udiv(builder.sub(hda, done), k64(16)), 1)   # columns left
         return context.get_dummy_value()
 
-    return types.void(vt, voff, stride, i0, w, wstride, nblk, out, ooff, ostride, g), codegen
+    return types.void(v, voff, hd, w, wstride, n, out, ooff, ostride, g), codegen
 
 
 @nb.njit(cache=True, inline="always")
-def _scores(kt, koff, stride, qs, hd, s, soff, sstride, nblk, g):
+def _scores(kt, koff, qs, hd, s, soff, sstride, nblk, g):
     # _scores16 with g as a constant, for the group sizes Llama models use (1..8; the
     # caller takes the plain loops for others)
     if g == 4:
-        _scores16(kt, koff, stride, qs, hd, s, soff, sstride, nblk, 4)
+        _scores16(kt, koff, qs, hd, s, soff, sstride, nblk, 4)
     elif g == 3:
-        _scores16(kt, koff, stride, qs, hd, s, soff, sstride, nblk, 3)
+        _scores16(kt, koff, qs, hd, s, soff, sstride, nblk, 3)
     elif g == 8:
-        _scores16(kt, koff, stride, qs, hd, s, soff, sstride, nblk, 8)
+        _scores16(kt, koff, qs, hd, s, soff, sstride, nblk, 8)
     elif g == 2:
-        _scores16(kt, koff, stride, qs, hd, s, soff, sstride, nblk, 2)
+        _scores16(kt, koff, qs, hd, s, soff, sstride, nblk, 2)
     elif g == 1:
-        _scores16(kt, koff, stride, qs, hd, s, soff, sstride, nblk, 1)
+        _scores16(kt, koff, qs, hd, s, soff, sstride, nblk, 1)
     elif g == 6:
-        _scores16(kt, koff, stride, qs, hd, s, soff, sstride, nblk, 6)
+        _scores16(kt, koff, qs, hd, s, soff, sstride, nblk, 6)
     elif g == 5:
-        _scores16(kt, koff, stride, qs, hd, s, soff, sstride, nblk, 5)
+        _scores16(kt, koff, qs, hd, s, soff, sstride, nblk, 5)
     elif g == 7:
-        _scores16(kt, koff, stride, qs, hd, s, soff, sstride, nblk, 7)
+        _scores16(kt, koff, qs, hd, s, soff, sstride, nblk, 7)
 
 
 @nb.njit(cache=True, inline="always")
-def _weighted(vt, voff, stride, i0, w, wstride, nblk, out, ooff, ostride, g):
+def _weighted(v, voff, hd, w, wstride, n, out, ooff, ostride, g):
     # _weighted16 with g as a constant (1..8, as _scores)
     if g == 4:
-        _weighted16(vt, voff, stride, i0, w, wstride, nblk, out, ooff, ostride, 4)
+        _weighted16(v, voff, hd, w, wstride, n, out, ooff, ostride, 4)
     elif g == 3:
-        _weighted16(vt, voff, stride, i0, w, wstride, nblk, out, ooff, ostride, 3)
+        _weighted16(v, voff, hd, w, wstride, n, out, ooff, ostride, 3)
     elif g == 8:
-        _weighted16(vt, voff, stride, i0, w, wstride, nblk, out, ooff, ostride, 8)
+        _weighted16(v, voff, hd, w, wstride, n, out, ooff, ostride, 8)
     elif g == 2:
-        _weighted16(vt, voff, stride, i0, w, wstride, nblk, out, ooff, ostride, 2)
+        _weighted16(v, voff, hd, w, wstride, n, out, ooff, ostride, 2)
     elif g == 1:
-        _weighted16(vt, voff, stride, i0, w, wstride, nblk, out, ooff, ostride, 1)
+        _weighted16(v, voff, hd, w, wstride, n, out, ooff, ostride, 1)
     elif g == 6:
-        _weighted16(vt, voff, stride, i0, w, wstride, nblk, out, ooff, ostride, 6)
+        _weighted16(v, voff, hd, w, wstride, n, out, ooff, ostride, 6)
     elif g == 5:
-        _weighted16(vt, voff, stride, i0, w, wstride, nblk, out, ooff, ostride, 5)
+        _weighted16(v, voff, hd, w, wstride, n, out, ooff, ostride, 5)
     elif g == 7:
-        _weighted16(vt, voff, stride, i0, w, wstride, nblk, out, ooff, ostride, 7)
+        _weighted16(v, voff, hd, w, wstride, n, out, ooff, ostride, 7)
 
 
 @nb.njit(cache=True, error_model="numpy", fastmath=True, parallel=True)
-def attention(q, kt_cache, vt_cache, pos0, scale, out, scratch):
+def attention(q, k_cache, v_cache, pos0, scale, out, scratch):
     # q (T, H, hd) roped queries at positions pos0..pos0+T-1;
-    # kt_cache, vt_cache (KV, hd, ctx): K and V of one layer transposed, f16 bits,
-    # filled up to pos0+T. Positions are contiguous, so scores are multiply-adds over
-    # positions and each output value is one long dot product over positions.
+    # k_cache (KV, nB, hd, 16): K of one layer in blocks of 16 positions, each block's
+    # head dims in turn, a vector of 16 positions each (scores are multiply-adds over
+    # positions, K read in address order); v_cache (KV, nB·16, hd): V by position (the
+    # output is a sum of whole V rows). Both f16 bits, filled up to pos0+T.
     # out (T, H, hd). Causal: token t sees positions 0..pos0+t.
-    # scratch (threads, G·ctx + TILE + G + G·hd) f32 with G = TB·g, one row per thread.
-    # GQA: the g query heads of a KV head share every K and V row converted; repeated
+    # scratch (threads, G·ctx + G + G·hd) f32 with G = TB·g, ctx = nB·16: one row per thread.
+    # GQA: the g query heads of a KV head share every K and V vector converted; repeated
     # K/V is never materialised. A work item is one KV head and a block of up to TB
     # tokens (rows tt·g + j of its scratch): K and V are read a chunk at a time for all
-    # of them, then from L2.
+    # of them, then from L2. Token blocks are handed out first, last, second, second to
+    # last...: the threads' even shares of the items then have even shares of the
+    # causal work (in order, a 512-token prefill's second half had 3/4 of it).
     T, H, hd = q.shape
-    KV, _, ctx = kt_cache.shape
+    KV, nB, _, _ = k_cache.shape
+    ctx = nB * KV_BLOCK
     g = H // KV
     G = _TB * g
-    for item in prange(-(-T // _TB) * KV):
-        t0, kvh = item // KV * _TB, item % KV
+    reg_k = g <= 8                                    # the register kernels' shapes
+    reg_v = reg_k and hd % 16 == 0
+    nblocks = -(-T // _TB)
+    for item in prange(nblocks * KV):
+        tb, kvh = item // KV, item % KV
+        tb = tb // 2 if tb % 2 == 0 else nblocks - 1 - tb // 2
+        t0 = tb * _TB
         nt = min(T, t0 + _TB) - t0
         buf = scratch[nb.get_thread_id()]
         s = buf[:G * ctx].reshape((G, ctx))
-        row = buf[G * ctx:G * ctx + _TILE]    # one converted K or V row chunk
-        tot_inv = buf[G * ctx + _TILE:G * ctx + _TILE + G]
-        qs = buf[G * ctx + _TILE + G:G * ctx + _TILE + G + G * hd]
-        kt, vt = kt_cache[kvh], vt_cache[kvh]
-        kvo = kvh * hd * ctx
+        tot_inv = buf[G * ctx:G * ctx + G]
+        qs = buf[G * ctx + G:G * ctx + G + G * hd]
+        kb, vr = k_cache[kvh], v_cache[kvh]
+        ko, vo = kvh * nB * hd * KV_BLOCK, kvh * ctx * hd
         for tt in range(nt):
             for j in range(g):
                 for i in range(hd):
                     qs[(tt * g + j) * hd + i] = q[t0 + tt, kvh * g + j, i] * scale
-        # scores s[tt g + j, p] = scale · q · k_p: 16 positions at a time in registers up
-        # to each token's last full 16 (nfull(tt)), then its last positions. What a token
-        # gets never depends on the other tokens of its block (nor on the batch size).
-        reg = g <= 8 and hd % 4 == 0                  # the register kernels' shapes
-        last = (pos0 + t0 + nt) // 16 * 16 if reg else 0
-        for c0 in range(0, last, _CHUNK):
+        # scores s[tt g + j, p] = scale · q · k_p, 16 positions at a time: a token's last
+        # block also scores positions past its own, which softmax never reads. What a
+        # token gets never depends on the other tokens of its block (nor on the batch).
+        end = pos0 + t0 + nt                          # positions the last token sees
+        if reg_k:
+            for c0 in range(0, end, _CHUNK):
+                for tt in range(nt):
+                    n = min(pos0 + t0 + tt + 1, c0 + _CHUNK) - c0
+                    if n > 0:
+                        _scores(k_cache, ko + c0 * hd, qs[tt * g * hd:], hd, buf,
+                                tt * g * ctx + c0, ctx, -(-n // KV_BLOCK), g)
+        else:
             for tt in range(nt):
-                nblk = (min((pos0 + t0 + tt + 1) // 16 * 16, c0 + _CHUNK) - c0) // 16
-                if nblk > 0:
-                    _scores(kt_cache, kvo + c0, ctx, qs[tt * g * hd:], hd, buf,
-                            tt * g * ctx + c0, ctx, nblk, g)
+                for blk in range(-(-(pos0 + t0 + tt + 1) // KV_BLOCK)):
+                    p0 = blk * KV_BLOCK
+                    for j in range(g):
+                        s[tt * g + j, p0:p0 + KV_BLOCK] = 0
+                    for i in range(hd):
+                        ki = kb[blk, i]
+                        for j in range(g):
+                            qi = qs[(tt * g + j) * hd + i]
+                            sj = s[tt * g + j, p0:p0 + KV_BLOCK]
+                            for lane in range(KV_BLOCK):
+                                sj[lane] += qi * f16_to_f32(ki[lane])
+        # softmax weights e^(s - max), unnormalised: out is divided by their sum at the
+        # end. Weights below e^-30 (1e-13, far under f32 resolution next to the max's 1)
+        # are zero: tiny weights would make subnormal products, ~100x slower on x86.
         for tt in range(nt):
             n = pos0 + t0 + tt + 1
-            nfull = n // 16 * 16 if reg else 0
-            for c0 in range(nfull, n, _TILE):
-                m = min(n, c0 + _TILE) - c0
-                for j in range(g):
-                    s[tt * g + j, c0:c0 + m] = 0
-                for i in range(hd):
-                    ki = kt[i, c0:c0 + m]
-                    for p in range(m):
-                        row[p] = f16_to_f32(ki[p])
-                    for j in range(g):
-                        qi = qs[(tt * g + j) * hd + i]
-                        sj = s[tt * g + j, c0:c0 + m]
-                        for p in range(m):
-                            sj[p] += qi * row[p]
-            # softmax weights e^(s - max), unnormalised: out is divided by their sum at
-            # the end. Weights below e^-30 (1e-13, far under f32 resolution next to the
-            # max's 1) are zero: tiny weights would make subnormal products, ~100x slower
-            # on x86.
             for j in range(g):
                 sj = s[tt * g + j]
                 mx = sj[0]
@@ -330,38 +376,47 @@ def attention(q, kt_cache, vt_cache, pos0, scale, out, scratch):
                     tot += e
                 out[t0 + tt, kvh * g + j] = 0
                 tot_inv[tt * g + j] = F32(1.0) / tot
-        # out[j, i] = Σ_p w[j, p] · v[i, p] / Σ_p w[j, p]: 16 positions and 4 rows of V at
-        # a time in registers, then each token's last positions
-        for c0 in range(0, last, _CHUNK):
+        # out[j] = Σ_p w[j, p] · v_p / Σ_p w[j, p]: whole V rows, the sums in registers
+        if reg_v:
+            for c0 in range(0, end, _CHUNK):
+                for tt in range(nt):
+                    n = min(pos0 + t0 + tt + 1, c0 + _CHUNK) - c0
+                    if n > 0:
+                        _weighted(v_cache, vo + c0 * hd, hd, buf[tt * g * ctx + c0:], ctx, n,
+                                  out, ((t0 + tt) * H + kvh * g) * hd, hd, g)
+        else:
             for tt in range(nt):
-                nblk = (min((pos0 + t0 + tt + 1) // 16 * 16, c0 + _CHUNK) - c0) // 16
-                if nblk > 0:
-                    for i0 in range(0, hd, 4):
-                        _weighted(vt_cache, kvo + c0, ctx, i0, buf[tt * g * ctx + c0:], ctx,
-                                  nblk, out, ((t0 + tt) * H + kvh * g) * hd, hd, g)
-        for tt in range(nt):
-            n = pos0 + t0 + tt + 1
-            for c0 in range(n // 16 * 16 if reg else 0, n, _TILE):
-                m = min(n, c0 + _TILE) - c0
-                for i in range(hd):
-                    vi = vt[i, c0:c0 + m]
-                    for p in range(m):
-                        row[p] = f16_to_f32(vi[p])
+                for p in range(pos0 + t0 + tt + 1):
                     for j in range(g):
-                        sj = s[tt * g + j, c0:c0 + m]
-                        d = F32(0.0)
-                        for p in range(m):
-                            d += sj[p] * row[p]
-                        out[t0 + tt, kvh * g + j, i] += d
+                        w = s[tt * g + j, p]
+                        for i in range(hd):
+                            out[t0 + tt, kvh * g + j, i] += w * f16_to_f32(vr[p, i])
+        for tt in range(nt):
             for j in range(g):
                 for i in range(hd):
                     out[t0 + tt, kvh * g + j, i] *= tot_inv[tt * g + j]
 
 
+@nb.njit(cache=True, error_model="numpy")
+def kv_store(k_cache, v_cache, pos, k, v):
+    # k, v (T, KV, hd) f32 -> positions pos..pos+T-1 of one layer's caches as f16 bits
+    # (rounded to nearest even, as NumPy's astype): k_cache (KV, nB, hd, 16),
+    # v_cache (KV, nB·16, hd), the layouts of attention()
+    T, KV, hd = k.shape
+    for t in range(T):
+        p = pos + t
+        blk, lane = p // KV_BLOCK, p % KV_BLOCK
+        for h in range(KV):
+            for i in range(hd):
+                k_cache[h, blk, i, lane] = f32_to_f16(k[t, h, i])
+                v_cache[h, p, i] = f32_to_f16(v[t, h, i])
+
+
 def attention_scratch(n_threads: int, n_heads: int, n_kv_heads: int, ctx: int,
                       head_dim: int) -> np.ndarray:
     G = _TB * (n_heads // n_kv_heads)
-    return np.zeros((n_threads, G * ctx + _TILE + G + G * head_dim), F32)
+    cap = kv_capacity(ctx)
+    return np.zeros((n_threads, G * cap + G + G * head_dim), F32)
 
 
 @nb.njit(cache=True, error_model="numpy")

@@ -23,44 +23,47 @@ DEFAULT_BATCH = 512   # prefill chunk: measured on 1B Q4_0, pp512 runs 44 / 56 /
 class KVCache:
     """K and V for every layer, allocated once for `ctx` positions as IEEE half.
 
-    Both are stored transposed, (L, KV, hd, ctx): each head dimension's positions are
-    contiguous, so decode streams long runs of memory and attention's inner loops
-    run over positions. `length` is how many leading positions hold valid entries.
+    Laid out for attention's register kernels (kernels.attention): K in blocks of 16
+    positions, (L, KV, ctx/16, hd, 16), so a block's scores are multiply-adds of whole
+    vectors over the head dims, read in address order; V by position, (L, KV, ctx, hd),
+    so the output is a sum of whole V rows. ctx is rounded up to a whole block
+    (kernels.kv_capacity). `length` is how many leading positions hold valid entries.
     """
 
     def __init__(self, args: ModelArgs, ctx: int):
-        shape = (args.n_layers, args.n_kv_heads, args.head_dim, ctx)
-        # Anonymous 4 KiB pages, mapped on first touch: as each (head, dim) row spans ctx
-        # positions, residency grows in steps of 2048 positions (one page of every row).
-        # Not np.zeros: NumPy asks for huge pages, and the first token then faults in
-        # all of the cache (1B at ctx 8192, this VM: 0.4 s and 256 MiB resident at once).
-        self.kt = anon_array(shape, np.float16)
-        self.vt = anon_array(shape, np.float16)
-        self.kt_bits, self.vt_bits = self.kt.view(np.uint16), self.vt.view(np.uint16)
+        cap = K.kv_capacity(ctx)
+        L, KV, hd = args.n_layers, args.n_kv_heads, args.head_dim
+        # Anonymous 4 KiB pages, mapped on first touch, so residency grows with the
+        # positions written. Not np.zeros: NumPy asks for huge pages, and the first
+        # token then faults in all of the cache (1B at ctx 8192, this VM: 0.4 s and
+        # 256 MiB resident at once).
+        self.k = anon_array((L, KV, cap // K.KV_BLOCK, hd, K.KV_BLOCK), np.float16)
+        self.v = anon_array((L, KV, cap, hd), np.float16)
+        self.k_bits, self.v_bits = self.k.view(np.uint16), self.v.view(np.uint16)
         self.ctx = ctx
         self.length = 0
 
     def write(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store k, v (T, KV, hd) f32 at positions pos..pos+T-1 (rounded to f16)."""
-        T = k.shape[0]
-        self.kt[layer, :, :, pos:pos + T] = k.transpose(1, 2, 0)
-        self.vt[layer, :, :, pos:pos + T] = v.transpose(1, 2, 0)
+        K.kv_store(self.k_bits[layer], self.v_bits[layer], pos, k, v)
 
     def fill_random(self, n: int, rng: np.random.Generator) -> None:
         """Synthetic K/V for the first n positions (benchmarks: speed ignores values)."""
-        _, KV, hd, _ = self.kt.shape
-        for arr in (self.kt, self.vt):
-            arr[:, :, :, :n] = (rng.standard_normal((KV, hd, n), np.float32) * 0.5).astype(np.float16)
+        L, KV, _, hd, _ = self.k.shape
+        k, v = rng.standard_normal((2, n, KV, hd), np.float32) * 0.5
+        for layer in range(L):
+            self.write(layer, 0, k, v)
         self.length = n
 
     @staticmethod
     def bytes_needed(args: ModelArgs, ctx: int) -> int:
-        """2 (K and V) × layers × kv heads × head dim × ctx × 2 bytes (f16)."""
+        """2 (K and V) × layers × kv heads × head dim × ctx × 2 bytes (f16); the cache
+        holds up to 15 positions more, to end on a whole block."""
         return 2 * args.n_layers * args.n_kv_heads * args.head_dim * ctx * 2
 
     @property
     def nbytes(self) -> int:
-        return self.kt.nbytes + self.vt.nbytes
+        return self.k.nbytes + self.v.nbytes
 
 
 @dataclass
@@ -263,7 +266,7 @@ class Transformer:
             K.rope(q3, cos, sin)
             K.rope(k3, cos, sin)
             cache.write(li, pos, k3, v3)
-            K.attention(q3, cache.kt_bits[li], cache.vt_bits[li], pos, scale,
+            K.attention(q3, cache.k_bits[li], cache.v_bits[li], pos, scale,
                         att.reshape(T, a.n_heads, hd), b.att_scratch)
             _linear(att, layer.wo, o)
             K.add_inplace(x, o)

@@ -188,8 +188,10 @@ def test_kl_of_two_models_matches_numpy(files):
         assert r.kl_max == pytest.approx(kl.max(), rel=1e-4)
         assert r.kl_percentile(99) == pytest.approx(np.percentile(kl, 99), rel=1e-4)
         assert r.same_top == sum(same)
-        assert r.ppl_ratio == pytest.approx(math.exp(np.mean(nll) - np.mean(nll_ref)), rel=1e-5)
-        assert r.ref_ppl == pytest.approx(math.exp(np.mean(nll_ref)), rel=1e-5)
+        # the F32 reference's logits move by up to 6e-5 with the batch split (BLAS
+        # blocking), so its NLLs by as much: a relative 1e-5 was within that noise
+        assert r.ppl_ratio == pytest.approx(math.exp(np.mean(nll) - np.mean(nll_ref)), rel=1e-4)
+        assert r.ref_ppl == pytest.approx(math.exp(np.mean(nll_ref)), rel=1e-4)
     assert 0 < rq.kl_mean < ro.kl_mean        # a quantized copy is closer than another model
 
 
