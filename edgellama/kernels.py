@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
-from llvmlite import ir
 import llvmlite.binding as llvm
+from llvmlite import ir
 from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
@@ -153,7 +153,7 @@ def _scores16(typingctx, kt, koff, qs, hd, s, soff, sstride, nblk, g):
 
     def codegen(context, builder, sig, args):
         koa, hda, soa, ssa, nba = args[1], args[3], args[5], args[6], args[7]
-        f32, i16 = ir.FloatType(), ir.IntType(16)
+        f32, h16 = ir.FloatType(), ir.VectorType(ir.IntType(16), 16)
         v16 = ir.VectorType(f32, 16)
         k64 = lambda v: ir.Constant(koa.type, v)
         ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
@@ -164,20 +164,20 @@ def _scores16(typingctx, kt, koff, qs, hd, s, soff, sstride, nblk, g):
             accs = [[cgutils.alloca_once(builder, v16) for _ in range(u)] for _ in range(G)]
             with cgutils.for_range(builder, count) as pas:
                 b0 = builder.add(first, builder.mul(pas.index, k64(u)))
-                base = [builder.add(koa, builder.mul(builder.add(b0, k64(b)), bstride)) for b in range(u)]
+                base = [builder.add(koa, builder.mul(builder.add(b0, k64(b)), bstride))
+                        for b in range(u)]
                 for row in accs:
                     for a in row:
                         builder.store(ir.Constant(v16, None), a)
                 with cgutils.for_range(builder, hda) as it:
-                    i16off = builder.mul(it.index, k64(16))
+                    at = [builder.add(base[b], builder.mul(it.index, k64(16))) for b in range(u)]
                     for b in range(u):
                         prefetch_ir(context, builder, sig.args[0], args[0],
-                                    builder.add(builder.add(base[b], i16off), k64(_PREFETCH)))
-                    kf = [_f16x16(builder, ptr(0, builder.add(base[b], i16off), ir.VectorType(i16, 16)))
-                          for b in range(u)]
+                                    builder.add(at[b], k64(_PREFETCH)))
+                    kf = [_f16x16(builder, ptr(0, at[b], h16)) for b in range(u)]
                     for j, row in enumerate(accs):
-                        qj = builder.load(ptr(2, builder.add(builder.mul(k64(j), hda), it.index), f32))
-                        qj = splat(builder, qj, 16)
+                        qj = ptr(2, builder.add(builder.mul(k64(j), hda), it.index), f32)
+                        qj = splat(builder, builder.load(qj), 16)
                         for b, a in enumerate(row):
                             builder.store(_fma(builder, qj, kf[b], builder.load(a)), a)
                 for j, row in enumerate(accs):
@@ -209,7 +209,7 @@ def _weighted16(typingctx, v, voff, hd, w, wstride, n, out, ooff, ostride, g):
 
     def codegen(context, builder, sig, args):
         voa, hda, wsa, na, ooa, osa = args[1], args[2], args[4], args[5], args[7], args[8]
-        f32, i16 = ir.FloatType(), ir.IntType(16)
+        f32, h16 = ir.FloatType(), ir.VectorType(ir.IntType(16), 16)
         v16 = ir.VectorType(f32, 16)
         k64 = lambda v: ir.Constant(voa.type, v)
         ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
@@ -230,11 +230,11 @@ def _weighted16(typingctx, v, voff, hd, w, wstride, n, out, ooff, ostride, g):
                     for c in range(0, cw, 2):     # a line holds 2 vectors
                         prefetch_ir(context, builder, sig.args[0], args[0],
                                     builder.add(row, k64(_PREFETCH + 16 * c)))
-                    vs = [_f16x16(builder, ptr(0, builder.add(row, k64(16 * c)), ir.VectorType(i16, 16)))
+                    vs = [_f16x16(builder, ptr(0, builder.add(row, k64(16 * c)), h16))
                           for c in range(cw)]
                     for j in range(G):
-                        wj = builder.load(ptr(3, builder.add(builder.mul(k64(j), wsa), pos.index), f32))
-                        wj = splat(builder, wj, 16)
+                        wj = ptr(3, builder.add(builder.mul(k64(j), wsa), pos.index), f32)
+                        wj = splat(builder, builder.load(wj), 16)
                         for c in range(cw):
                             a = accs[j][c]
                             builder.store(_fma(builder, wj, vs[c], builder.load(a)), a)

@@ -115,4 +115,4 @@ def test_kv_store_rounds_as_numpy_and_places_by_layout():
         p = pos + t
         np.testing.assert_array_equal(kc[:, p // 16, :, p % 16], k16[t])
         np.testing.assert_array_equal(vc[:, p], v16[t])
-    assert kc.view(np.float16)[:, 0, :, :13].tolist() == np.zeros((KV, hd, 13)).tolist()   # nothing else
+    assert not kc[:, 0, :, :13].any()            # nothing before pos written
