@@ -1,0 +1,60 @@
+"""edgellama with a busy neighbour against one thread on a quiet machine, interleaved.
+
+    python bench/bench_busy.py [--shape llama-3.2-1b] [--type q4_0] [--reps 5] [--json OUT]
+
+The target: with one CPU-bound process running beside it, edgellama's default settings
+give at least 90% of what one thread does on a quiet machine, prefill and decode. The
+three cases run in turn, each measurement a fresh process (bench_llamacpp's worker: pp512
+then tg32 at depth 0), so the machine's drift hits all three alike:
+- quiet, -t 1: the reference;
+- busy, -t 1: what fewer threads give;
+- busy, default: what users get (the adaptive thread count).
+The table shows medians and each case as a share of the reference.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+from bench_llamacpp import busy_process, run_one
+
+CASES = (("quiet, -t 1", 0, 1), ("busy, -t 1", 1, 1), ("busy, default", 1, None))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="llama-3.2-1b")
+    ap.add_argument("--type", default="q4_0")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--json", help="write the results here")
+    a = ap.parse_args()
+
+    from edgellama.benchmark import shape_file
+    from edgellama.machine import cpu_name
+    path = str(shape_file(a.shape, a.type))
+    got = {name: [] for name, _, _ in CASES}
+    for rep in range(a.reps):
+        for name, busy, threads in CASES:
+            with busy_process(busy):
+                r = run_one("edgellama", path, threads, 0, 512, 32)
+            got[name].append(r)
+            print(f"{rep + 1}/{a.reps} {name}: pp {r['pp']:.1f} tg {r['tg']:.1f} t/s "
+                  f"({r['threads']} threads)", flush=True)
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in ("pp", "tg")}
+           for name, rs in got.items()}
+    ref = med[CASES[0][0]]
+    print(f"\n{a.shape} {a.type} on {cpu_name()}; pp512, tg32, median of {a.reps}\n")
+    print("| case | prefill t/s | of quiet -t 1 | decode t/s | of quiet -t 1 |")
+    print("|---|---|---|---|---|")
+    for name, m in med.items():
+        print(f"| {name} | {m['pp']:.1f} | {m['pp'] / ref['pp']:.0%} | {m['tg']:.1f} | "
+              f"{m['tg'] / ref['tg']:.0%} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"machine": cpu_name(), "file": path, "reps": a.reps,
+                       "runs": got, "medians": med}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
