@@ -73,6 +73,19 @@ def test_kv_cache_size_is_the_formula(tiny):
     assert m.cache.nbytes == KVCache.bytes_needed(a, 48) == 2 * a.n_layers * a.n_kv_heads * a.head_dim * 48 * 2
 
 
+def test_context_not_a_multiple_of_the_kv_block(tiny):
+    # ctx 37 holds 48 positions (whole blocks of 16 K positions); the model fills all 37,
+    # the last by decode, and refuses a 38th
+    qtype, path, ref = tiny
+    m = _model(path, ctx=len(TOKENS))
+    assert m.cache.nbytes == KVCache.bytes_needed(m.args, 48)
+    m.forward(TOKENS[:-1], 0)
+    last = m.forward(TOKENS[-1:], len(TOKENS) - 1).copy()
+    assert _rel_err(last, ref[-1]) < TOL[qtype]
+    with pytest.raises(edgellama.EdgeError, match="do not fit the context"):
+        m.forward(TOKENS[:1], len(TOKENS))
+
+
 def test_context_overflow_is_an_error(tiny):
     _, path, _ = tiny
     m = _model(path, ctx=16)
