@@ -11,19 +11,51 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from .target import HALF_NATIVE
+
+
+def _like(ty, c):
+    # the constant c of an integer or float type, or splat across a vector type
+    if isinstance(ty, ir.VectorType):
+        return ir.Constant(ty, [ir.Constant(ty.element, c)] * ty.count)
+    return ir.Constant(ty, c)
+
+
+def half_to_float_ir(builder, bits, native: bool = HALF_NATIVE):
+    """IR: IEEE half bits (i16 or <n x i16>) -> float (or <n x float>), exactly.
+
+    With F16C (or AArch64) LLVM's fpext, one vcvtph2ps that also vectorises in loops
+    (5-17% faster Q4_0 matvec than bit twiddling through a scratch buffer). Without it,
+    fpext would become a call of __extendhfsf2, which Numba cannot link, so: the
+    exponent and mantissa moved into place and scaled by 2^112 (exact for normal and
+    subnormal halves), inf/NaN given the all-ones exponent, the sign put back.
+    """
+    n = bits.type.count if isinstance(bits.type, ir.VectorType) else None
+    i32 = ir.VectorType(ir.IntType(32), n) if n else ir.IntType(32)
+    f32 = ir.VectorType(ir.FloatType(), n) if n else ir.FloatType()
+    if native:
+        h = ir.VectorType(ir.HalfType(), n) if n else ir.HalfType()
+        return builder.fpext(builder.bitcast(bits, h), f32)
+    h = builder.zext(bits, i32)
+    em = builder.and_(h, _like(i32, 0x7FFF))
+    shifted = builder.shl(em, _like(i32, 13))
+    finite = builder.bitcast(builder.fmul(builder.bitcast(shifted, f32), _like(f32, 2.0 ** 112)), i32)
+    infnan = builder.or_(shifted, _like(i32, 0x7F800000))
+    mag = builder.select(builder.icmp_unsigned(">=", em, _like(i32, 0x7C00)), infnan, finite)
+    sign = builder.shl(builder.and_(h, _like(i32, 0x8000)), _like(i32, 16))
+    return builder.bitcast(builder.or_(mag, sign), f32)
+
 
 @intrinsic
 def f16_to_f32(typingctx, h):
-    # u16 f16 bits -> f32: LLVM's fpext half -> float, which is vcvtph2ps (F16C, on
-    # every AVX2 CPU) and vectorises in loops. 5-17% faster Q4_0 matvec than a
-    # bit-twiddling conversion through a scratch buffer.
+    # u16 f16 bits -> f32
     def codegen(context, builder, sig, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+        return half_to_float_ir(builder, args[0])
     return types.float32(types.uint16), codegen
 
 
 @intrinsic
-def f32_to_f16(typingctx, x):
+def _f32_to_f16_native(typingctx, x):
     # f32 -> u16 f16 bits, rounded to nearest even (as NumPy's astype(float16)): LLVM's
     # fptrunc float -> half, vcvtps2ph (F16C), vectorises in loops
     def codegen(context, builder, sig, args):
@@ -69,6 +101,11 @@ def f16_bits(x):
     if rem > 0x1000 or (rem == 0x1000 and (h & 1) == 1):
         h += 1                                   # a carry into the exponent is correct
     return sign | np.uint16(h)
+
+
+# f32 -> f16 bits in kernels: one instruction where the target has it, else the integer
+# rounding above (fptrunc would become a call Numba cannot link)
+f32_to_f16 = _f32_to_f16_native if HALF_NATIVE else f16_bits
 
 
 @njit(cache=True, inline="always")

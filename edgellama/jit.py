@@ -25,8 +25,9 @@ from .default_model import cache_dir
 cache_note: str | None = None
 
 
-# Every file holding kernels or the intrinsics they inline (fp.py, simd.py).
-_KERNEL_SOURCES = ("fp.py", "simd.py", "kernels.py", "membw.py", "formats/*.py")
+# Every file holding kernels, the intrinsics they inline (fp.py, simd.py) or the target
+# features their instructions follow (target.py).
+_KERNEL_SOURCES = ("target.py", "fp.py", "simd.py", "kernels.py", "membw.py", "formats/*.py")
 
 
 def kernel_cache_dir() -> Path:

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
-import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .fp import f16_to_f32, f32_to_f16
+from .fp import f16_to_f32, f32_to_f16, half_to_float_ir
 from .simd import call_llvm, ir_ptr, prefetch_ir, splat
+from .target import FEATURES
 
 F32 = np.float32
 KV_BLOCK = 16       # positions per block of the K cache: one vector of halves per head dim
@@ -109,9 +109,7 @@ def kv_capacity(ctx: int) -> int:
 
 def _f16x16(builder, p):
     # <16 x float>: the 16 IEEE halves at p (an i16 vector pointer), widened
-    v = builder.load(p, align=2)
-    return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), 16)),
-                         ir.VectorType(ir.FloatType(), 16))
+    return half_to_float_ir(builder, builder.load(p, align=2))
 
 
 def _fma(builder, a, b, c):
@@ -122,7 +120,7 @@ def _fma(builder, a, b, c):
 # Registers, in 16-float vectors: 32 zmm hold 32 of them on AVX-512, 16 ymm only 8 (each
 # is two ymm) on AVX2 and other targets; a few stay free for the loaded K or V. (Numba's
 # kernel cache is keyed by the CPU, so these never meet another CPU's cache.)
-_AVX512 = bool(llvm.get_host_cpu_features().get("avx512f"))
+_AVX512 = "avx512f" in FEATURES
 _VREGS = 28 if _AVX512 else 7
 
 

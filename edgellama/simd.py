@@ -12,8 +12,9 @@ Q5_K, `q6_gemm` for Q6_K (5- and 6-bit values rebuilt in registers from nibbles 
     AVX2            vpmaddubsw (u8 x i8 pairs -> int16) then vpmaddwd (-> int32)
     anything else   target-independent IR (widen, multiply, add), which LLVM lowers
 
-The instruction set is chosen once from the host CPU's features (Numba's kernel cache
-is keyed by the CPU, so a cache is never used on a CPU it was not built for).
+The instruction set is chosen once, from the features Numba compiles for: the host CPU's
+unless NUMBA_CPU_NAME / NUMBA_CPU_FEATURES say otherwise (Numba's kernel cache is keyed
+by both, so a cache is never used on a CPU it was not built for).
 
 The weights' layout: records, one per strip of 16 rows (RECORD_ROWS) and run of blocks
 (a super-block of 256 weights for the K-quants), a strip's records in a row, each
@@ -27,25 +28,26 @@ side, so one 32-bit lane of a vector holds 4 bytes of one row,
 """
 from __future__ import annotations
 
-import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .fp import half_to_float_ir
+from .target import FEATURES
+
 GENERIC, AVX2, VNNI512 = 0, 1, 2
 
 
-def host_isa() -> int:
-    f = llvm.get_host_cpu_features()
-    if f.get("avx512vnni") and f.get("avx512bw"):
+def target_isa(features: set[str]) -> int:
+    if {"avx512vnni", "avx512bw"} <= features:
         return VNNI512
-    if f.get("avx2"):
+    if "avx2" in features:
         return AVX2
     return GENERIC
 
 
-ISA = host_isa()
+ISA = target_isa(FEATURES)
 ISA_NAMES = {GENERIC: "generic", AVX2: "AVX2 (vpmaddubsw)", VNNI512: "AVX-512 VNNI (vpdpbusd)"}   # reports
 
 
@@ -162,7 +164,7 @@ class _GemmFrame:
         """n f16 values of argument k at off -> <n x float>."""
         b = self.builder
         v = b.load(self.ptr(k, off, ir.VectorType(ir.IntType(16), self.n)), align=2)
-        return b.fpext(b.bitcast(v, ir.VectorType(ir.HalfType(), self.n)), self.vf)
+        return half_to_float_ir(b, v)
 
 
 RECORD_ROWS = 16           # rows per strip of every record layout (below)

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from edgellama import kernels as K
+from edgellama.target import FEATURES
 
 rng = np.random.default_rng(0)
 
@@ -45,7 +46,9 @@ def test_fast_exp_matches_numpy():
     got = np.array([K._exp_neg(v) for v in x], np.float32)
     ref = np.exp(x.astype(np.float64))
     normal = x >= -87
-    np.testing.assert_allclose(got[normal], ref[normal], rtol=3e-7)
+    # y = x - k ln2 is one fused multiply-add where the target has FMA; without (a generic
+    # target), k ln2 rounds to f32 first: 4e-6 at k = -125, harmless in softmax
+    np.testing.assert_allclose(got[normal], ref[normal], rtol=3e-7 if "fma" in FEATURES else 5e-6)
     assert np.all(got[~normal] < 2e-38) and np.all(got >= 0)   # clamped: e^-87, negligible
 
 

@@ -1,6 +1,11 @@
 """simd's tile intrinsics (blocks_gemm, q4k_gemm, q6_gemm),
-in each instruction set (all are compiled here; the CPU must have the instructions to run
-them, so the VNNI and AVX2 cases skip elsewhere), against a NumPy twin."""
+in each instruction set (all are compiled here; Numba's target must have the instructions
+to compile and run them, so the VNNI and AVX2 cases skip elsewhere), against a NumPy twin;
+and the instruction set chosen from that target."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from numba import literally, njit
@@ -8,17 +13,53 @@ from numba import literally, njit
 from edgellama.simd import (AVX2, BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, GENERIC, ISA, KIND_Q4_0, KIND_Q4_1,
                             KIND_Q8_0, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH,
                             Q5K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS, TOKENS,
-                            VNNI512, blocks_gemm, host_isa, q4k_gemm, q6_gemm)
-
-import llvmlite.binding as llvm
-
-_F = llvm.get_host_cpu_features()
-RUNS = {GENERIC: True, AVX2: bool(_F.get("avx2")),
-        VNNI512: bool(_F.get("avx512vnni") and _F.get("avx512bw"))}
+                            VNNI512, ISA_NAMES, blocks_gemm, q4k_gemm, q6_gemm, target_isa)
+from edgellama.target import FEATURES as _F
 
 
-def test_host_isa_is_what_the_kernels_use():
-    assert ISA == host_isa() and RUNS[ISA]
+RUNS = {GENERIC: True, AVX2: "avx2" in _F, VNNI512: {"avx512vnni", "avx512bw"} <= _F}
+
+
+def test_isa_is_the_best_the_target_has():
+    assert RUNS[ISA] and all(not RUNS[i] for i in (GENERIC, AVX2, VNNI512) if i > ISA)
+    assert target_isa(set()) == GENERIC
+    assert target_isa({"sse4.2", "avx", "fma", "f16c"}) == GENERIC
+    assert target_isa({"avx", "avx2", "fma"}) == AVX2
+    assert target_isa({"avx2", "avx512f", "avx512bw"}) == AVX2       # Skylake-X: no VNNI
+    assert target_isa({"avx2", "avx512f", "avx512vnni"}) == AVX2     # VNNI without BW's bytes
+    assert target_isa({"avx2", "avx512f", "avx512bw", "avx512vnni"}) == VNNI512
+
+
+ISA_PROBE = """
+import numpy as np
+from edgellama.benchmark import random_weights
+from edgellama.formats import FORMATS, linear
+from edgellama.simd import ISA, ISA_NAMES
+rng = np.random.default_rng(0)
+raw = random_weights(rng, 32, 256, "Q4_0", 1.0)
+w = linear(FORMATS["Q4_0"].type_id, [(raw, (32, 256))])
+x = rng.standard_normal(256).astype(np.float32)
+got = np.empty(32, np.float32)
+w.matvec(x, got)
+ref = np.empty((32, 256), np.float32)
+FORMATS["Q4_0"].dequantize(raw.reshape(-1), ref.reshape(-1))
+print(ISA_NAMES[ISA], "|", float(np.abs(got - ref @ x).max() / np.abs(ref @ x).max()))
+"""
+
+
+@pytest.mark.parametrize("env, isa", [({"NUMBA_CPU_NAME": "generic"}, GENERIC),
+                                      ({"NUMBA_ENABLE_AVX": "0"}, GENERIC)])
+def test_kernels_follow_numba_target_not_host(tmp_path, env, isa):
+    """NUMBA_CPU_NAME=generic (a cache shared between machines) compiles for no vector
+    extension: a kernel with the host's VNNI or AVX2 intrinsics would abort the process
+    in LLVM. The kernels pick the generic instructions and still compute the product."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CPU")}
+    e.update(env, EDGELLAMA_CACHE=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", ISA_PROBE], env=e, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    name, err = r.stdout.strip().split(" | ")
+    assert name == ISA_NAMES[isa] and float(err) < 0.02
 
 
 # --- blocks_gemm: records of a per-32-block format (Q4_0, Q4_1, Q8_0) -----------------------
@@ -100,7 +141,7 @@ def blocks_case(isa, kind, R, group, tokens, case):
 @pytest.mark.parametrize("case", ["bounds", "random"])
 def test_blocks_gemm_matches_twin(isa, kind, R, group, tokens, case):
     if not RUNS[isa]:
-        pytest.skip("this CPU lacks the instructions")
+        pytest.skip("Numba's target (this CPU, or NUMBA_CPU_*) lacks the instructions")
     got, want = blocks_case(isa, kind, R, group, tokens, case)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
@@ -183,7 +224,7 @@ def gemm6_case(isa, R, tokens, case):
 @pytest.mark.parametrize("case", ["exact", "q63", "q0", "random"])
 def test_q6_gemm_matches_twin(isa, R, tokens, case):
     if not RUNS[isa]:
-        pytest.skip("this CPU lacks the instructions")
+        pytest.skip("Numba's target (this CPU, or NUMBA_CPU_*) lacks the instructions")
     got, want = gemm6_case(isa, R, tokens, case)
     if case == "exact":
         np.testing.assert_array_equal(got, want)
@@ -274,7 +315,7 @@ def gemm4k_case(isa, R, tokens, bits, case):
 @pytest.mark.parametrize("case", ["exact", "bounds", "random"])
 def test_q4k_gemm_matches_twin(isa, R, tokens, bits, case):
     if not RUNS[isa]:
-        pytest.skip("this CPU lacks the instructions")
+        pytest.skip("Numba's target (this CPU, or NUMBA_CPU_*) lacks the instructions")
     got, want = gemm4k_case(isa, R, tokens, bits, case)
     if case == "exact":
         np.testing.assert_array_equal(got, want)

@@ -1,0 +1,28 @@
+"""The CPU Numba compiles our kernels for, which is not always the CPU they run on.
+
+Numba targets the host unless NUMBA_CPU_NAME / NUMBA_CPU_FEATURES say otherwise
+(NUMBA_CPU_NAME=generic, for a kernel cache shared between machines, empties the
+features; NUMBA_ENABLE_AVX=0 drops AVX). Every instruction choice in the kernels follows
+these features, not the host's: LLVM aborts the whole process on an intrinsic its target
+lacks, and lowers a half-precision conversion it has no instruction for to a library
+call that Numba's JIT cannot link.
+"""
+from __future__ import annotations
+
+import llvmlite.binding as llvm
+from numba.core import config
+from numba.core.codegen import get_host_cpu_features
+
+
+def target_features() -> set[str]:
+    """The features Numba compiles for, e.g. {"avx2", "f16c", ...}."""
+    flat = config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features()
+    return {f[1:] for f in flat.split(",") if f.startswith("+")}
+
+
+FEATURES = target_features()
+_ARCH = llvm.get_process_triple().split("-")[0]
+# f16 <-> f32 in one instruction: F16C on x86 (it needs AVX's encoding: NUMBA_ENABLE_AVX=0
+# turns it off in LLVM), always on AArch64
+HALF_NATIVE = {"f16c", "avx"} <= FEATURES if _ARCH in ("x86_64", "i386", "i686") \
+    else _ARCH in ("aarch64", "arm64")
