@@ -133,6 +133,8 @@ def test_smollm2_matches_reference_logits(smollm2, smollm2_gguf):
     # over 30 layers the logits move with every rounding that flips: on one 5-token prompt
     # the largest logit error went 12%, 14%, 17.5% of the largest logit for three
     # implementations of SwiGLU equal to 2e-7. Several prompts, then: each keeps its argmax
+    # (one of the reference's top 3 where its best leads by under 1, which summation
+    # order alone decides: another instruction set's kernels flipped "Water boils at"),
     # and a correlation near 1, and the largest errors stay under 25% (mean under 15%;
     # measured 6-17.5%, mean 10%). A wrong layout or scale gives errors of 100% or more.
     meta, W = load_reference(smollm2_gguf)
@@ -144,7 +146,11 @@ def test_smollm2_matches_reference_logits(smollm2, smollm2_gguf):
         smollm2.reset()
         got = smollm2.logits(ids)
         errs.append(_rel_err(got, ref))
-        assert int(np.argmax(got)) == int(np.argmax(ref)), prompt
+        top = np.argsort(ref)[::-1]
+        if ref[top[0]] - ref[top[1]] > 1.0:
+            assert int(np.argmax(got)) == int(top[0]), prompt
+        else:   # a near tie ("Water boils at": 21.55, 21.32, 21.18): float order picks
+            assert int(np.argmax(got)) in top[:3], prompt
         assert np.corrcoef(got, ref)[0, 1] > 0.98, prompt
     assert max(errs) < 0.25 and np.mean(errs) < 0.15, errs
 
