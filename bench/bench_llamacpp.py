@@ -8,6 +8,13 @@ never a runtime dependency). Every measurement is a fresh process of its own, an
 engines alternate (ours, theirs, ours, theirs, ...) so that drift in the machine's speed
 hits both alike; the table shows medians and the ratio ours / llama.cpp.
 
+An AVX2-only CPU, on one with AVX-512: build llama-cpp-python a second time with
+CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF"
+(`pip wheel --no-cache-dir`, unpacked into a directory put first on PYTHONPATH) and run
+with NUMBA_CPU_NAME=haswell and NUMBA_CPU_FEATURES listing Haswell's features (+avx,
++avx2, +fma, +f16c, ...): both engines' kernels are then AVX2 code, as the table's
+"kernels" line says, on this CPU's cores and memory.
+
 Cases:
 - pp: prompt processing of --pp tokens (batch 512) after `depth` tokens in the cache;
 - tg: decoding --tg tokens one at a time after `depth` + --pp tokens;
@@ -157,6 +164,17 @@ def _typed(value, types):
 
 # -- driver ---------------------------------------------------------------------------
 
+def instruction_sets() -> dict:
+    """What each engine's kernels were built for: ours follow Numba's target (the host,
+    or NUMBA_CPU_NAME / NUMBA_CPU_FEATURES: an AVX2 CPU can be stood in for that way,
+    beside a llama.cpp built with -DGGML_NATIVE=OFF -DGGML_AVX512=OFF)."""
+    import llama_cpp
+    from edgellama.simd import ISA, ISA_NAMES
+    feats = llama_cpp.llama_print_system_info().decode().replace("|", " ").split()
+    simd = [f for f, v in zip(feats, feats[2:]) if v == "1" and f.startswith(("AVX", "FMA", "F16C"))]
+    return {"edgellama kernels": ISA_NAMES[ISA], "llama.cpp kernels": " ".join(simd)}
+
+
 @contextlib.contextmanager
 def busy_process(on: bool):
     """One CPU-bound process beside the benchmark (a spinning Python loop)."""
@@ -233,7 +251,7 @@ def main() -> None:
                 rows.append(row)
                 print(_line(row), flush=True)
     result = {"machine": cpu_name(), "cores": os.cpu_count(), "file": path,
-              "pp": a.pp, "tg": a.tg, "reps": a.reps, "rows": rows}
+              "pp": a.pp, "tg": a.tg, "reps": a.reps, **instruction_sets(), "rows": rows}
     print("\n" + table(result))
     if a.json:
         with open(a.json, "w") as f:
@@ -256,6 +274,8 @@ def _line(r: dict) -> str:
 def table(res: dict) -> str:
     out = [f"{os.path.basename(res['file'])} on {res['machine']} ({res['cores']} cores); "
            f"pp{res['pp']}, tg{res['tg']}, median of {res['reps']}",
+           f"kernels: edgellama {res.get('edgellama kernels', '?')}; "
+           f"llama.cpp {res.get('llama.cpp kernels', '?')}",
            "",
            "| threads | depth | busy | prefill ours / llama.cpp t/s | ratio | "
            "decode ours / llama.cpp t/s | ratio | decode, % of the read ceiling (GB/s) |",
