@@ -4,9 +4,11 @@
 
 The target: with one CPU-bound process running beside it, edgellama's default settings
 give at least 90% of what one thread does on a quiet machine, prefill and decode. The
-three cases run in turn, each measurement a fresh process (bench_llamacpp's worker: pp512
-then tg32 at depth 0), so the machine's drift hits all three alike:
+cases run in turn, each measurement a fresh process (bench_llamacpp's worker: pp512
+then tg32 at depth 0), so the machine's drift hits all of them alike:
 - quiet, -t 1: the reference;
+- quiet, default: every core on a quiet machine (its prefill share is how well
+  prefill scales with threads);
 - busy, -t 1: what fewer threads give;
 - busy, default: what users get (the adaptive thread count).
 The table shows medians and each case as a share of the reference.
@@ -19,7 +21,8 @@ import statistics
 
 from bench_llamacpp import busy_process, run_one
 
-CASES = (("quiet, -t 1", 0, 1), ("busy, -t 1", 1, 1), ("busy, default", 1, None))
+CASES = (("quiet, -t 1", 0, 1), ("quiet, default", 0, None), ("busy, -t 1", 1, 1),
+         ("busy, default", 1, None))
 
 
 def main() -> None:
@@ -32,6 +35,7 @@ def main() -> None:
 
     from edgellama.benchmark import shape_file
     from edgellama.machine import cpu_name
+    from edgellama.simd import ISA, ISA_NAMES
     path = str(shape_file(a.shape, a.type))
     got = {name: [] for name, _, _ in CASES}
     for rep in range(a.reps):
@@ -44,7 +48,8 @@ def main() -> None:
     med = {name: {k: statistics.median(r[k] for r in rs) for k in ("pp", "tg")}
            for name, rs in got.items()}
     ref = med[CASES[0][0]]
-    print(f"\n{a.shape} {a.type} on {cpu_name()}; pp512, tg32, median of {a.reps}\n")
+    print(f"\n{a.shape} {a.type} on {cpu_name()}, {ISA_NAMES[ISA]} kernels; pp512, tg32, "
+          f"median of {a.reps}\n")
     print("| case | prefill t/s | of quiet -t 1 | decode t/s | of quiet -t 1 |")
     print("|---|---|---|---|---|")
     for name, m in med.items():
@@ -52,8 +57,8 @@ def main() -> None:
               f"{m['tg'] / ref['tg']:.0%} |")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"machine": cpu_name(), "file": path, "reps": a.reps,
-                       "runs": got, "medians": med}, f, indent=1)
+            json.dump({"machine": cpu_name(), "kernels": ISA_NAMES[ISA], "file": path,
+                       "reps": a.reps, "runs": got, "medians": med}, f, indent=1)
 
 
 if __name__ == "__main__":
