@@ -171,7 +171,8 @@ def instruction_sets() -> dict:
     import llama_cpp
     from edgellama.simd import ISA, ISA_NAMES
     feats = llama_cpp.llama_print_system_info().decode().replace("|", " ").split()
-    simd = [f for f, v in zip(feats, feats[2:]) if v == "1" and f.startswith(("AVX", "FMA", "F16C"))]
+    simd = [f for f, v in zip(feats, feats[2:])       # "AVX2 = 1 | F16C = 1 | ..."
+            if v == "1" and f.startswith(("AVX", "FMA", "F16C"))]
     return {"edgellama kernels": ISA_NAMES[ISA], "llama.cpp kernels": " ".join(simd)}
 
 
