@@ -61,7 +61,7 @@ def main() -> None:
     decode(), products()                       # kernels loaded, pages touched
     rounds = [(measure_read_bandwidth(keep=True), decode(), products()) for _ in range(a.reps)]
     ceiling, token, prod = (statistics.median(r[i] for r in rounds) for i in range(3))
-    nbytes = decode_bytes(m, m.cache.length // 2)
+    nbytes = decode_bytes(m, m.cache.length // 2)    # K/V at the mean depth decoded over
     res = {"machine": cpu_name(), "file": str(path), "threads": a.threads,
            "kernels": ISA_NAMES[ISA], "reps": a.reps, "decode bytes": nbytes,
            "ceiling GB/s": ceiling, "token ms": token * 1e3, "products ms": prod * 1e3,

@@ -47,9 +47,8 @@ print(ISA_NAMES[ISA], "|", float(np.abs(got - ref @ x).max() / np.abs(ref @ x).m
 """
 
 
-@pytest.mark.parametrize("env, isa", [({"NUMBA_CPU_NAME": "generic"}, GENERIC),
-                                      ({"NUMBA_ENABLE_AVX": "0"}, GENERIC)])
-def test_kernels_follow_numba_target_not_host(tmp_path, env, isa):
+@pytest.mark.parametrize("env", [{"NUMBA_CPU_NAME": "generic"}, {"NUMBA_ENABLE_AVX": "0"}])
+def test_kernels_follow_numba_target_not_host(tmp_path, env):
     """NUMBA_CPU_NAME=generic (a cache shared between machines) compiles for no vector
     extension: a kernel with the host's VNNI or AVX2 intrinsics would abort the process
     in LLVM. The kernels pick the generic instructions and still compute the product."""
@@ -59,7 +58,7 @@ def test_kernels_follow_numba_target_not_host(tmp_path, env, isa):
                        timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     name, err = r.stdout.strip().split(" | ")
-    assert name == ISA_NAMES[isa] and float(err) < 0.02
+    assert name == ISA_NAMES[GENERIC] and float(err) < 0.02
 
 
 # --- blocks_gemm: records of a per-32-block format (Q4_0, Q4_1, Q8_0) -----------------------
