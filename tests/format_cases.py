@@ -72,14 +72,14 @@ def random_blocks(nb, rng, fmt, d_values=None, d_at=0, m_at=None):
 
 # --- runtime Linear -------------------------------------------------------------------------
 
-def check(got, ref_w, x, x_quantized=False, block=32, x_w=None):
+def check(got, ref_w, x, x_quantized=False, block=32):
     """got = x @ ref_w.T to float32 accuracy; x_quantized: x was rounded to int8 per
-    block, in the part x_w of W (default all of it)."""
+    block."""
     want = x.astype(np.float64) @ ref_w.T
     tol = 64 * EPS * (np.abs(x) @ np.abs(ref_w).T) + 1e-30
     if x_quantized:   # x (n,) or (T, n), rounded per block of each row
         step = np.repeat(np.abs(x).reshape(-1, block).max(1), block).reshape(x.shape) / 254
-        tol += step @ np.abs(ref_w if x_w is None else x_w).T * 1.01
+        tol += step @ np.abs(ref_w).T * 1.01
     assert got.shape == want.shape
     assert np.all(np.abs(got - want) <= tol), np.max(np.abs(got - want) / tol)
 
@@ -122,7 +122,7 @@ def check_dequant_tiles(lin, ref_w):
     assert not wt[:, rows:].any()
 
 
-def check_stacked(fmt, raws, ref_w, rng, block=32, x_w=None, int8_prefill=False):
+def check_stacked(fmt, raws, ref_w, rng, block=32, int8_prefill=False):
     """q/k/v-like parts raws (rows_i, row_bytes) (150, 37, 37 rows: none a multiple of the
     tile size) as one W of reference ref_w: matvec, outputs split back, matmul (int8_prefill:
     x rounded to int8 per 32, q4.RecordLinear), rows."""
@@ -132,7 +132,7 @@ def check_stacked(fmt, raws, ref_w, rng, block=32, x_w=None, int8_prefill=False)
     x = rng.standard_normal(n).astype(np.float32)
     out = np.full(224, np.nan, np.float32)
     lin.matvec(x, out)
-    check(out, ref_w, x, True, block, x_w)
+    check(out, ref_w, x, True, block)
     assert [o.shape for o in lin.split(out)] == [(150,), (37,), (37,)]
     xs = rng.standard_normal((3, n)).astype(np.float32)
     outs = np.full((3, 224), np.nan, np.float32)

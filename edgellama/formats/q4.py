@@ -130,14 +130,16 @@ def dequantize_q4_1(q, out):
 def prep_q8_x(x, x8, xd, xs8, xsum):
     # x (n,) f32 -> per block of 32, x quantized as llama.cpp's q8_0 activations:
     # x8 (n,) int8 = rint(x / xd) in [-127, 127], xd (nb,) the scale, xs8 (nb,) int32
-    # = sum(x8), xsum (nb,) exact float sums of x (for formats with a min)
+    # = sum(x8), xsum (nb,) = xd xs8, the sum of x as quantized, for formats with a min
+    # (w = d q + m): the min term must see the same rounded x as the q term, or the
+    # rounding errors e_j are weighted by w_j - m (all one sign, mean |m|) instead of w_j,
+    # as llama.cpp's q8_1 s and q8_K bsums do. An exact float sum(x) here made Q4_1 six
+    # times further from full precision than llama.cpp.
     for b in range(xd.size):
         xblk = x[32 * b:32 * b + 32]
         amax = f32(0)
-        s = f32(0)
         for j in range(32):
             amax = max(amax, abs(xblk[j]))
-            s += xblk[j]
         d = amax / f32(127)
         inv = f32(1) / d if d > 0 else f32(0)
         qs = 0
@@ -147,7 +149,7 @@ def prep_q8_x(x, x8, xd, xs8, xsum):
             qs += v
         xd[b] = d
         xs8[b] = qs
-        xsum[b] = s
+        xsum[b] = d * f32(qs)
 
 
 # --- prefill: int8 GEMM over the tiles ------------------------------------------------------

@@ -237,7 +237,7 @@ def q5_block(q16, o, c, k, s0, s1, m0, m1):
 def matvec_q5(w, d, m, has_m, c, xd, xm5, xsum, out, scratch, s16):
     # W (nt*R, n) Q5 tiles w (nt, nb*10*R) u16, d [, m] (nt, nb*R) @ x -> out (d,)
     # (x from prep_q5_x). Q5_0: row . x = sum_b d dx (s0 + s1);
-    # Q5_1: d dx sum(u xq) + m sum(x), sum(u xq) = s0 + s1 - (xm5_0 + xm5_1).
+    # Q5_1: d dx sum(u xq) + m xsum (x as quantized), sum(u xq) = s0 + s1 - (xm5_0 + xm5_1).
     # scratch (nt, R) f32, s16 (nt, 2, R) int16: per-tile sums. The int16 group sums and
     # the f32 update are separate loops: fused, LLVM picks 16 lanes for both (f32 width),
     # halving the int16 throughput.
