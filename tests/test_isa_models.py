@@ -1,0 +1,107 @@
+"""The integer steps of simd._dot on every instruction set, modelled in NumPy.
+
+test_simd runs the kernels only where Numba's target has the instructions (this machine
+may lack AVX-512 VNNI, or AVX2). These models follow each path lane by lane — byte
+products, the int16 pair sums vpmaddubsw saturates, the int16 additions of several of
+them before widening, vpdpbusd's u8 x i8 with the x + 128 trick for signed weights — and
+are checked against the exact dot over the extreme operands of every caller: Q8_0's
+signed bytes, Q4's nibbles, Q5_K's 5-bit and Q6_K's 6-bit values, with the pair counts
+simd.py adds in int16. A model that saturates or wraps shows the caller's bound wrong.
+"""
+import numpy as np
+import pytest
+
+from edgellama.formats.q4 import prep_q8_x
+
+
+def _sat16(v):
+    return np.clip(v, -32768, 32767)
+
+
+def _wrap16(v):
+    return ((v + 32768) % 65536) - 32768
+
+
+def vnni_dot(w, x, signed):
+    """w (pairs, 4) weight bytes of one lane, x (pairs, 4) int8: vpdpbusd sums u8 x i8
+    products in int32; signed weights: (x + 128) . w - 128 sum(w) (x xor 0x80 as u8)."""
+    if not signed:
+        return int((w.astype(np.int64) * x).sum())
+    xu = (x.astype(np.int64) + 128)                    # x ^ 0x80 read as u8
+    assert xu.min() >= 0 and xu.max() <= 255
+    return int((xu * w).sum() - 128 * w.sum())
+
+
+def avx2_dot(w, x, signed, per_int16):
+    """vpmaddubsw: u8 w x i8 x, adjacent products summed to int16 with saturation;
+    signed weights as |w| x sign(x, w); then per_int16 such results are added in int16
+    (wrapping) before vpmaddwd widens them (signed: each widened alone)."""
+    if signed:
+        x = np.where(w < 0, -x.astype(np.int64), np.where(w == 0, 0, x))
+        w = np.abs(w.astype(np.int64))
+        assert w.max() <= 255
+    prods = w.astype(np.int64) * x
+    pairs = _sat16(prods[:, 0::2] + prods[:, 1::2])     # (pairs, 2) int16 per 32-bit lane
+    if signed:
+        return int(pairs.sum())
+    total = 0
+    for p0 in range(0, len(pairs), per_int16):
+        total += int(_wrap16(pairs[p0:p0 + per_int16].sum(axis=0)).sum())
+    return total
+
+
+# (weight range, pairs per _dot call, pairs added in int16 on AVX2), as simd.py calls _dot
+CALLERS = {
+    "Q8_0": ((-128, 127), 8, 1),
+    "Q4 nibbles": ((0, 15), 8, 8),        # blocks_gemm, q4k_gemm bits 4
+    "Q5_K": ((0, 31), 8, 4),              # q4k_gemm bits 5: two calls of 4 on AVX2
+    "Q6_K": ((0, 63), 4, 2),              # _q6_sum: step 2 on AVX2
+}
+
+
+def _extremes(lo, hi, pairs, rng):
+    """Weight and x bytes (pairs, 4): every lane at the corners that make sums largest,
+    then random ones; x in prep_q8_x's range [-127, 127]."""
+    cases = []
+    for wv in (lo, hi):
+        for xv in (-127, 127):
+            cases.append((np.full((pairs, 4), wv), np.full((pairs, 4), xv)))
+    for _ in range(200):
+        cases.append((rng.integers(lo, hi + 1, (pairs, 4)), rng.integers(-127, 128, (pairs, 4))))
+    return cases
+
+
+@pytest.mark.parametrize("caller", CALLERS)
+def test_every_isa_model_is_exact_at_the_callers_bounds(caller):
+    (lo, hi), pairs, per16 = CALLERS[caller]
+    signed = lo < 0
+    rng = np.random.default_rng(0)
+    for w, x in _extremes(lo, hi, pairs, rng):
+        exact = int((w.astype(np.int64) * x).sum())
+        assert vnni_dot(w, x, signed) == exact
+        assert avx2_dot(w, x, signed, per16) == exact
+
+
+def test_the_models_see_a_bound_broken():
+    # one more nibble pair per int16 sum, or 6-bit values four at a time, would wrap: the
+    # models are not exact by construction
+    w, x = np.full((4, 4), 63), np.full((4, 4), 127)
+    assert avx2_dot(w, x, False, 4) != int((w * x).sum())
+    w, x = np.full((9, 4), 15), np.full((9, 4), -127)
+    assert avx2_dot(w, x, False, 9) != int((w * x).sum())
+
+
+def test_activations_never_reach_minus_128():
+    # vpdpbusd's x + 128 and vpmaddubsw's sign(x, w) need x >= -127: prep_q8_x's rounding
+    # of the block's largest |x| to exactly 127 keeps every x there
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(32 * 64).astype(np.float32)
+    x[::32] = -np.float32(3.4e38)
+    x[1::32] = -np.float32(1e-38)
+    x[64:96] = -np.float32(2.0) ** np.arange(-20, 12, dtype=np.float32)
+    x8 = np.empty(x.size, np.int8)
+    nb = x.size // 32
+    xd, xs8, xsum = np.empty(nb, np.float32), np.empty(nb, np.int32), np.empty(nb, np.float32)
+    prep_q8_x(x, x8, xd, xs8, xsum)
+    assert x8.min() >= -127 and x8.max() <= 127
+    assert (np.abs(x8.reshape(nb, 32)).max(1) == 127).all()
