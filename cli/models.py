@@ -2,6 +2,8 @@
 edgellama's own cache."""
 from __future__ import annotations
 
+import os
+
 import click
 
 from edgellama import hub
@@ -11,7 +13,9 @@ from edgellama.errors import EdgeError
 from .main import main
 
 
-def _size(n: int) -> str:
+def _size(n: int | None) -> str:
+    if n is None:
+        return "missing"     # a link whose file is gone
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
@@ -35,8 +39,10 @@ def list_cmd():
     click.echo(f"{'NAME':<{width}}  {'SIZE':>9}  KIND")
     for m in models:
         kind = "gguf (default model)" if m.name == FILE_NAME else m.kind
+        if m.size is None and m.path.is_symlink() and not m.path.exists():
+            kind += " (a link to a file that is gone; rm removes the link)"
         click.echo(f"{m.name:<{width}}  {_size(m.size):>9}  {kind}")
-    click.echo(f"total {_size(sum(m.size for m in models))}. {_where()}", err=True)
+    click.echo(f"total {_size(sum(m.size or 0 for m in models))}. {_where()}", err=True)
 
 
 @main.command("rm")
@@ -58,7 +64,7 @@ def rm(names, yes):
     for p, source in cached_tiles():
         tiles_of.setdefault(source["path"], []).append(p)
     for m in chosen:
-        source = str(m.path.resolve())
+        source = os.path.realpath(m.path)
         m.remove()
         click.echo(f"removed {m.name}", err=True)
         for p in tiles_of.get(source, []):     # its start-up tiles are of no use now

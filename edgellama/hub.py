@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -98,9 +99,47 @@ def pick_file(repo: str, files: list[str], quant: str | None) -> str:
     return chosen
 
 
-def _repo_folder(repo: str) -> Path:
+def check_repo_id(repo: str) -> None:
+    """EdgeError, in our words, for a repository id that huggingface_hub's own rules
+    (validate_repo_id) refuse, before anything asks the hub or touches its cache."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+    try:
+        validate_repo_id(repo)
+        return
+    except HFValidationError:
+        pass
+    parts = repo.split("/")
+    if not repo.isascii():
+        why = "only ASCII letters, digits, '-', '_' and '.' are allowed"
+    elif "--" in repo or ".." in repo:
+        why = "'--' and '..' are not allowed"
+    elif any(len(part) > 96 for part in parts):
+        why = "each part is at most 96 characters"
+    elif any(not part or part[0] in "-." or part[-1] in "-." for part in parts):
+        why = "a part cannot be empty or start or end with '-' or '.'"
+    elif repo.endswith(".git"):
+        why = "it cannot end in .git"
+    else:
+        why = "expected OWNER/NAME of letters, digits, '-', '_' and '.'"
+    raise EdgeError(f"{repo[:200]} is not a valid Hugging Face repository name: {why}")
+
+
+_HUB_VARIABLES = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME")
+
+
+def hub_cache(write: bool = False) -> Path:
+    """The Hugging Face cache folder; EdgeError naming the variable that placed it when it
+    is not a folder (or, with `write`, cannot be written)."""
     from huggingface_hub import constants
-    return Path(constants.HF_HUB_CACHE) / ("models--" + repo.replace("/", "--"))
+    from .default_model import check_dir
+    variable = next((v for v in _HUB_VARIABLES if os.environ.get(v)), None)
+    return check_dir(Path(constants.HF_HUB_CACHE), "the Hugging Face cache; HF_HUB_CACHE or "
+                     "HF_HOME moves it", variable, write)
+
+
+def _repo_folder(repo: str) -> Path:
+    return hub_cache() / ("models--" + repo.replace("/", "--"))
 
 
 def _cached_files(repo: str) -> dict[str, Path]:
@@ -164,6 +203,7 @@ def gguf_path(ref: str) -> Path:
         raise EdgeError(f"{ref!r} is not a Hugging Face reference: expected OWNER/REPO[:QUANT] "
                         f"or one of {', '.join(SHORT_NAMES)}")
     repo, quant = parsed
+    check_repo_id(repo)
     from huggingface_hub import HfApi, constants, hf_hub_download
     cached = _cached_files(repo)
     with contextlib.suppress(EdgeError):
@@ -187,13 +227,16 @@ def gguf_path(ref: str) -> Path:
         name = pick_file(repo, files, quant)
         if name in cached:
             return cached[name]
+        hub_cache(write=True)
         return Path(hf_hub_download(repo, name))
 
 
 def checkpoint_dir(repo: str, quiet: bool = False) -> Path:
     """A local snapshot of a checkpoint repository: only what `convert` reads."""
-    from huggingface_hub import snapshot_download
+    check_repo_id(repo)
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.utils import disable_progress_bars
+    hub_cache(write=not constants.HF_HUB_OFFLINE)
     if quiet:
         disable_progress_bars()
     with _errors(repo):
@@ -203,53 +246,128 @@ def checkpoint_dir(repo: str, quiet: bool = False) -> Path:
 @dataclass
 class CachedModel:
     """A model in one of the caches: `name` is what `edgellama rm` takes (and, for a Hub
-    GGUF, what -hf takes)."""
+    GGUF, what -hf takes). `size` is None when the file is gone (a dangling link)."""
     name: str
-    size: int
+    size: int | None
     path: Path
     kind: str                       # "gguf" or "checkpoint"
     remove: Callable[[], None] = field(repr=False)
 
 
+def _size(path: Path) -> int | None:
+    """Size of the file a cache entry is (or links to); None if there is none."""
+    try:
+        st = path.stat()
+    except (OSError, ValueError):
+        return None
+    return st.st_size if not os.path.isdir(path) else None
+
+
+def _snapshot_entries(repo_dir: Path) -> dict[str, list[Path]]:
+    """Path in the repository -> its entries (files or links, dangling ones too) in the
+    repository's cached snapshots, in a fixed order. Links are never followed into
+    folders: only what lies inside the repository's folder is listed."""
+    found: dict[str, list[Path]] = {}
+    snapshots = repo_dir / "snapshots"
+    if snapshots.is_symlink() or not snapshots.is_dir():
+        return found
+    for rev in sorted(snapshots.iterdir()):
+        if rev.is_symlink() or not rev.is_dir():
+            continue
+        for top, dirs, files in os.walk(rev):        # never descends into linked folders
+            dirs.sort()
+            for name in sorted(files) + [d for d in dirs if os.path.islink(os.path.join(top, d))]:
+                entry = Path(top) / name
+                found.setdefault(entry.relative_to(rev).as_posix(), []).append(entry)
+    return {k: found[k] for k in sorted(found)}
+
+
+def _unlink_entries(repo_dir: Path, entries: list[Path]) -> None:
+    """Remove snapshot entries of one repository: a link goes, never what it points to,
+    except a blob of this repository's own blobs/ folder that no other entry of the
+    repository still uses."""
+    blobs = repo_dir / "blobs"
+    targets = set()
+    for e in entries:
+        if e.is_symlink():
+            target = Path(os.path.normpath(e.parent / os.readlink(e)))
+            if target.parent == blobs and not blobs.is_symlink():
+                targets.add(target)
+        e.unlink(missing_ok=True)
+    still = {Path(os.path.normpath(e.parent / os.readlink(e)))
+             for es in _snapshot_entries(repo_dir).values() for e in es if e.is_symlink()}
+    for t in sorted(targets - still):
+        t.unlink(missing_ok=True)                  # a real file (or link) in blobs/
+
+
+def _remove_repo(repo_dir: Path) -> None:
+    """Remove one repository's folder of the Hugging Face cache: what is in it (links as
+    links, never their targets), not a mirror sharing its commits. A folder that is
+    itself a link loses only the link."""
+    if repo_dir.is_symlink():
+        repo_dir.unlink()
+        return
+    for top, dirs, files in os.walk(repo_dir, topdown=False):
+        for name in files:
+            os.unlink(os.path.join(top, name))
+        for name in dirs:
+            path = os.path.join(top, name)
+            if os.path.islink(path):
+                os.unlink(path)
+            else:
+                os.rmdir(path)
+    os.rmdir(repo_dir)
+
+
+def _hub_repos() -> list[tuple[str, Path]]:
+    """(repository id, folder) of the model repositories in the Hugging Face cache."""
+    root = hub_cache()
+    if not root.is_dir():
+        return []
+    found = []
+    for d in root.iterdir():
+        if d.name.startswith("models--") and d.is_dir():
+            found.append((d.name.removeprefix("models--").replace("--", "/"), d))
+    return sorted(found, key=lambda r: (r[0].lower(), r[0]))
+
+
 def cached_models() -> list[CachedModel]:
     """The GGUF files and checkpoints in the Hugging Face cache, then the GGUF files in
     edgellama's own cache (the default model among them), then the tiles kept for fast
-    starts (tile_cache.py)."""
-    from huggingface_hub import scan_cache_dir
-    from huggingface_hub.errors import CacheNotFound
+    starts (tile_cache.py). Removal is by repository and file: never by commit hash (a
+    mirror shares those), never through a link to its target."""
     from .default_model import cache_dir
     found = []
-    try:
-        info = scan_cache_dir()
-    except CacheNotFound:
-        info = None
-    for repo in sorted(info.repos if info else (), key=lambda r: r.repo_id.lower()):
-        if repo.repo_type != "model":
+    for repo_id, repo_dir in _hub_repos():
+        if repo_dir.is_symlink():      # a folder kept elsewhere: rm takes the link only
+            found.append(CachedModel(repo_id, None, repo_dir, "link to a folder outside the cache",
+                                     repo_dir.unlink))
             continue
-        revisions = [r.commit_hash for r in repo.revisions]
-        by_path: dict[str, list] = {}
-        for rev in repo.revisions:
-            for f in rev.files:
-                by_path.setdefault(f.file_path.relative_to(rev.snapshot_path).as_posix(), []).append(f)
-        ggufs = sorted(p for p in by_path if _is_model(p))
+        by_path = _snapshot_entries(repo_dir)
+        ggufs = [p for p in by_path if _is_model(p)]
         for p in ggufs:
-            name, tag = f"{repo.repo_id}:{p}", _split(p)[1]
+            name, tag = f"{repo_id}:{p}", _split(p)[1]
             with contextlib.suppress(EdgeError):   # the short form when -hf would pick this file
-                if tag and pick_file(repo.repo_id, ggufs, tag) == p:
-                    name = f"{repo.repo_id}:{tag}"
-            files = by_path[p]
+                if tag and pick_file(repo_id, ggufs, tag) == p:
+                    name = f"{repo_id}:{tag}"
+            entries = by_path[p]
+            sizes = [s for e in entries if (s := _size(e)) is not None]
             whole = len(ggufs) == 1    # its only model: the repository goes with it
             found.append(CachedModel(
-                name, max(f.size_on_disk for f in files), files[0].file_path, "gguf",
-                (lambda revs=revisions: info.delete_revisions(*revs).execute()) if whole else
-                (lambda fs=files: info.delete_files(*fs).execute())))
+                name, max(sizes) if sizes else None, entries[0], "gguf",
+                (lambda d=repo_dir: _remove_repo(d)) if whole else
+                (lambda d=repo_dir, es=entries: _unlink_entries(d, es))))
         if not ggufs and any(p.endswith(".safetensors") for p in by_path):
-            found.append(CachedModel(repo.repo_id, repo.size_on_disk, repo.repo_path, "checkpoint",
-                                     lambda revs=revisions: info.delete_revisions(*revs).execute()))
-    for p in sorted(cache_dir().glob("*.gguf")):
-        found.append(CachedModel(p.name, p.stat().st_size, p, "gguf", p.unlink))
+            sizes = {os.path.realpath(e): _size(e) for es in by_path.values() for e in es}
+            size = sum(s for s in sizes.values() if s is not None)
+            found.append(CachedModel(repo_id, size, repo_dir, "checkpoint",
+                                     lambda d=repo_dir: _remove_repo(d)))
+    own = cache_dir()
+    for p in sorted(own.glob("*.gguf")) if own.is_dir() else ():
+        if p.is_symlink() or p.is_file():
+            found.append(CachedModel(p.name, _size(p), p, "gguf", p.unlink))   # a link, not its target
     from .tile_cache import cached_tiles
     for p, source in cached_tiles():
-        found.append(CachedModel(f"tiles/{p.name}", p.stat().st_size, p,
+        found.append(CachedModel(f"tiles/{p.name}", _size(p) or 0, p,
                                  f"start-up tiles of {Path(source['path']).name}", p.unlink))
     return found
