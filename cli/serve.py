@@ -33,6 +33,42 @@ def _is_local(sock: socket.socket) -> bool:
     return ipaddress.ip_address(sock.getsockname()[0].split("%")[0]).is_loopback
 
 
+def _host_names(ctx, param, values: tuple[str, ...]) -> list[str]:
+    from edgellama.server import host_name
+    names = []
+    for v in values:
+        name = "*" if v.strip() == "*" else host_name(v)
+        if name is None:
+            raise click.BadParameter(f"{v!r} is not a host name or address", ctx, param)
+        names.append(name)
+    return names
+
+
+def _origins(ctx, param, values: tuple[str, ...]) -> list[str]:
+    from edgellama.server import normalize_origin
+    try:
+        return [normalize_origin(v) for v in values]
+    except ValueError as e:
+        raise click.BadParameter(str(e), ctx, param) from None
+
+
+def _accepted_hosts(host: str, sock: socket.socket, extra: list[str]) -> tuple[list[str], bool]:
+    """The Host names the server answers to, and whether any IP address is one: loopback
+    names, the address it is bound to (and the --host name it was given); bound to every
+    interface (0.0.0.0, ::), any IP address and this machine's name; plus --allowed-host."""
+    from edgellama.server import LOOPBACK_HOSTS, host_name
+    bound = ipaddress.ip_address(sock.getsockname()[0].split("%")[0])
+    names = [*LOOPBACK_HOSTS, str(bound)]
+    given = host_name(host)
+    if given:
+        names.append(given)
+    if bound.is_unspecified:
+        machine = socket.gethostname().lower()
+        names += [machine, f"{machine.partition('.')[0]}.local"] if machine else []
+    names += extra
+    return list(dict.fromkeys(names)), bound.is_unspecified
+
+
 @main.command()
 @model_options
 @click.option("--host", default="127.0.0.1", show_default=True,
@@ -44,8 +80,23 @@ def _is_local(sock: socket.socket) -> bool:
                    "which other users cannot read from the process list).")
 @click.option("--queue", "queue_size", type=click.IntRange(min=0), default=16, show_default=True,
               help="Requests that may wait while one runs; more are answered 503.")
-def serve(model, ctx, threads, host, port, api_key, queue_size):
-    """Serve the model over OpenAI's HTTP API (chat and completions)."""
+@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
+              callback=_host_names,
+              help="Also answer requests whose Host header is NAME (repeatable; * = any "
+                   "name). By default only localhost, 127.0.0.1, [::1] and the --host "
+                   "address are answered (bound to 0.0.0.0 or ::, also any IP address and "
+                   "this machine's name): other names are refused (403), against DNS "
+                   "rebinding. Give the names clients and proxies use to reach the server.")
+@click.option("--cors", "cors", multiple=True, metavar="ORIGIN", callback=_origins,
+              help="Let web pages at ORIGIN (e.g. http://localhost:3000; * = any) call the "
+                   "API from a browser, with CORS headers (repeatable). Without it every "
+                   "request that a page on another origin sends is refused (403).")
+def serve(model, ctx, threads, host, port, api_key, queue_size, allowed_hosts, cors):
+    """Serve the model over OpenAI's HTTP API (chat and completions).
+
+    Requests must send JSON bodies with 'Content-Type: application/json' (or none); form
+    and text bodies are refused (415), as are requests naming another Host (403) or coming
+    from web pages on other origins (403) unless --allowed-host / --cors allow them."""
     import uvicorn
 
     from edgellama import jit
@@ -59,7 +110,9 @@ def serve(model, ctx, threads, host, port, api_key, queue_size):
         llm = load(model, ctx, threads)
     warm = jit.warm_up(llm.model, progress)
     progress.done(loading.count + warm.compiled, loading.seconds + warm.compile_seconds)
-    app = create_app(llm, api_key=api_key or None, queue_size=queue_size)
+    hosts, any_ip = _accepted_hosts(host, sock, allowed_hosts)
+    app = create_app(llm, api_key=api_key or None, queue_size=queue_size,
+                     allowed_hosts=hosts, any_ip_host=any_ip, cors=cors)
     server = app.state.server
     if not api_key and not _is_local(sock):
         click.echo(f"warning: listening on {host} without --api-key: anyone who can reach "
@@ -69,6 +122,17 @@ def serve(model, ctx, threads, host, port, api_key, queue_size):
     address = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
     click.echo(f"serving {one_line(server.model_id)} (ctx {llm.ctx}, queue {queue_size}) on "
                f"http://{address}:{bound[1]}/v1", err=True)
+    shown = ", ".join(f"[{h}]" if ":" in h else h for h in hosts)
+    click.echo(f"answering Host {shown}{' and any IP address' if any_ip else ''}"
+               f"{'; cross-origin pages: ' + ', '.join(cors) if cors else ''}", err=True)
+
+    class Uvicorn(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            # Before uvicorn waits for open requests: the waiting and running ones end
+            # now with 503 shutting_down (streams with that error and [DONE]).
+            server.engine.shutdown()
+            await super().shutdown(sockets)
+
     config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=3,
                             timeout_keep_alive=30)
-    uvicorn.Server(config).run(sockets=[sock])
+    Uvicorn(config).run(sockets=[sock])

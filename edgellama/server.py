@@ -13,6 +13,12 @@ from the first token that differs, so a client that re-sends its conversation pa
 only for what is new; `usage.prompt_tokens_details.cached_tokens` says how much was
 reused. Interleaved conversations from several clients evict each other's prefix.
 
+Hostile input (tests/test_server_hostile.py, tests/test_fuzz_server.py): every field's JSON
+type and range is checked, a wrong one answered 400 naming it; bodies must be JSON (415);
+Host and Origin headers are checked against DNS rebinding and cross-site requests
+(_Guard: 403); stopping the server ends waiting and running requests with 503
+(Engine.shutdown). No request gets a 500 or a traceback in the log.
+
 Stop strings are matched on the decoded text across token boundaries. Text that could
 be the start of a stop string is held back until it is known not to be one, so no part
 of a stop string is ever sent, streamed or not.
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
 import math
@@ -28,11 +35,13 @@ import secrets
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
@@ -66,6 +75,7 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  code: str | None = None, kind: str | None = None):
+        message, param = _clean(message), param and _clean(param)   # may quote a client's text
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.kind = kind or ("server_error" if status >= 500 else "invalid_request_error")
@@ -93,34 +103,52 @@ def _clean(text: str) -> str:
         return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
 
 
+def _show(v: Any) -> str:
+    """A client's value for an error message: its JSON, cut short (a 4000-digit number or a
+    megabyte of text must not come back in full)."""
+    try:
+        text = json.dumps(v, ensure_ascii=False)
+    except (TypeError, ValueError):   # an int past Python's digit limit, say
+        text = f"a {type(v).__name__}"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _number(body: dict, name: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
     v = body.get(name)
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise _bad(f"{name} must be a number", name)
+        raise _bad(f"{name} must be a number, got {_show(v)}", name)
     if v > hi or v < lo or (lo_open and v == lo):
-        raise _bad(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v}", name)
+        raise _bad(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], "
+                   f"got {_show(v)}", name)
     return float(v)
 
 
-def _integer(body: dict, name: str, lo: int | None = None) -> int | None:
+def _integer(body: dict, name: str, lo: int | None = None, param: str | None = None) -> int | None:
     v = body.get(name)
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int):
-        raise _bad(f"{name} must be an integer", name)
+        raise _bad(f"{param or name} must be an integer, got {_show(v)}", param or name)
     if lo is not None and v < lo:
-        raise _bad(f"{name} must be at least {lo}, got {v}", name)
+        raise _bad(f"{param or name} must be at least {lo}, got {_show(v)}", param or name)
     return v
 
 
-def _flag(body: dict, name: str) -> bool:
+def _flag(body: dict, name: str, param: str | None = None) -> bool:
     v = body.get(name)
     if v is None:
         return False
     if not isinstance(v, bool):
-        raise _bad(f"{name} must be true or false", name)
+        raise _bad(f"{param or name} must be true or false, got {_show(v)}", param or name)
+    return v
+
+
+def _string(body: dict, name: str) -> str | None:
+    v = body.get(name)
+    if v is not None and not isinstance(v, str):
+        raise _bad(f"{name} must be a string, got {_show(v)}", name)
     return v
 
 
@@ -164,12 +192,14 @@ def _messages(body: dict) -> list[dict]:
         if not isinstance(m, dict):
             raise _bad("each message must be an object with role and content", f"messages[{i}]")
         role = m.get("role")
-        if role not in ROLES:
-            raise _bad(f"role must be one of {', '.join(ROLES)}; got {role!r}"
+        if not isinstance(role, str) or role not in ROLES:
+            raise _bad(f"role must be one of {', '.join(ROLES)}; got {_show(role)}"
                        + (" (tool calling is not supported)" if role in ("tool", "function") else ""),
                        f"messages[{i}].role")
         if m.get("tool_calls") or m.get("function_call"):
             raise _bad("tool calls are not supported", f"messages[{i}]")
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise _bad("name must be a string", f"messages[{i}].name")
         content = m.get("content")
         if content is None and role == "assistant":
             content = ""
@@ -185,24 +215,26 @@ class Params:
     max_tokens: int | None
     sampling: SamplingParams
     stops: list[str]
+    max_tokens_param: str = "max_tokens"   # the name the client gave it under
 
 
 def _params(body: dict, defaults: SamplingParams, chat: bool) -> Params:
     for name, harmless in UNSUPPORTED.items():
         v = body.get(name)
         if v is not None and not any(type(v) is type(h) and v == h for h in harmless):
-            raise _bad(f"{name} is not supported by this server", name)
+            raise _bad(f"{name} is not supported by this server (got {_show(v)})", name)
     n = _integer(body, "n")
     if n not in (None, 1):
         raise _bad("only n=1 is supported", "n")
     stream = _flag(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
-        raise _bad("stream_options must be an object", "stream_options")
-    include_usage = _flag(options or {}, "include_usage")
-    max_tokens = _integer(body, "max_completion_tokens", 1) if chat else None
-    if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", 1)
+        raise _bad(f"stream_options must be an object, got {_show(options)}", "stream_options")
+    include_usage = _flag(options or {}, "include_usage", "stream_options.include_usage")
+    _string(body, "user")   # ignored, but OpenAI's type
+    max_param = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    max_tokens = _integer(body, max_param, 1)
     given = {k: v for k, v in {
         "temperature": _number(body, "temperature", 0, 2),
         "top_p": _number(body, "top_p", 0, 1, lo_open=True),
@@ -214,7 +246,13 @@ def _params(body: dict, defaults: SamplingParams, chat: bool) -> Params:
     seed = _integer(body, "seed")
     if seed is not None:
         given["seed"] = seed % 2**64   # OpenAI takes any int64; NumPy wants one >= 0
-    return Params(stream, include_usage, max_tokens, replace(defaults, **given), _stops(body))
+    for name, v in given.items():   # the command line's ranges (SamplingParams), should
+        try:                        # they ever be narrower than the ones above
+            replace(defaults, **{name: v})
+        except EdgeError as e:
+            raise _bad(f"{name}: {e}", name) from None
+    sampling = replace(defaults, **given)
+    return Params(stream, include_usage, max_tokens, sampling, _stops(body), max_param)
 
 
 # -- the engine ---------------------------------------------------------------------------------
@@ -281,7 +319,8 @@ class Engine:
         with self._cond:
             if self._closed:
                 raise ApiError(503, "the server is shutting down", code="shutting_down")
-            if len(self._waiting) >= self.capacity:
+            # between two jobs nothing runs yet: the first waiting one is about to
+            if len(self._waiting) >= self.capacity + (self._running is None):
                 raise ApiError(503, f"the server is busy: one request is running and "
                                     f"{len(self._waiting)} are waiting, the most it queues "
                                     f"(--queue {self.capacity}); retry later", code="queue_full")
@@ -301,15 +340,23 @@ class Engine:
             return {"running": int(self._running is not None), "waiting": len(self._waiting),
                     "capacity": self.capacity}
 
-    def close(self, timeout: float = 5.0) -> None:
+    def shutdown(self) -> None:
+        """Take no more requests, and end the waiting and running ones now: each is told
+        503 shutting_down (the running one stops before its next token or prompt batch).
+        Returns at once; safe to call more than once, from any thread."""
         with self._cond:
             self._closed = True
-            for job in list(self._waiting) + ([self._running] if self._running else []):
-                job.cancelled.set()
-            for job in self._waiting:
-                job.emit("cancelled")
+            jobs = list(self._waiting) + ([self._running] if self._running else [])
             self._waiting.clear()
             self._cond.notify_all()
+        for job in jobs:
+            job.cancelled.set()
+            job.emit("error", ApiError(503, "the server is shutting down; the request was "
+                                            "not finished", code="shutting_down"))
+
+    def close(self, timeout: float = 5.0) -> None:
+        """shutdown(), then wait (at most `timeout` s) for the engine thread to end."""
+        self.shutdown()
         self._thread.join(timeout)
 
     def _work(self) -> None:
@@ -390,7 +437,21 @@ class Engine:
 
 # -- the HTTP side ------------------------------------------------------------------------------
 
+def _check_json_type(headers: Headers) -> None:
+    """A body must be sent as JSON (or with no Content-Type at all). The types a web page
+    may send cross-site without asking first (text/plain, form encodings: a "simple"
+    request, which no CORS preflight guards) are refused, as is anything else."""
+    given = headers.get("content-type")
+    media = (given or "").partition(";")[0].strip().lower()
+    if given is not None and media != "application/json" and not media.endswith("/json") \
+            and not media.endswith("+json"):
+        raise ApiError(415, f"the request body must be JSON sent with 'Content-Type: "
+                            f"application/json', not {_show(given)}", "Content-Type",
+                       "unsupported_media_type")
+
+
 async def _read_json(request: Request) -> dict:
+    _check_json_type(request.headers)
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > MAX_BODY:
         raise ApiError(413, f"the request body is over {MAX_BODY >> 20} MiB",
@@ -412,6 +473,21 @@ async def _read_json(request: Request) -> dict:
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
     return body
+
+
+async def _tokenize(encode, text: Any) -> list[int]:
+    """encode(text) off the event loop. The tokenizer's own failures (tiktoken's regex
+    engine panics on some very long inputs: a PanicException, which is not an Exception)
+    become one log line and a clean 500, not a traceback and a dropped connection."""
+    try:
+        return await run_in_threadpool(encode, text)
+    except (EdgeError, asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001
+        log.error("tokenizing a request failed: %s: %s", type(e).__name__,
+                  str(e).splitlines()[0][:200] if str(e) else "")
+        raise ApiError(500, "the tokenizer failed on this request's text; the server log "
+                            "has the details", code="tokenizer_error") from None
 
 
 async def _until_disconnect(request: Request, engine: Engine, job: Job) -> None:
@@ -442,11 +518,15 @@ class Server:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves "
                                 f"{self.model_id!r}", "model", "model_not_found")
 
-    def _fit(self, ids: list[int], max_tokens: int | None, param: str) -> int:
+    def _fit(self, ids: list[int], params: Params, param: str) -> int:
         """max_tokens for this prompt: as asked, or all the room the context leaves."""
-        n, ctx = len(ids), self.llm.ctx
+        n, ctx, max_tokens = len(ids), self.llm.ctx, params.max_tokens
         if n == 0:
             raise _bad("the prompt is empty", param)
+        if max_tokens is not None and max_tokens >= ctx:
+            raise _bad(f"{params.max_tokens_param} must be less than this model's context "
+                       f"length ({ctx} tokens), got {_show(max_tokens)}",
+                       params.max_tokens_param, "context_length_exceeded")
         if max_tokens is None:
             if n < ctx:
                 return ctx - n
@@ -464,7 +544,7 @@ class Server:
         messages = _messages(body)
         params = _params(body, self.defaults, chat=True)
         try:
-            ids = await run_in_threadpool(self.llm.chat.encode_messages, messages)
+            ids = await _tokenize(self.llm.chat.encode_messages, messages)
         except EdgeError as e:   # the template refused these messages
             raise _bad(f"cannot render these messages with the model's chat template: {e}",
                        "messages") from None
@@ -484,11 +564,11 @@ class Server:
         def encode(text: str) -> list[int]:
             ids = tok.encode(text)
             return [tok.bos_id] + ids if tok.add_bos and tok.bos_id is not None else ids
-        ids = await run_in_threadpool(encode, _clean(prompt))
+        ids = await _tokenize(encode, _clean(prompt))
         return await self._run(request, ids, params, "prompt", chat=False)
 
     async def _run(self, request: Request, ids: list[int], params: Params, param: str, chat: bool):
-        job = Job(ids, self._fit(ids, params.max_tokens, param), params)
+        job = Job(ids, self._fit(ids, params, param), params)
         self.engine.submit(job)
         watcher = asyncio.create_task(_until_disconnect(request, self.engine, job))
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
@@ -576,6 +656,142 @@ class Server:
                              "queue": self.engine.status()})
 
 
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+def host_name(value: str) -> str | None:
+    """The name in a Host header value ("name", "name:port", "[v6]:port"), lowercased,
+    without brackets, port or a final dot; None if it is not a valid Host value."""
+    v = value.strip().lower()
+    if v.startswith("["):
+        name, sep, rest = v[1:].partition("]")
+        if not sep:
+            return None
+        try:
+            ipaddress.IPv6Address(name)
+        except ValueError:
+            return None
+    else:
+        name, colon, port = v.partition(":")
+        rest = colon + port
+    if rest and not (rest[0] == ":" and rest[1:].isdigit() and len(rest) <= 6):
+        return None
+    name = name[:-1] if name.endswith(".") else name
+    if not name or any(c in name for c in " /\\@?#%\t"):
+        return None
+    return name
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return False
+
+
+def normalize_origin(value: str) -> str:
+    """An origin as browsers send it, "scheme://host[:port]" lowercased; "*" and "null"
+    as they are. ValueError if `value` is not one (a path, a missing scheme, ...)."""
+    v = value.strip().lower().rstrip("/")
+    if v in ("*", "null"):
+        return v
+    scheme, sep, netloc = v.partition("://")
+    if not sep or scheme not in ("http", "https") or host_name(netloc) is None:
+        raise ValueError(f"{value!r} is not an origin: give scheme://host[:port], e.g. "
+                         f"http://localhost:3000 (or * for any)")
+    return f"{scheme}://{netloc.removesuffix({'http': ':80', 'https': ':443'}[scheme])}"
+
+
+class _Guard:
+    """ASGI middleware against DNS rebinding and cross-site requests (the class of Ollama's
+    CVE-2024-28224), outside everything else:
+
+    - Host: a page on evil.example whose name is re-pointed at 127.0.0.1 reaches this
+      server with `Host: evil.example`, so only the names in `hosts` are answered (any IP
+      literal too when `any_ip`: an address cannot be rebound). The port is not compared:
+      an attacker controls the name, not the port, and ssh tunnels change the port.
+    - Origin: browsers send it on cross-origin requests (and on every POST). Same-origin
+      requests (Origin names the Host) and the origins in `cors` pass; any other is
+      refused with 403, so no page elsewhere can start a generation, form-style or not.
+      Allowed cross-origin requests get CORS headers, and preflights (OPTIONS) an answer.
+    Clients that are not browsers (the openai package, curl) send no Origin."""
+
+    def __init__(self, app, hosts: Iterable[str], any_ip: bool = False,
+                 cors: Iterable[str] = ()):
+        self.app, self.any_ip = app, any_ip
+        self.hosts = {h.strip().lower().strip("[]").rstrip(".") for h in hosts}
+        self.cors = {normalize_origin(o) for o in cors}
+
+    def _host_ok(self, value: str) -> bool:
+        if "*" in self.hosts:
+            return True
+        name = host_name(value)
+        return name is not None and (name in self.hosts or (self.any_ip and _is_ip(name)))
+
+    def _allowed_hosts(self) -> str:
+        names = sorted(f"[{h}]" if ":" in h else h for h in self.hosts)
+        return ", ".join(names) + (" and any IP address" if self.any_ip else "")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        for host in headers.getlist("host"):
+            if not self._host_ok(host):
+                await ApiError(403, f"this server does not answer to the Host {_show(host)} "
+                                    f"(only to {self._allowed_hosts()}): a web page may be "
+                                    f"trying to reach it through DNS rebinding. If you use "
+                                    f"that name yourself, start the server with "
+                                    f"--allowed-host NAME", "Host", "host_not_allowed"
+                               ).response()(scope, receive, send)
+                return
+        origin = headers.get("origin")
+        allow = None
+        if origin is not None:
+            try:
+                given = normalize_origin(origin)
+            except ValueError:
+                given = origin
+            host = headers.get("host", "").strip().lower()
+            same = bool(host) and given.partition("://")[2] == host
+            if "*" in self.cors:
+                allow = "*"
+            elif given in self.cors:
+                allow = origin
+            elif not same:
+                await ApiError(403, f"cross-origin requests from {_show(origin)} are refused; "
+                                    f"to let pages there use this server, start it with "
+                                    f"--cors {_show(origin)}", "Origin", "origin_not_allowed"
+                               ).response()(scope, receive, send)
+                return
+        if scope["method"] == "OPTIONS" and origin is not None \
+                and "access-control-request-method" in headers:
+            vary = {"Vary": "Origin"}
+            if allow:
+                vary.update({
+                    "Access-Control-Allow-Origin": allow,
+                    "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                    "Access-Control-Allow-Headers":
+                        headers.get("access-control-request-headers", "")[:2000],
+                    "Access-Control-Max-Age": "600"})
+            await Response(status_code=204, headers=vary)(scope, receive, send)
+            return
+        if allow is None:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_cors(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [
+                    *message.get("headers", []),
+                    (b"access-control-allow-origin", allow.encode("latin-1", "replace")),
+                    (b"vary", b"Origin")]}
+            await send(message)
+        await self.app(scope, receive, send_with_cors)
+
+
 class _RequireKey:
     """ASGI middleware: /v1/... needs `Authorization: Bearer KEY` (/health does not)."""
 
@@ -595,10 +811,16 @@ class _RequireKey:
 
 
 def create_app(llm: LLM, *, model_id: str | None = None, api_key: str | None = None,
-               queue_size: int = DEFAULT_QUEUE) -> Starlette:
+               queue_size: int = DEFAULT_QUEUE, allowed_hosts: Iterable[str] = LOOPBACK_HOSTS,
+               any_ip_host: bool = False, cors: Iterable[str] = ()) -> Starlette:
     """The ASGI app serving `llm`; its id is the file name without .gguf unless given.
-    The engine thread starts now and stops when the app's lifespan ends."""
+    The engine thread starts now and stops when the app's lifespan ends.
+
+    Only requests whose Host names one of `allowed_hosts` ("*": any; `any_ip_host`: any
+    IP address too) are answered, and requests from web pages only from the same origin
+    or one of the `cors` origins ("*": any); see _Guard. normalize_origin checks `cors`."""
     server = Server(llm, model_id or llm.path.stem, queue_size)
+    guard = Middleware(_Guard, hosts=list(allowed_hosts), any_ip=any_ip_host, cors=list(cors))
 
     async def api_error(request: Request, exc: ApiError):
         return exc.response()
@@ -627,6 +849,6 @@ def create_app(llm: LLM, *, model_id: str | None = None, api_key: str | None = N
     ], exception_handlers={ApiError: api_error, HTTPException: http_error,
                            ClientDisconnect: client_gone, Exception: internal_error},
         lifespan=lifespan,
-        middleware=[Middleware(_RequireKey, key=api_key)] if api_key else [])
+        middleware=[guard] + ([Middleware(_RequireKey, key=api_key)] if api_key else []))
     app.state.server = server
     return app

@@ -440,7 +440,7 @@ def test_routes_sizes_and_methods(server):
     conn.close()
     # a client that leaves halfway through sending its body
     with socket.create_connection((server.host, server.port)) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000"
                      b"\r\n\r\n{\"prompt\": ")
         time.sleep(0.2)
     assert server.health()["status"] == "ok"
