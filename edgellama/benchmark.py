@@ -72,10 +72,18 @@ def bench_dir() -> Path:
     return cache_dir() / "bench"
 
 
+def _ours(name: str) -> bool:
+    """A shape file's name (or its temporary's): only those are ever removed, as
+    EDGELLAMA_CACHE may name a folder holding the user's own files."""
+    return any(name in (shape_path(s, t).name, shape_path(s, t).with_suffix(".tmp").name)
+               for s in SHAPES for t in SHAPE_TYPES)
+
+
 def bench_files() -> list[Path]:
     """The shape files kept in bench_dir(), and temporaries of interrupted runs."""
     d = bench_dir()
-    return sorted(p for p in d.glob("*-random-*") if p.is_file()) if d.is_dir() else []
+    return sorted(p for p in d.iterdir() if _ours(p.name) and p.is_file()
+                  and not p.is_symlink()) if d.is_dir() else []
 
 
 def remove_bench_files() -> tuple[int, int]:

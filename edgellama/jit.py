@@ -3,9 +3,10 @@
 reply, telling which kernel of how many is compiling."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-import shutil
+import re
 import sys
 import tempfile
 import time
@@ -42,12 +43,34 @@ def kernel_cache_dir() -> Path:
     return cache_dir() / "numba" / h.hexdigest()[:16]
 
 
+_DIGEST = re.compile(r"[0-9a-f]{16}")
+_KERNEL_FILE = re.compile(r".+\.(nbi|nbc)")      # Numba's index and data files
+
+
 def _drop_other_versions(keep: Path) -> None:
-    # kernels of other source versions (and of the flat layout before digests) are never
-    # loaded again (best effort: a process of another version recompiles what it misses)
-    for d in keep.parent.iterdir():
-        if d != keep and d.is_dir():
-            shutil.rmtree(d, ignore_errors=True)
+    """Kernels of other source versions are never loaded again: remove them (best effort:
+    a process of another version recompiles what it misses). Only what is recognisably
+    ours goes: a sibling named by a digest holding nothing but Numba's cache files, file
+    by file; a folder with anything else in it (EDGELLAMA_CACHE may name a folder of the
+    user's) is left as it is."""
+    for d in sorted(keep.parent.iterdir()):
+        if d != keep and _DIGEST.fullmatch(d.name) and not d.is_symlink() and d.is_dir():
+            _remove_kernel_folder(d)
+
+
+def _remove_kernel_folder(d: Path) -> None:
+    walk = list(os.walk(d, topdown=False))
+    if any(not _KERNEL_FILE.fullmatch(f) or os.path.islink(os.path.join(top, f))
+           for top, _, files in walk for f in files) \
+            or any(os.path.islink(os.path.join(top, s)) for top, subs, _ in walk for s in subs):
+        return
+    with contextlib.suppress(OSError):
+        for top, subs, files in walk:
+            for f in files:
+                os.unlink(os.path.join(top, f))
+            for s in subs:
+                os.rmdir(os.path.join(top, s))
+        os.rmdir(d)
 
 
 def use_user_cache() -> None:
@@ -72,6 +95,96 @@ def use_user_cache() -> None:
     # Not the environment: child processes would take it for the user's choice. (Numba
     # resets this when a NUMBA_* variable changes, but reads it only as kernels are defined.)
     numba.config.CACHE_DIR = str(path)
+    _repair_damaged_entries(path.parent)
+
+
+# What the last repair of the kernel cache said (None: none this run).
+repair_note: str | None = None
+_SAFE_DATA_NAME = re.compile(r"[^/\\]+\.nbc")
+
+
+def _discard(path: str, why: str) -> None:
+    """A damaged file of our kernel cache goes (it is rebuilt as the kernel compiles);
+    one line on stderr says so, once a run."""
+    global repair_note
+    with contextlib.suppress(OSError):
+        if not os.path.isdir(path) or os.path.islink(path):
+            os.unlink(path)
+    if repair_note is None:
+        repair_note = (f"the compiled-kernel cache had a damaged entry ({why}: {path}); "
+                       f"discarded, the kernels it held are compiled again")
+        print(f"note: {repair_note}", file=sys.stderr, flush=True)
+
+
+def _repair_damaged_entries(root: Path) -> None:
+    """Make Numba's cache of files under `root` repair itself. Numba raises whatever
+    unpickling raises on a damaged index or data file (empty after a power cut, random
+    bytes), and every later run would fail the same way: such a file is discarded
+    instead and the kernel compiles as if it were not cached. Writing an entry that
+    cannot be written (a full disk) leaves the kernel compiled in memory."""
+    from numba.core import caching
+    cls = caching.IndexDataCacheFile
+    if getattr(cls, "_edgellama_repairs", None) is not None:
+        cls._edgellama_repairs.add(str(root))
+        return
+    roots = cls._edgellama_repairs = {str(root)}
+    load_index, load_data, save = cls._load_index, cls._load_data, cls.save
+
+    def ours(path) -> bool:
+        path = os.path.abspath(path)
+        return any(path.startswith(r + os.sep) for r in roots)
+
+    def _load_index(self):
+        if not ours(self._index_path):
+            return load_index(self)
+        try:
+            overloads = load_index(self)
+            if isinstance(overloads, dict) and all(
+                    isinstance(v, str) and _SAFE_DATA_NAME.fullmatch(v) for v in overloads.values()):
+                return overloads
+            why = "an index that is not Numba's"
+        except Exception as e:  # noqa: BLE001 - whatever a damaged pickle raises
+            why = f"{type(e).__name__}"
+        _discard(self._index_path, f"index unreadable, {why}")
+        return {}
+
+    def _load_data(self, name):
+        if not ours(self._cache_path):
+            return load_data(self, name)
+        try:
+            data = load_data(self, name)
+            if isinstance(data, tuple):
+                return data
+            why = "not Numba's data"
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            why = f"{type(e).__name__}"
+        _discard(self._data_path(name), f"data unreadable, {why}")
+        raise FileNotFoundError(name)        # load() takes that for a miss: it compiles
+
+    def save_(self, key, data):
+        if not ours(self._cache_path):
+            return save(self, key, data)
+        with contextlib.suppress(OSError):   # a full disk, a folder in the way: not cached
+            save(self, key, data)
+
+    cls._load_index, cls._load_data, cls.save = _load_index, _load_data, save_
+
+    cache_cls = caching.Cache
+    load_overload = cache_cls.load_overload
+
+    def load_overload_(self, sig, target_context):
+        try:
+            return load_overload(self, sig, target_context)
+        except Exception:   # noqa: BLE001 - data that unpickled but does not rebuild
+            index = self._cache_file._index_path
+            if not ours(index):
+                raise
+            _discard(index, "an entry that does not load")
+            return None
+
+    cache_cls.load_overload = load_overload_
 
 
 def prepare_numba() -> None:

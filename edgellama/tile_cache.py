@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import mmap
 import os
 import shutil
@@ -47,6 +48,8 @@ MIN_BYTES = 64 << 20        # models with fewer bytes of tiles are repacked ever
 KEEP = 3                    # tile files kept, most recently used first
 _DTYPES = {"u1", "i1", "u2", "i2", "u4", "i4", "f2", "f4"}   # what tiles are made of
 _MAX_INDEX = 16 << 20
+_MAX_BUFFER = 256 << 20
+_TMP_PREFIX = ".edgellama-tiles-"   # a file being written; left by a load that was killed     # a Linear's per-call buffers are a few MiB at most
 
 
 def tiles_dir() -> Path:
@@ -68,8 +71,8 @@ def _key(path: Path) -> tuple[str, dict]:
 
 
 def read_index(path: Path) -> tuple[dict, int]:
-    """The index of a tile file and the file's size; ValueError if it is not one of ours
-    or its index points outside it."""
+    """The index of a tile file and the file's size; ValueError if it is not one of ours,
+    is damaged in any way, or its index points outside it (OSError if it cannot be read)."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(_HEADER.size)
@@ -79,13 +82,22 @@ def read_index(path: Path) -> tuple[dict, int]:
         if magic != MAGIC or n > _MAX_INDEX or off + n != size:
             raise ValueError("not a tile file")
         f.seek(off)
-        index = json.loads(f.read(n))
+        raw = f.read(n)
+    try:
+        return _checked(json.loads(raw), off), size
+    except (AttributeError, TypeError, KeyError, IndexError, RecursionError, OverflowError) as e:
+        raise ValueError(f"bad index ({type(e).__name__})") from None   # not what we write
+
+
+def _checked(index, off: int) -> dict:
+    """The index, if every entry is one _Writer writes; ValueError (or another error
+    read_index turns into one) if not."""
     if not isinstance(index, dict) or not isinstance(index.get("linears"), dict) \
             or not isinstance(index.get("source"), dict):
         raise ValueError("bad index")
     for entry in index["linears"].values():
-        if not isinstance(entry.get("class"), str) or not isinstance(entry.get("attrs"), dict) \
-                or not isinstance(entry.get("arrays"), dict):
+        if not isinstance(entry, dict) or not isinstance(entry.get("class"), str) \
+                or not isinstance(entry.get("attrs"), dict) or not isinstance(entry.get("arrays"), dict):
             raise ValueError("bad entry")
         for v in entry["attrs"].values():
             try:
@@ -93,18 +105,22 @@ def read_index(path: Path) -> tuple[dict, int]:
             except (KeyError, TypeError) as e:
                 raise ValueError("not an attribute we write") from e
         for name, a in entry["arrays"].items():
-            if a["dtype"] not in _DTYPES or not isinstance(a["shape"], list) \
-                    or not all(isinstance(s, int) and s >= 0 for s in a["shape"]):
+            if not isinstance(a, dict) or not isinstance(a["dtype"], str) \
+                    or a["dtype"] not in _DTYPES or not isinstance(a["shape"], list) \
+                    or not all(isinstance(s, int) and 0 <= s < 1 << 40 for s in a["shape"]):
                 raise ValueError("bad array entry")
-            nbytes = int(np.prod(a["shape"])) * np.dtype(a["dtype"]).itemsize
-            if "offset" in a and not (isinstance(a["offset"], int)
+            nbytes = math.prod(a["shape"]) * np.dtype(a["dtype"]).itemsize
+            if name.startswith("_") and nbytes > _MAX_BUFFER:
+                raise ValueError("a buffer larger than any Linear's")
+            if "offset" in a and not (type(a["offset"]) is int
                                       and _HEADER.size <= a["offset"] <= off - nbytes):
                 raise ValueError("array outside the file")
-            if "view_of" in a and "offset" not in entry["arrays"].get(a["view_of"], {}):
+            if "view_of" in a and not (isinstance(a["view_of"], str) and isinstance(
+                    base := entry["arrays"].get(a["view_of"]), dict) and "offset" in base):
                 raise ValueError("a view of no array")
             if "offset" not in a and "view_of" not in a and not name.startswith("_"):
                 raise ValueError("an array with no data")
-    return index, size
+    return index
 
 
 # --- a Linear's state: scalars and arrays ------------------------------------------------
@@ -138,7 +154,7 @@ class _Writer:
 
     def __init__(self, final: Path, source: dict):
         self.final, self.source = final, source
-        fd, self.tmp = tempfile.mkstemp(dir=final.parent, prefix=".", suffix=".tmp")
+        fd, self.tmp = tempfile.mkstemp(dir=final.parent, prefix=_TMP_PREFIX, suffix=".tmp")
         self.end = _HEADER.size            # where the next array goes
         self.linears: dict = {}
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -316,7 +332,7 @@ def _evict(keep: Path) -> None:
             continue
         with contextlib.suppress(OSError):
             p.unlink()
-    for p in tiles_dir().glob(".*.tmp"):
+    for p in tiles_dir().glob(f"{_TMP_PREFIX}*.tmp"):     # ours only, never a user's .tmp
         with contextlib.suppress(OSError):
             if p.stat().st_mtime < os.stat(keep).st_mtime - 3600:   # not another load's
                 p.unlink()
