@@ -12,10 +12,12 @@ Plain `encode` never produces control tokens, whatever the text says; only
 from __future__ import annotations
 
 import codecs
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
+import regex
 import tiktoken
 
 from edgellama.bytelevel import byte_to_unicode, token_bytes
@@ -42,6 +44,22 @@ PRE_TOKENIZERS = {
     "smollm": (SMOLLM_PATTERN, False),
     "gpt-2": (GPT2_PATTERN, False),
 }
+
+# Texts longer than this many characters are cut into pieces before tiktoken sees them:
+# its regex engine (fancy-regex) panics with a stack overflow on a whitespace run of
+# about a million characters (tiktoken issues #15, #245), whatever the pattern.
+LONG_TEXT_CHARS = 1 << 15
+
+# A safe cut: after a letter that is followed by an ASCII non-letter. Under every
+# pattern above, a piece holding a letter ends with its letter run (`\p{L}+`, or a
+# contraction `'s`... whose letters a non-letter cannot continue), and no alternative
+# reads past a letter except `\p{L}+`, which stops at the non-letter either way; with
+# no lookbehind or anchors, the text after the cut splits as it would on its own. So
+# the pieces of text[:cut] and text[cut:] are exactly those of the text. The letter is
+# also checked with str.isalpha (Python's older Unicode tables): a letter in every
+# Unicode version the regex engines involved (tiktoken's, HF's, `regex`) may use.
+_CUT = regex.compile(r"\p{L}(?=[\x00-\x40\x5b-\x60\x7b-\x7f])")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 # Texts of end-of-turn / end-of-text tokens across the vocabularies we run.
 STOP_TOKEN_TEXTS = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>")
@@ -119,6 +137,8 @@ class Tokenizer:
             {i for i in named.values() if i is not None}
             | {special_ids[k] for k in ("eos", "eot", "eom") if k in special_ids})
         self._encoding, self._rank_to_id = self._build_encoding(pattern, merges, by_text)
+        self._pattern = regex.compile(pattern)   # the same pre-tokenizer, for long texts
+        self.long_text_chars = LONG_TEXT_CHARS
         self._user_defined = {tokens[i] for i in np.flatnonzero(token_types == USER_DEFINED)}
 
     @property
@@ -197,6 +217,8 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of plain text: control-token strings in it stay plain text."""
+        if len(text) > self.long_text_chars:
+            return self._to_ids(self._encode_long(text, self._user_defined))
         if self._user_defined:
             # User-defined (non-control) added tokens always match, as in llama.cpp and HF.
             ranks = self._encoding.encode(text, allowed_special=self._user_defined,
@@ -210,7 +232,58 @@ class Tokenizer:
 
         Only for text whose special-token strings are trusted (rendered chat templates).
         """
+        if len(text) > self.long_text_chars:
+            return self._to_ids(self._encode_long(text, self.special_tokens))
         return self._to_ids(self._encoding.encode(text, allowed_special="all"))
+
+    def _encode_long(self, text: str, allowed: Iterable[str]) -> list[int]:
+        """Ranks of a text of any length: the special tokens in `allowed` are found first
+        (leftmost, longest), and the plain text between them is encoded in safe pieces."""
+        if _SURROGATE.search(text):   # as tiktoken does: a lone surrogate becomes U+FFFD
+            text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        allowed = sorted(allowed)
+        if not allowed:
+            return self._encode_plain(text, 0, len(text))
+        ranks: list[int] = []
+        pos = 0
+        specials = self._encoding._special_tokens
+        for m in regex.finditer(r"\L<specials>", text, specials=allowed):
+            ranks += self._encode_plain(text, pos, m.start())
+            ranks.append(specials[m.group()])
+            pos = m.end()
+        return ranks + self._encode_plain(text, pos, len(text))
+
+    def _encode_plain(self, text: str, pos: int, end: int) -> list[int]:
+        """Ranks of text[pos:end] (no special tokens), for any length.
+
+        tiktoken encodes it in parts of at most `long_text_chars`, cut where a letter
+        ends (see _CUT). Where no letter ends in half that length (a long run of
+        whitespace, digits, punctuation or one long word), the pieces come from the
+        same pattern run by the `regex` module, which has no such limit, and each is
+        BPE-encoded alone; any piece boundary is a place tiktoken can resume from.
+        """
+        ranks: list[int] = []
+        limit = self.long_text_chars
+        core = self._encoding._core_bpe
+        while pos < end:
+            if end - pos <= limit:
+                ranks += core.encode_ordinary(text[pos:end])
+                break
+            lo, hi = pos + limit // 2, pos + limit
+            cut = next((m.end() for m in _CUT.finditer(text, lo, hi + 1)
+                        if text[m.start()].isalpha()), None)
+            if cut is not None:
+                ranks += core.encode_ordinary(text[pos:cut])
+                pos = cut
+                continue
+            for piece in self._pattern.finditer(text, pos, end):
+                ranks += core.encode_single_piece(piece.group().encode("utf-8"))
+                pos = piece.end()
+                if pos >= lo:
+                    break
+            else:   # nothing more the pattern matches (tiktoken drops such text too)
+                break
+        return ranks
 
     def _to_ids(self, ranks: list[int]) -> list[int]:
         if self._rank_to_id is not None:
