@@ -524,6 +524,11 @@ def run_one(path: Path) -> str:
             tok = Sampler(SamplingParams(temperature=temp, seed=0))(logits, [0, 1])
             llm.tokenizer.decode([tok])
         llm.reset()
+        # a text past the tokenizer's long-text limit: cut, whole-piece BPE of a long
+        # whitespace run, special tokens found across cuts, all on a mutated vocabulary
+        long_text = "hi " + " " * 20_000 + "ab1.'s" * 2500 + "<|im_end|>\n"
+        llm.tokenizer.encode(long_text)
+        llm.tokenizer.encode_special(long_text)
         ids = llm.chat.encode_messages([{"role": "user", "content": "hello the world"}])
         out = list(llm.generate(ids, max_tokens=3, sampling=SamplingParams(temperature=0.8, seed=1)))
         llm.tokenizer.decode(out)
