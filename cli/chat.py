@@ -21,6 +21,7 @@ from .options import (
     one_line,
     sampling_from,
     sampling_options,
+    stdin_problem,
 )
 from .progress import KernelProgress
 
@@ -55,6 +56,10 @@ def _shown(path: Path) -> str:
               help="Keep what you type in ~/.cache/edgellama/chat_history (Up recalls it).")
 def chat(model, ctx, threads, max_tokens, system, history, **sampling):
     """Chat with a model in the terminal."""
+    if why := stdin_problem():
+        raise EdgeError(f"no input: {why}, and chat reads your messages from it; run it in a "
+                        f"terminal or pipe the messages in, or give one prompt with "
+                        f"`edgellama generate --prompt TEXT` or `-f FILE`")
     progress = KernelProgress()
     with jit.Compiling(progress) as loading:      # loading repacks weights with kernels too
         llm = load(model, ctx, threads)
@@ -70,7 +75,9 @@ def chat(model, ctx, threads, max_tokens, system, history, **sampling):
                f"KV {kv.nbytes / 2**20:.0f} MiB | loaded in {startup:.1f} s | /help for commands",
                err=True)
     reader = Reader(_history_path(history))
-    if reader.history and not reader.history.exists():
+    if reader.history_warning:
+        click.echo(f"warning: {one_line(reader.history_warning)}", err=True)
+    elif reader.history and not reader.history.exists():
         click.echo(f"(what you type is kept in {_shown(reader.history)}; --no-history turns "
                    f"that off)", err=True)
     out = Output(sys.stdout)
@@ -87,11 +94,17 @@ def _exit_on_signal(signum, frame):
 
 
 def _converse(llm, session, reader, out, max_tokens):
+    heard = False
     while True:
         try:
             text = clean(reader.read())
+            heard = True
         except EOFError:
             click.echo("", err=True)
+            if not heard and not reader.tty:      # an empty pipe or file
+                raise EdgeError("no input: standard input ended before any message; pipe the "
+                                "messages in, run chat in a terminal, or give one prompt with "
+                                "`edgellama generate --prompt TEXT` or `-f FILE`") from None
             return
         except KeyboardInterrupt:
             click.echo("\n(Ctrl-D or /exit to quit)", err=True)
@@ -142,7 +155,8 @@ def _command(text, llm, session, reader) -> str | None:
                    f"context: {session.context_used()}/{llm.ctx} tokens", err=True)
     elif cmd == "/help":
         kept = (f"history: {_shown(reader.history)} (--no-history: none)" if reader.history
-                else "history: not kept (--no-history)")
+                else "history: this session only (its file cannot be read)"
+                if reader.history_warning else "history: not kept (--no-history)")
         click.echo(f"{HELP}\n{kept}", err=True)
     else:
         click.echo(f"unknown command {cmd}; /help lists them", err=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import select
+import stat
 import sys
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -21,6 +22,7 @@ PROMPT, MORE = ">>> ", "... "
 QUOTES = '"""'
 PASTE_ON, PASTE_OFF = "\x1b[?2004h", "\x1b[?2004l"
 PASTE_START, PASTE_END = "\x1b[200~", "\x1b[201~"
+MAX_HISTORY_BYTES = 16 << 20    # 1000 lines of chat; far more is not a history of ours
 _ESCAPES = re.compile(r"\x1b(\[[0-9;?]*[ -/]*[@-~]|O.|.)?")   # CSI, SS3, other ESC pairs
 
 
@@ -68,6 +70,32 @@ class Assembler:
         self.block = None
 
 
+def unreadable_history(path: Path) -> str | None:
+    """Why the history file at `path` must not be read nor replaced (it is not a regular
+    file, cannot be read, is not UTF-8 text, is a dangling link); None if it is fine to
+    use or does not exist yet."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return "a link to nothing" if os.path.islink(path) else None
+    except OSError as e:
+        return e.strerror or str(e)
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_HISTORY_BYTES + 1)
+    except OSError as e:
+        return e.strerror or str(e)
+    if len(data) > MAX_HISTORY_BYTES:
+        return f"larger than {MAX_HISTORY_BYTES >> 20} MiB"
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "not UTF-8 text"
+    return None
+
+
 def _gnu_readline():
     try:
         import readline
@@ -91,15 +119,23 @@ class Reader:
         self.assembler = Assembler()
         self.typed_ahead = ""
         self.notes: list[str] = []      # things to tell the user after a reply
+        self.history_warning: str | None = None   # why the history file is left alone
         if self.readline:
             self.readline.parse_and_bind("set enable-bracketed-paste on")
             self.readline.set_history_length(1000)
             self.readline.set_pre_input_hook(self._insert_typed_ahead)
-            if history:
-                try:
-                    self.readline.read_history_file(history)
-                except OSError:
-                    pass
+            if self.history:
+                why = unreadable_history(self.history)
+                if why is None and os.path.lexists(self.history):
+                    try:
+                        self.readline.read_history_file(self.history)
+                    except OSError as e:
+                        why = e.strerror or str(e)
+                if why is not None:    # never overwritten: it may hold what we cannot read
+                    self.history_warning = (
+                        f"the chat history {self.history} cannot be read ({why}); it is left as "
+                        f"it is, and this session's history is kept in memory only")
+                    self.history = None
 
     def read(self) -> str:
         """The next message (may be empty; may contain line breaks). Raises EOFError at

@@ -9,7 +9,7 @@ from edgellama.errors import EdgeError
 
 from .main import main
 from .options import (Output, load, model_flags, positional_is_model, resolve_model,
-                      sampling_from, sampling_options)
+                      sampling_from, sampling_options, stdin_problem)
 
 # More than any context holds (8192 tokens of a few bytes each), small enough to read.
 MAX_PROMPT_BYTES = 64 << 20
@@ -32,6 +32,12 @@ def _prompt(model_arg, prompt_arg, prompt, prompt_file) -> tuple[str | None, str
     sources = [s for s in (prompt, prompt_file, prompt_arg) if s is not None]
     if len(sources) > 1:
         raise click.UsageError("give the prompt once: PROMPT, -p TEXT, -p - or -f FILE")
+    # no prompt and nothing to read it from (/dev/null, or closed by a daemon); `-p -` of
+    # /dev/null asks for its empty prompt, of a closed input for what is not there
+    why = stdin_problem() if not sources or "-" in (prompt, prompt_file) else None
+    if why and (not sources or "closed" in why):
+        raise EdgeError(f"no prompt: {why}; give it with --prompt TEXT, -f FILE or as an "
+                        f"argument, or pipe it in")
     if prompt_file is not None:
         with click.open_file(prompt_file, "rb") as f:
             return model_arg, _read(f, prompt_file)

@@ -57,6 +57,9 @@ def rm(names, yes):
                         f"`edgellama list` shows their names")
     chosen = [models[n] for n in dict.fromkeys(names)]
     if not yes:
+        from .options import stdin_problem
+        if (why := stdin_problem()) and "closed" in why:
+            raise EdgeError(f"cannot ask before removing: {why}; add -y to remove without asking")
         what = ", ".join(f"{m.name} ({_size(m.size)})" for m in chosen)
         click.confirm(f"remove {what}?", abort=True, err=True)
     from edgellama.tile_cache import cached_tiles

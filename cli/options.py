@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import os
 import re
+import stat
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,6 +44,28 @@ def model_options(f):
         kwargs["model"] = resolve_model(model_arg, kwargs.pop("model"), hf_repo)
         return f(*args, **kwargs)
     return model_flags(click.argument("model_arg", metavar="[MODEL]", required=False)(run))
+
+
+def stdin_problem() -> str | None:
+    """Why standard input has nothing to read, if it plainly has not: closed (a daemon
+    started us with `0<&-`), or /dev/null. None when it may hold input."""
+    if sys.stdin is None or sys.stdin.closed:        # Python found no descriptor 0
+        return "standard input is closed"
+    try:
+        fd = sys.stdin.fileno()
+    except (OSError, ValueError):                   # a stream of its own (tests): readable
+        return None
+    try:
+        st = os.fstat(fd)
+    except OSError:                                 # its descriptor was closed since
+        return "standard input is closed"
+    if stat.S_ISCHR(st.st_mode) and not os.isatty(fd):
+        try:
+            if st.st_rdev == os.stat(os.devnull).st_rdev:
+                return f"standard input is {os.devnull}"
+        except OSError:
+            pass
+    return None
 
 
 def _names_file(text: str) -> bool:
