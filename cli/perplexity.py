@@ -15,21 +15,6 @@ from .main import main
 from .options import load, one_line, resolve_model
 
 
-def _read_text(path: str) -> str:
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise EdgeError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise EdgeError(f"{path}: is a directory, expected a text file") from None
-    except OSError as e:
-        raise EdgeError(f"{path}: cannot read: {e.strerror or e}") from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise EdgeError(f"{path}: not UTF-8 text (invalid byte at offset {e.start})") from None
-
-
 def _checkpoint_type(hf_dir: Path) -> str:
     """The checkpoint's own float type when every tensor has it (the GGUF then holds the
     same values: lossless), else f32."""
@@ -82,11 +67,12 @@ class _Bar:
         sys.stderr.write("\n")
 
 
-def _summary(model, ref, ref_name, text, n_tokens, r, seconds) -> list[str]:
+def _summary(model, ref, ref_name, text, n_tokens, whole, r, seconds) -> list[str]:
     lines = [f"model:     {model.path} ({model.model.type_summary()})"]
     if ref is not None:
         lines.append(f"reference: {ref_name} ({ref.model.type_summary()})")
-    lines += [(f"text:      {text}: {n_tokens} tokens; {r.chunks} chunks of {r.n_ctx}, "
+    read = "" if whole else " read (enough for --chunks)"
+    lines += [(f"text:      {text}: {n_tokens} tokens{read}; {r.chunks} chunks of {r.n_ctx}, "
                f"{r.count} tokens scored"),
               f"PPL                 {r.ppl:10.4f} ± {r.ppl_err:.4f}"]
     if r.has_ref:
@@ -123,10 +109,11 @@ def perplexity(model_arg, model, hf_repo, text_file, ctx, chunks, ref, as_json, 
     """Perplexity of a model over a text file, and its divergence from a reference."""
     from edgellama import perplexity as ppl
 
-    text = _read_text(text_file)
+    f = ppl.open_text(text_file)
     model = resolve_model(model_arg, model, hf_repo)
     llm = load(model, ctx, threads)
-    tokens = ppl.tokenize(llm.tokenizer, text)
+    # only as much of the text as the chunks asked for is read (a file may exceed memory)
+    tokens, whole = ppl.read_tokens(llm.tokenizer, text_file, ppl.tokens_needed(ctx, chunks), f=f)
     bos = llm.tokenizer.bos_id if llm.tokenizer.add_bos else None
     plan = ppl.make_chunks(tokens, ctx, chunks, bos, what=text_file)
     ref_llm = _load_reference(ref, ctx, threads) if ref is not None else None
@@ -145,8 +132,10 @@ def perplexity(model_arg, model, hf_repo, text_file, ctx, chunks, ref, as_json, 
     seconds = time.perf_counter() - t0
     if as_json:
         out = {"model": str(llm.path), "ref": ref, "text": text_file, "text_tokens": len(tokens),
+               "text_read_whole": whole,
                **result.as_dict(), "seconds": seconds}
         click.echo(json.dumps(out))
     else:
-        for line in _summary(llm, ref_llm, ref, text_file, len(tokens), result, seconds):
+        for line in _summary(llm, ref_llm, ref, text_file, len(tokens), whole, result,
+                             seconds):
             click.echo(line)

@@ -18,7 +18,9 @@ figures can differ in the last digits.
 """
 from __future__ import annotations
 
+import codecs
 import math
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -34,6 +36,94 @@ def tokenize(tokenizer, text: str) -> list[int]:
     first when the vocabulary adds one."""
     ids = tokenizer.encode(text)
     return [tokenizer.bos_id] + ids if tokenizer.add_bos else ids
+
+
+_BLOCK = 1 << 20   # bytes of the text read at a time
+
+
+def tokens_needed(n_ctx: int, n_chunks: int | None) -> int | None:
+    """Tokens of the text that --chunks needs (None: all of them). Two chunks' worth at
+    least, which make_chunks asks of any text."""
+    return None if n_chunks is None else max(n_chunks, 2) * n_ctx
+
+
+def open_text(path: str):
+    """The text file, opened for read_tokens (a clear EdgeError when it cannot be)."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        raise EdgeError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise EdgeError(f"{path}: is a directory, expected a text file") from None
+    except OSError as e:
+        raise EdgeError(f"{path}: cannot read: {e.strerror or e}") from None
+    if os.path.isdir(path):   # some systems open a directory and fail on read
+        f.close()
+        raise EdgeError(f"{path}: is a directory, expected a text file")
+    return f
+
+
+def read_tokens(tokenizer, path: str, max_tokens: int | None = None,
+                available: int | None = None, f=None) -> tuple[np.ndarray, bool]:
+    """The tokens of a UTF-8 text file as `tokenize` gives them for its whole text, read
+    and tokenized a block at a time: with max_tokens, reading stops once that many are
+    known (the rest of the file is never read), so a text far larger than memory costs
+    no more than the chunks asked for. Returns (int32 tokens, whether the whole file was
+    read). Without max_tokens, a file larger than half the `available` memory (default:
+    the system's) is refused before anything is read. `f`: the file from open_text."""
+    with f if f is not None else open_text(path) as f:
+        if max_tokens is None:
+            _check_fits(path, f, available)
+        out = np.empty(1 << 16, np.int32)
+        n = 0
+        if tokenizer.add_bos:
+            out[0], n = tokenizer.bos_id, 1
+        whole = True
+        try:
+            for ids in tokenizer.encode_stream(_text_blocks(path, f)):
+                if n + len(ids) > len(out):
+                    out = np.resize(out, max(2 * len(out), n + len(ids)))
+                out[n:n + len(ids)] = ids
+                n += len(ids)
+                if max_tokens is not None and n >= max_tokens:
+                    whole = not f.read(1)
+                    break
+        except OSError as e:
+            raise EdgeError(f"{path}: cannot read: {e.strerror or e}") from None
+        return out[:n].copy(), whole
+
+
+def _check_fits(path: str, f, available: int | None) -> None:
+    try:
+        size = os.fstat(f.fileno()).st_size
+        if available is None:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return
+    # typical text is ~4 bytes a token, held as 4-byte ids: about the file's size again
+    if size > available // 2:
+        raise EdgeError(f"{path} is {size / 2**30:.1f} GiB and {available / 2**30:.1f} GiB of "
+                        f"memory is free: scoring the whole text would not fit; pass --chunks N "
+                        f"to read and score only the first N chunks")
+
+
+def _text_blocks(path: str, f) -> Iterator[str]:
+    """The file's text a block at a time, decoded as strict UTF-8 across block edges."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    while True:
+        block = f.read(_BLOCK)
+        held = len(decoder.getstate()[0])
+        try:
+            text = decoder.decode(block, final=not block)
+        except UnicodeDecodeError as e:
+            raise EdgeError(f"{path}: not UTF-8 text (invalid byte at offset "
+                            f"{offset - held + e.start})") from None
+        offset += len(block)
+        if text:
+            yield text
+        if not block:
+            return
 
 
 def first_scored(n_ctx: int) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import codecs
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -59,6 +59,8 @@ LONG_TEXT_CHARS = 1 << 15
 # also checked with str.isalpha (Python's older Unicode tables): a letter in every
 # Unicode version the regex engines involved (tiktoken's, HF's, `regex`) may use.
 _CUT = regex.compile(r"\p{L}(?=[\x00-\x40\x5b-\x60\x7b-\x7f])")
+# encode_stream: characters held back at most while waiting for a place to cut.
+MAX_HELD_CHARS = 1 << 24
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 # Texts of end-of-turn / end-of-text tokens across the vocabularies we run.
@@ -235,6 +237,36 @@ class Tokenizer:
         if len(text) > self.long_text_chars:
             return self._to_ids(self._encode_long(text, self.special_tokens))
         return self._to_ids(self._encoding.encode(text, allowed_special="all"))
+
+    def encode_stream(self, texts: Iterable[str], max_held: int = MAX_HELD_CHARS
+                      ) -> Iterator[list[int]]:
+        """Ids of "".join(texts) (as `encode` gives them), in order, in parts: each part is
+        yielded as soon as no later text can change it, so a caller may stop early, and
+        memory holds one text plus what follows the last safe cut (see _CUT; never inside
+        a user-defined token). More than `max_held` characters without such a cut (a huge
+        run of whitespace, digits or punctuation) is an EdgeError."""
+        tail = ""
+        # a cut is taken only where every user-defined token that could span it is in view
+        reach = max(map(len, self._user_defined), default=1)
+        for text in texts:
+            start, tail = max(0, len(tail) - reach), tail + text
+            cuts = [m.end() for m in _CUT.finditer(tail, start, len(tail) - reach + 2)
+                    if tail[m.start()].isalpha()]
+            cut = next((c for c in reversed(cuts) if not self._inside_user_token(tail, c)), None)
+            if cut is not None:
+                yield self.encode(tail[:cut])
+                tail = tail[cut:]
+            elif len(tail) > max_held:
+                raise EdgeError(f"the text has more than {max_held} characters in a row with no "
+                                f"place to split it (no letter followed by a space, digit or "
+                                f"punctuation): a run of whitespace, digits or symbols that "
+                                f"long cannot be read in parts")
+        yield self.encode(tail)
+
+    def _inside_user_token(self, text: str, cut: int) -> bool:
+        """Whether an occurrence of a user-defined token spans position `cut`."""
+        return any(text.startswith(t, i) for t in self._user_defined
+                   for i in range(max(0, cut - len(t) + 1), cut))
 
     def _encode_long(self, text: str, allowed: Iterable[str]) -> list[int]:
         """Ranks of a text of any length: the special tokens in `allowed` are found first

@@ -238,7 +238,7 @@ def test_cli_json_with_a_reference(files, text_file):
                  "--ref", files["f32"], "--json", "-t", 1)
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
-    assert set(out) == {"model", "ref", "text", "text_tokens", "ctx", "chunks", "tokens_scored",
+    assert set(out) == {"model", "ref", "text", "text_tokens", "text_read_whole", "ctx", "chunks", "tokens_scored",
                         "ppl", "ppl_err", "ref_ppl", "ref_ppl_err", "ppl_ratio", "ppl_ratio_err",
                         "kl_mean", "kl_err", "kl_median", "kl_p99", "kl_max", "same_top",
                         "same_top_err", "seconds"}
@@ -258,7 +258,8 @@ def test_cli_errors(files, text_file, tmp_path):
     assert_user_error(invoke(*m, "-f", tmp_path / "short.txt", "--ctx", CTX),
                       "short.txt is 10 tokens", "needs at least 32")
     (tmp_path / "bad.txt").write_bytes(b"abc\xff")
-    assert_user_error(invoke(*m, "-f", tmp_path / "bad.txt"), "not UTF-8 text")
+    assert_user_error(invoke(*m, "-f", tmp_path / "bad.txt", "--ctx", CTX),
+                      "not UTF-8 text (invalid byte at offset 3)")
     assert_user_error(invoke(*m, "-f", text_file, "--ctx", 128), "--ctx 128 is larger than the 64")
     assert_user_error(invoke(*m, "-f", text_file, "--ctx", CTX, "--ref", files["bigger_vocab"]),
                       "different vocabulary", f"{TINY_VOCAB} tokens vs {TINY_VOCAB + 8}")
