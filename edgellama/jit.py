@@ -149,7 +149,7 @@ def _repair_damaged_entries(root: Path) -> None:
         return {}
 
     def _load_data(self, name):
-        if not ours(self._cache_path):
+        if not ours(self._index_path):
             return load_data(self, name)
         try:
             data = load_data(self, name)
@@ -164,7 +164,7 @@ def _repair_damaged_entries(root: Path) -> None:
         raise FileNotFoundError(name)        # load() takes that for a miss: it compiles
 
     def save_(self, key, data):
-        if not ours(self._cache_path):
+        if not ours(self._index_path):
             return save(self, key, data)
         with contextlib.suppress(OSError):   # a full disk, a folder in the way: not cached
             save(self, key, data)

@@ -9,7 +9,8 @@ its tiles to cache_dir()/tiles/<key>.tiles; later loads map that file copy-on-wr
 pages come from the page cache, are shared by every process running the model, can be
 dropped and re-read under memory pressure, and nothing is copied.
 
-The file holds only arrays and a JSON index of them (never pickled objects):
+The file holds only arrays and a JSON index of them (never pickled objects), the index
+with a SHA-256 of its content (a damaged index is rebuilt, never half-read):
 
     b"EDGETILE" | u64 index offset | u64 index length | arrays (64-byte aligned) | index
 
@@ -95,6 +96,8 @@ def _checked(index, off: int) -> dict:
     if not isinstance(index, dict) or not isinstance(index.get("linears"), dict) \
             or not isinstance(index.get("source"), dict):
         raise ValueError("bad index")
+    if index.get("sha256") != _digest(index):     # damaged in a way that still parses
+        raise ValueError("the index does not match its checksum")
     for entry in index["linears"].values():
         if not isinstance(entry, dict) or not isinstance(entry.get("class"), str) \
                 or not isinstance(entry.get("attrs"), dict) or not isinstance(entry.get("arrays"), dict):
@@ -121,6 +124,13 @@ def _checked(index, off: int) -> dict:
             if "offset" not in a and "view_of" not in a and not name.startswith("_"):
                 raise ValueError("an array with no data")
     return index
+
+
+def _digest(index: dict) -> str:
+    """Checksum of an index's content: any change to a value (a scalar attribute read back
+    wrong would make a kernel index outside its arrays) is seen as damage."""
+    content = {"source": index["source"], "linears": index["linears"]}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
 # --- a Linear's state: scalars and arrays ------------------------------------------------
@@ -186,7 +196,8 @@ class _Writer:
         return off
 
     def finish(self) -> None:
-        blob = json.dumps({"source": self.source, "linears": self.linears}).encode()
+        index = {"source": self.source, "linears": self.linears}
+        blob = json.dumps(dict(index, sha256=_digest(index))).encode()
         off = self._put(blob)
         self.jobs.put((0, _HEADER.pack(MAGIC, off, len(blob))))
         self.jobs.put("done")

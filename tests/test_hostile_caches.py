@@ -139,6 +139,8 @@ def _rewrite_index(f: Path, change) -> None:
     data = bytearray(f.read_bytes())
     index, _ = tc.read_index(f)
     blob = change(index)
+    if isinstance(blob, dict) and isinstance(blob.get("linears"), dict):   # signed: damage
+        blob["sha256"] = tc._digest(blob)        # that the checksum alone would not catch
     blob = blob if isinstance(blob, bytes) else json.dumps(blob).encode()
     off = tc._HEADER.unpack(bytes(data[:tc._HEADER.size]))[1]
     data = data[:off] + blob
@@ -167,6 +169,8 @@ DAMAGE = {
     "view-of-a-list": lambda ix: (_first(ix)["arrays"].update(
         v={"dtype": "u1", "shape": [1], "view_of": ["q"]}), ix)[1],
     "np-garbage": lambda ix: (_first(ix)["attrs"].update(z={"np": "garbage", "value": 1}), ix)[1],
+    "unsigned-attr": lambda ix: json.dumps(
+        (_first(ix)["attrs"].update(R="u1"), ix)[1]).encode(),     # checksum no longer matches
 }
 
 
