@@ -9,6 +9,8 @@ import numpy as np
 
 from .errors import EdgeError
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -50,8 +52,10 @@ class SamplingParams:
         return replace(self, **found)
 
 
-def _problem(fields: Mapping[str, Any]) -> str | None:
-    """What is wrong with these SamplingParams field values, if anything."""
+def sampling_problem(fields: Mapping[str, Any]) -> str | None:
+    """What is wrong with these SamplingParams field values, if anything: the one range
+    check of every sampling value (command line, server, a GGUF's recommendations). Every
+    value it accepts samples without error, however extreme."""
     for name in ("temperature", "top_p", "min_p", "repeat_penalty"):
         if not np.isfinite(fields[name]):
             return f"{name} must be a finite number"
@@ -70,39 +74,55 @@ def _problem(fields: Mapping[str, Any]) -> str | None:
     return None
 
 
+_problem = sampling_problem
+
+
 class Sampler:
     def __init__(self, params: SamplingParams):
         self.p = params
         self.rng = np.random.default_rng(params.seed)
 
     def __call__(self, logits: np.ndarray, history: list[int] | None = None) -> int:
+        # Every value SamplingParams accepts works, however extreme (a penalty or temperature
+        # of 1e-300 or 1e300): the arithmetic is float64, a penalised logit is clipped to
+        # float32's range, and no step can make a NaN, so over/underflow is silent.
+        with np.errstate(all="ignore"):
+            return self._sample(logits, history)
+
+    def _sample(self, logits: np.ndarray, history: list[int] | None) -> int:
         p = self.p
         logits = logits.astype(np.float32, copy=True)
         if not np.isfinite(logits).all():
-            # Corrupt weights give NaN/inf logits: never sample a NaN, treat +inf as the top.
-            logits = np.nan_to_num(logits, nan=-np.inf, posinf=np.finfo(np.float32).max)
+            # Corrupt weights give NaN/inf logits: never sample a NaN or -inf, +inf is the top.
+            logits = np.nan_to_num(logits, nan=-np.inf, posinf=_F32_MAX, neginf=-np.inf)
             if np.isneginf(logits).all():
                 raise EdgeError("the model produced no usable logits (all NaN or -inf): "
                                 "its weights are probably corrupt")
         if p.repeat_penalty != 1.0 and history and p.repeat_last_n:
             seen = np.unique(np.asarray(history[-p.repeat_last_n:], dtype=np.int64))
-            v = logits[seen]
-            logits[seen] = np.where(v > 0, v / p.repeat_penalty, v * p.repeat_penalty)
+            v = logits[seen].astype(np.float64)
+            v = np.where(v > 0, v / p.repeat_penalty, v * p.repeat_penalty)
+            # finite stays finite (1e-300 would overflow float32); -inf (unusable) stays
+            logits[seen] = np.where(np.isneginf(logits[seen]), -np.inf,
+                                    np.clip(v, -_F32_MAX, _F32_MAX))
         if p.temperature == 0:
             return int(np.argmax(logits))
         # Candidates sorted by logit, best first.
         k = p.top_k if 0 < p.top_k < len(logits) else len(logits)
         cand = np.argpartition(-logits, k - 1)[:k] if k < len(logits) else np.arange(len(logits))
         cand = cand[np.argsort(-logits[cand], kind="stable")]
-        probs = np.exp((logits[cand] - logits[cand[0]]).astype(np.float64))
-        probs /= probs.sum()
+        # float64 differences from the best: 0 for it, <= 0 or -inf for the rest (in float32
+        # the spread of two extreme logits overflows)
+        diff = logits[cand].astype(np.float64) - np.float64(logits[cand[0]])
+        probs = np.exp(diff)
+        probs /= probs.sum()          # >= 1: the best contributes exp(0)
         if p.top_p < 1.0:
             keep = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)
-            cand, probs = cand[:keep], probs[:keep]
+            cand, probs, diff = cand[:keep], probs[:keep], diff[:keep]
         if p.min_p > 0:
             keep = probs >= p.min_p * probs[0]
-            cand, probs = cand[keep], probs[keep]
-        # Temperature last, on the surviving candidates.
-        z = (logits[cand] - logits[cand[0]]).astype(np.float64) / p.temperature
-        w = np.exp(z)
+            cand, probs, diff = cand[keep], probs[keep], diff[keep]
+        # Temperature last, on the surviving candidates: 0 / t = 0 for the best, and the
+        # rest <= 0 or -inf, so the weights are finite with a sum >= 1 for any t > 0.
+        w = np.exp(diff / p.temperature)
         return int(cand[self.rng.choice(len(cand), p=w / w.sum())])
