@@ -135,8 +135,9 @@ class LLM:
 
 
 def load(path: str | Path | None = None, ctx: int | None = None, threads: int | None = None,
-         batch: int = DEFAULT_BATCH) -> LLM:
-    """Load a llama GGUF (memory-mapped). path None = the default model (fetched once)."""
+         batch: int = DEFAULT_BATCH, activations: str = "auto") -> LLM:
+    """Load a llama GGUF (memory-mapped). path None = the default model (fetched once).
+    activations: how x is rounded for the matrix products (model.ACTIVATIONS)."""
     t0 = time.perf_counter()
     start_renderer()   # the chat template process starts while the file loads
     if path is None:
@@ -165,7 +166,7 @@ def load(path: str | Path | None = None, ctx: int | None = None, threads: int | 
         chat = ChatFormat(tokenizer, g.get("tokenizer.chat_template"))
     except EdgeError as e:
         raise EdgeError(f"{g.path}: {e}") from None
-    model = Transformer(g, ctx, batch=batch, args=args, threads=policy)
+    model = Transformer(g, ctx, batch=batch, args=args, threads=policy, activations=activations)
     llm = LLM(Path(path), g, model, tokenizer, chat, policy.max, time.perf_counter() - t0)
     llm.default_sampling(warn=llm.warnings.append)
     return llm

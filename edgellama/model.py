@@ -13,8 +13,16 @@ from .errors import EdgeError
 from .gguf import GGUFFile
 from .formats import SUPPORTED, Linear, block_shape, type_name
 from .formats.base import anon_array
+from .formats.q4 import RecordLinear
 from .machine import ThreadPolicy, available_memory
 from .tile_cache import TileCache
+
+# How x is rounded for the integer matrix products. int8: every matrix multiplies x rounded
+# to int8 per block of 32 (256 for Q2_K/Q3_K decode), as llama.cpp does. fine: the record
+# formats' matrices (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) multiply x as int8 plus its int8
+# residual, ~15 bits, in the same pass over the weights. auto: fine for the output matrix
+# only, where decode's cost is small and the logits are what the user samples from.
+ACTIVATIONS = ("auto", "int8", "fine")
 
 DEFAULT_BATCH = 512   # prefill chunk: measured on 1B Q4_0, pp512 runs 44 / 56 / 61 tok/s at
                       # 128 / 256 / 512 (BLAS needs tall products); scratch 70 MiB (1B), 80 (3B)
@@ -138,7 +146,8 @@ def check_tensors(g: GGUFFile, args: ModelArgs) -> None:
 
 class Transformer:
     def __init__(self, gguf: GGUFFile, ctx: int, batch: int = DEFAULT_BATCH,
-                 args: ModelArgs | None = None, threads: ThreadPolicy | None = None):
+                 args: ModelArgs | None = None, threads: ThreadPolicy | None = None,
+                 activations: str = "auto"):
         self.gguf = gguf
         # None: Numba's current thread count, fixed
         self.threads = threads or ThreadPolicy(numba.get_num_threads())
@@ -170,9 +179,19 @@ class Transformer:
             self._tiles.close()      # no tile file from a load that failed
             raise
         self._tiles.finish()
+        self.set_activations(activations)
         self.inv_freq = a.inv_freq()
         self.cache = KVCache(a, ctx)
         self.buf = _Buffers(a, batch, numba.config.NUMBA_NUM_THREADS, ctx)
+
+    def set_activations(self, mode: str) -> None:
+        """Round x for the matrix products as ACTIVATIONS' mode says."""
+        if mode not in ACTIVATIONS:
+            raise EdgeError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {mode!r}")
+        self.activations = mode
+        for w in self.linears():
+            if isinstance(w, RecordLinear):
+                w.fine = mode == "fine" or (mode == "auto" and w is self.output)
 
     # -- loading -------------------------------------------------------------
     def wait_for_tiles(self) -> None:

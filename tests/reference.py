@@ -34,8 +34,13 @@ def rmsnorm(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def reference_forward(meta, W, tokens):
-    """Logits (T, V) for tokens at positions 0..T-1."""
+def exact_product(x, W, name):
+    return x @ W[name].T
+
+
+def reference_forward(meta, W, tokens, product=exact_product):
+    """Logits (T, V) for tokens at positions 0..T-1. product(x, W, name) is each matrix
+    product x W[name]^T (a model of how a runtime rounds x can stand in)."""
     E = meta["llama.embedding_length"]
     H = meta["llama.attention.head_count"]
     KV = meta["llama.attention.head_count_kv"]
@@ -53,9 +58,9 @@ def reference_forward(meta, W, tokens):
     for i in range(L):
         p = f"blk.{i}."
         h = rmsnorm(x, W[p + "attn_norm.weight"], eps)
-        q = rope_adjacent((h @ W[p + "attn_q.weight"].T).reshape(T, H, hd), pos, inv_freq)
-        k = rope_adjacent((h @ W[p + "attn_k.weight"].T).reshape(T, KV, hd), pos, inv_freq)
-        v = (h @ W[p + "attn_v.weight"].T).reshape(T, KV, hd)
+        q = rope_adjacent(product(h, W, p + "attn_q.weight").reshape(T, H, hd), pos, inv_freq)
+        k = rope_adjacent(product(h, W, p + "attn_k.weight").reshape(T, KV, hd), pos, inv_freq)
+        v = product(h, W, p + "attn_v.weight").reshape(T, KV, hd)
         # the cache stores K and V as f16
         k, v = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
         att = np.empty((T, H, hd), np.float32)
@@ -65,10 +70,10 @@ def reference_forward(meta, W, tokens):
             pr = np.exp(s - s.max(-1, keepdims=True))
             pr /= pr.sum(-1, keepdims=True)
             att[:, head] = pr @ v[:, kvh]
-        x = x + att.reshape(T, H * hd) @ W[p + "attn_output.weight"].T
+        x = x + product(att.reshape(T, H * hd), W, p + "attn_output.weight")
         h = rmsnorm(x, W[p + "ffn_norm.weight"], eps)
-        g = h @ W[p + "ffn_gate.weight"].T
-        u = h @ W[p + "ffn_up.weight"].T
-        x = x + (g / (1 + np.exp(-g)) * u) @ W[p + "ffn_down.weight"].T
-    out = W.get("output.weight", W["token_embd.weight"])
-    return rmsnorm(x, W["output_norm.weight"], eps) @ out.T
+        g = product(h, W, p + "ffn_gate.weight")
+        u = product(h, W, p + "ffn_up.weight")
+        x = x + product(g / (1 + np.exp(-g)) * u, W, p + "ffn_down.weight")
+    out = "output.weight" if "output.weight" in W else "token_embd.weight"
+    return product(rmsnorm(x, W["output_norm.weight"], eps), W, out)

@@ -16,6 +16,7 @@ import pytest
 
 from edgellama.formats import FORMATS, linear
 from edgellama.formats import quantize as quantize_rows
+from edgellama.formats.q4 import RecordLinear
 
 EPS = np.finfo(np.float32).eps
 
@@ -98,3 +99,35 @@ def test_prefill_is_exact_given_the_rounded_x(name):
     out = np.full((9, shape[0]), np.nan, np.float32)
     lin.matmul(x, out)
     check_exact(out, ref, rounded_x(x, ACTIVATIONS[name][1]))
+
+
+def split_x(x: np.ndarray) -> np.ndarray:
+    """x̂ of RecordLinear.fine: x rounded per 32, plus its float32 residual rounded per 32."""
+    xh = rounded_x(x, 32)
+    return xh + rounded_x(x - xh.astype(np.float32), 32)
+
+
+RECORDS = [n for n in QUANTIZED if issubclass(FORMATS[n].linear, RecordLinear)]
+
+
+def test_the_record_formats_are_the_ones_with_fine_activations():
+    assert sorted(RECORDS) == ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0"]
+
+
+@pytest.mark.parametrize("name", RECORDS)
+def test_fine_activations_are_exact_given_the_split_x(name):
+    rng = np.random.default_rng(2)
+    shape = (48, 512)
+    raw, ref = weights(name, shape, rng)
+    lin = linear(FORMATS[name].type_id, [(raw, shape)])
+    lin.fine = True
+    x = activations((5, shape[1]), rng)
+    out = np.full((5, shape[0]), np.nan, np.float32)
+    lin.matmul(x, out)
+    check_exact(out, ref, split_x(x))
+    vec = np.full(shape[0], np.nan, np.float32)
+    lin.matvec(x[0], vec)
+    check_exact(vec, ref, split_x(x[:1])[0])
+    # the residual's rounding error is at most 1/254 of the first's: x̂ within xd/508
+    xd = np.abs(x.reshape(5, -1, 32)).max(-1, keepdims=True) / 127
+    assert np.all(np.abs(split_x(x) - x).reshape(5, -1, 32) <= xd / 508 * (1 + 1e-5) + 1e-12)

@@ -403,7 +403,7 @@ class Q4KLinear(RecordLinear):
     def _repack(self, raw, row0):
         repack_k(raw, row0, self.q, self.BLOCK_BYTES, self.RECORD)
 
-    def matvec(self, x, out):
+    def _matvec(self, x, out):
         prep_q8_x(x, self._x8, self._xd, self._xs8, self._xsum)
         matvec_k(self.q, self._x8, self._xd, self._xsum, out, self._acc, self.BITS)
 

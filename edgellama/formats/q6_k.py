@@ -317,7 +317,7 @@ class Q6KLinear(RecordLinear):
     def _repack(self, raw, row0):
         repack_q6_k(raw, row0, self.q)
 
-    def matvec(self, x, out):
+    def _matvec(self, x, out):
         prep_q8_x(x, self._x8, self._xd, self._xs8, self._xsum)
         sums16(self._x8, self._xs16)
         matvec_q6_k(self.q, self._x8, self._xd, self._xs16, out, self._acc)
