@@ -1,0 +1,159 @@
+"""How far each engine's answers are from full precision, on the same files and text.
+
+    python bench/bench_fidelity.py [--tokens 512] [--types q4_0,q8_0,...] [--out FILE]
+
+SmolLM2-135M (the default model, Q4_1 as published) is dequantized to an F32 GGUF (the
+reference: tests/hf_fixtures.py, then `convert --type f32`), and llama.cpp's own quantizer
+(`llama_model_quantize`, no importance matrix) makes every other file from it. Each file
+then reads the same text, teacher-forced, in llama.cpp (llama-cpp-python, all logits) and
+in edgellama — once as one prefill and once token by token (decode), in each activation
+mode (model.ACTIVATIONS: int8 as llama.cpp, auto the default, fine) — and each run's
+logits are compared with llama.cpp's F32 run: mean KL(F32 || run) over the positions, and
+how often both rank the same token first. Our own F32 run against llama.cpp's is the
+first row (it should be ~0). Needs `pip install -e ".[oracle]"`.
+
+JSON to --out (default bench/results/fidelity.json), markdown tables on stdout: llama.cpp
+beside our default, then our three modes side by side.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
+
+import edgellama  # noqa: E402
+from edgellama.default_model import cache_dir, default_model_path  # noqa: E402
+from edgellama.model import ACTIVATIONS  # noqa: E402
+from edgellama.perplexity import log_softmax  # noqa: E402
+from edgellama.quant.convert import convert  # noqa: E402
+from hf_fixtures import gguf_to_hf_checkpoint  # noqa: E402
+from quant_quality import cpu_name  # noqa: E402
+
+# llama.cpp's file types by the names llama-quantize takes
+FTYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "q2_k": 10, "q3_k_m": 12,
+          "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18, "iq4_nl": 25, "iq4_xs": 30}
+
+
+def quiet_llama_cpp() -> None:
+    """No llama.cpp log lines (the quantizer's are hundreds per file) on stderr."""
+    import llama_cpp
+    global _QUIET
+    _QUIET = llama_cpp.llama_log_callback(lambda level, text, data: None)
+    llama_cpp.llama_log_set(_QUIET, None)
+
+
+def llama_quantize(src: Path, dst: Path, ftype: int) -> None:
+    import llama_cpp
+    p = llama_cpp.llama_model_quantize_default_params()
+    p.ftype = ftype
+    p.nthread = 2
+    tmp = dst.with_suffix(".tmp")
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(p)):
+        raise RuntimeError(f"llama_model_quantize failed for {dst.name}")
+    tmp.replace(dst)
+
+
+def files(work: Path, types: list[str]) -> dict[str, Path]:
+    """{label: GGUF}: the F32 reference, the published Q4_1, and llama.cpp's quantizations."""
+    work.mkdir(parents=True, exist_ok=True)
+    f32 = work / "smollm2-f32.gguf"
+    if not f32.is_file():
+        hf = gguf_to_hf_checkpoint(default_model_path(), work / "hf", dtype="f32")
+        convert(hf, f32, qtype="f32")
+    out = {"F32": f32, "Q4_1 (published)": default_model_path()}
+    for t in types:
+        dst = work / f"smollm2-{t}.gguf"
+        if not dst.is_file():
+            llama_quantize(f32, dst, FTYPES[t])
+        out[t.upper()] = dst
+    return out
+
+
+def llama_cpp_logits(path: Path, ids: list[int], threads: int) -> np.ndarray:
+    import llama_cpp
+    L = llama_cpp.Llama(model_path=str(path), n_ctx=len(ids) + 8, n_batch=len(ids),
+                        logits_all=True, verbose=False, n_threads=threads)
+    L.eval(ids)
+    out = np.array(L.scores[:len(ids)], np.float32)
+    L.close()
+    return out
+
+
+def our_logits(path: Path, ids: list[int], threads: int, mode: str) -> tuple[np.ndarray, np.ndarray]:
+    """(prefill logits, decode logits) of every position."""
+    llm = edgellama.load(path, ctx=len(ids) + 8, threads=threads, activations=mode)
+    prefill = np.array(llm.model.forward(np.array(ids), 0, all_logits=True), np.float32)
+    decode = np.stack([np.array(llm.model.forward(np.array(ids[i:i + 1]), i), np.float32).reshape(-1)
+                       for i in range(len(ids))])
+    return prefill, decode
+
+
+def compare(ref_lp: np.ndarray, logits: np.ndarray) -> dict:
+    lp = log_softmax(logits)
+    kl = (np.exp(ref_lp) * (ref_lp - lp)).sum(-1)
+    return {"kl": float(kl.mean()), "kl_p99": float(np.percentile(kl, 99)),
+            "top1": float((ref_lp.argmax(-1) == lp.argmax(-1)).mean())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--text", default=str(ROOT / "bench/data/alice.txt"))
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--types", default=",".join(FTYPES))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(ROOT / "bench/results/fidelity.json"))
+    args = ap.parse_args()
+
+    quiet_llama_cpp()
+    paths = files(cache_dir() / "bench" / "fidelity", args.types.split(","))
+    tok = edgellama.load(paths["F32"], ctx=args.tokens + 8).tokenizer
+    ids = ([tok.bos_id] + tok.encode(Path(args.text).read_text("utf-8")))[:args.tokens]
+    ref_lp = log_softmax(llama_cpp_logits(paths["F32"], ids, args.threads))
+    rows = []
+    for label, path in paths.items():
+        t0 = time.perf_counter()
+        row = {"file": label, "llama_cpp": compare(ref_lp, llama_cpp_logits(path, ids, args.threads))}
+        for mode in ACTIVATIONS:
+            prefill, decode = our_logits(path, ids, args.threads, mode)
+            row[mode] = {"prefill": compare(ref_lp, prefill), "decode": compare(ref_lp, decode)}
+        rows.append(row)
+        print(f"{label}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+
+    def cell(m):
+        return f"{m['kl']:.5f} ({m['top1']:.3f})"
+
+    def ratio(a, b):
+        return f"{a['kl'] / b['kl']:.2f}×" if b["kl"] else "—"
+
+    print(f"Mean KL(F32 || run) over {len(ids)} tokens of {Path(args.text).name}, teacher-forced; "
+          f"top-1 agreement with F32 in brackets ({cpu_name()}).\n")
+    print("| file | llama.cpp | ours int8, prefill | ours int8, decode | ÷ llama.cpp | "
+          "ours default (auto), prefill | decode | ÷ llama.cpp |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        t = r["llama_cpp"]
+        i8, au = r["int8"], r["auto"]
+        print(f"| {r['file']} | {cell(t)} | {cell(i8['prefill'])} | {cell(i8['decode'])} | "
+              f"{ratio(i8['prefill'], t)} / {ratio(i8['decode'], t)} | {cell(au['prefill'])} | "
+              f"{cell(au['decode'])} | {ratio(au['prefill'], t)} / {ratio(au['decode'], t)} |")
+    print("\nOur activation modes, prefill (decode within a few % of it):\n")
+    print("| file | int8 | auto (default) | fine | fine ÷ llama.cpp |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['file']} | {' | '.join(cell(r[m]['prefill']) for m in ('int8', 'auto', 'fine'))} | "
+              f"{ratio(r['fine']['prefill'], r['llama_cpp'])} |")
+    Path(args.out).write_text(json.dumps({"cpu": cpu_name(), "text": Path(args.text).name,
+                                          "tokens": len(ids), "date": time.strftime("%Y-%m-%d"),
+                                          "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
