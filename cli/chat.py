@@ -54,7 +54,7 @@ def _shown(path: Path) -> str:
 @click.option("-s", "--system", default=None, help="System prompt.")
 @click.option("--history/--no-history", default=True, show_default=True,
               help="Keep what you type in ~/.cache/edgellama/chat_history (Up recalls it).")
-def chat(model, ctx, threads, max_tokens, system, history, **sampling):
+def chat(model, ctx, threads, activations, max_tokens, system, history, **sampling):
     """Chat with a model in the terminal."""
     if why := stdin_problem():
         raise EdgeError(f"no input: {why}, and chat reads your messages from it; run it in a "
@@ -62,7 +62,7 @@ def chat(model, ctx, threads, max_tokens, system, history, **sampling):
                         f"`edgellama generate --prompt TEXT` or `-f FILE`")
     progress = KernelProgress()
     with jit.Compiling(progress) as loading:      # loading repacks weights with kernels too
-        llm = load(model, ctx, threads)
+        llm = load(model, ctx, threads, activations)
     session = ChatSession(llm, sampling_from(llm.default_sampling(), sampling),
                           max_tokens=max_tokens, system=system)
     warm = jit.warm_up(llm.model, progress)

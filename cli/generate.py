@@ -60,7 +60,7 @@ def _prompt(model_arg, prompt_arg, prompt, prompt_file) -> tuple[str | None, str
               help="Most tokens to generate.")
 @click.option("--raw", is_flag=True, help="Use the prompt as is, without the chat template.")
 @click.option("--system", default=None, help="System prompt (chat template only).")
-def generate(model, hf_repo, ctx, threads, model_arg, prompt_arg, prompt, prompt_file, max_tokens,
+def generate(model, hf_repo, ctx, threads, activations, model_arg, prompt_arg, prompt, prompt_file, max_tokens,
              raw, system, **sampling):
     """Complete PROMPT with the model and print the reply as it is generated.
 
@@ -78,7 +78,7 @@ def generate(model, hf_repo, ctx, threads, model_arg, prompt_arg, prompt, prompt
     model_arg, prompt = _prompt(model_arg, prompt_arg, prompt, prompt_file)
     progress = KernelProgress()
     with jit.Compiling(progress) as loading:
-        llm = load(resolve_model(model_arg, model, hf_repo), ctx, threads)
+        llm = load(resolve_model(model_arg, model, hf_repo), ctx, threads, activations)
     warm = jit.warm_up(llm.model, progress)   # so the prompt's speed is not the kernels'
     progress.done(loading.count + warm.compiled, loading.seconds + warm.compile_seconds)
     params = sampling_from(llm.default_sampling(), sampling)

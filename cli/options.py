@@ -20,8 +20,19 @@ if TYPE_CHECKING:   # numpy: not needed to parse the command line
     from edgellama.sampling import SamplingParams
 
 
+# edgellama.model.ACTIVATIONS, written out: the command line parses without numpy
+ACTIVATIONS = ("auto", "int8", "fine")
+activations_option = click.option(
+    "--activations", type=click.Choice(ACTIVATIONS), default="auto", show_default=True,
+    help="How activations are rounded for the integer matrix products: int8 per block of 32 "
+         "as llama.cpp (int8), int8 plus its rounded residual for the output matrix (auto) "
+         "or for every Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K matrix (fine: closest to full "
+         "precision, slower prefill; README, Fidelity).")
+
+
 def model_flags(f):
-    """-m/--model FILE, -hf/--hf-repo REPO[:QUANT], -c/--ctx, -t/--threads."""
+    """-m/--model FILE, -hf/--hf-repo REPO[:QUANT], -c/--ctx, -t/--threads, --activations."""
+    f = activations_option(f)
     f = click.option("-t", "--threads", type=int, default=None,
                      help="Worker threads (default: automatic, the cores other "
                           "processes leave free, at most the physical cores).")(f)
@@ -94,7 +105,7 @@ def resolve_model(positional: str | None, path: str | None, hf_repo: str | None)
     return positional if positional is not None else path
 
 
-def load(model, ctx, threads) -> edgellama.LLM:
+def load(model, ctx, threads, activations="auto") -> edgellama.LLM:
     """edgellama.load, then what the file gave reason to warn about, on stderr. On a
     terminal a transient line says what is loading (repacking a big model takes seconds)."""
     if model is None:
@@ -105,7 +116,7 @@ def load(model, ctx, threads) -> edgellama.LLM:
         sys.stderr.write(f"loading {for_terminal(Path(model).name)}...\r")
         sys.stderr.flush()
     try:
-        llm = edgellama.load(model, ctx=ctx, threads=threads)
+        llm = edgellama.load(model, ctx=ctx, threads=threads, activations=activations)
     finally:
         if show:
             sys.stderr.write("\x1b[K")   # the line goes; what follows starts on it

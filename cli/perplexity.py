@@ -12,7 +12,7 @@ import click
 from edgellama.errors import EdgeError
 
 from .main import main
-from .options import load, one_line, resolve_model
+from .options import activations_option, load, one_line, resolve_model
 
 
 def _checkpoint_type(hf_dir: Path) -> str:
@@ -29,13 +29,14 @@ def _checkpoint_type(hf_dir: Path) -> str:
 def _load_reference(path: str, ctx: int, threads: int | None):
     """The reference model: a GGUF file, or a Hugging Face checkpoint directory converted
     at its own precision to a temporary GGUF. That file is deleted as soon as it is
-    loaded (the memory map keeps its data), so an interrupted run leaves nothing behind."""
+    loaded (the memory map keeps its data), so an interrupted run leaves nothing behind.
+    A quantized reference runs with fine activations: as close to its weights as we can."""
     p = Path(path)
     if not p.is_dir():
         if not p.exists():
             raise EdgeError(f"{path}: no such file or directory (--ref takes a GGUF file or "
                             f"a Hugging Face checkpoint directory)")
-        return load(path, ctx, threads)
+        return load(path, ctx, threads, "fine")
     from edgellama.quant.convert import convert
     fmt = _checkpoint_type(p)
     with tempfile.TemporaryDirectory(prefix="edgellama-ref-") as tmp:
@@ -105,13 +106,14 @@ def _summary(model, ref, ref_name, text, n_tokens, whole, r, seconds) -> list[st
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.option("-t", "--threads", type=int, default=None,
               help="Worker threads (default: automatic, as for generate).")
-def perplexity(model_arg, model, hf_repo, text_file, ctx, chunks, ref, as_json, threads):
+@activations_option
+def perplexity(model_arg, model, hf_repo, text_file, ctx, chunks, ref, as_json, threads, activations):
     """Perplexity of a model over a text file, and its divergence from a reference."""
     from edgellama import perplexity as ppl
 
     f = ppl.open_text(text_file)
     model = resolve_model(model_arg, model, hf_repo)
-    llm = load(model, ctx, threads)
+    llm = load(model, ctx, threads, activations)
     # only as much of the text as the chunks asked for is read (a file may exceed memory)
     tokens, whole = ppl.read_tokens(llm.tokenizer, text_file, ppl.tokens_needed(ctx, chunks), f=f)
     bos = llm.tokenizer.bos_id if llm.tokenizer.add_bos else None

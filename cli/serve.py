@@ -91,7 +91,7 @@ def _accepted_hosts(host: str, sock: socket.socket, extra: list[str]) -> tuple[l
               help="Let web pages at ORIGIN (e.g. http://localhost:3000; * = any) call the "
                    "API from a browser, with CORS headers (repeatable). Without it every "
                    "request that a page on another origin sends is refused (403).")
-def serve(model, ctx, threads, host, port, api_key, queue_size, allowed_hosts, cors):
+def serve(model, ctx, threads, activations, host, port, api_key, queue_size, allowed_hosts, cors):
     """Serve the model over OpenAI's HTTP API (chat and completions).
 
     Requests must send JSON bodies with 'Content-Type: application/json' (or none); form
@@ -107,7 +107,7 @@ def serve(model, ctx, threads, host, port, api_key, queue_size, allowed_hosts, c
     sock = _listen_socket(host, port)
     progress = KernelProgress()
     with jit.Compiling(progress) as loading:
-        llm = load(model, ctx, threads)
+        llm = load(model, ctx, threads, activations)
     warm = jit.warm_up(llm.model, progress)
     progress.done(loading.count + warm.compiled, loading.seconds + warm.compile_seconds)
     hosts, any_ip = _accepted_hosts(host, sock, allowed_hosts)

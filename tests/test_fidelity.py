@@ -274,3 +274,35 @@ def test_fine_activations_are_closer_on_a_high_bit_file(f32_file, reference, tmp
 def test_an_unknown_activation_mode_is_refused(f32_file):
     with pytest.raises(edgellama.EdgeError, match="activations must be one of"):
         edgellama.load(f32_file, ctx=64, activations="int4")
+
+
+def test_the_command_line_knows_the_modes():
+    from edgellama.cli.options import ACTIVATIONS as CLI
+    from edgellama.model import ACTIVATIONS
+    assert CLI == ACTIVATIONS
+
+
+@pytest.mark.parametrize("argv", [["generate", "-p", "hi", "-n", "1"], ["perplexity", "-f", "text.txt"],
+                                  ["chat"], ["serve"]])
+def test_every_command_passes_the_mode_to_the_model(argv, monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from edgellama.cli.main import main
+
+    class Loaded(Exception):
+        pass
+
+    seen = []
+
+    def load(path, ctx=None, threads=None, activations="auto", **kw):
+        seen.append(activations)
+        raise Loaded
+
+    monkeypatch.setattr(edgellama, "load", load)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "text.txt").write_text("some text")
+    (tmp_path / "m.gguf").write_bytes(b"")
+    res = CliRunner().invoke(main, [argv[0], "-m", "m.gguf", "--activations", "fine", *argv[1:]])
+    assert seen == ["fine"] and "Loaded" in res.output, res.output
+    res = CliRunner().invoke(main, [argv[0], "-m", "m.gguf", "--activations", "int4", *argv[1:]])
+    assert res.exit_code == 2 and "'int4' is not one of" in res.output
