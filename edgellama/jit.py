@@ -47,15 +47,25 @@ _DIGEST = re.compile(r"[0-9a-f]{16}")
 _KERNEL_FILE = re.compile(r".+\.(nbi|nbc)")      # Numba's index and data files
 
 
+# Another version's kernels go once no process has used them for this long: two installs
+# of different versions (two virtual environments, a checkout beside a release) each mark
+# theirs on every run, and dropping them sooner would make each recompile everything
+# after every run of the other.
+UNUSED_SECONDS = 14 * 24 * 3600
+
+
 def _drop_other_versions(keep: Path) -> None:
-    """Kernels of other source versions are never loaded again: remove them (best effort:
-    a process of another version recompiles what it misses). Only what is recognisably
-    ours goes: a sibling named by a digest holding nothing but Numba's cache files, file
-    by file; a folder with anything else in it (EDGELLAMA_CACHE may name a folder of the
-    user's) is left as it is."""
+    """Kernels of other source versions not used for UNUSED_SECONDS: remove them (best
+    effort: a process of that version recompiles what it misses). Only what is
+    recognisably ours goes: a sibling named by a digest holding nothing but Numba's cache
+    files, file by file; a folder with anything else in it (EDGELLAMA_CACHE may name a
+    folder of the user's) is left as it is."""
+    now = time.time()
     for d in sorted(keep.parent.iterdir()):
         if d != keep and _DIGEST.fullmatch(d.name) and not d.is_symlink() and d.is_dir():
-            _remove_kernel_folder(d)
+            with contextlib.suppress(OSError):
+                if now - d.stat().st_mtime > UNUSED_SECONDS:
+                    _remove_kernel_folder(d)
 
 
 def _remove_kernel_folder(d: Path) -> None:
@@ -82,11 +92,10 @@ def use_user_cache() -> None:
         return
     path = kernel_cache_dir()
     try:
-        fresh = not path.is_dir()
         path.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=path).close()
-        if fresh:
-            _drop_other_versions(path)
+        os.utime(path)                      # this version's kernels are in use
+        _drop_other_versions(path)
     except OSError as e:
         cache_note = (f"cannot write the kernel cache {path} ({e.strerror or e}): kernels "
                       f"compile in memory on every run (EDGELLAMA_CACHE sets the directory)")

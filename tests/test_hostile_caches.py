@@ -11,6 +11,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -111,8 +112,15 @@ def test_other_kernel_versions_go_but_nothing_else_in_a_users_folder(tmp_path):
     linked.mkdir()
     (linked / "x.nbc").symlink_to(outside)
     (numba_dir / "2222222222222222").symlink_to(tmp_path)       # a link to a folder
+    recent = numba_dir / "3333333333333333" / "edgellama_x"      # another version, in use
+    recent.mkdir(parents=True)
+    (recent / "kernels.f-1.py311.nbi").write_bytes(b"i")
+    long_ago = time.time() - jit.UNUSED_SECONDS - 60
+    for d in (stale.parent, users, linked):
+        os.utime(d, (long_ago, long_ago))
     jit._drop_other_versions(keep)
     assert not (numba_dir / "0123456789abcdef").exists()
+    assert (recent / "kernels.f-1.py311.nbi").exists()
     assert (users / "notes.txt").read_text() == "mine" and (users / "k.nbi").exists()
     assert (other / "a.nbi").exists() and (linked / "x.nbc").is_symlink()
     assert outside.read_text() == "mine" and (numba_dir / "2222222222222222").is_symlink()
