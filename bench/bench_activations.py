@@ -1,4 +1,4 @@
-"""What each activation mode costs in speed: prefill and decode tokens/s, int8 / auto / fine.
+"""What each activation mode costs in speed: prefill and decode tokens/s, int8 / fine.
 
     python bench/bench_activations.py [--shape llama-3.2-1b] [--types q4_k,q8_0] [--reps 3]
 
@@ -27,7 +27,7 @@ from edgellama.machine import ThreadPolicy  # noqa: E402
 from edgellama.model import ACTIVATIONS, Transformer  # noqa: E402
 from quant_quality import cpu_name  # noqa: E402
 
-MODES = ("int8", "auto", "fine")
+MODES = ("int8", "fine")
 assert sorted(MODES) == sorted(ACTIVATIONS)
 
 
@@ -73,8 +73,8 @@ def main() -> None:
 
     print(f"{a.shape}, random weights, pp{a.pp} and tg{a.tg} tokens/s, best of {a.reps} "
           f"interleaved ({cpu_name()}); ratios to int8 in brackets.\n")
-    print("| type | int8 pp / tg | auto (default) pp / tg | fine pp / tg |")
-    print("|---|---|---|---|")
+    print("| type | int8 (default) pp / tg | fine pp / tg |")
+    print("|---|---|---|")
     for r in rows:
         b = r["int8"]
         cells = [f"{r['int8']['pp']:.1f} / {r['int8']['tg']:.2f}"]

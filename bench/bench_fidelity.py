@@ -7,13 +7,13 @@ reference: tests/hf_fixtures.py, then `convert --type f32`), and llama.cpp's own
 (`llama_model_quantize`, no importance matrix) makes every other file from it. Each file
 then reads the same text, teacher-forced, in llama.cpp (llama-cpp-python, all logits) and
 in edgellama — once as one prefill and once token by token (decode), in each activation
-mode (model.ACTIVATIONS: int8 as llama.cpp, auto the default, fine) — and each run's
+mode (model.ACTIVATIONS: int8 as llama.cpp, the default, and fine) — and each run's
 logits are compared with llama.cpp's F32 run: mean KL(F32 || run) over the positions, and
 how often both rank the same token first. Our own F32 run against llama.cpp's is the
 first row (it should be ~0). Needs `pip install -e ".[oracle]"`.
 
-JSON to --out (default bench/results/fidelity.json), markdown tables on stdout: llama.cpp
-beside our default, then our three modes side by side.
+JSON to --out (default bench/results/fidelity.json), a markdown table on stdout
+(`--table JSON` prints it again from a run's JSON).
 """
 from __future__ import annotations
 
@@ -103,6 +103,26 @@ def compare(ref_lp: np.ndarray, logits: np.ndarray) -> dict:
             "top1": float((ref_lp.argmax(-1) == lp.argmax(-1)).mean())}
 
 
+def table(rows: list[dict], tokens: int, text: str, cpu: str) -> str:
+    def cell(m):
+        return f"{m['kl']:.5f} ({m['top1']:.3f})"
+
+    def ratio(a, b):
+        return f"{a['kl'] / b['kl']:.2f}×" if b["kl"] else "—"
+
+    out = [f"Mean KL(F32 || run) over {tokens} tokens of {text}, teacher-forced; top-1 "
+           f"agreement with F32 in brackets ({cpu}). Ours prefill / token-by-token decode.\n",
+           "| file | llama.cpp | ours, int8 (default) | ÷ llama.cpp | ours, fine | ÷ llama.cpp |",
+           "|---|---|---|---|---|---|"]
+    for r in rows:
+        t, i8, fi = r["llama_cpp"], r["int8"], r["fine"]
+        out.append(f"| {r['file']} | {cell(t)} | {cell(i8['prefill'])} / {cell(i8['decode'])} | "
+                   f"{ratio(i8['prefill'], t)} / {ratio(i8['decode'], t)} | "
+                   f"{cell(fi['prefill'])} / {cell(fi['decode'])} | "
+                   f"{ratio(fi['prefill'], t)} / {ratio(fi['decode'], t)} |")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--text", default=str(ROOT / "bench/data/alice.txt"))
@@ -110,7 +130,12 @@ def main() -> None:
     ap.add_argument("--types", default=",".join(FTYPES))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "bench/results/fidelity.json"))
+    ap.add_argument("--table", metavar="JSON", help="print the table of an earlier run's JSON")
     args = ap.parse_args()
+    if args.table:
+        r = json.loads(Path(args.table).read_text())
+        print(table(r["rows"], r["tokens"], r["text"], r["cpu"]))
+        return
 
     quiet_llama_cpp()
     paths = files(cache_dir() / "bench" / "fidelity", args.types.split(","))
@@ -127,29 +152,7 @@ def main() -> None:
         rows.append(row)
         print(f"{label}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
 
-    def cell(m):
-        return f"{m['kl']:.5f} ({m['top1']:.3f})"
-
-    def ratio(a, b):
-        return f"{a['kl'] / b['kl']:.2f}×" if b["kl"] else "—"
-
-    print(f"Mean KL(F32 || run) over {len(ids)} tokens of {Path(args.text).name}, teacher-forced; "
-          f"top-1 agreement with F32 in brackets ({cpu_name()}).\n")
-    print("| file | llama.cpp | ours int8, prefill | ours int8, decode | ÷ llama.cpp | "
-          "ours default (auto), prefill | decode | ÷ llama.cpp |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        t = r["llama_cpp"]
-        i8, au = r["int8"], r["auto"]
-        print(f"| {r['file']} | {cell(t)} | {cell(i8['prefill'])} | {cell(i8['decode'])} | "
-              f"{ratio(i8['prefill'], t)} / {ratio(i8['decode'], t)} | {cell(au['prefill'])} | "
-              f"{cell(au['decode'])} | {ratio(au['prefill'], t)} / {ratio(au['decode'], t)} |")
-    print("\nOur activation modes, prefill (decode within a few % of it):\n")
-    print("| file | int8 | auto (default) | fine | fine ÷ llama.cpp |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['file']} | {' | '.join(cell(r[m]['prefill']) for m in ('int8', 'auto', 'fine'))} | "
-              f"{ratio(r['fine']['prefill'], r['llama_cpp'])} |")
+    print(table(rows, len(ids), Path(args.text).name, cpu_name()))
     Path(args.out).write_text(json.dumps({"cpu": cpu_name(), "text": Path(args.text).name,
                                           "tokens": len(ids), "date": time.strftime("%Y-%m-%d"),
                                           "rows": rows}, indent=1) + "\n")

@@ -21,13 +21,13 @@ if TYPE_CHECKING:   # numpy: not needed to parse the command line
 
 
 # edgellama.model.ACTIVATIONS, written out: the command line parses without numpy
-ACTIVATIONS = ("auto", "int8", "fine")
+ACTIVATIONS = ("int8", "fine")
 activations_option = click.option(
-    "--activations", type=click.Choice(ACTIVATIONS), default="auto", show_default=True,
+    "--activations", type=click.Choice(ACTIVATIONS), default="int8", show_default=True,
     help="How activations are rounded for the integer matrix products: int8 per block of 32 "
-         "as llama.cpp (int8), int8 plus its rounded residual for the output matrix (auto) "
-         "or for every Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K matrix (fine: closest to full "
-         "precision, slower prefill; README, Fidelity).")
+         "as llama.cpp does, or fine: int8 plus its rounded residual for every "
+         "Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K matrix, closer to full precision and slower "
+         "(README, Fidelity).")
 
 
 def model_flags(f):
@@ -105,7 +105,7 @@ def resolve_model(positional: str | None, path: str | None, hf_repo: str | None)
     return positional if positional is not None else path
 
 
-def load(model, ctx, threads, activations="auto") -> edgellama.LLM:
+def load(model, ctx, threads, activations="int8") -> edgellama.LLM:
     """edgellama.load, then what the file gave reason to warn about, on stderr. On a
     terminal a transient line says what is loading (repacking a big model takes seconds)."""
     if model is None:

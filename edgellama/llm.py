@@ -135,7 +135,7 @@ class LLM:
 
 
 def load(path: str | Path | None = None, ctx: int | None = None, threads: int | None = None,
-         batch: int = DEFAULT_BATCH, activations: str = "auto") -> LLM:
+         batch: int = DEFAULT_BATCH, activations: str = "int8") -> LLM:
     """Load a llama GGUF (memory-mapped). path None = the default model (fetched once).
     activations: how x is rounded for the matrix products (model.ACTIVATIONS)."""
     t0 = time.perf_counter()

@@ -20,9 +20,9 @@ from .tile_cache import TileCache
 # How x is rounded for the integer matrix products. int8: every matrix multiplies x rounded
 # to int8 per block of 32 (256 for Q2_K/Q3_K decode), as llama.cpp does. fine: the record
 # formats' matrices (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) multiply x as int8 plus its int8
-# residual, ~15 bits, in the same pass over the weights. auto: fine for the output matrix
-# only, where decode's cost is small and the logits are what the user samples from.
-ACTIVATIONS = ("auto", "int8", "fine")
+# residual, ~15 bits, in the same pass over the weights: closer to full precision, for
+# the second row's arithmetic (bench/bench_activations.py).
+ACTIVATIONS = ("int8", "fine")
 
 DEFAULT_BATCH = 512   # prefill chunk: measured on 1B Q4_0, pp512 runs 44 / 56 / 61 tok/s at
                       # 128 / 256 / 512 (BLAS needs tall products); scratch 70 MiB (1B), 80 (3B)
@@ -147,7 +147,7 @@ def check_tensors(g: GGUFFile, args: ModelArgs) -> None:
 class Transformer:
     def __init__(self, gguf: GGUFFile, ctx: int, batch: int = DEFAULT_BATCH,
                  args: ModelArgs | None = None, threads: ThreadPolicy | None = None,
-                 activations: str = "auto"):
+                 activations: str = "int8"):
         self.gguf = gguf
         # None: Numba's current thread count, fixed
         self.threads = threads or ThreadPolicy(numba.get_num_threads())
@@ -191,7 +191,7 @@ class Transformer:
         self.activations = mode
         for w in self.linears():
             if isinstance(w, RecordLinear):
-                w.fine = mode == "fine" or (mode == "auto" and w is self.output)
+                w.fine = mode == "fine"
 
     # -- loading -------------------------------------------------------------
     def wait_for_tiles(self) -> None:

@@ -130,15 +130,15 @@ def read(path):
     return meta, W, types
 
 
-def rounding(types: dict[str, str], phase: int, mode: str, output: str, rng):
-    """A reference product that rounds x as our kernels do (phase 0 decode, 1 prefill),
+def rounding(types: dict[str, str], phase: int, mode: str, rng):
+    """A reference product that rounds x as our kernels do in mode (phase 0 decode, 1 prefill),
     after moving x by a few float32 ulps at random (rng)."""
     def product(x, W, name):
         t = types[name]
         xf = np.asarray(x, np.float32)
         xf = xf * (1 + np.float32(3e-7) * rng.standard_normal(xf.shape).astype(np.float32))
         xh = rounded_x(xf, ACTIVATIONS.get(t, (0, 0))[phase])
-        if t in RECORD_TYPES and (mode == "fine" or (mode == "auto" and name == output)):
+        if t in RECORD_TYPES and mode == "fine":
             xh = xh + rounded_x(xf - xh.astype(np.float32), 32)
         return xh @ W[name].T
     return product
@@ -221,7 +221,7 @@ def cases(default: set[str], modes=("",)):
 # int8 on every type; the residual (fine) where it is made: the record formats
 @pytest.mark.parametrize("fmt,mode", cases({f"{f}-int8" for f in LLAMA_FTYPES}
                                            | {"Q4_1-fine", "Q8_0-fine", "Q4_K-fine", "Q6_K-fine",
-                                              "Q8_0-auto"}, ("int8", "auto", "fine")))
+                                              }, ("int8", "fine")))
 def test_every_product_is_exact_given_the_rounded_x(fmt, mode, f32_file, reference, tmp_path):
     ids, _ = reference
     path = quantized_file(f32_file, fmt, tmp_path)
@@ -236,7 +236,7 @@ def test_every_product_is_exact_given_the_rounded_x(fmt, mode, f32_file, referen
     for w, phase, x, got in log:
         ws = np.concatenate([W[n] for n in names[id(w)]])
         t = types[names[id(w)][0]]
-        fine = t in RECORD_TYPES and (mode == "fine" or (mode == "auto" and w is m.output))
+        fine = t in RECORD_TYPES and mode == "fine"
         xh = rounded_x(x, ACTIVATIONS.get(t, (0, 0))[phase])
         if fine:
             xh = xh + rounded_x(x - xh.astype(np.float32), 32)
@@ -253,11 +253,9 @@ def test_kl_is_within_the_rounding_noise(fmt, f32_file, reference, tmp_path):
     ids, ref_lp = reference
     path = quantized_file(f32_file, fmt, tmp_path)
     meta, W, types = read(path)
-    output = "output.weight" if "output.weight" in W else "token_embd.weight"
     for phase, logits in enumerate(our_logits(path, ids, "int8")):
-        band = [mean_kl(ref_lp, reference_forward(meta, W, ids, rounding(types, phase, "int8", output,
-                                                                         np.random.default_rng(s))))
-                for s in range(3)]
+        band = [mean_kl(ref_lp, reference_forward(meta, W, ids, rounding(
+                    types, phase, "int8", np.random.default_rng(s)))) for s in range(3)]
         # a product that loses precision shows as a multiple of the band, not a fraction
         assert mean_kl(ref_lp, logits) <= 1.5 * max(band), (phase, mean_kl(ref_lp, logits), band)
 
@@ -294,7 +292,7 @@ def test_every_command_passes_the_mode_to_the_model(argv, monkeypatch, tmp_path)
 
     seen = []
 
-    def load(path, ctx=None, threads=None, activations="auto", **kw):
+    def load(path, ctx=None, threads=None, activations="int8", **kw):
         seen.append(activations)
         raise Loaded
 
