@@ -487,16 +487,22 @@ def test_compiled_kernels_live_in_the_user_cache(tmp_path):
 def test_kernel_cache_is_keyed_by_the_kernel_sources(tmp_path):
     # numba/<digest of fp.py, simd.py, kernels.py, formats/...>: a change to an intrinsic
     # must not reuse kernels compiled against the old one; other versions' kernels go
+    # once unused for jit.UNUSED_SECONDS (another install may still use them)
+    from edgellama import jit
     code = ("import edgellama.jit as j, edgellama.kernels as k; "
             "print(j.kernel_cache_dir()); print(k.rmsnorm._cache._cache_path)")
     stale = tmp_path / "numba" / "0123456789abcdef"
     stale.mkdir(parents=True)
+    long_ago = time.time() - jit.UNUSED_SECONDS - 60
+    os.utime(stale, (long_ago, long_ago))
+    in_use = tmp_path / "numba" / "fedcba9876543210"
+    in_use.mkdir()
     res = _python(code, EDGELLAMA_CACHE=str(tmp_path))
     assert res.returncode == 0, res.stderr
     digest_dir, kernel_path = (Path(line) for line in res.stdout.split())
     assert digest_dir.parent == tmp_path / "numba" and len(digest_dir.name) == 16
     assert kernel_path.is_relative_to(digest_dir)
-    assert not stale.exists()
+    assert not stale.exists() and in_use.is_dir()
 
 
 def test_kernel_cache_changes_with_an_intrinsic(monkeypatch):
