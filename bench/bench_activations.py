@@ -34,12 +34,13 @@ assert sorted(MODES) == sorted(ACTIVATIONS)
 def speeds(m: Transformer, pp: int, tg: int, rng) -> tuple[float, float]:
     """(prefill, decode) tokens/s of one run from position 0."""
     toks = rng.integers(0, m.args.vocab_size, pp + tg)
+    seq = m.new_sequence()
     t0 = time.perf_counter()
-    m.forward(toks[:pp], 0)
+    m.forward(toks[:pp], seq)
     t_pp = time.perf_counter() - t0
     t0 = time.perf_counter()
     for i in range(tg):
-        m.forward(toks[pp + i:pp + i + 1], pp + i)
+        m.forward(toks[pp + i:pp + i + 1], seq)
     return pp / t_pp, tg / (time.perf_counter() - t0)
 
 

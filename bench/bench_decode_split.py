@@ -43,25 +43,26 @@ def main() -> None:
     linears = m.linears()
     x = np.random.default_rng(0).standard_normal(max(w.in_features for w in linears)).astype(np.float32)
     outs = [np.empty(w.out_features, np.float32) for w in linears]
+    seq = m.new_sequence()
 
     def decode() -> float:
         t0 = time.perf_counter()
         for i in range(N_TOKENS):
-            m.forward([1000 + i], m.cache.length)
+            m.forward([1000 + i], seq)
         return (time.perf_counter() - t0) / N_TOKENS
 
     def products() -> float:
         t0 = time.perf_counter()
         for _ in range(N_TOKENS):
             for w, o in zip(linears, outs):
-                w.matvec(x[:w.in_features], o)
+                w.matvec(x[:w.in_features], o, seq.scratch)
         return (time.perf_counter() - t0) / N_TOKENS
 
-    m.forward([1], 0)
+    m.forward([1], seq)
     decode(), products()                       # kernels loaded, pages touched
     rounds = [(measure_read_bandwidth(keep=True), decode(), products()) for _ in range(a.reps)]
     ceiling, token, prod = (statistics.median(r[i] for r in rounds) for i in range(3))
-    nbytes = decode_bytes(m, m.cache.length // 2)    # K/V at the mean depth decoded over
+    nbytes = decode_bytes(m, seq.pos // 2)    # K/V at the mean depth decoded over
     res = {"machine": cpu_name(), "file": str(path), "threads": a.threads,
            "kernels": ISA_NAMES[ISA], "reps": a.reps, "decode bytes": nbytes,
            "ceiling GB/s": ceiling, "token ms": token * 1e3, "products ms": prod * 1e3,

@@ -90,8 +90,10 @@ def llama_cpp_logits(path: Path, ids: list[int], threads: int) -> np.ndarray:
 def our_logits(path: Path, ids: list[int], threads: int, mode: str) -> tuple[np.ndarray, np.ndarray]:
     """(prefill logits, decode logits) of every position."""
     llm = edgellama.load(path, ctx=len(ids) + 8, threads=threads, activations=mode)
-    prefill = np.array(llm.model.forward(np.array(ids), 0, all_logits=True), np.float32)
-    decode = np.stack([np.array(llm.model.forward(np.array(ids[i:i + 1]), i), np.float32).reshape(-1)
+    m = llm.model
+    prefill = np.array(m.forward(np.array(ids), m.new_sequence(), all_logits=True), np.float32)
+    seq = m.new_sequence()
+    decode = np.stack([np.array(m.forward(np.array(ids[i:i + 1]), seq), np.float32).reshape(-1)
                        for i in range(len(ids))])
     return prefill, decode
 

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from edgellama.benchmark import random_weights  # noqa: E402  (after the sys.path line)
 from edgellama.formats import FORMATS, WRITABLE, Linear, linear  # noqa: E402
 from edgellama.membw import measure_read_bandwidth  # noqa: E402
+from edgellama.scratch import Scratch  # noqa: E402
 
 TYPES = {t: FORMATS[t].type_id for t in WRITABLE}   # those we can make random tensors of
 # (layers, hidden, q rows, kv rows, ffn, vocab)
@@ -95,11 +96,12 @@ def measure_decode(lins: list[Linear], reps: int = 5) -> float:
     rng = np.random.default_rng(1)
     xs = {n: rng.standard_normal(n).astype(np.float32) for n in {l.in_features for l in lins}}
     outs = [np.empty(l.out_features, np.float32) for l in lins]
+    sc = Scratch()
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
         for l, o in zip(lins, outs):
-            l.matvec(xs[l.in_features], o)
+            l.matvec(xs[l.in_features], o, sc)
         best = min(best, time.perf_counter() - t)
     return best
 
@@ -109,13 +111,14 @@ def measure_prefill(lin: Linear, T: int = 512, reps: int = 3) -> tuple[float, fl
     rng = np.random.default_rng(2)
     x = rng.standard_normal((T, lin.in_features)).astype(np.float32)
     out = np.empty((T, lin.out_features), np.float32)
+    sc = Scratch()
     w = np.empty((lin.out_features, lin.in_features), np.float32)
     lin.rows(np.arange(lin.out_features), w)
-    lin.matmul(x, out)
+    lin.matmul(x, out, sc)
     np.matmul(x, w.T, out=out)
     ours = theirs = float("inf")
     for _ in range(reps):
-        t = time.perf_counter(); lin.matmul(x, out); ours = min(ours, time.perf_counter() - t)
+        t = time.perf_counter(); lin.matmul(x, out, sc); ours = min(ours, time.perf_counter() - t)
         t = time.perf_counter(); np.matmul(x, w.T, out=out); theirs = min(theirs, time.perf_counter() - t)
     return ours, theirs
 

@@ -59,16 +59,17 @@ def worker_edgellama(path: str, threads: int | None, depth: int, pp: int, tg: in
     # Transformer, not edgellama.load: shape files have no tokenizer
     m = Transformer(GGUFFile(path), ctx=depth + pp + tg + 8, threads=policy)
     m.wait_for_tiles()
-    m.forward(_tokens(16, 0), 0)                     # warm-up: kernels loaded, pages touched
-    m.forward(_tokens(1, 1), 16)
-    m.cache.fill_random(depth, __import__("numpy").random.default_rng(0))
+    seq = m.new_sequence()
+    m.forward(_tokens(16, 0), seq)                   # warm-up: kernels loaded, pages touched
+    m.forward(_tokens(1, 1), seq)
+    seq.fill_random(depth, __import__("numpy").random.default_rng(0))
     t0 = time.perf_counter()
-    m.forward(_tokens(pp, 2), depth)
+    m.forward(_tokens(pp, 2), seq)
     t_pp = time.perf_counter() - t0
     toks = _tokens(tg, 3)
     t0 = time.perf_counter()
-    for i, t in enumerate(toks):
-        m.forward([t], depth + pp + i)
+    for t in toks:
+        m.forward([t], seq)
     t_tg = time.perf_counter() - t0
     from edgellama.benchmark import decode_bytes
     return {"pp": pp / t_pp, "tg": tg / t_tg, "threads": policy.current,

@@ -67,7 +67,7 @@ def chat(model, ctx, threads, activations, max_tokens, system, history, **sampli
                           max_tokens=max_tokens, system=system)
     warm = jit.warm_up(llm.model, progress)
     progress.done(loading.count + warm.compiled, loading.seconds + warm.compile_seconds)
-    kv = llm.model.cache
+    kv = llm.seq.cache
     # loading the model and its kernels, whatever compiling took (reported above)
     startup = llm.load_seconds + warm.seconds - loading.seconds - warm.compile_seconds
     click.echo(f"{one_line(llm.path.stem)} | {llm.model.type_summary()} | "

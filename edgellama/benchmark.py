@@ -267,8 +267,9 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
     rss_load = resident_memory() or 0
     # the KV cache's pages are mapped on first write: touch them all, so the memory
     # measured is what a conversation filling the context will use
-    model.cache.k[...] = 0
-    model.cache.v[...] = 0
+    seq = model.new_sequence()
+    seq.cache.k[...] = 0
+    seq.cache.v[...] = 0
 
     def compiling(n, total, name):
         progress(f"compiling kernels (first run only): {n}/{total} {name}" if total
@@ -277,9 +278,10 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
 
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, a.vocab_size, n_prompt)
-    model.forward(prompt[:1], 0)
+    seq.reset()
+    model.forward(prompt[:1], seq)
     t0 = time.perf_counter()
-    model.forward(prompt[1:2], 1)
+    model.forward(prompt[1:2], seq)
     step = time.perf_counter() - t0          # one decode step: the basis of the estimates
     # a prefill dequantizes every weight (about 8 decode steps), then runs BLAS
     steps = {"pp": reps * (8 + n_prompt / 4) * step, "tg": reps * n_gen * step}
@@ -292,33 +294,35 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
     for r in range(reps):
         clock.show("pp", f"reading a {n_prompt}-token prompt" + (f" {r + 1}/{reps}" if reps > 1 else ""),
                    r / reps)
+        seq.reset()
         t0 = time.perf_counter()
-        model.forward(prompt, 0)
+        model.forward(prompt, seq)
         pp.append(n_prompt / (time.perf_counter() - t0))
     clock.done("pp")
     rss_prefill = resident_memory() or 0
 
-    def decode(start: int, key: str, what: str, r: int) -> float:
+    def decode(key: str, what: str, r: int) -> float:
         tok = int(prompt[0])
         t0 = time.perf_counter()
         for i in range(n_gen):
             if i % 8 == 0:
                 clock.show(key, f"{what} {i}/{n_gen} tokens" + (f", run {r + 1}/{reps}" if reps > 1 else ""),
                            (r * n_gen + i) / (reps * n_gen))
-            tok = int(np.argmax(model.forward([tok], start + i)))
+            tok = int(np.argmax(model.forward([tok], seq)))
         return n_gen / (time.perf_counter() - t0)
 
     tg = []
     for r in range(reps):
-        model.forward(prompt[:1], 0)
-        tg.append(decode(1, "tg", "replying", r))
+        seq.reset()
+        model.forward(prompt[:1], seq)
+        tg.append(decode("tg", "replying", r))
     clock.done("tg")
     tg_depth = []
     if depth > 1:
-        model.cache.fill_random(depth, rng)   # speed does not depend on the values
+        seq.fill_random(depth, rng)   # speed does not depend on the values
         for r in range(reps):
-            model.cache.length = depth
-            tg_depth.append(decode(depth, "depth", f"replying at depth {depth}", r))
+            seq.truncate(depth)
+            tg_depth.append(decode("depth", f"replying at depth {depth}", r))
     if full:
         clock.done("depth")
     peak = peak_resident_memory() or 0
@@ -335,8 +339,7 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
     for t in g.tensors.values():
         by_type[t.type_name] += t.nbytes
     kv = KVCache.bytes_needed(a, ctx)
-    own, shared = zip(*(w.scratch_nbytes for w in model.linears()))
-    scratch = model.buf.nbytes + sum(own) + max(shared)
+    scratch = seq.scratch.nbytes      # what the prefill and decode runs above used
     weights = sum(by_type.values())
     predicted = base + weights + kv + scratch
     params = sum(int(np.prod(t.shape)) for t in g.tensors.values())

@@ -293,14 +293,14 @@ def kernels_called(model) -> list[tuple[Dispatcher, tuple]]:
             if isinstance(value, Dispatcher) and value.py_func.__module__.startswith("edgellama."):
                 patched.append((mod, attr, value))
                 setattr(mod, attr, _Recorder(value, calls))
+    seq = model.new_sequence(min(model.ctx, 16))
     try:
         with np.errstate(all="ignore"):   # the buffers hold whatever they held
-            model.forward([0, 0], 0)      # batched (matmul) path
-            model.forward([0], 2)         # decode (matvec) path
+            model.forward([0, 0], seq)    # batched (matmul) path
+            model.forward([0], seq)       # decode (matvec) path
     finally:
         for mod, attr, value in patched:
             setattr(mod, attr, value)
-        model.cache.length = 0
     return list(calls)
 
 
@@ -314,9 +314,8 @@ class Warm:
 def warm_up(model, show: Callable[[int, int | None, str], None] | None = None) -> Warm:
     """Compile (or load from Numba's cache) every kernel model.forward needs, one at a
     time so that show(n, total, name) can tell which, then decode one token (starting
-    the threads) and empty the KV cache (an LLM's prefix bookkeeping is untouched: it
-    starts empty and the cache is rewritten from position 0). The prefill path is not
-    run: with any T it dequantizes every weight once, seconds for a 3B model."""
+    the threads), in a sequence of its own. The prefill path is not run: with any T it
+    dequantizes every weight once, seconds for a 3B model."""
     t0 = time.perf_counter()
     with Compiling(show) as watch:
         try:
@@ -326,11 +325,10 @@ def warm_up(model, show: Callable[[int, int | None, str], None] | None = None) -
             # a result the Python goes on to use): compile as both paths run instead,
             # reported without a total.
             todo = None
-            model.forward([0, 0], 0)
+            model.forward([0, 0], model.new_sequence(min(model.ctx, 16)))
         for i, (disp, sig) in enumerate(todo or []):
             watch.step = (i + 1, len(todo))
             disp.compile(sig)
         watch.step = None    # anything the list missed compiles below, still reported
-        model.forward([0], 0)
-    model.cache.length = 0
+        model.forward([0], model.new_sequence(min(model.ctx, 16)))
     return Warm(time.perf_counter() - t0, watch.count, watch.seconds)

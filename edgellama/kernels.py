@@ -410,11 +410,17 @@ def kv_store(k_cache, v_cache, pos, k, v):
                 v_cache[h, p, i] = f32_to_f16(v[t, h, i])
 
 
-def attention_scratch(n_threads: int, n_heads: int, n_kv_heads: int, ctx: int,
-                      head_dim: int) -> np.ndarray:
+def attention_scratch_shape(n_threads: int, n_heads: int, n_kv_heads: int, ctx: int,
+                            head_dim: int) -> tuple[int, int]:
+    """The shape of attention's scratch for a KV cache of ctx positions."""
     G = _TB * (n_heads // n_kv_heads)
     cap = kv_capacity(ctx)
-    return np.zeros((n_threads, G * cap + G + G * head_dim), F32)
+    return n_threads, G * cap + G + G * head_dim
+
+
+def attention_scratch(n_threads: int, n_heads: int, n_kv_heads: int, ctx: int,
+                      head_dim: int) -> np.ndarray:
+    return np.zeros(attention_scratch_shape(n_threads, n_heads, n_kv_heads, ctx, head_dim), F32)
 
 
 @nb.njit(cache=True, error_model="numpy")

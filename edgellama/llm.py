@@ -3,6 +3,9 @@
     llm = edgellama.load("model.gguf", ctx=4096)
     ids = llm.tokenizer.encode("The capital of France is")
     for tok in llm.generate(ids, max_tokens=20): ...
+
+An LLM is a model (llm.model, read-only weights) and one conversation's state
+(llm.seq, a Sequence); more sequences of the same model: llm.model.new_sequence().
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from .gguf import GGUFFile
 from .machine import ThreadPolicy
 from .model import DEFAULT_BATCH, Transformer
 from .sampling import Sampler, SamplingParams
+from .sequence import Sequence
 from .tokenizer import Tokenizer
 
 DEFAULT_CTX = 8192
@@ -52,13 +56,22 @@ class LLM:
     threads: int                 # most threads it runs (automatic: fewer while other
                                  # processes keep cores busy; see ThreadPolicy)
     load_seconds: float
-    cached: list[int] = field(default_factory=list)   # the tokens whose K/V the cache holds
+    seq: Sequence | None = None  # the conversation: KV cache and its tokens
     stats: Stats = field(default_factory=Stats)
     warnings: list[str] = field(default_factory=list)  # about the file, for the user
+
+    def __post_init__(self):
+        if self.seq is None:
+            self.seq = self.model.new_sequence()
 
     @property
     def ctx(self) -> int:
         return self.model.ctx
+
+    @property
+    def cached(self) -> list[int]:
+        """The tokens whose K/V the cache holds (read-only: use seq to change them)."""
+        return self.seq.tokens
 
     def default_sampling(self, warn: Callable[[str], None] = lambda message: None) -> SamplingParams:
         """The file's `general.sampling.*` where valid (`warn` hears about the others; load()
@@ -68,26 +81,35 @@ class LLM:
             else SamplingParams()
         return base.with_defaults_from(self.gguf.metadata, warn)
 
-    def _prefill(self, ids: list[int]) -> np.ndarray:
-        """Bring the cache to hold `ids`, reusing the longest common prefix; returns
-        the last position's logits."""
+    def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
             raise EdgeError("the prompt is empty")
         if len(ids) > self.ctx:
             raise EdgeError(f"the prompt is {len(ids)} tokens, longer than the context of "
                             f"{self.ctx} tokens; use a larger --ctx or a shorter prompt")
-        n = 0
-        for a, b in zip(self.cached, ids):
-            if a != b:
-                break
-            n += 1
-        n = min(n, len(ids) - 1)   # recompute at least the last token to get its logits
-        self.cached = self.cached[:n]
+
+    def _prefill(self, ids: list[int]) -> np.ndarray:
+        """Bring the cache to hold `ids`, reusing the longest common prefix; returns
+        the last position's logits."""
+        self._check_prompt(ids)
+        n = self.seq.reuse_prefix(ids)
         t0 = time.perf_counter()
-        logits = self.model.forward(ids[n:], n)
-        self.cached = list(ids)
+        logits = self.model.forward(ids[n:], self.seq)
         self.stats = Stats(prompt_tokens=len(ids) - n, prompt_seconds=time.perf_counter() - t0)
         return logits
+
+    def read_prompt(self, ids: list[int], cancelled: Callable[[], bool] = lambda: False) -> int | None:
+        """Bring the cache to hold `ids` but its last batch (generate reads that), a
+        batch at a time, so that a caller can stop a long prompt between batches.
+        Returns how many tokens were reused from the cache, or None once cancelled()."""
+        self._check_prompt(ids)
+        n = self.seq.reuse_prefix(ids)
+        B = self.model.batch
+        for end in range(n + B, len(ids), B):   # the batches forward() would make
+            if cancelled():
+                return None
+            self.model.forward(ids[self.seq.pos:end], self.seq)
+        return None if cancelled() else n
 
     def logits(self, ids: list[int]) -> np.ndarray:
         """Next-token logits (V,) after `ids` (a copy)."""
@@ -98,14 +120,14 @@ class LLM:
                  stop_ids: set[int] | None = None) -> Iterator[int]:
         """Yield generated token ids; stops at a stop token (not yielded), after
         max_tokens, or when the context is full. Closing the iterator early (or
-        Ctrl-C) keeps the cache consistent with `self.cached`."""
+        Ctrl-C) keeps the sequence consistent (its tokens are those of its cache)."""
         sampling = sampling or self.default_sampling()
         sampler = Sampler(sampling)
         stops = self.tokenizer.stop_ids if stop_ids is None else stop_ids
         logits = self._prefill(list(ids))
         history = list(ids)
         t0 = time.perf_counter()
-        st = self.stats
+        st, seq = self.stats, self.seq
         st.stop_reason = "length"
         try:
             for _ in range(max_tokens):
@@ -114,24 +136,17 @@ class LLM:
                     st.stop_reason = "stop"
                     break
                 yield tok
-                if len(self.cached) >= self.ctx:
+                if seq.pos >= seq.ctx:
                     st.stop_reason = "context full"
                     break
                 history.append(tok)
-                pos = len(self.cached)
-                self.cached.append(tok)   # before forward: an interrupt leaves cached ⊆ valid
-                try:
-                    logits = self.model.forward([tok], pos)
-                except BaseException:
-                    del self.cached[pos:]
-                    raise
+                logits = self.model.forward([tok], seq)
                 st.gen_tokens += 1
         finally:
             st.gen_seconds = time.perf_counter() - t0
 
     def reset(self):
-        self.cached = []
-        self.model.cache.length = 0
+        self.seq.reset()
 
 
 def load(path: str | Path | None = None, ctx: int | None = None, threads: int | None = None,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numba
 import numpy as np
@@ -15,6 +16,7 @@ from .formats import SUPPORTED, Linear, block_shape, type_name
 from .formats.base import anon_array
 from .formats.q4 import RecordLinear
 from .machine import ThreadPolicy, available_memory
+from .scratch import Scratch
 from .tile_cache import TileCache
 
 # How x is rounded for the integer matrix products. int8: every matrix multiplies x rounded
@@ -23,6 +25,9 @@ from .tile_cache import TileCache
 # residual, ~15 bits, in the same pass over the weights: closer to full precision, for
 # the second row's arithmetic (bench/bench_activations.py).
 ACTIVATIONS = ("int8", "fine")
+
+if TYPE_CHECKING:
+    from .sequence import Sequence
 
 DEFAULT_BATCH = 512   # prefill chunk: measured on 1B Q4_0, pp512 runs 44 / 56 / 61 tok/s at
                       # 128 / 256 / 512 (BLAS needs tall products); scratch 70 MiB (1B), 80 (3B)
@@ -84,39 +89,34 @@ class Layer:
     w_down: Linear             # (E, F)
 
 
-class _Buffers:
-    """Activations for up to `batch` tokens, allocated once."""
-
-    def __init__(self, a: ModelArgs, batch: int, n_threads: int, ctx: int):
-        f = np.float32
-        self.x = np.empty((batch, a.dim), f)            # residual stream
-        self.h = np.empty((batch, a.dim), f)            # normed input of a sublayer
-        self.qkv = np.empty((batch, a.n_heads * a.head_dim + 2 * a.kv_dim), f)
-        self.att = np.empty((batch, a.n_heads * a.head_dim), f)
-        self.o = np.empty((batch, a.dim), f)            # sublayer output
-        self.gate_up = np.empty((batch, 2 * a.ffn_dim), f)
-        self.act = np.empty((batch, a.ffn_dim), f)      # silu(gate) * up
-        self.logits = np.empty(a.vocab_size, f)
-        self.att_scratch = K.attention_scratch(n_threads, a.n_heads, a.n_kv_heads, ctx, a.head_dim)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(v.nbytes for v in vars(self).values())
+def _activations(sc: Scratch, a: ModelArgs, T: int):
+    """The activation buffers of a pass over T tokens, from the scratch."""
+    f = np.float32
+    return (sc.get("x", (T, a.dim)),                       # residual stream
+            sc.get("h", (T, a.dim)),                       # normed input of a sublayer
+            sc.get("qkv", (T, a.n_heads * a.head_dim + 2 * a.kv_dim)),
+            sc.get("att", (T, a.n_heads * a.head_dim)),
+            sc.get("o", (T, a.dim)),                       # sublayer output
+            sc.get("gate_up", (T, 2 * a.ffn_dim)),
+            sc.get("act", (T, a.ffn_dim), f))              # silu(gate) * up
 
 
-def _linear(x: np.ndarray, w: Linear, out: np.ndarray) -> None:
-    # x (T, in) -> out (T, out): one matvec for decode, a batched matmul for prefill
+def _linear(x: np.ndarray, w: Linear, out: np.ndarray, sc: Scratch, decode: bool) -> None:
+    # x (T, in) -> out (T, out): one matvec for one token, a weight pass for a batch of
+    # decoded tokens (several sequences), a batched matmul for prefill
     if x.shape[0] == 1:
-        w.matvec(x[0], out[0])
+        w.matvec(x[0], out[0], sc)
+    elif decode:
+        w.matvecs(x, out, sc)
     else:
-        w.matmul(x, out)
+        w.matmul(x, out, sc)
 
 
-def _linears(x: np.ndarray, ws: list[Linear], out: np.ndarray) -> None:
+def _linears(x: np.ndarray, ws: list[Linear], out: np.ndarray, sc: Scratch, decode: bool) -> None:
     # x (T, in) -> out (T, Σ out_features): each stacked Linear fills its columns
     c = 0
     for w in ws:
-        _linear(x, w, out[:, c:c + w.out_features])
+        _linear(x, w, out[:, c:c + w.out_features], sc, decode)
         c += w.out_features
 
 
@@ -181,8 +181,15 @@ class Transformer:
         self._tiles.finish()
         self.set_activations(activations)
         self.inv_freq = a.inv_freq()
-        self.cache = KVCache(a, ctx)
-        self.buf = _Buffers(a, batch, numba.config.NUMBA_NUM_THREADS, ctx)
+
+    def new_sequence(self, ctx: int | None = None, scratch: Scratch | None = None) -> Sequence:
+        """An empty sequence for this model: a KV cache of `ctx` positions (default and
+        most: the model's ctx) and a scratch of its own unless one is given to share."""
+        from .sequence import Sequence
+        ctx = self.ctx if ctx is None else ctx
+        if not 1 <= ctx <= self.ctx:
+            raise EdgeError(f"a sequence's context must be 1..{self.ctx} tokens, got {ctx}")
+        return Sequence(KVCache(self.args, ctx), scratch)
 
     def set_activations(self, mode: str) -> None:
         """Round x for the matrix products as ACTIVATIONS' mode says."""
@@ -241,65 +248,102 @@ class Transformer:
         return sum(t.nbytes for t in self.gguf.tensors.values())
 
     # -- inference -----------------------------------------------------------
-    def forward(self, tokens, pos: int, all_logits: bool = False) -> np.ndarray:
-        """Run `tokens` at positions pos.. through the model, filling the KV cache.
+    def forward(self, tokens, seq: Sequence, all_logits: bool = False) -> np.ndarray:
+        """Run `tokens` through the model at the sequence's next positions (seq.pos..),
+        extending its KV cache and token ids (truncate it first to overwrite).
 
         Returns the logits of the last token (V,), or (T, V) with all_logits. The
-        returned array is a buffer reused by the next call: copy it to keep it.
+        last token's logits are a buffer of seq.scratch reused by the next call: copy
+        them to keep them.
         """
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        T = len(tokens)
+        tokens = self._check(tokens)
+        T, pos = len(tokens), seq.pos
         if T == 0:
             raise ValueError("forward() needs at least one token")
-        if pos < 0 or pos > self.cache.length or pos + T > self.ctx:
+        if pos + T > seq.ctx:
             raise EdgeError(f"{T} tokens at position {pos} do not fit the context of "
-                            f"{self.ctx} tokens ({self.cache.length} in the cache)")
-        if tokens.min() < 0 or tokens.max() >= self.args.vocab_size:
-            raise EdgeError(f"token id out of range 0..{self.args.vocab_size - 1}")
-        self.cache.length = pos   # positions past pos are overwritten
+                            f"{seq.ctx} tokens")
         self.threads.apply()
         all_out = np.empty((T, self.args.vocab_size), np.float32) if all_logits else None
         for start in range(0, T, self.batch):
             chunk = tokens[start:start + self.batch]
-            last = self._forward_chunk(chunk, pos + start, need_all=all_logits)
-            if all_logits:
-                all_out[start:start + len(chunk)] = last
-        return all_out if all_logits else self.buf.logits
+            out = None if all_out is None else all_out[start:start + len(chunk)]
+            last = self._run(chunk, [seq], [len(chunk)], seq.scratch, False, out)
+        return all_out if all_logits else last[0]
 
-    def _forward_chunk(self, tokens: np.ndarray, pos: int, need_all: bool):
-        a, b, cache = self.args, self.buf, self.cache
+    def decode(self, seqs: list[Sequence], tokens, scratch: Scratch | None = None) -> np.ndarray:
+        """One token for each of several sequences (at their own positions and lengths)
+        in one pass over the weights; attention reads each sequence's own cache.
+
+        Returns logits (N, V), row i for seqs[i]: a buffer of `scratch` (default
+        seqs[0].scratch) reused by the next call.
+        """
+        tokens = self._check(tokens)
+        if len(tokens) != len(seqs) or not seqs:
+            raise ValueError(f"decode() needs one token per sequence, got {len(tokens)} "
+                             f"for {len(seqs)}")
+        if len({id(s) for s in seqs}) != len(seqs):
+            raise ValueError("decode() got a sequence twice")
+        for s in seqs:
+            if s.pos >= s.ctx:
+                raise EdgeError(f"a sequence is full ({s.ctx} tokens)")
+        sc = scratch or seqs[0].scratch
+        self.threads.apply()
+        return self._run(tokens, seqs, [1] * len(seqs), sc, True,
+                         sc.get("logits_n", (len(seqs), self.args.vocab_size)))
+
+    def _check(self, tokens) -> np.ndarray:
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if len(tokens) and (tokens.min() < 0 or tokens.max() >= self.args.vocab_size):
+            raise EdgeError(f"token id out of range 0..{self.args.vocab_size - 1}")
+        return tokens
+
+    def _run(self, tokens: np.ndarray, seqs: list[Sequence], counts: list[int], sc: Scratch,
+             decode: bool, logits: np.ndarray | None) -> np.ndarray:
+        # tokens (T,): counts[i] of them for seqs[i], at its next positions. Every Linear
+        # runs once over all T rows (decode: with the few-token kernels); RoPE's angles
+        # are per row; K/V writes and attention per sequence. logits (T, V) gets every
+        # row's logits; None: the last row's only, into a (1, V) buffer of sc, returned.
+        a = self.args
         T, hd = len(tokens), a.head_dim
         qd, kvd = a.n_heads * hd, a.kv_dim
-        x, h, o = b.x[:T], b.h[:T], b.o[:T]
-        qkv, att, gate_up, act = b.qkv[:T], b.att[:T], b.gate_up[:T], b.act[:T]
-        angles = np.arange(pos, pos + T, dtype=np.float64)[:, None] * self.inv_freq[None, :]
+        x, h, qkv, att, o, gate_up, act = _activations(sc, a, T)
+        starts = np.cumsum([0] + counts[:-1]).tolist()
+        positions = np.concatenate([np.arange(s.pos, s.pos + n) for s, n in zip(seqs, counts)])
+        angles = positions.astype(np.float64)[:, None] * self.inv_freq[None, :]
         cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
         scale = np.float32(1.0 / np.sqrt(hd))
+        threads = numba.config.NUMBA_NUM_THREADS
+        att_scratch = [sc.get("attention", K.attention_scratch_shape(
+            threads, a.n_heads, a.n_kv_heads, s.ctx, hd)) for s in seqs]
+        att3 = att.reshape(T, a.n_heads, hd)
         self.embed.rows(tokens, x)
         for li, layer in enumerate(self.layers):
             K.rmsnorm(x, layer.attn_norm, a.norm_eps, h)
-            _linears(h, layer.wqkv, qkv)
+            _linears(h, layer.wqkv, qkv, sc, decode)
             q3 = qkv[:, :qd].reshape(T, a.n_heads, hd)
             k3 = qkv[:, qd:qd + kvd].reshape(T, a.n_kv_heads, hd)
             v3 = qkv[:, qd + kvd:].reshape(T, a.n_kv_heads, hd)
             K.rope(q3, cos, sin)
             K.rope(k3, cos, sin)
-            cache.write(li, pos, k3, v3)
-            K.attention(q3, cache.k_bits[li], cache.v_bits[li], pos, scale,
-                        att.reshape(T, a.n_heads, hd), b.att_scratch)
-            _linear(att, layer.wo, o)
+            for s, r0, n, ascr in zip(seqs, starts, counts, att_scratch):
+                c, r1 = s.cache, r0 + n
+                c.write(li, s.pos, k3[r0:r1], v3[r0:r1])
+                K.attention(q3[r0:r1], c.k_bits[li], c.v_bits[li], s.pos, scale, att3[r0:r1], ascr)
+            _linear(att, layer.wo, o, sc, decode)
             K.add_inplace(x, o)
             K.rmsnorm(x, layer.ffn_norm, a.norm_eps, h)
-            _linears(h, layer.w_gate_up, gate_up)
+            _linears(h, layer.w_gate_up, gate_up, sc, decode)
             K.swiglu(gate_up, act)
-            _linear(act, layer.w_down, o)
+            _linear(act, layer.w_down, o, sc, decode)
             K.add_inplace(x, o)
-        cache.length = pos + T
-        if need_all:
-            K.rmsnorm(x, self.output_norm, a.norm_eps, h)
-            out = np.empty((T, a.vocab_size), np.float32)
-            _linear(h, self.output, out)
-            return out
-        K.rmsnorm(x[T - 1:T], self.output_norm, a.norm_eps, h[:1])
-        self.output.matvec(h[0], b.logits)
-        return b.logits
+        for s, r0, n in zip(seqs, starts, counts):
+            s._extend(tokens[r0:r0 + n])
+        if logits is None:      # prefill: only the last token's logits are wanted
+            K.rmsnorm(x[T - 1:T], self.output_norm, a.norm_eps, h[:1])
+            logits = sc.get("logits", (1, a.vocab_size))
+            self.output.matvec(h[0], logits[0], sc)
+            return logits
+        K.rmsnorm(x, self.output_norm, a.norm_eps, h)
+        _linear(h, self.output, logits, sc, decode)
+        return logits

@@ -172,13 +172,16 @@ def make_chunks(tokens: Sequence[int], n_ctx: int, n_chunks: int | None = None,
     return Chunks(np.asarray(tokens, np.int64), n_ctx, n, bos_id)
 
 
-def chunk_logits(model, chunk: np.ndarray) -> np.ndarray:
+def chunk_logits(model, chunk: np.ndarray, seq=None) -> np.ndarray:
     """Logits (n_ctx - 1 - first, V) of a chunk's scored positions. The first half is run
     for its KV cache only and the last token is not run at all: its logits would predict a
-    token outside the chunk. A copy: the model reuses its buffers."""
+    token outside the chunk. seq: the sequence to run it in (reset first; default a new
+    one)."""
     first = first_scored(len(chunk))
-    model.forward(chunk[:first], 0)
-    return np.array(model.forward(chunk[first:-1], first, all_logits=True), np.float32)
+    seq = seq or model.new_sequence()
+    seq.reset()
+    model.forward(chunk[:first], seq)
+    return model.forward(chunk[first:-1], seq, all_logits=True)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -319,18 +322,20 @@ class Result:
 
 def evaluate(models: Sequence, chunks: Chunks, ref=None,
              progress: Callable[[int, list[Result]], None] | None = None) -> list[Result]:
-    """Perplexity of each model (Transformer-like: forward(tokens, pos, all_logits)) over the
-    chunks, and with `ref` each model's divergence from it. One pass: per chunk the
-    reference runs once and each model is compared with it straight away.
-    progress(chunks done, results) is called after every chunk."""
+    """Perplexity of each model (Transformer-like: new_sequence(ctx), forward(tokens, seq,
+    all_logits)) over the chunks, and with `ref` each model's divergence from it. One
+    pass: per chunk the reference runs once and each model is compared with it straight
+    away. progress(chunks done, results) is called after every chunk."""
     results = [Result(chunks.n_ctx) for _ in models]
     first = first_scored(chunks.n_ctx)
+    seqs = [m.new_sequence(chunks.n_ctx) for m in models]
+    ref_seq = ref.new_sequence(chunks.n_ctx) if ref is not None else None
     for i, chunk in enumerate(chunks):
         # the original tokens: a chunk's first token is context only, never a target
         targets = chunks.tokens[i * chunks.n_ctx + first + 1:(i + 1) * chunks.n_ctx]
-        ref_logits = chunk_logits(ref, chunk) if ref is not None else None
-        for model, result in zip(models, results):
-            result.add(chunk_logits(model, chunk), targets, ref_logits)
+        ref_logits = chunk_logits(ref, chunk, ref_seq) if ref is not None else None
+        for model, seq, result in zip(models, seqs, results):
+            result.add(chunk_logits(model, chunk, seq), targets, ref_logits)
         if progress:
             progress(i + 1, results)
     return results

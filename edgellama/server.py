@@ -385,18 +385,7 @@ class Engine:
         prompt in one call; the batches are the ones its forward pass would make, so the
         numbers are the same). Returns the prompt tokens reused from the cache, or None
         if the client left."""
-        llm, ids = self.llm, job.ids
-        reused = 0
-        for a, b in zip(llm.cached, ids):
-            if a != b:
-                break
-            reused += 1
-        reused = min(reused, len(ids) - 1)   # as LLM.generate: the last token is recomputed
-        for end in range(reused + llm.model.batch, len(ids), llm.model.batch):
-            if job.cancelled.is_set():
-                return None
-            llm.logits(ids[:end])
-        return None if job.cancelled.is_set() else reused
+        return self.llm.read_prompt(job.ids, job.cancelled.is_set)
 
     def _generate(self, job: Job) -> None:
         reused = self._read_prompt(job)

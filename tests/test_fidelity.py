@@ -161,8 +161,9 @@ def reference(f32_file):
 def our_logits(path, ids, mode):
     """(decode, prefill) logits of every position."""
     m = edgellama.load(path, ctx=64, activations=mode).model
-    prefill = np.array(m.forward(np.array(ids), 0, all_logits=True), np.float64)
-    decode = np.stack([np.array(m.forward(np.array(ids[i:i + 1]), i), np.float64).reshape(-1)
+    prefill = np.array(m.forward(np.array(ids), m.new_sequence(), all_logits=True), np.float64)
+    seq = m.new_sequence()
+    decode = np.stack([np.array(m.forward(np.array(ids[i:i + 1]), seq), np.float64).reshape(-1)
                        for i in range(len(ids))])
     return decode, prefill
 
@@ -192,10 +193,10 @@ def recorded_products(model):
     log, busy = [], []
     for w in set(model.linears()):
         def wrap(method, phase, w=w):
-            def call(x, out):
+            def call(x, out, scratch=None):
                 busy.append(1)
                 try:
-                    method(x, out)
+                    method(x, out, scratch)
                 finally:
                     busy.pop()
                 if not busy:      # not a product another one made (fine matvec -> matmul)
@@ -229,9 +230,10 @@ def test_every_product_is_exact_given_the_rounded_x(fmt, mode, f32_file, referen
     m = edgellama.load(path, ctx=64, activations=mode).model
     names = tensor_names(m)
     log = recorded_products(m)
-    m.forward(np.array(ids), 0, all_logits=True)
+    m.forward(np.array(ids), m.new_sequence(), all_logits=True)
+    seq = m.new_sequence()
     for i in range(DECODED):
-        m.forward(np.array(ids[i:i + 1]), i)
+        m.forward(np.array(ids[i:i + 1]), seq)
     seen = set()
     for w, phase, x, got in log:
         ws = np.concatenate([W[n] for n in names[id(w)]])

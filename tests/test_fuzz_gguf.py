@@ -519,7 +519,7 @@ def run_one(path: Path) -> str:
         return "refused"
     try:
         V = llm.model.args.vocab_size
-        logits = llm.model.forward([0, min(1, V - 1)], 0)
+        logits = llm.model.forward([0, min(1, V - 1)], llm.seq)
         for temp in (0.0, 0.8):
             tok = Sampler(SamplingParams(temperature=temp, seed=0))(logits, [0, 1])
             llm.tokenizer.decode([tok])

@@ -26,10 +26,10 @@ def test_dry_run_finds_the_kernels_and_warm_up_leaves_nothing_to_compile(tmp_pat
     assert all(total == len(calls) for _, total, _ in shown)     # compiles, if any, numbered
     assert warm.compiled == len(shown) and warm.seconds >= warm.compile_seconds
     assert all(sig in d.overloads for d, sig in calls)
-    assert llm.model.cache.length == 0
+    assert llm.seq.pos == 0
     with jit.Compiling() as watch:
-        llm.model.forward([1, 2, 3], 0)
-        llm.model.forward([4], 3)
+        llm.model.forward([1, 2, 3], llm.seq)
+        llm.model.forward([4], llm.seq)
     assert watch.count == 0
 
 
@@ -56,8 +56,8 @@ def test_warm_up_without_the_dry_run_still_compiles_both_paths(tmp_path, monkeyp
     shown = []
     jit.warm_up(llm.model, lambda n, total, name: shown.append(total))
     assert set(shown) <= {None}                   # numbered without a total, if any compiled
-    assert llm.model.cache.length == 0
+    assert llm.seq.pos == 0
     with jit.Compiling() as watch:
-        llm.model.forward([1, 2, 3], 0)
-        llm.model.forward([4], 3)
+        llm.model.forward([1, 2, 3], llm.seq)
+        llm.model.forward([4], llm.seq)
     assert watch.count == 0

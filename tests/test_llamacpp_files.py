@@ -45,11 +45,12 @@ def test_llamacpp_file_loads_and_matches_reference(f32_model, mix, tmp_path):
     m = Transformer(g, ctx=64, batch=8)
     meta, W = load_reference(path)
     ref = reference_forward(meta, W, TOKENS)
-    got = m.forward(TOKENS, 0, all_logits=True)                   # prefill: chunks of 8
+    got = m.forward(TOKENS, m.new_sequence(), all_logits=True)                   # prefill: chunks of 8
     err = np.abs(got - ref).max() / np.abs(ref).max()
     assert err < 2e-2, (types, err)
     m2 = Transformer(GGUFFile(path), ctx=64, batch=8)
-    dec = np.stack([m2.forward(TOKENS[i:i + 1], i).copy() for i in range(len(TOKENS))])
+    seq = m2.new_sequence()
+    dec = np.stack([m2.forward(TOKENS[i:i + 1], seq).copy() for i in range(len(TOKENS))])
     err = np.abs(dec - ref).max() / np.abs(ref).max()               # decode: the matvec kernels
     assert err < 5e-2, (types, err)
 

@@ -35,34 +35,41 @@ def _model(path, batch=16, ctx=64):
     return Transformer(GGUFFile(path), ctx=ctx, batch=batch)
 
 
+def _forward(m, tokens):
+    return m.forward(tokens, m.new_sequence(), all_logits=True)
+
+
 def _rel_err(a, b):
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 def test_prefill_matches_reference(tiny):
     qtype, path, ref = tiny
-    out = _model(path).forward(TOKENS, 0, all_logits=True)
+    m = _model(path)
+    out = m.forward(TOKENS, m.new_sequence(), all_logits=True)
     assert _rel_err(out, ref) < TOL[qtype]
 
 
 def test_decode_with_cache_matches_reference(tiny):
     qtype, path, ref = tiny
     m = _model(path)
-    got = np.stack([m.forward(TOKENS[i:i + 1], i).copy() for i in range(len(TOKENS))])
+    seq = m.new_sequence()
+    got = np.stack([m.forward(TOKENS[i:i + 1], seq).copy() for i in range(len(TOKENS))])
     assert _rel_err(got, ref) < TOL[qtype]
-    assert m.cache.length == len(TOKENS)
+    assert seq.cache.length == seq.pos == len(TOKENS) and seq.tokens == TOKENS.tolist()
 
 
 def test_prefill_batches_equal_one_batch(tiny):
     _, path, _ = tiny
-    one = _model(path, batch=64).forward(TOKENS, 0, all_logits=True)
-    several = _model(path, batch=5).forward(TOKENS, 0, all_logits=True)
+    one = _forward(_model(path, batch=64), TOKENS)
+    several = _forward(_model(path, batch=5), TOKENS)
     np.testing.assert_allclose(several, one, rtol=0, atol=1e-4 * np.abs(one).max())
     # and prefix + continuation equals the whole (chunks of 8, 8, 5 | 8, 8: no single-token
     # chunk, which would take the decode path and its int8 activations)
     m = _model(path, batch=8)
-    m.forward(TOKENS[:21], 0)
-    rest = m.forward(TOKENS[21:], 21, all_logits=True)
+    seq = m.new_sequence()
+    m.forward(TOKENS[:21], seq)
+    rest = m.forward(TOKENS[21:], seq, all_logits=True)
     np.testing.assert_allclose(rest, one[21:], rtol=0, atol=1e-4 * np.abs(one).max())
 
 
@@ -70,7 +77,7 @@ def test_kv_cache_size_is_the_formula(tiny):
     _, path, _ = tiny
     m = _model(path, ctx=48)
     a = m.args   # 2 (K,V) × layers × kv heads × head dim × ctx × 2 bytes
-    assert m.cache.nbytes == KVCache.bytes_needed(a, 48) == 2 * a.n_layers * a.n_kv_heads * a.head_dim * 48 * 2
+    assert m.new_sequence().cache.nbytes == KVCache.bytes_needed(a, 48) == 2 * a.n_layers * a.n_kv_heads * a.head_dim * 48 * 2
 
 
 def test_context_not_a_multiple_of_the_kv_block(tiny):
@@ -78,19 +85,20 @@ def test_context_not_a_multiple_of_the_kv_block(tiny):
     # the last by decode, and refuses a 38th
     qtype, path, ref = tiny
     m = _model(path, ctx=len(TOKENS))
-    assert m.cache.nbytes == KVCache.bytes_needed(m.args, 48)
-    m.forward(TOKENS[:-1], 0)
-    last = m.forward(TOKENS[-1:], len(TOKENS) - 1).copy()
+    seq = m.new_sequence()
+    assert seq.cache.nbytes == KVCache.bytes_needed(m.args, 48)
+    m.forward(TOKENS[:-1], seq)
+    last = m.forward(TOKENS[-1:], seq).copy()
     assert _rel_err(last, ref[-1]) < TOL[qtype]
     with pytest.raises(edgellama.EdgeError, match="do not fit the context"):
-        m.forward(TOKENS[:1], len(TOKENS))
+        m.forward(TOKENS[:1], seq)
 
 
 def test_context_overflow_is_an_error(tiny):
     _, path, _ = tiny
     m = _model(path, ctx=16)
     with pytest.raises(edgellama.EdgeError, match="do not fit the context"):
-        m.forward(TOKENS[:17], 0)
+        m.forward(TOKENS[:17], m.new_sequence())
 
 
 def test_llama3_shaped_3b_numbers():

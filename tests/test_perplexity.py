@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import types
 from pathlib import Path
 
 import numpy as np
@@ -55,8 +56,13 @@ class FixedModel:
     def __init__(self, logits):
         self.logits, self.calls = np.asarray(logits, np.float32), []
 
-    def forward(self, tokens, pos, all_logits=False):
-        self.calls.append((list(tokens), pos, all_logits))
+    def new_sequence(self, ctx=None):
+        from edgellama.sequence import Sequence
+        return Sequence(types.SimpleNamespace(ctx=ctx, length=0))
+
+    def forward(self, tokens, seq, all_logits=False):
+        self.calls.append((list(tokens), seq.pos, all_logits))
+        seq._extend(np.asarray(tokens))
         return np.tile(self.logits, (len(tokens), 1)) if all_logits else self.logits
 
 
@@ -171,8 +177,8 @@ def test_kl_of_two_models_matches_numpy(files):
         kl, nll, nll_ref, same = [], [], [], []
         for i, chunk in enumerate(plan):
             # logits from one full forward pass (not the runtime's half-and-half split)
-            lq = np.array(llm.model.forward(chunk, 0, all_logits=True))
-            lp = np.array(ref.model.forward(chunk, 0, all_logits=True))
+            lq = llm.model.forward(chunk, llm.model.new_sequence(), all_logits=True)
+            lp = ref.model.forward(chunk, ref.model.new_sequence(), all_logits=True)
             for c, j, t in llama_cpp_targets(plan.tokens, CTX, len(plan)):
                 if c != i:
                     continue

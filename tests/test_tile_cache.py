@@ -91,7 +91,7 @@ def load(path):
 
 
 def _logits(model):
-    return model.forward([1, 2, 3], 0).copy()
+    return model.forward([1, 2, 3], model.new_sequence()).copy()
 
 
 def test_model_loads_from_its_tiles_the_second_time(cache, tmp_path):

@@ -5,12 +5,18 @@ quantize / dequantize over whole blocks (bit-exact with ggml), and its runtime f
 a `Linear` subclass that holds one weight matrix W (out_features, in_features) in
 whatever layout its kernels read fastest:
 
-    matvec  decode, one token: out = W @ x
-    matmul  prefill, T tokens: out = x @ W.T, by dequantizing a few MB of rows at a
-            time and handing them to NumPy's BLAS (shared here; a format only says
-            how to dequantize a run of rows), or, for the formats with pair-dot
-            kernels, as an int8 GEMM over the tiles (q4.RecordLinear)
-    rows    embedding lookup: dequantized rows of W
+    matvec   decode, one token: out = W @ x
+    matvecs  batched decode, a few tokens of different sequences: one pass over W when
+             the format has a multi-token kernel (q4.RecordLinear), else a matvec each
+    matmul   prefill, T tokens: out = x @ W.T, by dequantizing a few MB of rows at a
+             time and handing them to NumPy's BLAS (shared here; a format only says
+             how to dequantize a run of rows), or, for the formats with pair-dot
+             kernels, as an int8 GEMM over the tiles (q4.RecordLinear)
+    rows     embedding lookup: dequantized rows of W
+
+A Linear holds only its weights: the buffers a call works in come from the `scratch`
+argument (scratch.Scratch), or are allocated for the call when it is None, so one Linear
+serves any number of sequences.
 
 Quantized formats repack the file's blocks once at load into row tiles (`TiledLinear`)
 and then drop the file's pages from this process, so resident memory stays about the
@@ -25,6 +31,8 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 from numba import njit, prange
+
+from ..scratch import Scratch
 
 _CHUNK_FLOATS = 1 << 20        # prefill dequantizes ~4 MB of W at a time (at least
 _CHUNK_MIN_ROWS = 256          # 256 rows: narrower products run BLAS below its best)
@@ -48,18 +56,6 @@ class WeightFormat:
     def row_bytes(self, n: int) -> int:
         assert n % self.block_size == 0, (self.name, n)
         return n // self.block_size * self.type_size
-
-
-_scratch = np.empty(0, np.float32)
-
-
-def _prefill_scratch(size: int) -> np.ndarray:
-    # One dequantization buffer shared by every Linear (a few MB, grown on demand):
-    # per-layer buffers would add ~100 x 4-8 MB for a 1B model.
-    global _scratch
-    if _scratch.size < size:
-        _scratch = np.empty(size, np.float32)
-    return _scratch
 
 
 class Linear:
@@ -96,9 +92,14 @@ class Linear:
         """Take the file rows (rows_i, row_bytes) u8 of each stacked tensor."""
         raise NotImplementedError
 
-    def matvec(self, x: np.ndarray, out: np.ndarray) -> None:
+    def matvec(self, x: np.ndarray, out: np.ndarray, scratch: Scratch | None = None) -> None:
         """out (out_features,) f32 = W @ x, x (in_features,) f32."""
         raise NotImplementedError
+
+    def decode_buffers(self) -> tuple:
+        """New buffers for matvec to work in (scratch.linear keeps one set per
+        scratch_key)."""
+        return ()
 
     def _dequant_rows_t(self, r0: int, r1: int, buf: np.ndarray) -> np.ndarray:
         """W[r0:r1] dequantized into buf, as an (in_features, r1 - r0) matrix (W.T)."""
@@ -114,11 +115,27 @@ class Linear:
         """Views of out (..., out_features) per stacked tensor, in order."""
         return np.split(out, np.cumsum(self.splits)[:-1], axis=-1)
 
-    def matmul(self, x: np.ndarray, out: np.ndarray) -> None:
+    @property
+    def scratch_key(self) -> tuple:
+        """Linears with one key can share decode buffers."""
+        return type(self), self.type_id, self.in_features, self.out_features
+
+    def _buffers(self, scratch: Scratch | None) -> tuple:
+        return self.decode_buffers() if scratch is None else scratch.linear(self)
+
+    def matvecs(self, x: np.ndarray, out: np.ndarray, scratch: Scratch | None = None) -> None:
+        """out (T, out_features) = x @ W.T for a few rows x (T, in_features), each as
+        matvec computes it (batched decode). Formats with a multi-token kernel override
+        this to read W once for all rows."""
+        for i in range(x.shape[0]):
+            self.matvec(x[i], out[i], scratch)
+
+    def matmul(self, x: np.ndarray, out: np.ndarray, scratch: Scratch | None = None) -> None:
         """out (T, out_features) f32 = x @ W.T, x (T, in_features) f32 C-contiguous."""
         n, d = self.in_features, self.out_features
         step = self._chunk_rows()
-        wbuf = _prefill_scratch(n * step)
+        # one dequantization buffer for every Linear of a scratch (a few MB)
+        wbuf = (scratch or Scratch()).get("dequant", (n * step,))
         for r0 in range(0, d, step):
             r1 = min(d, r0 + step)
             np.matmul(x, self._dequant_rows_t(r0, r1, wbuf), out=out[:, r0:r1])
@@ -129,14 +146,6 @@ class Linear:
         if ids.size and (ids.min() < 0 or ids.max() >= self.out_features):
             raise IndexError(f"row id out of range [0, {self.out_features})")
         self._rows(ids, out)
-
-    @property
-    def scratch_nbytes(self) -> tuple[int, int]:
-        """(bytes of this matrix's own decode buffers, bytes of the prefill
-        dequantization buffer it needs — shared by all Linears: count the max once)."""
-        own = sum(v.nbytes for k, v in vars(self).items()
-                  if k.startswith("_") and isinstance(v, np.ndarray))
-        return own, self.in_features * self._chunk_rows() * 4
 
     def _chunk_rows(self) -> int:
         unit = self.chunk_unit

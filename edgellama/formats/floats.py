@@ -134,15 +134,15 @@ class FloatLinear(Linear):
             for r in raws:
                 release_pages(r)
 
-    def matvec(self, x, out):
+    def matvec(self, x, out, scratch=None):
         kernel = {"F32": matvec_f32, "F16": matvec_f16, "BF16": matvec_bf16}[self.type_name]
         kernel(self.w, x, out)
 
-    def matmul(self, x, out):
+    def matmul(self, x, out, scratch=None):
         if self.type_name == "F32":
             np.matmul(x, self.w.T, out=out)       # no copy needed
         else:
-            super().matmul(x, out)
+            super().matmul(x, out, scratch)
 
     def _dequant_rows_t(self, r0, r1, buf):
         ws = buf[:(r1 - r0) * self.in_features].reshape(r1 - r0, self.in_features)

@@ -464,21 +464,21 @@ class IQ4Linear(TiledLinear):
                 repack_xs_scales(raw, row0, self.sc)
             release_pages(raw)
             row0 += raw.shape[0]
-        self._scratch = np.zeros((nt, R), f32)
-        self._s32 = np.zeros((nt, R), np.int32)
-        self._x8 = np.zeros(n, np.int8)
-        self._xd = np.zeros(nb, f32)
-        self._xs8 = np.zeros(nb, np.int32)
-        self._xsum = np.zeros(nb, f32)
-        self._xq = np.zeros(n, np.int16)
 
-    def matvec(self, x, out):
-        prep_iq4_x(x, self._x8, self._xd, self._xs8, self._xsum, self._xq)
+    def decode_buffers(self):
+        # per-tile sums (nt, R) f32 and i32; prep_iq4_x's x8, xd, xs8, xsum, xq
+        n, nb, nt, R = self.in_features, self.in_features // 32, self.nt, self.R
+        return (np.zeros((nt, R), f32), np.zeros((nt, R), np.int32), np.zeros(n, np.int8),
+                np.zeros(nb, f32), np.zeros(nb, np.int32), np.zeros(nb, f32),
+                np.zeros(n, np.int16))
+
+    def matvec(self, x, out, scratch=None):
+        acc, s32, x8, xd, xs8, xsum, xq = self._buffers(scratch)
+        prep_iq4_x(x, x8, xd, xs8, xsum, xq)
         if self.per_d == 1:
-            matvec_iq4_nl(self.q, self.d, self._xq, self._xd, out, self._scratch, self._s32)
+            matvec_iq4_nl(self.q, self.d, xq, xd, out, acc, s32)
         else:
-            matvec_iq4_xs(self.q, self.d, self.sc, self._xq, self._xd, out, self._scratch,
-                          self._s32)
+            matvec_iq4_xs(self.q, self.d, self.sc, xq, xd, out, acc, s32)
 
     def _dequant_tiles(self, t0, t1, wt):
         dequant_iq4_tiles(self.q, self.d, self.sc, self.per_d, t0, t1, wt)

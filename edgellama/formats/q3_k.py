@@ -423,16 +423,17 @@ class Q3KLinear(TiledLinear):
             repack_halves(raw, row0, BS, 108, self.d)
             release_pages(raw)
             row0 += raw.shape[0]
-        self._scratch = np.zeros((nt, R), f32)
-        self._s16 = np.zeros((nt, 16 * R), np.int16)
-        self._xq = np.zeros(QK, np.int16)
-        self._co = np.zeros((nb * 16, 19), np.int16)
-        self._xd = np.zeros(nb, f32)
 
-    def matvec(self, x, out):
-        prep_q3_k_x(x, self._xq, self._co, self._xd)
-        matvec_q3_k(self.R)(self.w, self.sc, self.d, self._co, self._xd, out, self._scratch,
-                            self._s16)
+    def decode_buffers(self):
+        # per-tile sums (nt, R) f32, (nt, 16R) i16; prep_q3_k_x's xq, co, xd
+        nb, nt, R = self.in_features // QK, self.nt, self.R
+        return (np.zeros((nt, R), f32), np.zeros((nt, 16 * R), np.int16),
+                np.zeros(QK, np.int16), np.zeros((nb * 16, 19), np.int16), np.zeros(nb, f32))
+
+    def matvec(self, x, out, scratch=None):
+        acc, s16, xq, co, xd = self._buffers(scratch)
+        prep_q3_k_x(x, xq, co, xd)
+        matvec_q3_k(self.R)(self.w, self.sc, self.d, co, xd, out, acc, s16)
 
     def _dequant_tiles(self, t0, t1, wt):
         dequant_q3_k_tiles(self.w, self.sc, self.d, t0, t1, wt)

@@ -20,6 +20,7 @@ from numba import njit, prange
 from ..fp import get_f16, put_f16, wrap_u8
 from ..simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, RECORD_ROWS,
                     TOKENS, blocks_gemm)
+from ..scratch import Scratch
 from .base import TiledLinear, WeightFormat, anon_array, release_pages
 
 f32 = np.float32
@@ -221,18 +222,19 @@ class RecordLinear(TiledLinear):
     16384 x 2048 with records (simd.blocks_gemm)."""
 
     def _load(self, raws):
-        n, nt, R = self.in_features, self.nt, self.R
+        nt, R = self.nt, self.R
         self.q = anon_array((nt, R // RECORD_ROWS * self._strip_bytes()), np.uint8)  # pad rows: 0
         row0 = 0
         for raw in raws:
             self._repack(raw, row0)
             release_pages(raw)
             row0 += raw.shape[0]
-        self._acc = np.zeros((nt, R), f32)
-        self._x8 = np.zeros(n, np.int8)
-        self._xd = np.zeros(n // 32, f32)
-        self._xs8 = np.zeros(n // 32, np.int32)
-        self._xsum = np.zeros(n // 32, f32)
+
+    def decode_buffers(self):
+        # (x8, xd, xs8, xsum) of prep_q8_x, and acc (nt, R) f32 per-tile sums
+        n = self.in_features
+        return (np.zeros(n, np.int8), np.zeros(n // 32, f32), np.zeros(n // 32, np.int32),
+                np.zeros(n // 32, f32), np.zeros((self.nt, self.R), f32))
 
     def _strip_bytes(self) -> int:
         """Bytes of the records of one strip of 16 rows (a whole row's length)."""
@@ -244,32 +246,38 @@ class RecordLinear(TiledLinear):
 
     fine = False     # x as int8 plus its int8 residual (Transformer's activations="fine")
 
-    def matvec(self, x, out):
+    def matvec(self, x, out, scratch=None):
         if self.fine:
-            self.matmul(x[None], out[None])
+            self.matmul(x[None], out[None], scratch)
         else:
-            self._matvec(x, out)
+            self._matvec(x, out, scratch)
 
-    def _matvec(self, x, out):
+    def _matvec(self, x, out, scratch):
         """out (out_features,) = W @ x with x quantized to int8 per block of 32 (prep_q8_x)."""
         raise NotImplementedError
 
-    def matmul(self, x, out):
+    def matmul(self, x, out, scratch=None):
         T, n = x.shape
         rows = 2 * T if self.fine else T
         Tp = -(-rows // TOKENS) * TOKENS
-        x8 = np.zeros((Tp, n), np.int8)
-        xd, xsum = np.zeros((Tp, n // 32), f32), np.zeros((Tp, n // 32), f32)
-        xs8 = np.zeros((Tp, n // 32), np.int32)
-        acc = np.empty((self.nt, TOKENS, self.R), f32)
+        sc = scratch or Scratch()
+        x8 = sc.get("q8_x8", (Tp, n), np.int8)
+        xd, xsum = sc.get("q8_xd", (Tp, n // 32)), sc.get("q8_xsum", (Tp, n // 32))
+        xs8 = sc.get("q8_xs8", (Tp, n // 32), np.int32)
+        for a in (x8, xd, xsum, xs8):
+            a[rows:] = 0              # rows past x's pad the last group of TOKENS
+        acc = sc.get("q8_acc", (self.nt, TOKENS, self.R))
         if not self.fine:
             prep_q8_rows(x, x8, xd, xs8, xsum)
             self._gemm(x8.reshape(-1), xd, xs8, xsum, out, acc)
             return
         prep_q8_split_rows(x, x8, xd, xs8, xsum)
-        parts = np.empty((rows, out.shape[1]), f32)
+        parts = sc.get("q8_parts", (rows, out.shape[1]))
         self._gemm(x8.reshape(-1), xd, xs8, xsum, parts, acc)
         np.add(parts[0::2], parts[1::2], out=out)
+
+    # a few tokens cost one pass over the tiles, as one does
+    matvecs = matmul
 
     def _gemm(self, x8, xd, xs8, xsum, out, acc):
         """out (T, out_features) = x W^T from prep_q8_rows' arrays; acc (nt, TOKENS, R)
@@ -377,10 +385,10 @@ class BlocksLinear(RecordLinear):
     def _repack(self, raw, row0):
         repack_blocks(raw, row0, self.q, self.group, self.kind)
 
-    def _matvec(self, x, out):
-        prep_q8_x(x, self._x8, self._xd, self._xs8, self._xsum)
-        matvec_blocks(self.q, self._x8, self._xd, self._xs8, self._xsum, out, self._acc,
-                      self.group, self.kind)
+    def _matvec(self, x, out, scratch):
+        x8, xd, xs8, xsum, acc = self._buffers(scratch)
+        prep_q8_x(x, x8, xd, xs8, xsum)
+        matvec_blocks(self.q, x8, xd, xs8, xsum, out, acc, self.group, self.kind)
 
     def _gemm(self, x8, xd, xs8, xsum, out, acc):
         matmul_blocks(self.q, x8, xd, xs8, xsum, out, acc, self.group, self.kind)

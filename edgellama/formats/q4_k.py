@@ -403,9 +403,10 @@ class Q4KLinear(RecordLinear):
     def _repack(self, raw, row0):
         repack_k(raw, row0, self.q, self.BLOCK_BYTES, self.RECORD)
 
-    def _matvec(self, x, out):
-        prep_q8_x(x, self._x8, self._xd, self._xs8, self._xsum)
-        matvec_k(self.q, self._x8, self._xd, self._xsum, out, self._acc, self.BITS)
+    def _matvec(self, x, out, scratch):
+        x8, xd, xs8, xsum, acc = self._buffers(scratch)
+        prep_q8_x(x, x8, xd, xs8, xsum)
+        matvec_k(self.q, x8, xd, xsum, out, acc, self.BITS)
 
     def _gemm(self, x8, xd, xs8, xsum, out, acc):
         matmul_k(self.q, x8, xd, xsum, out, acc, self.BITS)

@@ -369,19 +369,18 @@ class Q5Linear(TiledLinear):
             repack_q5(raw, row0, bs, off, self.w)
             release_pages(raw)
             row0 += raw.shape[0]
-        self._scratch = np.zeros((nt, R), f32)
-        self._s16 = np.zeros((nt, 2, R), np.int16)
-        self._x8 = np.zeros(n, np.int8)
-        self._xd = np.zeros(nb, f32)
-        self._xs8 = np.zeros(nb, np.int32)
-        self._xsum = np.zeros(nb, f32)
-        self._c = np.zeros(nb * 40, np.int16)
-        self._xm5 = np.zeros(nb * 2, np.int16)
 
-    def matvec(self, x, out):
-        prep_q5_x(x, self._x8, self._xd, self._xs8, self._xsum, self._c, self._xm5)
-        matvec_q5(self.w, self.d, self.m, self.has_m, self._c, self._xd, self._xm5, self._xsum,
-                  out, self._scratch, self._s16)
+    def decode_buffers(self):
+        # per-tile sums (nt, R) f32, (nt, 2, R) i16; prep_q5_x's x8, xd, xs8, xsum, c, xm5
+        n, nb, nt, R = self.in_features, self.in_features // 32, self.nt, self.R
+        return (np.zeros((nt, R), f32), np.zeros((nt, 2, R), np.int16), np.zeros(n, np.int8),
+                np.zeros(nb, f32), np.zeros(nb, np.int32), np.zeros(nb, f32),
+                np.zeros(nb * 40, np.int16), np.zeros(nb * 2, np.int16))
+
+    def matvec(self, x, out, scratch=None):
+        acc, s16, x8, xd, xs8, xsum, c, xm5 = self._buffers(scratch)
+        prep_q5_x(x, x8, xd, xs8, xsum, c, xm5)
+        matvec_q5(self.w, self.d, self.m, self.has_m, c, xd, xm5, xsum, out, acc, s16)
 
     def _dequant_tiles(self, t0, t1, wt):
         dequant_q5_tiles(self.w, self.d, self.m, self.has_m, t0, t1, wt)

@@ -307,9 +307,9 @@ def rows_q6_k(q, ids, out):
 class Q6KLinear(RecordLinear):
     """Q6_K in records of 16 rows and one super-block (simd.py's Q6K_* layout)."""
 
-    def _load(self, raws):
-        super()._load(raws)
-        self._xs16 = np.zeros(self.in_features // 16, np.int32)   # q6_gemm's x sums per 16
+    def decode_buffers(self):
+        # RecordLinear's, and q6_gemm's x sums per 16
+        return super().decode_buffers() + (np.zeros(self.in_features // 16, np.int32),)
 
     def _strip_bytes(self):
         return self.in_features // QK * Q6K_RECORD
@@ -317,10 +317,11 @@ class Q6KLinear(RecordLinear):
     def _repack(self, raw, row0):
         repack_q6_k(raw, row0, self.q)
 
-    def _matvec(self, x, out):
-        prep_q8_x(x, self._x8, self._xd, self._xs8, self._xsum)
-        sums16(self._x8, self._xs16)
-        matvec_q6_k(self.q, self._x8, self._xd, self._xs16, out, self._acc)
+    def _matvec(self, x, out, scratch):
+        x8, xd, xs8, xsum, acc, xs16 = self._buffers(scratch)
+        prep_q8_x(x, x8, xd, xs8, xsum)
+        sums16(x8, xs16)
+        matvec_q6_k(self.q, x8, xd, xs16, out, acc)
 
     def _gemm(self, x8, xd, xs8, xsum, out, acc):
         xs16 = np.empty(x8.size // 16, np.int32)

@@ -1,0 +1,77 @@
+"""One conversation's state, apart from the model's weights.
+
+    model = Transformer(gguf, ctx)            # read-only weights, shared
+    seq = model.new_sequence()                # KV cache, token ids, scratch
+    logits = model.forward(prompt_ids, seq)   # prompt at positions 0..
+    logits = model.forward([tok], seq)        # one more token
+    rows = model.decode([seq, other], [tok, tok2])   # several sequences, one weight pass
+
+Token i of a sequence sits at position i; `tokens` lists exactly the tokens whose K/V
+the cache holds (a forward pass extends it only once its K/V are written, so an
+interrupted pass leaves it consistent).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import numpy as np
+
+from .model import KVCache
+from .scratch import Scratch
+
+
+class Sequence:
+    def __init__(self, cache: KVCache, scratch: Scratch | None = None):
+        self.cache = cache
+        self.tokens: list[int] = []
+        self.scratch = scratch if scratch is not None else Scratch()
+
+    @property
+    def ctx(self) -> int:
+        return self.cache.ctx
+
+    @property
+    def pos(self) -> int:
+        """The next token's position: how many positions the cache holds."""
+        return len(self.tokens)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n tokens; later positions are overwritten by the next pass."""
+        del self.tokens[n:]
+        self.cache.length = len(self.tokens)
+
+    def reset(self) -> None:
+        self.truncate(0)
+
+    def reuse_prefix(self, ids: Seq[int]) -> int:
+        """Truncate to the longest common prefix of the cached tokens and `ids`, less
+        one token when that would be all of `ids` (its logits must be computed); returns
+        how many tokens of `ids` are reused. The one prefix rule of generate, chat and
+        the server."""
+        n = 0
+        for a, b in zip(self.tokens, ids):
+            if a != b:
+                break
+            n += 1
+        n = max(0, min(n, len(ids) - 1))
+        self.truncate(n)
+        return n
+
+    def fill_random(self, n: int, rng: np.random.Generator) -> None:
+        """Synthetic K/V for the first n positions (benchmarks: speed ignores values);
+        their token ids are -1, which no prompt matches."""
+        self.cache.fill_random(n, rng)
+        self.tokens = [-1] * n
+
+    def _extend(self, ids: np.ndarray) -> None:
+        # called by the model once the K/V of ids are written at positions pos..
+        self.tokens.extend(ids.tolist())
+        self.cache.length = len(self.tokens)
+
+    @property
+    def nbytes(self) -> int:
+        """KV cache and scratch bytes."""
+        return self.cache.nbytes + self.scratch.nbytes
+
+    def __repr__(self) -> str:
+        return f"Sequence(pos={self.pos}, ctx={self.ctx})"
