@@ -14,9 +14,19 @@ with a SHA-256 of its content (a damaged index is rebuilt, never half-read):
 
     b"EDGETILE" | u64 index offset | u64 index length | arrays (64-byte aligned) | index
 
-The index names each cached Linear by its tensors, with its scalar attributes and its
-public arrays (the tiles); arrays whose names start with "_" are a Linear's per-call
-buffers and are recreated as zeros. The key covers the source file's identity (path,
+The index is a declared format, not a dump of a class's attributes:
+
+    {"version": 2, "source": {path, size, mtime_ns, inode},
+     "linears": {"blk.0.attn_q.weight|...": {"type": "Q4_K", "in_features": 2048,
+                 "splits": [2048, 512, 512], "tile_rows": 64,
+                 "arrays": {"q": {"dtype": "u1", "shape": [nt, n], "offset": 4096}}}},
+     "sha256": hex digest of the rest}
+
+Each Linear is named by its tensors, with its GGML type, its shape and its tile arrays
+by the names, shapes and dtypes its class declares for that shape (TiledLinear.tile_spec);
+it is rebuilt with TiledLinear.from_tiles. An index of another version, or whose arrays
+are not exactly the declared ones, is a damaged file: the model repacks and writes a new
+one. Bump VERSION when the meaning of the index changes. The key covers the source file's identity (path,
 size, mtime, inode), the tile layouts (the digest of the kernel sources, as the kernel
 cache) and the thread count (tile heights depend on it). Small models are not cached
 (repacking them takes milliseconds), and EDGELLAMA_TILE_CACHE=0 turns the cache off.
@@ -41,16 +51,15 @@ import numpy as np
 
 from .default_model import cache_dir
 from .formats import BY_ID, FORMATS, linear
-from .formats.base import Linear, TiledLinear, WeightFormat
+from .formats.base import Linear, TiledLinear
 
 MAGIC = b"EDGETILE"
 _HEADER = struct.Struct("<8sQQ")
 MIN_BYTES = 64 << 20        # models with fewer bytes of tiles are repacked every time
 KEEP = 3                    # tile files kept, most recently used first
-_DTYPES = {"u1", "i1", "u2", "i2", "u4", "i4", "f2", "f4"}   # what tiles are made of
 _MAX_INDEX = 16 << 20
-_MAX_BUFFER = 256 << 20
-_TMP_PREFIX = ".edgellama-tiles-"   # a file being written; left by a load that was killed     # a Linear's per-call buffers are a few MiB at most
+_TMP_PREFIX = ".edgellama-tiles-"   # a file being written; left by a load that was killed
+VERSION = 2                 # 1: attributes and arrays of the Linear classes, by their names
 
 
 def tiles_dir() -> Path:
@@ -91,69 +100,50 @@ def read_index(path: Path) -> tuple[dict, int]:
 
 
 def _checked(index, off: int) -> dict:
-    """The index, if every entry is one _Writer writes; ValueError (or another error
+    """The index, if it is of this VERSION and every entry is one _Writer writes, arrays
+    exactly as the Linear's class declares them; ValueError (or another error
     read_index turns into one) if not."""
     if not isinstance(index, dict) or not isinstance(index.get("linears"), dict) \
             or not isinstance(index.get("source"), dict):
         raise ValueError("bad index")
+    if type(index.get("version")) is not int or index["version"] != VERSION:
+        raise ValueError(f"tile format {index.get('version')!r}, not {VERSION}")   # rebuilt
     if index.get("sha256") != _digest(index):     # damaged in a way that still parses
         raise ValueError("the index does not match its checksum")
     for entry in index["linears"].values():
-        if not isinstance(entry, dict) or not isinstance(entry.get("class"), str) \
-                or not isinstance(entry.get("attrs"), dict) or not isinstance(entry.get("arrays"), dict):
-            raise ValueError("bad entry")
-        for v in entry["attrs"].values():
-            try:
-                _unscalar(v)
-            except (KeyError, TypeError) as e:
-                raise ValueError("not an attribute we write") from e
+        spec = _shell(entry).tile_spec()
+        if not isinstance(entry.get("arrays"), dict) or set(entry["arrays"]) != set(spec):
+            raise ValueError("not the arrays its format declares")
         for name, a in entry["arrays"].items():
-            if not isinstance(a, dict) or not isinstance(a["dtype"], str) \
-                    or a["dtype"] not in _DTYPES or not isinstance(a["shape"], list) \
-                    or not all(isinstance(s, int) and 0 <= s < 1 << 40 for s in a["shape"]):
-                raise ValueError("bad array entry")
-            nbytes = math.prod(a["shape"]) * np.dtype(a["dtype"]).itemsize
-            if name.startswith("_") and nbytes > _MAX_BUFFER:
-                raise ValueError("a buffer larger than any Linear's")
-            if "offset" in a and not (type(a["offset"]) is int
-                                      and _HEADER.size <= a["offset"] <= off - nbytes):
+            shape, dtype = spec[name]
+            if not isinstance(a, dict) or a.get("dtype") != np.dtype(dtype).str[1:] \
+                    or a.get("shape") != list(shape):
+                raise ValueError("an array not as its format declares it")
+            nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+            if not (type(a.get("offset")) is int and _HEADER.size <= a["offset"] <= off - nbytes):
                 raise ValueError("array outside the file")
-            if "view_of" in a and not (isinstance(a["view_of"], str) and isinstance(
-                    base := entry["arrays"].get(a["view_of"]), dict) and "offset" in base):
-                raise ValueError("a view of no array")
-            if "offset" not in a and "view_of" not in a and not name.startswith("_"):
-                raise ValueError("an array with no data")
     return index
 
 
+def _shell(entry) -> TiledLinear:
+    """The tile-less Linear an entry describes (its declared arrays: .tile_spec())."""
+    if not isinstance(entry, dict) or entry.get("type") not in FORMATS \
+            or type(entry.get("in_features")) is not int or not isinstance(entry.get("splits"), list) \
+            or not all(type(v) is int and 0 < v < 1 << 31 for v in entry["splits"]) \
+            or not 0 < entry["in_features"] < 1 << 31 or type(entry.get("tile_rows")) is not int:
+        raise ValueError("bad entry")
+    fmt = FORMATS[entry["type"]]
+    if not issubclass(fmt.linear, TiledLinear):
+        raise ValueError("not a tiled format")
+    return fmt.linear.shell(fmt, entry["splits"], entry["in_features"], entry["tile_rows"])
+
+
 def _digest(index: dict) -> str:
-    """Checksum of an index's content: any change to a value (a scalar attribute read back
-    wrong would make a kernel index outside its arrays) is seen as damage."""
-    content = {"source": index["source"], "linears": index["linears"]}
+    """Checksum of an index's content: any change to a value (a shape read back wrong
+    would make a kernel index outside its arrays) is seen as damage."""
+    content = {"version": index.get("version"), "source": index["source"],
+               "linears": index["linears"]}
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
-
-
-# --- a Linear's state: scalars and arrays ------------------------------------------------
-
-def _scalar(v):
-    """JSON form of one scalar attribute; TypeError for anything we do not restore."""
-    if isinstance(v, WeightFormat):
-        return {"format": v.name}
-    if isinstance(v, np.floating | np.integer):
-        return {"np": v.dtype.str, "value": v.item()}
-    if isinstance(v, bool | int | float | str) or v is None:
-        return v
-    if isinstance(v, list | tuple) and all(isinstance(e, int) for e in v):
-        return list(v)
-    raise TypeError(f"cannot cache an attribute of type {type(v).__name__}")
-
-
-def _unscalar(v):
-    if isinstance(v, dict) and "format" in v:
-        return FORMATS[v["format"]]
-    if isinstance(v, dict) and "np" in v:
-        return np.dtype(v["np"]).type(v["value"])
-    return v
 
 
 class _Writer:
@@ -171,23 +161,13 @@ class _Writer:
         self.thread = threading.Thread(target=self._write, args=(fd,), name="tile-cache")
         self.thread.start()
 
-    def add(self, name: str, lin: Linear) -> None:
-        attrs, arrays, written = {}, {}, []
-        for k, v in vars(lin).items():
-            if not isinstance(v, np.ndarray):
-                attrs[k] = _scalar(v)
-            elif k.startswith("_"):
-                arrays[k] = {"dtype": v.dtype.str[1:], "shape": list(v.shape)}
-            else:     # a view of a tile array already written is stored as that view
-                base = next((n for n, w in written if w.nbytes == v.nbytes
-                             and np.shares_memory(w, v)), None)
-                arrays[k] = {"dtype": v.dtype.str[1:], "shape": list(v.shape)}
-                if base:
-                    arrays[k]["view_of"] = base
-                else:
-                    arrays[k]["offset"] = self._put(np.ascontiguousarray(v).reshape(-1).view(np.uint8))
-                    written.append((k, v))
-        self.linears[name] = {"class": type(lin).__name__, "attrs": attrs, "arrays": arrays}
+    def add(self, name: str, lin: TiledLinear) -> None:
+        arrays = {}
+        for k, v in lin.tiles().items():
+            arrays[k] = {"dtype": v.dtype.str[1:], "shape": list(v.shape),
+                         "offset": self._put(np.ascontiguousarray(v).reshape(-1).view(np.uint8))}
+        self.linears[name] = {"type": lin.type_name, "in_features": lin.in_features,
+                              "splits": list(lin.splits), "tile_rows": lin.R, "arrays": arrays}
 
     def _put(self, data) -> int:
         off = -(-self.end // 64) * 64
@@ -196,7 +176,7 @@ class _Writer:
         return off
 
     def finish(self) -> None:
-        index = {"source": self.source, "linears": self.linears}
+        index = {"version": VERSION, "source": self.source, "linears": self.linears}
         blob = json.dumps(dict(index, sha256=_digest(index))).encode()
         off = self._put(blob)
         self.jobs.put((0, _HEADER.pack(MAGIC, off, len(blob))))
@@ -266,14 +246,16 @@ class TileCache:
         os.utime(path)                 # most recently used: kept by _evict
 
     def linear(self, name: str, type_id: int, parts: list[tuple[np.ndarray, tuple]]) -> Linear:
-        fmt = BY_ID.get(type_id)
         entry = self.index.get(name)
-        if fmt is not None and entry is not None and entry["class"] == fmt.linear.__name__:
-            with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
-                lin = self._restore(fmt.linear, entry)     # (read_index checked the entry)
-                if (lin.type_id, lin.in_features, lin.splits) == (
-                        type_id, int(parts[0][1][1]), [int(s[0]) for _, s in parts]):
-                    return lin
+        fmt = BY_ID.get(type_id)
+        if entry is not None and fmt is not None and entry["type"] == fmt.name \
+                and entry["in_features"] == int(parts[0][1][1]) \
+                and entry["splits"] == [int(s[0]) for _, s in parts]:
+            with contextlib.suppress(ValueError):      # (read_index checked the entry)
+                return fmt.linear.from_tiles(fmt, entry["splits"], entry["in_features"],
+                                             entry["tile_rows"], {
+                    k: np.frombuffer(self.mm, a["dtype"], math.prod(a["shape"]), a["offset"])
+                    .reshape(a["shape"]) for k, a in entry["arrays"].items()})
         lin = linear(type_id, parts)
         if self.writer is not None and isinstance(lin, TiledLinear):
             try:
@@ -281,22 +263,6 @@ class TileCache:
             except (OSError, TypeError):
                 self.writer.abandon()
                 self.writer = None
-        return lin
-
-    def _restore(self, cls: type, entry: dict) -> Linear:
-        lin = cls.__new__(cls)
-        state = {k: _unscalar(v) for k, v in entry["attrs"].items()}
-        arrays = entry["arrays"]
-        for k, a in arrays.items():
-            if "offset" in a:
-                count = int(np.prod(a["shape"]))
-                state[k] = np.frombuffer(self.mm, a["dtype"], count, a["offset"]).reshape(a["shape"])
-        for k, a in arrays.items():
-            if "view_of" in a:
-                state[k] = state[a["view_of"]].view(a["dtype"]).reshape(a["shape"])
-            elif k.startswith("_"):
-                state[k] = np.zeros(a["shape"], a["dtype"])
-        lin.__dict__.update(state)
         return lin
 
     def finish(self) -> None:

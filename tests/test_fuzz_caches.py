@@ -82,7 +82,7 @@ def test_fuzz_tile_index(tmp_path, monkeypatch):
         if accepted <= 25:                               # what it accepts must load
             model = Transformer(GGUFFile(path), 64)
             model.wait_for_tiles()
-            model.forward([1, 2], 0)
+            model.forward([1, 2], model.new_sequence())
     assert accepted < 400
 
 

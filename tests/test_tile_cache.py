@@ -128,7 +128,8 @@ def test_small_models_are_not_cached(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "bad offset", "bad dtype", "empty",
-                                    "no attrs", "unknown format", "view of nothing"])
+                                    "no splits", "unknown format", "an undeclared array",
+                                    "another shape", "old format", "no version"])
 def test_a_damaged_tile_file_is_rebuilt(cache, tmp_path, damage):
     path = write_tiny_gguf(tmp_path / "tiny.gguf", "Q4_0")
     ref = _logits(load(path))
@@ -148,12 +149,23 @@ def test_a_damaged_tile_file_is_rebuilt(cache, tmp_path, damage):
             arr["offset"] = len(data)
         elif damage == "bad dtype":
             arr["dtype"] = "O"
-        elif damage == "no attrs":
-            del entry["attrs"]
+        elif damage == "no splits":
+            del entry["splits"]
         elif damage == "unknown format":
-            entry["attrs"]["fmt"] = {"format": "Q9_9"}
+            entry["type"] = "Q9_9"
+        elif damage == "an undeclared array":
+            entry["arrays"]["extra"] = {"dtype": "u1", "shape": [4], "offset": arr["offset"]}
+        elif damage == "another shape":          # as a file of other tile heights would be
+            arr["shape"] = [arr["shape"][0] * 2, arr["shape"][1] // 2]
+        elif damage == "old format":             # version 1: a Linear's attributes, by name
+            index = {"source": index["source"], "linears": {
+                name: {"class": "BlocksLinear", "attrs": {"R": 16, "nt": 4},
+                       "arrays": {"q": e["arrays"]["q"], "_x8": {"dtype": "i1", "shape": [64]}}}
+                for name, e in index["linears"].items()}}
         else:
-            entry["arrays"]["extra"] = {"dtype": "u1", "shape": [4], "view_of": "nothing"}
+            del index["version"]
+        if damage in ("another shape", "old format", "no version", "an undeclared array"):
+            index["sha256"] = tc._digest(index)  # well signed: refused for what it says
         blob = __import__("json").dumps(index).encode()
         off = tc._HEADER.unpack(bytes(data[:tc._HEADER.size]))[1]
         data = data[:off] + blob

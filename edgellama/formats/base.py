@@ -69,22 +69,28 @@ class Linear:
 
     def __init__(self, fmt: WeightFormat, raws: list[np.ndarray], splits: list[int], in_features: int):
         # raws: per tensor, its bytes (u8, read-only file views are fine), rows = splits[i]
-        self.fmt = fmt
-        self.type_id = fmt.type_id
-        self.type_name = fmt.name
-        self.in_features = in_features
-        self.splits = splits
-        self.out_features = sum(splits)
-        if in_features % fmt.block_size:
-            raise ValueError(f"{fmt.name} row length {in_features} is not a multiple of "
-                             f"{fmt.block_size}")
+        self._setup(fmt, splits, in_features)
         rb = fmt.row_bytes(in_features)
         for raw, rows in zip(raws, splits):
             if raw.size != rows * rb:
                 raise ValueError(f"{fmt.name} ({rows}, {in_features}) needs {rows * rb} bytes, "
                                  f"got {raw.size}")
-        self.nbytes = self.out_features * rb
         self._load([raw.reshape(rows, rb) for raw, rows in zip(raws, splits)])
+
+    def _setup(self, fmt: WeightFormat, splits: list[int], in_features: int) -> None:
+        """Everything but the data: what the shape and format determine."""
+        if in_features <= 0 or not splits or min(splits) <= 0:
+            raise ValueError(f"{fmt.name}: empty shape {splits} x {in_features}")
+        if in_features % fmt.block_size:
+            raise ValueError(f"{fmt.name} row length {in_features} is not a multiple of "
+                             f"{fmt.block_size}")
+        self.fmt = fmt
+        self.type_id = fmt.type_id
+        self.type_name = fmt.name
+        self.in_features = in_features
+        self.splits = list(splits)
+        self.out_features = sum(splits)
+        self.nbytes = self.out_features * fmt.row_bytes(in_features)
 
     # --- what a format implements ---------------------------------------------------
 
@@ -211,15 +217,66 @@ class TiledLinear(Linear):
     For a tile of R output rows, byte j of block b of all R rows is contiguous, so a
     kernel's inner loop is an R-wide multiply-add of weight bytes by one broadcast x
     value: no per-block horizontal sum, and a block scale is one R-wide multiply.
-    Rows past out_features are zero padding. Subclasses fill their arrays in _load
-    (shapes (nt, ..., R)), using self.R and self.nt, then call release_pages on raws.
+    Rows past out_features are zero padding.
+
+    A format declares its tiles in tile_spec() (names, shapes (nt, ..., R), dtypes): its
+    _load allocates them (_alloc_tiles), repacks the file's rows into them and releases
+    the file's pages; from_tiles rebuilds the Linear from those arrays alone (the tile
+    cache's format: tile_cache.py).
     """
 
-    def __init__(self, fmt, raws, splits, in_features):
-        self.R = tile_rows(sum(splits))
-        self.nt = -(-sum(splits) // self.R)
+    TILE_ROWS = (16, 32, 64, 128, 256)
+
+    def _setup(self, fmt, splits, in_features):
+        super()._setup(fmt, splits, in_features)
+        R = getattr(self, "R", None)     # given by shell(); else this machine's choice
+        if R is not None and R not in self.TILE_ROWS:
+            raise ValueError(f"{R} rows per tile, not one of {self.TILE_ROWS}")
+        self.R = R or tile_rows(self.out_features)
+        self.nt = -(-self.out_features // self.R)
         self.chunk_unit = self.R
-        super().__init__(fmt, raws, splits, in_features)
+
+    def tile_spec(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """name -> (shape, dtype) of every tile array this layout holds."""
+        raise NotImplementedError
+
+    def tiles(self) -> dict[str, np.ndarray]:
+        return {k: getattr(self, k) for k in self.tile_spec()}
+
+    def _alloc_tiles(self) -> None:
+        for k, (shape, dtype) in self.tile_spec().items():
+            setattr(self, k, anon_array(shape, dtype))    # zeroed: pad rows add nothing
+        self._tiles_set()
+
+    def _tiles_set(self) -> None:
+        """After the tile arrays are in place (aliases between them)."""
+
+    @classmethod
+    def shell(cls, fmt: WeightFormat, splits: list[int], in_features: int,
+              R: int | None = None) -> TiledLinear:
+        """A Linear of this shape and R rows per tile (default: tile_rows') without its
+        tiles: what tile_spec() expects."""
+        lin = cls.__new__(cls)
+        lin.R = R
+        lin._setup(fmt, splits, in_features)
+        return lin
+
+    @classmethod
+    def from_tiles(cls, fmt: WeightFormat, splits: list[int], in_features: int, R: int,
+                   arrays: dict[str, np.ndarray]) -> TiledLinear:
+        """The Linear whose tiles are `arrays`; ValueError unless they are exactly the
+        arrays tile_spec() declares for this shape."""
+        lin = cls.shell(fmt, splits, in_features, R)
+        spec = lin.tile_spec()
+        if set(arrays) != set(spec):
+            raise ValueError(f"tiles {sorted(arrays)}, expected {sorted(spec)}")
+        for k, (shape, dtype) in spec.items():
+            a = arrays[k]
+            if a.shape != tuple(shape) or a.dtype != np.dtype(dtype):
+                raise ValueError(f"tile {k}: {a.dtype}{a.shape}, expected {np.dtype(dtype)}{shape}")
+            setattr(lin, k, a)
+        lin._tiles_set()
+        return lin
 
     def _dequant_rows_t(self, r0, r1, buf):
         # chunks are whole tiles (r0 is a multiple of R): dequantize tiles t0..t1

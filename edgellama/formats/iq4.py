@@ -32,7 +32,6 @@ from ..fp import f16_to_f32, get_f16, nearest_int, put_f16
 from .base import (
     TiledLinear,
     WeightFormat,
-    anon_array,
     release_pages,
     repack_bytes,
     repack_halves,
@@ -447,15 +446,19 @@ class IQ4Linear(TiledLinear):
     """IQ4_NL / IQ4_XS in row tiles: q (nt, nb*16*R) u8 nibbles, d (nt, nd*R) u16,
     IQ4_XS sc (nt, nb*R) i8 (nb = in_features / 32)."""
 
+    def _setup(self, fmt, splits, in_features):
+        super()._setup(fmt, splits, in_features)
+        self.per_d = 8 if self.type_name == "IQ4_XS" else 1   # 32-blocks per f16 scale
+
+    def tile_spec(self):
+        nb, nt, R = self.in_features // 32, self.nt, self.R
+        return {"q": ((nt, nb * 16 * R), np.uint8), "d": ((nt, nb // self.per_d * R), np.uint16),
+                "sc": ((nt, nb * R) if self.per_d > 1 else (0, 0), np.int8)}
+
     def _load(self, raws):
-        n = self.in_features
-        nb, nt, R = n // 32, self.nt, self.R
         bs = self.fmt.type_size
-        xs = self.type_name == "IQ4_XS"
-        self.per_d = 8 if xs else 1                       # 32-blocks per f16 scale
-        self.q = anon_array((nt, nb * 16 * R), np.uint8)  # zeroed: pad rows add nothing
-        self.d = anon_array((nt, nb // self.per_d * R), np.uint16)
-        self.sc = anon_array((nt, nb * R) if xs else (0, 0), np.int8)
+        xs = self.per_d > 1
+        self._alloc_tiles()
         row0 = 0
         for raw in raws:
             repack_halves(raw, row0, bs, 0, self.d)

@@ -27,7 +27,6 @@ from ..fp import f16_to_f32, get_f16, nearest_int, put_f16
 from .base import (
     TiledLinear,
     WeightFormat,
-    anon_array,
     release_pages,
     repack_bytes,
     repack_halves,
@@ -362,13 +361,13 @@ def rows_q2_k(w, sc, d, dmin, ids, out):
 class Q2KLinear(TiledLinear):
     """Q2_K in row tiles: w (nt, nb*32*R) u16, sc (nt, nb*16*R) u8, d, dmin (nt, nb*R) u16."""
 
+    def tile_spec(self):
+        nb, nt, R = self.in_features // QK, self.nt, self.R
+        return {"w": ((nt, nb * 32 * R), np.uint16), "sc": ((nt, nb * 16 * R), np.uint8),
+                "d": ((nt, nb * R), np.uint16), "dmin": ((nt, nb * R), np.uint16)}
+
     def _load(self, raws):
-        n = self.in_features
-        nb, nt, R = n // QK, self.nt, self.R
-        self.w = anon_array((nt, nb * 32 * R), np.uint16)   # zeroed: pad rows add nothing
-        self.sc = anon_array((nt, nb * 16 * R), np.uint8)
-        self.d = anon_array((nt, nb * R), np.uint16)
-        self.dmin = anon_array((nt, nb * R), np.uint16)
+        self._alloc_tiles()
         row0 = 0
         for raw in raws:
             repack_q2_k_words(raw, row0, self.w)

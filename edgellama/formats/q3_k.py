@@ -29,7 +29,7 @@ from gguf.constants import LlamaFileType
 from numba import njit, prange
 
 from ..fp import f16_to_f32, get_f16, nearest_int, put_f16
-from .base import TiledLinear, WeightFormat, anon_array, release_pages, repack_halves
+from .base import TiledLinear, WeightFormat, release_pages, repack_halves
 
 f32 = np.float32
 QK = 256                   # weights per super-block
@@ -411,12 +411,13 @@ def rows_q3_k(w, sc, d, ids, out):
 class Q3KLinear(TiledLinear):
     """Q3_K in row tiles: w (nt, nb*48*R) u16, sc (nt, nb*16*R) i8, d (nt, nb*R) u16."""
 
+    def tile_spec(self):
+        nb, nt, R = self.in_features // QK, self.nt, self.R
+        return {"w": ((nt, nb * 48 * R), np.uint16), "sc": ((nt, nb * 16 * R), np.int8),
+                "d": ((nt, nb * R), np.uint16)}
+
     def _load(self, raws):
-        n = self.in_features
-        nb, nt, R = n // QK, self.nt, self.R
-        self.w = anon_array((nt, nb * 48 * R), np.uint16)   # zeroed: pad rows add nothing
-        self.sc = anon_array((nt, nb * 16 * R), np.int8)
-        self.d = anon_array((nt, nb * R), np.uint16)
+        self._alloc_tiles()
         row0 = 0
         for raw in raws:
             repack_q3_k(raw, row0, self.w, self.sc)

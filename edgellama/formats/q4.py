@@ -21,7 +21,7 @@ from ..fp import get_f16, put_f16, wrap_u8
 from ..simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, RECORD_ROWS,
                     TOKENS, blocks_gemm)
 from ..scratch import Scratch
-from .base import TiledLinear, WeightFormat, anon_array, release_pages
+from .base import TiledLinear, WeightFormat, release_pages
 
 f32 = np.float32
 
@@ -221,9 +221,11 @@ class RecordLinear(TiledLinear):
     applied in a pass over memory per block, in the same runs); 1054-1155 for
     16384 x 2048 with records (simd.blocks_gemm)."""
 
+    def tile_spec(self):
+        return {"q": ((self.nt, self.R // RECORD_ROWS * self._strip_bytes()), np.uint8)}
+
     def _load(self, raws):
-        nt, R = self.nt, self.R
-        self.q = anon_array((nt, R // RECORD_ROWS * self._strip_bytes()), np.uint8)  # pad rows: 0
+        self._alloc_tiles()
         row0 = 0
         for raw in raws:
             self._repack(raw, row0)
@@ -374,10 +376,10 @@ class BlocksLinear(RecordLinear):
     """Q4_0, Q4_1 and Q8_0 in records of 16 rows and G blocks (simd.py's layout)."""
     KINDS = {"Q4_0": KIND_Q4_0, "Q4_1": KIND_Q4_1, "Q8_0": KIND_Q8_0}
 
-    def _load(self, raws):
+    def _setup(self, fmt, splits, in_features):
+        super()._setup(fmt, splits, in_features)
         self.kind = self.KINDS[self.type_name]
         self.group = record_group(self.in_features // 32)
-        super()._load(raws)
 
     def _strip_bytes(self):
         return self.in_features // 32 * BLOCK_BYTES[self.kind]

@@ -24,7 +24,7 @@ from gguf.constants import LlamaFileType
 from numba import njit, prange
 
 from ..fp import f16_to_f32, get_f16, put_f16, wrap_u8
-from .base import TiledLinear, WeightFormat, anon_array, release_pages, repack_halves
+from .base import TiledLinear, WeightFormat, release_pages, repack_halves
 from .q4 import prep_q8_x, signed_absmax
 
 f32 = np.float32
@@ -352,15 +352,25 @@ def rows_q5(w, d, m, has_m, ids, out):
 class Q5Linear(TiledLinear):
     """Q5_0 / Q5_1 in row tiles: w (nt, nb*10*R) u16 words, d [, m] (nt, nb*R) u16."""
 
-    def _load(self, raws):
-        n = self.in_features
-        nb, nt, R = n // 32, self.nt, self.R
+    def _setup(self, fmt, splits, in_features):
+        super()._setup(fmt, splits, in_features)
         self.has_m = self.type_name == "Q5_1"
+
+    def tile_spec(self):
+        nb, nt, R = self.in_features // 32, self.nt, self.R
+        spec = {"w": ((nt, nb * 10 * R), np.uint16), "d": ((nt, nb * R), np.uint16)}
+        if self.has_m:
+            spec["m"] = ((nt, nb * R), np.uint16)
+        return spec
+
+    def _tiles_set(self):
+        if not self.has_m:
+            self.m = self.d          # the kernels take m; Q5_0 never reads it
+
+    def _load(self, raws):
         bs = self.fmt.type_size
         off = 4 if self.has_m else 2                    # byte offset of qh in a block
-        self.w = anon_array((nt, nb * 10 * R), np.uint16)  # zeroed: pad rows add nothing
-        self.d = anon_array((nt, nb * R), np.uint16)
-        self.m = anon_array((nt, nb * R), np.uint16) if self.has_m else self.d
+        self._alloc_tiles()
         row0 = 0
         for raw in raws:
             repack_halves(raw, row0, bs, 0, self.d)
