@@ -145,6 +145,10 @@ def check_tensors(g: GGUFFile, args: ModelArgs) -> None:
 
 
 class Transformer:
+    """A llama model's weights, read-only once loaded: any number of sequences
+    (new_sequence) run through it, one at a time or several decoded together (decode).
+    It keeps no state of a run; batch is the prefill chunk, ctx the longest sequence."""
+
     def __init__(self, gguf: GGUFFile, ctx: int, batch: int = DEFAULT_BATCH,
                  args: ModelArgs | None = None, threads: ThreadPolicy | None = None,
                  activations: str = "int8"):
