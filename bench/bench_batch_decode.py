@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="default: automatic")
     ap.add_argument("--tg", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--activations", default="auto", help="Transformer's activations mode")
+    ap.add_argument("--activations", default="int8", help="Transformer's activations mode")
     ap.add_argument("--json")
     a = ap.parse_args()
 
