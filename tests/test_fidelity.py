@@ -221,8 +221,7 @@ def cases(default: set[str], modes=("",)):
 
 # int8 on every type; the residual (fine) where it is made: the record formats
 @pytest.mark.parametrize("fmt,mode", cases({f"{f}-int8" for f in LLAMA_FTYPES}
-                                           | {"Q4_1-fine", "Q8_0-fine", "Q4_K-fine", "Q6_K-fine",
-                                              }, ("int8", "fine")))
+                                           | {"Q8_0-fine", "Q4_K-fine"}, ("int8", "fine")))
 def test_every_product_is_exact_given_the_rounded_x(fmt, mode, f32_file, reference, tmp_path):
     ids, _ = reference
     path = quantized_file(f32_file, fmt, tmp_path)
@@ -250,7 +249,7 @@ def test_every_product_is_exact_given_the_rounded_x(fmt, mode, f32_file, referen
     assert len(seen) == 2 * len(names)        # every matrix, in both phases
 
 
-@pytest.mark.parametrize("fmt", cases({"Q4_1", "Q8_0", "Q4_K", "Q6_K"}))
+@pytest.mark.parametrize("fmt", cases({"Q4_1", "Q8_0"}))
 def test_kl_is_within_the_rounding_noise(fmt, f32_file, reference, tmp_path):
     ids, ref_lp = reference
     path = quantized_file(f32_file, fmt, tmp_path)
