@@ -7,7 +7,10 @@ from edgellama import machine
 from edgellama.machine import ThreadPolicy
 
 
-def test_fixed_count_is_applied_and_never_changes():
+def test_fixed_count_is_applied_and_never_changes(monkeypatch):
+    # the count last set is process-wide state; a test before this one may have changed
+    # BLAS's threads behind it (threadpoolctl limits that end restore the old count)
+    monkeypatch.setattr(machine, "_blas_n", None)
     p = ThreadPolicy(1)
     assert not p.auto and p.max == 1
     assert p.apply() == 1 and numba.get_num_threads() == 1

@@ -167,7 +167,7 @@ def prep_q8_rows(x, x8, xd, xs8, xsum):
 
 @njit(cache=True, parallel=True)
 def prep_q8_split_rows(x, x8, xd, xs8, xsum):
-    # x (T, n) f32 -> 2T rows of int8 activations whose sum is x to ~15 bits: row 2i is
+    # x (T, n) f32 -> 2T rows of int8 activations whose sum is x to about 16 bits: row 2i is
     # prep_q8_x of x[i], row 2i+1 prep_q8_x of what it rounded away (x[i] - x8 xd, at
     # most xd/2 a block, so the second rounding error is at most xd/508)
     n = x.shape[1]
