@@ -19,8 +19,7 @@ import pytest
 
 from edgellama import benchmark, jit
 from edgellama import tile_cache as tc
-from edgellama.gguf import GGUFFile
-from edgellama.model import Transformer
+from test_tile_cache import _logits, load
 from tiny_gguf import write_tiny_gguf
 
 ENV = dict(os.environ, NUMBA_NUM_THREADS="2")
@@ -135,16 +134,6 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.delenv("EDGELLAMA_TILE_CACHE", raising=False)
     monkeypatch.setattr(tc, "MIN_BYTES", 0)
     return tmp_path / "tiles"
-
-
-def load(path):
-    model = Transformer(GGUFFile(path), 64)
-    model.wait_for_tiles()
-    return model
-
-
-def _logits(model):
-    return model.forward([1, 2, 3], model.new_sequence()).copy()
 
 
 def _rewrite_index(f: Path, change) -> None:

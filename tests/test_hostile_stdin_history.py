@@ -17,16 +17,10 @@ import pytest
 
 from edgellama.cli import chat_input
 from edgellama.jit import kernel_cache_dir
-from tiny_gguf import TINY_VOCAB, write_tiny_gguf
+from test_robustness_cli import tiny  # noqa: F401 (the fixture: a tiny chat model)
 
 EXE = shutil.which("edgellama")
 ENV = dict(os.environ, NUMBA_NUM_THREADS="2")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", "Q8_0", dim=32, layers=1,
-                           heads=2, kv_heads=1, ffn=32, vocab=TINY_VOCAB, ctx=64, tokenizer=True)
 
 
 def run(args, stdin: str, env=None) -> subprocess.CompletedProcess:
