@@ -1,6 +1,6 @@
 """How far each engine's answers are from full precision, on the same files and text.
 
-    python bench/bench_fidelity.py [--tokens 512] [--types q4_0,q8_0,...] [--out FILE]
+    python bench/bench_fidelity.py [--tokens 512] [--windows 1] [--types q4_0,q8_0,...] [--out FILE]
 
 SmolLM2-135M (the default model, Q4_1 as published) is dequantized to an F32 GGUF (the
 reference: tests/hf_fixtures.py, then `convert --type f32`), and llama.cpp's own quantizer
@@ -10,7 +10,10 @@ in edgellama — once as one prefill and once token by token (decode), in each a
 mode (model.ACTIVATIONS: int8 as llama.cpp, the default, and fine) — and each run's
 logits are compared with llama.cpp's F32 run: mean KL(F32 || run) over the positions, and
 how often both rank the same token first. Our own F32 run against llama.cpp's is the
-first row (it should be ~0). Needs `pip install -e ".[oracle]"`.
+first row (it should be ~0). With --windows N the text is read as N consecutive windows
+of --tokens (each starting with BOS): the table shows the mean over all of them, and each
+window's ratio of our int8 prefill to llama.cpp follows it (one window of 512 tokens moves
+by several percent when near-ties round the other way). Needs `pip install -e ".[oracle]"`.
 
 JSON to --out (default bench/results/fidelity.json), a markdown table on stdout
 (`--table JSON` prints it again from a run's JSON).
@@ -61,6 +64,9 @@ def llama_quantize(src: Path, dst: Path, ftype: int) -> None:
     tmp.replace(dst)
 
 
+BASELINES = ("F32", "Q4_1 (published)")
+
+
 def files(work: Path, types: list[str]) -> dict[str, Path]:
     """{label: GGUF}: the F32 reference, the published Q4_1, and llama.cpp's quantizations."""
     work.mkdir(parents=True, exist_ok=True)
@@ -68,7 +74,7 @@ def files(work: Path, types: list[str]) -> dict[str, Path]:
     if not f32.is_file():
         hf = gguf_to_hf_checkpoint(default_model_path(), work / "hf", dtype="f32")
         convert(hf, f32, qtype="f32")
-    out = {"F32": f32, "Q4_1 (published)": default_model_path()}
+    out = dict(zip(BASELINES, (f32, default_model_path())))
     for t in types:
         dst = work / f"smollm2-{t}.gguf"
         if not dst.is_file():
@@ -105,6 +111,11 @@ def compare(ref_lp: np.ndarray, logits: np.ndarray) -> dict:
             "top1": float((ref_lp.argmax(-1) == lp.argmax(-1)).mean())}
 
 
+def mean_of(ms: list[dict]) -> dict:
+    """The mean of compare()'s figures over windows."""
+    return {k: float(np.mean([m[k] for m in ms])) for k in ms[0]}
+
+
 def table(rows: list[dict], tokens: int, text: str, cpu: str) -> str:
     def cell(m):
         return f"{m['kl']:.5f} ({m['top1']:.3f})"
@@ -122,15 +133,22 @@ def table(rows: list[dict], tokens: int, text: str, cpu: str) -> str:
                    f"{ratio(i8['prefill'], t)} / {ratio(i8['decode'], t)} | "
                    f"{cell(fi['prefill'])} / {cell(fi['decode'])} | "
                    f"{ratio(fi['prefill'], t)} / {ratio(fi['decode'], t)} |")
+    for r in rows:
+        if "windows" in r and any(w["llama_cpp"]["kl"] for w in r["windows"]):
+            out.append(f"\n{r['file']}, int8 prefill ÷ llama.cpp per window: " + ", ".join(
+                ratio(w["int8"]["prefill"], w["llama_cpp"]) for w in r["windows"]))
     return "\n".join(out)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--text", default=str(ROOT / "bench/data/alice.txt"))
-    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--tokens", type=int, default=512, help="tokens per window")
+    ap.add_argument("--windows", type=int, default=1, help="consecutive windows of the text")
     ap.add_argument("--types", default=",".join(FTYPES))
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-baselines", action="store_true",
+                    help="rows for --types only, without our F32 and the published Q4_1")
     ap.add_argument("--out", default=str(ROOT / "bench/results/fidelity.json"))
     ap.add_argument("--table", metavar="JSON", help="print the table of an earlier run's JSON")
     args = ap.parse_args()
@@ -142,21 +160,38 @@ def main() -> None:
     quiet_llama_cpp()
     paths = files(cache_dir() / "bench" / "fidelity", args.types.split(","))
     tok = edgellama.load(paths["F32"], ctx=args.tokens + 8).tokenizer
-    ids = ([tok.bos_id] + tok.encode(Path(args.text).read_text("utf-8")))[:args.tokens]
-    ref_lp = log_softmax(llama_cpp_logits(paths["F32"], ids, args.threads))
+    text_ids = tok.encode(Path(args.text).read_text("utf-8"))
+    n = args.tokens - 1
+    windows = [[tok.bos_id] + text_ids[w * n:(w + 1) * n] for w in range(args.windows)]
+    if len(windows[-1]) < args.tokens:
+        sys.exit(f"{args.text} has {len(text_ids)} tokens: too few for {args.windows} windows "
+                 f"of {args.tokens}")
+    refs = [log_softmax(llama_cpp_logits(paths["F32"], ids, args.threads)) for ids in windows]
     rows = []
     for label, path in paths.items():
+        if args.no_baselines and label in BASELINES:
+            continue
         t0 = time.perf_counter()
-        row = {"file": label, "llama_cpp": compare(ref_lp, llama_cpp_logits(path, ids, args.threads))}
+        per = []
+        for ids, ref_lp in zip(windows, refs):
+            w = {"llama_cpp": compare(ref_lp, llama_cpp_logits(path, ids, args.threads))}
+            for mode in ACTIVATIONS:
+                prefill, decode = our_logits(path, ids, args.threads, mode)
+                w[mode] = {"prefill": compare(ref_lp, prefill), "decode": compare(ref_lp, decode)}
+            per.append(w)
+        row = {"file": label, "llama_cpp": mean_of([w["llama_cpp"] for w in per])}
         for mode in ACTIVATIONS:
-            prefill, decode = our_logits(path, ids, args.threads, mode)
-            row[mode] = {"prefill": compare(ref_lp, prefill), "decode": compare(ref_lp, decode)}
+            row[mode] = {p: mean_of([w[mode][p] for w in per]) for p in ("prefill", "decode")}
+        if len(per) > 1:
+            row["windows"] = per
         rows.append(row)
         print(f"{label}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
 
-    print(table(rows, len(ids), Path(args.text).name, cpu_name()))
+    tokens = len(windows) * args.tokens
+    print(table(rows, tokens, Path(args.text).name, cpu_name()))
     Path(args.out).write_text(json.dumps({"cpu": cpu_name(), "text": Path(args.text).name,
-                                          "tokens": len(ids), "date": time.strftime("%Y-%m-%d"),
+                                          "tokens": tokens, "windows": len(windows),
+                                          "date": time.strftime("%Y-%m-%d"),
                                           "rows": rows}, indent=1) + "\n")
 
 
