@@ -14,7 +14,7 @@ from .errors import EdgeError
 from .gguf import GGUFFile
 from .formats import SUPPORTED, Linear, block_shape, type_name
 from .formats.base import anon_array
-from .formats.q4 import RecordLinear
+from .formats.records import RecordLinear
 from .machine import ThreadPolicy, available_memory
 from .scratch import Scratch
 from .tile_cache import TileCache

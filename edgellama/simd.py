@@ -249,7 +249,7 @@ def _x_words(builder, fr, tok, u):
             for g in range(8)]
 
 
-# Per-32-block formats (q4.py, q8_0.py): what a record holds. Their records have G
+# Per-32-block formats (records.py's BlocksLinear: Q4_0, Q4_1, Q8_0): what a record holds. Their records have G
 # blocks (G = 8 when a row has a multiple of 8, else the largest power of 2 dividing its
 # block count): the rows' f16 d of block k at 32 k + 2 lane, Q4_1's m at 32 G + 32 k +
 # 2 lane, then block k's quads at BLOCK_HEAD[kind] G + BLOCK_QUADS[kind] k (Q4: the

@@ -86,7 +86,7 @@ def check(got, ref_w, x, x_quantized=False, block=32):
 
 def check_matmul(lin, ref_w, T, monkeypatch, x_quantized=False):
     """Prefill of T tokens through several chunks of rows (the last ragged); x_quantized:
-    the format's prefill rounds x to int8 per block (formats.q4.RecordLinear)."""
+    the format's prefill rounds x to int8 per block (formats.records.RecordLinear)."""
     rows, n = ref_w.shape
     monkeypatch.setattr(base, "_CHUNK_FLOATS", n * 40)
     monkeypatch.setattr(base, "_CHUNK_MIN_ROWS", 1)
@@ -125,7 +125,7 @@ def check_dequant_tiles(lin, ref_w):
 def check_stacked(fmt, raws, ref_w, rng, block=32, int8_prefill=False):
     """q/k/v-like parts raws (rows_i, row_bytes) (150, 37, 37 rows: none a multiple of the
     tile size) as one W of reference ref_w: matvec, outputs split back, matmul (int8_prefill:
-    x rounded to int8 per 32, q4.RecordLinear), rows."""
+    x rounded to int8 per 32, records.RecordLinear), rows."""
     n = ref_w.shape[1]
     lin = fmt.linear(fmt, [r.reshape(-1) for r in raws], [r.shape[0] for r in raws], n)
     assert lin.out_features == 224 and lin.nbytes == sum(r.nbytes for r in raws)

@@ -510,7 +510,7 @@ def test_kernel_cache_changes_with_an_intrinsic(monkeypatch):
     before = jit.kernel_cache_dir()
     assert jit.kernel_cache_dir() == before                 # stable
     read = Path.read_bytes
-    for name in ("simd.py", "fp.py", "q4.py"):              # intrinsics, and a kernel file
+    for name in ("simd.py", "fp.py", "records.py"):              # intrinsics, and a kernel file
         monkeypatch.setattr(Path, "read_bytes",
                             lambda self, n=name: read(self) + (b"#" if self.name == n else b""))
         assert jit.kernel_cache_dir() != before, name

@@ -7,11 +7,11 @@ whatever layout its kernels read fastest:
 
     matvec   decode, one token: out = W @ x
     matvecs  batched decode, a few tokens of different sequences: one pass over W when
-             the format has a multi-token kernel (q4.RecordLinear), else a matvec each
+             the format has a multi-token kernel (records.RecordLinear), else a matvec each
     matmul   prefill, T tokens: out = x @ W.T, by dequantizing a few MB of rows at a
              time and handing them to NumPy's BLAS (shared here; a format only says
              how to dequantize a run of rows), or, for the formats with pair-dot
-             kernels, as an int8 GEMM over the tiles (q4.RecordLinear)
+             kernels, as an int8 GEMM over the tiles (records.RecordLinear)
     rows     embedding lookup: dequantized rows of W
 
 A Linear holds only its weights: the buffers a call works in come from the `scratch`

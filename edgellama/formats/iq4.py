@@ -12,7 +12,7 @@ qs[j - 16] (Q4 order).
 Runtime tiles (lanes across rows, see base.TiledLinear): the nibbles exactly as Q4_0,
     q (nt, nb*16*R) u8,  d (nt, nd*R) u16 f16 bits (per 32 for NL, per 256 for XS),
     XS: sc (nt, nb*R) i8 = ls - 32 per 32 weights (8 bytes per 256 where the file has 6).
-Decode: x is quantized to int8 per 32 (q4.prep_q8_x, as llama.cpp's q8 activations), and
+Decode: x is quantized to int8 per 32 (records.prep_q8_x, as llama.cpp's q8 activations), and
 each weight costs a lookup in the 16-entry table KVALUES * xq_j of its x value and an add.
 Numba has no vector table lookup (an indexed load becomes a gather, ~15x slower than the
 Q4_0 kernel here), so `kv_dot_acc` writes the inner step in target-independent LLVM IR,
@@ -37,7 +37,7 @@ from .base import (
     repack_halves,
 )
 from ..simd import ir_ptr, splat
-from .q4 import prep_q8_x
+from .records import prep_q8_x
 
 f32 = np.float32
 KVALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],

@@ -14,7 +14,7 @@ records of 16 rows and one super-block (layout in simd.py, Q4K_*): the rows' d a
 their 6-bit sc and m decoded to bytes, then each sub-block's nibbles re-paired into Q4_0
 order (byte j holds elements j and j+16) as quads of the 16 rows. 4.625 bits per weight
 resident (4.5 in the file). Decode and prefill are one intrinsic, simd.q4k_gemm: per
-sub-block the exact int32 sum(q x8) (x8 from q4.prep_q8_x), weighted by sc and m in f32
+sub-block the exact int32 sum(q x8) (x8 from records.prep_q8_x), weighted by sc and m in f32
 registers, then by d and dmin once per super-block.
 Why records: a strip of 16 rows reads one address-ordered run holding everything its
 sums need. Read from DRAM (16 matrices of 16384 x 2048, this 2-core VM, 2 threads, Q4_0
@@ -34,7 +34,7 @@ from ..fp import get_f16, nearest_int, put_f16
 from ..simd import (ISA, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH, Q5K_RECORD,
                     RECORD_ROWS, TOKENS, q4k_gemm)
 from .base import WeightFormat
-from .q4 import RecordLinear, prep_q8_x
+from .records import RecordLinear, prep_q8_x
 
 f32 = np.float32
 QK_K = 256
@@ -342,7 +342,7 @@ def matvec_k(q, x8, xd, xsum, out, acc, bits):
 
 @njit(cache=True, parallel=True)
 def matmul_k(q, x8, xd, xsum, out, acc, bits):
-    # W (nt*R, n) Q4_K or Q5_K tiles @ x (q4.prep_q8_rows; x8 flat (Tp*n,)) -> out (T, dout)
+    # W (nt*R, n) Q4_K or Q5_K tiles @ x (records.prep_q8_rows; x8 flat (Tp*n,)) -> out (T, dout)
     # = x W^T; acc (nt, TOKENS, R) f32 per-tile sums
     T = out.shape[0]
     R = acc.shape[2]

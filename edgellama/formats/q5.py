@@ -25,7 +25,8 @@ from numba import njit, prange
 
 from ..fp import f16_to_f32, get_f16, put_f16, wrap_u8
 from .base import TiledLinear, WeightFormat, release_pages, repack_halves
-from .q4 import prep_q8_x, signed_absmax
+from .q4 import signed_absmax
+from .records import prep_q8_x
 
 f32 = np.float32
 
@@ -170,7 +171,7 @@ def repack_q5(raw, row0, bs, off, dst):
 
 @njit(cache=True)
 def prep_q5_x(x, x8, xd, xs8, xsum, c, xm5):
-    # x (n,) f32 -> q4.prep_q8_x's int8 x8 per block of 32 (scale xd, sums xs8 and
+    # x (n,) f32 -> records.prep_q8_x's int8 x8 per block of 32 (scale xd, sums xs8 and
     # xsum) and from it c (nb*40,) int16, the 4 coefficients of
     # each of the 10 words of a block (module docstring), and xm5 (nb*2,) int16 =
     # -16 sum(xq) per group of 16, so that a group sums to sum((u - 16) xq): within

@@ -11,7 +11,7 @@ records of 16 rows and one super-block (layout in simd.py, Q6K_*): the rows' d, 
 int8 scales, then per block of 32 weights 16 bytes of nibbles (byte j: the low 4 bits of
 elements j and 16 + j, as Q4_0) and 8 of crumbs (byte j: the high 2 bits of elements j,
 j + 8, j + 16, j + 24), both as quads of the strip's rows. 6.625 bits per weight resident
-(6.5625 in the file). Decode quantizes x to int8 per 32 (q4.prep_q8_x, as the other
+(6.5625 in the file). Decode quantizes x to int8 per 32 (records.prep_q8_x, as the other
 pair-dot formats; llama.cpp uses one scale per 256 for Q6_K); decode and prefill are one
 intrinsic, simd.q6_gemm, which rebuilds the 6-bit values in registers, sums
 scale * (q - 32) * x8 over each block exactly in int32, and keeps its f32 sums in
@@ -38,7 +38,7 @@ from numba import njit, prange
 from ..fp import get_f16, nearest_int, put_f16
 from ..simd import ISA, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS, TOKENS, q6_gemm
 from .base import WeightFormat
-from .q4 import RecordLinear, prep_q8_x
+from .records import RecordLinear, prep_q8_x
 
 f32 = np.float32
 QK = 256                   # weights per super-block
@@ -243,7 +243,7 @@ def sums16(x8, xs16):
 
 @njit(cache=True, parallel=True)
 def matvec_q6_k(q, x8, xd, xs16, out, acc):
-    # W (nt*R, n) Q6_K tiles @ x (q4.prep_q8_x, xs16 its sums per 16) -> out (d,);
+    # W (nt*R, n) Q6_K tiles @ x (records.prep_q8_x, xs16 its sums per 16) -> out (d,);
     # acc (nt, R) f32 per-tile sums
     R = acc.shape[1]
     for t in prange(q.shape[0]):
@@ -254,7 +254,7 @@ def matvec_q6_k(q, x8, xd, xs16, out, acc):
 
 @njit(cache=True, parallel=True)
 def matmul_q6_k(q, x8, xd, xs16, out, acc):
-    # W (nt*R, n) Q6_K tiles @ x (q4.prep_q8_rows; x8 flat (Tp*n,), xs16 its sums per 16)
+    # W (nt*R, n) Q6_K tiles @ x (records.prep_q8_rows; x8 flat (Tp*n,), xs16 its sums per 16)
     # -> out (T, dout) = x W^T; acc (nt, TOKENS, R) f32 per-tile sums
     T = out.shape[0]
     R = acc.shape[2]

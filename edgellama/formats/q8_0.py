@@ -1,7 +1,7 @@
 """Q8_0: 32 weights per block, 34 bytes: d:f16, qs:i8[32]; x_j = qs[j] * d.
 
-Runtime tiles: q4.py's records (BlocksLinear), the 32 int8 of each block as quads.
-Decode quantizes x to int8 per block (q4.prep_q8_x), as llama.cpp's q8_0 x q8_0 dot
+Runtime tiles: records.py's records (BlocksLinear), the 32 int8 of each block as quads.
+Decode quantizes x to int8 per block (records.prep_q8_x), as llama.cpp's q8_0 x q8_0 dot
 does, and sums exactly in int32 with the CPU's pair-dot instructions (simd.blocks_gemm).
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from numba import njit, prange
 
 from ..fp import get_f16, put_f16, wrap_u8
 from .base import WeightFormat
-from .q4 import BlocksLinear
+from .records import BlocksLinear
 
 f32 = np.float32
 
