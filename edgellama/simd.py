@@ -249,11 +249,12 @@ def _x_words(builder, fr, tok, u):
             for g in range(8)]
 
 
-# Per-32-block formats (records.py's BlocksLinear: Q4_0, Q4_1, Q8_0): what a record holds. Their records have G
-# blocks (G = 8 when a row has a multiple of 8, else the largest power of 2 dividing its
-# block count): the rows' f16 d of block k at 32 k + 2 lane, Q4_1's m at 32 G + 32 k +
-# 2 lane, then block k's quads at BLOCK_HEAD[kind] G + BLOCK_QUADS[kind] k (Q4: the
-# file's 16 nibble bytes, byte j holding elements j and 16 + j; Q8_0: its 32 int8).
+# Per-32-block formats (Q4_0, Q4_1, Q8_0: records.py's BlocksLinear): what a record
+# holds. Their records have G blocks (G = 8 when a row has a multiple of 8, else the
+# largest power of 2 dividing its block count): the rows' f16 d of block k at 32 k +
+# 2 lane, Q4_1's m at 32 G + 32 k + 2 lane, then block k's quads at BLOCK_HEAD[kind] G
+# + BLOCK_QUADS[kind] k (Q4: the file's 16 nibble bytes, byte j holding elements j and
+# 16 + j; Q8_0: its 32 int8).
 KIND_Q4_0, KIND_Q4_1, KIND_Q8_0 = 0, 1, 2
 BLOCK_HEAD = (32, 64, 32)                            # bytes of scales per block
 BLOCK_QUADS = (256, 256, 512)                        # bytes of quads per block

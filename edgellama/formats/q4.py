@@ -14,6 +14,7 @@ from gguf.constants import LlamaFileType
 from numba import njit, prange
 
 from ..fp import get_f16, put_f16, wrap_u8
+from ..simd import KIND_Q4_0, KIND_Q4_1
 from .base import WeightFormat
 from .records import BlocksLinear
 
@@ -119,7 +120,15 @@ def dequantize_q4_1(q, out):
             out[b * 32 + 16 + j] = d * f32(byte >> 4) + m
 
 
-Q4_0 = WeightFormat("Q4_0", 2, 32, 18, "d:f16, qs:u8[16]; x=(nibble-8)*d", BlocksLinear,
+class Q4_0Linear(BlocksLinear):
+    kind = KIND_Q4_0
+
+
+class Q4_1Linear(BlocksLinear):
+    kind = KIND_Q4_1
+
+
+Q4_0 = WeightFormat("Q4_0", 2, 32, 18, "d:f16, qs:u8[16]; x=(nibble-8)*d", Q4_0Linear,
                     dequantize_q4_0, quantize_q4_0, LlamaFileType.MOSTLY_Q4_0)
-Q4_1 = WeightFormat("Q4_1", 3, 32, 20, "d:f16, m:f16, qs:u8[16]; x=nibble*d+m", BlocksLinear,
+Q4_1 = WeightFormat("Q4_1", 3, 32, 20, "d:f16, m:f16, qs:u8[16]; x=nibble*d+m", Q4_1Linear,
                     dequantize_q4_1, quantize_q4_1, LlamaFileType.MOSTLY_Q4_1)

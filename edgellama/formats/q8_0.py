@@ -1,8 +1,9 @@
 """Q8_0: 32 weights per block, 34 bytes: d:f16, qs:i8[32]; x_j = qs[j] * d.
 
-Runtime tiles: records.py's records (BlocksLinear), the 32 int8 of each block as quads.
-Decode quantizes x to int8 per block (records.prep_q8_x), as llama.cpp's q8_0 x q8_0 dot
-does, and sums exactly in int32 with the CPU's pair-dot instructions (simd.blocks_gemm).
+Runtime tiles: records.py's per-32-block records (Q8_0Linear, a BlocksLinear), the 32
+int8 of each block as quads. Decode quantizes x to int8 per block (records.prep_q8_x),
+as llama.cpp's q8_0 x q8_0 dot does, and sums exactly in int32 with the CPU's pair-dot
+instructions (simd.blocks_gemm).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from gguf.constants import LlamaFileType
 from numba import njit, prange
 
 from ..fp import get_f16, put_f16, wrap_u8
+from ..simd import KIND_Q8_0
 from .base import WeightFormat
 from .records import BlocksLinear
 
@@ -59,5 +61,9 @@ def dequantize_q8_0(q, out):
             out[b * 32 + j] = f32(np.int8(q[o + 2 + j])) * d
 
 
-Q8_0 = WeightFormat("Q8_0", 8, 32, 34, "d:f16, qs:i8[32]; x=q*d", BlocksLinear,
+class Q8_0Linear(BlocksLinear):
+    kind = KIND_Q8_0
+
+
+Q8_0 = WeightFormat("Q8_0", 8, 32, 34, "d:f16, qs:i8[32]; x=q*d", Q8_0Linear,
                     dequantize_q8_0, quantize_q8_0, LlamaFileType.MOSTLY_Q8_0)

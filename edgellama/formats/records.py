@@ -274,12 +274,13 @@ def rows_blocks(q, ids, out, G, kind):
 
 
 class BlocksLinear(RecordLinear):
-    """Q4_0, Q4_1 and Q8_0 in records of 16 rows and G blocks (simd.py's layout)."""
-    KINDS = {"Q4_0": KIND_Q4_0, "Q4_1": KIND_Q4_1, "Q8_0": KIND_Q8_0}
+    """A per-32-block format in records of 16 rows and G blocks (simd.py's layout); each
+    format's subclass names its kind (q4.py's Q4_0Linear and Q4_1Linear, q8_0.py's
+    Q8_0Linear)."""
+    kind: int                  # simd's KIND_Q4_0, KIND_Q4_1 or KIND_Q8_0
 
     def _setup(self, fmt, splits, in_features):
         super()._setup(fmt, splits, in_features)
-        self.kind = self.KINDS[self.type_name]
         self.group = record_group(self.in_features // 32)
 
     def _strip_bytes(self):
