@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numba
 import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from numba import njit, prange
 
 from ..scratch import Scratch
@@ -38,12 +39,14 @@ _CHUNK_FLOATS = 1 << 20        # prefill dequantizes ~4 MB of W at a time (at le
 _CHUNK_MIN_ROWS = 256          # 256 rows: narrower products run BLAS below its best)
 
 
+def block_sizes(name: str) -> tuple[int, int]:
+    """(elements, bytes) of one block of GGML type `name`, from gguf-py's table."""
+    return GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+
+
 @dataclass(frozen=True)
 class WeightFormat:
     name: str                  # GGML type name, e.g. "Q4_K"
-    type_id: int               # GGMLQuantizationType value stored in the file
-    block_size: int            # elements per block
-    type_size: int             # bytes per block
     layout: str                # byte layout of one block, little-endian
     linear: type               # the runtime form, a Linear subclass
     # Whole blocks, flat arrays: dequantize(q (nb*type_size,) u8, out (nb*block_size,) f32);
@@ -52,6 +55,15 @@ class WeightFormat:
     dequantize: Callable
     quantize: Callable | None = None
     file_type: int | None = None   # general.file_type of a file made mostly of this type
+    # From gguf-py (GGMLQuantizationType, GGML_QUANT_SIZES) by name, never written out here:
+    type_id: int = field(init=False)       # the type's id in a file
+    block_size: int = field(init=False)    # elements per block
+    type_size: int = field(init=False)     # bytes per block
+
+    def __post_init__(self):
+        object.__setattr__(self, "type_id", int(GGMLQuantizationType[self.name]))
+        object.__setattr__(self, "block_size", block_sizes(self.name)[0])
+        object.__setattr__(self, "type_size", block_sizes(self.name)[1])
 
     def row_bytes(self, n: int) -> int:
         assert n % self.block_size == 0, (self.name, n)

@@ -15,10 +15,12 @@ from numba import njit, prange
 
 from ..fp import get_f16, put_f16, wrap_u8
 from ..simd import KIND_Q4_0, KIND_Q4_1
-from .base import WeightFormat
+from .base import WeightFormat, block_sizes
 from .records import BlocksLinear
 
 f32 = np.float32
+Q4_0_BYTES = block_sizes("Q4_0")[1]     # bytes per block of 32
+Q4_1_BYTES = block_sizes("Q4_1")[1]
 
 
 # --- reference quantize / dequantize (bit-exact with ggml's quantize_row_q4_*_ref) ------
@@ -53,7 +55,7 @@ def quantize_q4_0(x, out):
             bad += 1
         d = mx / f32(-8.0)
         idv = f32(1.0) / d if d != 0 else f32(0.0)
-        o = b * 18
+        o = b * Q4_0_BYTES
         if put_f16(out, o, d):
             over += 1
         for j in range(16):
@@ -83,7 +85,7 @@ def quantize_q4_1(x, out):
             bad += 1
         d = (vmax - vmin) / f32(15.0)
         idv = f32(1.0) / d if d != 0 else f32(0.0)
-        o = b * 20
+        o = b * Q4_1_BYTES
         o1 = put_f16(out, o, d)
         o2 = put_f16(out, o + 2, vmin)
         if o1 or o2:
@@ -99,7 +101,7 @@ def quantize_q4_1(x, out):
 def dequantize_q4_0(q, out):
     # q (nb*18,) u8 -> out (nb*32,) f32
     for b in prange(out.size // 32):
-        o = b * 18
+        o = b * Q4_0_BYTES
         d = get_f16(q, o)
         for j in range(16):
             byte = np.int64(q[o + 2 + j])
@@ -111,7 +113,7 @@ def dequantize_q4_0(q, out):
 def dequantize_q4_1(q, out):
     # q (nb*20,) u8 -> out (nb*32,) f32
     for b in prange(out.size // 32):
-        o = b * 20
+        o = b * Q4_1_BYTES
         d = get_f16(q, o)
         m = get_f16(q, o + 2)
         for j in range(16):
@@ -128,7 +130,7 @@ class Q4_1Linear(BlocksLinear):
     kind = KIND_Q4_1
 
 
-Q4_0 = WeightFormat("Q4_0", 2, 32, 18, "d:f16, qs:u8[16]; x=(nibble-8)*d", Q4_0Linear,
+Q4_0 = WeightFormat("Q4_0", "d:f16, qs:u8[16]; x=(nibble-8)*d", Q4_0Linear,
                     dequantize_q4_0, quantize_q4_0, LlamaFileType.MOSTLY_Q4_0)
-Q4_1 = WeightFormat("Q4_1", 3, 32, 20, "d:f16, m:f16, qs:u8[16]; x=nibble*d+m", Q4_1Linear,
+Q4_1 = WeightFormat("Q4_1", "d:f16, m:f16, qs:u8[16]; x=nibble*d+m", Q4_1Linear,
                     dequantize_q4_1, quantize_q4_1, LlamaFileType.MOSTLY_Q4_1)

@@ -33,11 +33,12 @@ from numba import njit, prange
 from ..fp import get_f16, nearest_int, put_f16
 from ..simd import (ISA, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH, Q5K_RECORD,
                     RECORD_ROWS, TOKENS, q4k_gemm)
-from .base import WeightFormat
+from .base import WeightFormat, block_sizes
 from .records import RecordLinear, prep_q8_x
 
 f32 = np.float32
-QK_K = 256
+QK_K, Q4K_BYTES = block_sizes("Q4_K")   # weights and bytes per super-block
+Q5K_BYTES = block_sizes("Q5_K")[1]       # repack_k serves both
 _CHUNK = 64                 # super-blocks per parallel work item of the quantizers
 
 
@@ -254,11 +255,11 @@ def quantize_q4_k(x, out):
         end = min(nb, (c + 1) * _CHUNK)
         for b0 in range(c * _CHUNK, end, _G):
             nbg = min(_G, end - b0)
-            bd, ov = quantize_k_group(x, b0, nbg, 15, f32(-1.0), f32(0.1), 20, out, 144, ws)
+            bd, ov = quantize_k_group(x, b0, nbg, 15, f32(-1.0), f32(0.1), 20, out, Q4K_BYTES, ws)
             bad += bd
             over += ov
             for g in range(nbg):
-                o = (b0 + g) * 144
+                o = (b0 + g) * Q4K_BYTES
                 for p in range(4):
                     for i in range(32):
                         out[o + 16 + 32 * p + i] = (Lq[g, 64 * p + i]
@@ -270,7 +271,7 @@ def quantize_q4_k(x, out):
 def dequantize_q4_k(q, out):
     # q (nb*144,) u8 -> out (nb*256,) f32, bit-exact with gguf-py
     for b in prange(out.size // QK_K):
-        o = b * 144
+        o = b * Q4K_BYTES
         dsc = np.empty(8, f32)
         msc = np.empty(8, f32)
         k_scales(q, o + 4, get_f16(q, o), get_f16(q, o + 2), dsc, msc)
@@ -317,7 +318,7 @@ def repack_k(raw, row0, q, bs, record):
                     for i in range(16):
                         qt[dst + 64 * (i >> 2) + (i & 3)] = (
                             ((row[src + i] >> sh) & 15) | (((row[src + 16 + i] >> sh) & 15) << 4))
-                    if bs == 176:                    # bit j of qh[e]: element e's fifth bit
+                    if bs == Q5K_BYTES:                    # bit j of qh[e]: element e's fifth bit
                         hw = rec + Q5K_QH + 64 * j + 4 * lane
                         for e in range(32):
                             h, g, i = e >> 4, (e >> 2) & 3, e & 3
@@ -395,7 +396,7 @@ def rows_k(q, ids, out, record):
 class Q4KLinear(RecordLinear):
     """Q4_K in records of 16 rows and one super-block (simd.py's Q4K_* layout); Q5_K
     (q5_k.py) is this with BITS 5 (its fifth bits after the nibbles)."""
-    BITS, BLOCK_BYTES, RECORD = 4, 144, Q4K_RECORD
+    BITS, BLOCK_BYTES, RECORD = 4, Q4K_BYTES, Q4K_RECORD
 
     def _strip_bytes(self):
         return self.in_features // QK_K * self.RECORD
@@ -415,7 +416,6 @@ class Q4KLinear(RecordLinear):
         rows_k(self.q, ids, out, self.RECORD)
 
 
-Q4_K = WeightFormat("Q4_K", 12, QK_K, 144,
-                    "d:f16, dmin:f16, scales:u8[12] (6-bit sc, m per 32), qs:u8[128]; "
-                    "x=d*sc*nibble-dmin*m", Q4KLinear,
+Q4_K = WeightFormat("Q4_K", "d:f16, dmin:f16, scales:u8[12] (6-bit sc, m per 32), "
+                    "qs:u8[128]; x=d*sc*nibble-dmin*m", Q4KLinear,
                     dequantize_q4_k, quantize_q4_k, LlamaFileType.MOSTLY_Q4_K_M)

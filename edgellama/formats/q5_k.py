@@ -23,7 +23,7 @@ from numba import njit, prange
 from ..fp import get_f16
 from ..simd import Q5K_RECORD
 from .base import WeightFormat
-from .q4_k import _CHUNK, _G, QK_K, Q4KLinear, k_group_scratch, k_scales, quantize_k_group
+from .q4_k import _CHUNK, _G, Q5K_BYTES, QK_K, Q4KLinear, k_group_scratch, k_scales, quantize_k_group
 
 f32 = np.float32
 
@@ -43,11 +43,11 @@ def quantize_q5_k(x, out):
         end = min(nb, (c + 1) * _CHUNK)
         for b0 in range(c * _CHUNK, end, _G):
             nbg = min(_G, end - b0)
-            bd, ov = quantize_k_group(x, b0, nbg, 31, f32(-0.5), f32(0.1), 15, out, 176, ws)
+            bd, ov = quantize_k_group(x, b0, nbg, 31, f32(-0.5), f32(0.1), 15, out, Q5K_BYTES, ws)
             bad += bd
             over += ov
             for g in range(nbg):
-                o = (b0 + g) * 176
+                o = (b0 + g) * Q5K_BYTES
                 L = Lq[g]
                 for i in range(32):
                     h = 0
@@ -64,7 +64,7 @@ def quantize_q5_k(x, out):
 def dequantize_q5_k(q, out):
     # q (nb*176,) u8 -> out (nb*256,) f32, bit-exact with gguf-py
     for b in prange(out.size // QK_K):
-        o = b * 176
+        o = b * Q5K_BYTES
         dsc = np.empty(8, f32)
         msc = np.empty(8, f32)
         k_scales(q, o + 4, get_f16(q, o), get_f16(q, o + 2), dsc, msc)
@@ -80,10 +80,9 @@ def dequantize_q5_k(q, out):
 
 class Q5KLinear(Q4KLinear):
     """Q5_K in Q4_K's records, with the fifth bits (simd.py's Q5K_* layout)."""
-    BITS, BLOCK_BYTES, RECORD = 5, 176, Q5K_RECORD
+    BITS, BLOCK_BYTES, RECORD = 5, Q5K_BYTES, Q5K_RECORD
 
 
-Q5_K = WeightFormat("Q5_K", 13, QK_K, 176,
-                    "d:f16, dmin:f16, scales:u8[12] (6-bit sc, m per 32), qh:u8[32], "
-                    "qs:u8[128]; x=d*sc*(nibble+16*bit)-dmin*m", Q5KLinear,
+Q5_K = WeightFormat("Q5_K", "d:f16, dmin:f16, scales:u8[12] (6-bit sc, m per 32), "
+                    "qh:u8[32], qs:u8[128]; x=d*sc*(nibble+16*bit)-dmin*m", Q5KLinear,
                     dequantize_q5_k, quantize_q5_k, LlamaFileType.MOSTLY_Q5_K_M)

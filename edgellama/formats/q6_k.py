@@ -37,12 +37,11 @@ from numba import njit, prange
 
 from ..fp import get_f16, nearest_int, put_f16
 from ..simd import ISA, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS, TOKENS, q6_gemm
-from .base import WeightFormat
+from .base import WeightFormat, block_sizes
 from .records import RecordLinear, prep_q8_x
 
 f32 = np.float32
-QK = 256                   # weights per super-block
-BS = 210                   # bytes per super-block
+QK, BS = block_sizes("Q6_K")   # weights and bytes per super-block
 GROUP_MAX_EPS = f32(1e-15)
 _CHUNK = 64                # super-blocks per parallel work item of the reference kernels
 
@@ -332,6 +331,6 @@ class Q6KLinear(RecordLinear):
         rows_q6_k(self.q, ids, out)
 
 
-Q6_K = WeightFormat("Q6_K", 14, QK, BS,
-                    "ql:u8[128], qh:u8[64], scales:i8[16], d:f16; x=d*scale*(q6-32)",
+Q6_K = WeightFormat("Q6_K", "ql:u8[128], qh:u8[64], scales:i8[16], d:f16; "
+                    "x=d*scale*(q6-32)",
                     Q6KLinear, dequantize_q6_k, quantize_q6_k, LlamaFileType.MOSTLY_Q6_K)

@@ -13,10 +13,11 @@ from numba import njit, prange
 
 from ..fp import get_f16, put_f16, wrap_u8
 from ..simd import KIND_Q8_0
-from .base import WeightFormat
+from .base import WeightFormat, block_sizes
 from .records import BlocksLinear
 
 f32 = np.float32
+Q8_0_BYTES = block_sizes("Q8_0")[1]     # bytes per block of 32
 
 
 @njit(parallel=True, cache=True)
@@ -39,7 +40,7 @@ def quantize_q8_0(x, out):
             bad += 1
         d = amax / f32(127.0)
         idv = f32(1.0) / d if d != 0 else f32(0.0)
-        o = b * 34
+        o = b * Q8_0_BYTES
         if put_f16(out, o, d):
             over += 1
         for j in range(32):
@@ -55,7 +56,7 @@ def quantize_q8_0(x, out):
 def dequantize_q8_0(q, out):
     # q (nb*34,) u8 -> out (nb*32,) f32
     for b in prange(out.size // 32):
-        o = b * 34
+        o = b * Q8_0_BYTES
         d = get_f16(q, o)
         for j in range(32):
             out[b * 32 + j] = f32(np.int8(q[o + 2 + j])) * d
@@ -65,5 +66,5 @@ class Q8_0Linear(BlocksLinear):
     kind = KIND_Q8_0
 
 
-Q8_0 = WeightFormat("Q8_0", 8, 32, 34, "d:f16, qs:i8[32]; x=q*d", Q8_0Linear,
+Q8_0 = WeightFormat("Q8_0", "d:f16, qs:i8[32]; x=q*d", Q8_0Linear,
                     dequantize_q8_0, quantize_q8_0, LlamaFileType.MOSTLY_Q8_0)
