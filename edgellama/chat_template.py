@@ -61,7 +61,7 @@ from edgellama.machine import resident_memory
 if TYPE_CHECKING:   # the renderer imports this module: it stays free of NumPy and Numba
     from edgellama.tokenizer import Tokenizer
 
-# Used when the file has no tokenizer.chat_template (DESIGN.md §3 turn format).
+# Used when the file has no tokenizer.chat_template: Llama 3's turn format.
 LLAMA3_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"

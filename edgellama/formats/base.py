@@ -75,7 +75,8 @@ class Linear:
 
     Built from one or more tensors of the same format and row length whose rows are
     stacked (q/k/v, gate/up): one matvec then does the work of several in one parallel
-    launch (15-30% less time at 135M shapes); split(out) gives per-tensor views.
+    launch ("stacked matvec", bench/results/design_measurements.json); split(out) gives
+    per-tensor views.
     """
     chunk_unit = 16            # prefill dequantizes runs of rows in multiples of this
 
@@ -178,8 +179,8 @@ class Linear:
 
 def tile_rows(out_features: int) -> int:
     """Rows per tile: the widest that still gives every thread 2+ tiles and pads <= 1/8
-    of the rows. Wide tiles amortise each pass's loop overhead (one thread, GB/s per
-    CPU-second, Q4_0 2048x2048: R=16 4.4, 32 7.4, 64 10.2, 128 12.5, 256 14.2)."""
+    of the rows. Wide tiles amortise each pass's loop overhead ("tile rows",
+    bench/results/design_measurements.json)."""
     for r in (256, 128, 64, 32):
         nt = -(-out_features // r)
         if nt >= 2 * numba.config.NUMBA_NUM_THREADS and nt * r - out_features <= out_features // 8:
@@ -191,9 +192,8 @@ def anon_array(shape: tuple[int, ...], dtype) -> np.ndarray:
     """A zeroed array in its own anonymous mapping, in ordinary 4 KiB pages.
 
     Load time is dominated by the kernel handing out the tiles' pages. np.empty asks
-    for transparent huge pages on large arrays: on the VM measured here those cost
-    ~2.7 s per GiB against ~0.36 s for 4 KiB pages (faulted in by the parallel repack;
-    MAP_POPULATE did not measurably help).
+    for transparent huge pages on large arrays, which were several times slower to
+    hand out ("tile pages", bench/results/design_measurements.json).
     """
     count = int(np.prod(shape))
     n = count * np.dtype(dtype).itemsize
@@ -298,7 +298,10 @@ class TiledLinear(Linear):
         return wt[:, :r1 - r0]
 
     def _dequant_tiles(self, t0: int, t1: int, wt: np.ndarray) -> None:
-        """Tiles t0..t1 -> wt (in_features, (t1-t0)*R) f32 = W[rows].T."""
+        """Tiles t0..t1 -> wt (in_features, (t1-t0)*R) f32 = W[rows].T. Formats write it
+        as a serial kernel, on purpose: it is a few % of the matmul's time, and a parallel
+        region between BLAS calls fights BLAS's threads (spin-waits) and stalls whenever
+        any core is busy."""
         raise NotImplementedError
 
 
@@ -307,7 +310,8 @@ def repack_bytes(raw, row0, bs, lo, hi, dst):
     # Bytes lo..hi of every block (bs bytes) of raw (rows, nb*bs) u8 -> rows row0.. of
     # the tiles dst (nt, nb*(hi-lo)*R) u8: dst[t, (b*(hi-lo) + j)*R + r] = byte lo+j of
     # block b of row t*R + r. Column by column of one tile (L2-resident): contiguous
-    # writes, 7x faster than row by row with strided writes.
+    # writes, not row by row with strided writes ("repack order",
+    # bench/results/design_measurements.json).
     rows = raw.shape[0]
     nb = raw.shape[1] // bs
     w = hi - lo

@@ -324,7 +324,7 @@ def prep_iq4_x(x, x8, xd, xs8, xsum, xq):
 def iq4_block(qt, o, xq, b, a32, R):
     # a32 (R,) int32 += sum over the 16 nibble bytes of block b at qt[o:o+16R] (lanes
     # across rows) of KVALUES[nibble] xq: two passes of 8 bytes (16 tables; 4 bytes a
-    # pass: 7% slower, 16: register spills)
+    # pass was slower, 16 spill registers)
     for j in range(0, 16, 8):
         if R % 32 == 0:
             kv_dot_acc(xq, 32 * b + j, qt, o + j * R, R, a32, R, 32, 8)
@@ -379,7 +379,7 @@ def matvec_iq4_xs(q, d, sc, xq, xd, out, scratch, s32):
         out[t * R:t * R + n] = acc[:n]
 
 
-# --- prefill and embedding: dequantize from tiles (serial: see q4.py) ---------------------
+# --- prefill and embedding: dequantize from tiles (serial: see base.TiledLinear._dequant_tiles)
 
 @njit(cache=True)
 def dequant_iq4_tiles(q, d, sc, per_d, t0, t1, wt):

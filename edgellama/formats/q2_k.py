@@ -309,7 +309,7 @@ def matvec_q2_k(R):
 
 
 # --- prefill and embedding: dequantize from tiles ----------------------------------------
-# Serial (see q4.py), and no fastmath: the values are gguf's bit for bit, (d sc) q - dmin m
+# Serial (see base.TiledLinear._dequant_tiles), and no fastmath: the values are gguf's bit for bit, (d sc) q - dmin m
 # with two roundings (no fused multiply-add).
 
 @njit(cache=True)

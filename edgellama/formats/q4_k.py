@@ -17,12 +17,9 @@ resident (4.5 in the file). Decode and prefill are one intrinsic, simd.q4k_gemm:
 sub-block the exact int32 sum(q x8) (x8 from records.prep_q8_x), weighted by sc and m in f32
 registers, then by d and dmin once per super-block.
 Why records: a strip of 16 rows reads one address-ordered run holding everything its
-sums need. Read from DRAM (16 matrices of 16384 x 2048, this 2-core VM, 2 threads, Q4_0
-in the same runs, before Q4_0 became records too), decode reads 1.08-1.12x Q4_0's
-bytes/s, against 0.70-0.77x with the earlier tiles (per sub-block 16 R bytes of quads
-then sc and m, a pair-dot pass over the rows and the scales applied in a second pass).
-Prefill (16384 x 2048, T = 512): one thread 580 GFLOP/s (Q4_0 590), two 1162-1169
-(Q4_0 1157-1163).
+sums need; the earlier tiles (per sub-block 16 R bytes of quads then sc and m, a
+pair-dot pass over the rows and the scales applied in a second pass) were slower
+("Q4_K records", bench/results/design_measurements.json).
 """
 from __future__ import annotations
 
@@ -55,9 +52,8 @@ def get_scale_min_k4(q, o, j):
 
 
 # Q4_K and Q5_K run ggml's make_qkx2_quants (q2_k.py has it one sub-block at a time) on
-# 8 _G sub-blocks at once, one per SIMD lane: a (4096, 3072) f32 matrix, 2 threads, this
-# VM: Q4_K 18-20 -> 71-76 M values/s, Q5_K 22-27 -> 84-90 M/s (one sub-block at a time
-# -> lanes); _G = 2 or 8 measured 34 and 53 M/s.
+# 8 _G sub-blocks at once, one per SIMD lane: several times faster than one sub-block at
+# a time, _G = 4 the best ("K-quant lanes", bench/results/design_measurements.json).
 _G = 4                      # super-blocks per lane group of quantize_k_group
 _S = 8 * _G                 # its sub-blocks, one per lane
 

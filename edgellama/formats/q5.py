@@ -273,7 +273,7 @@ def matvec_q5(w, d, m, has_m, c, xd, xm5, xsum, out, scratch, s16):
         out[t * R:t * R + n] = acc[:n]
 
 
-# --- prefill and embedding: dequantize from tiles (serial: see q4.py) ---------------------
+# --- prefill and embedding: dequantize from tiles (serial: see base.TiledLinear._dequant_tiles)
 
 @njit(cache=True, inline="always")
 def _value(u, d, m, has_m):

@@ -7,12 +7,10 @@ q and the 6-bit scales as in Q4_K (q4_k.py); h, the fifth bit, is bit s of qh[e]
 Runtime tiles: q4_k.py's records (Q4KLinear with BITS 5), each sub-block's fifth bits
 after the nibble quads, one 32-bit word per row (layout in simd.py, Q5K_*); decode and
 prefill are simd.q4k_gemm, which ors the fifth bits into the nibbles in registers.
-5.625 bits per weight resident (5.5 in the file).
-Measured on this 2-core EPYC VM (AVX-512 VNNI), 16 matrices of 16384 x 2048, Q4_0 in
-the same runs: decode from DRAM 1.14x Q4_0's bytes/s with 1 or 2 threads, against
-0.64-0.74x for the tiles the records replaced (ten u16 words of three 5-bit values per
-row and sub-block, summed in int16 lanes); prefill (T = 512) 1039-1061 GFLOP/s with 2
-threads (Q4_0 1041-1163), where those tiles were dequantized for BLAS at 219-221.
+5.625 bits per weight resident (5.5 in the file). Records replaced tiles of ten u16
+words of three 5-bit values per row and sub-block, summed in int16 lanes, and
+dequantized for BLAS in prefill: both slower ("Q5_K records",
+bench/results/design_measurements.json).
 """
 from __future__ import annotations
 

@@ -18,16 +18,8 @@ scale * (q - 32) * x8 over each block exactly in int32, and keeps its f32 sums i
 registers over a whole row.
 Why crumbs: a crumb quad serves two nibble quads with a shift and a mask each, so the
 6-bit values cost no more loads than their bytes. Why records: as Q4_K's (q4_k.py), one
-address-ordered run per strip of rows with its scales in it.
-Measured on this 2-core EPYC VM (AVX-512 VNNI), 128256 x 2048 (the 1B output matrix)
-read from DRAM, Q4_0 in the same runs: decode 0.94-1.04x Q4_0's bytes/s with 2 threads,
-against 0.70-0.81x for the tiles the records replaced (per block of 32: 26 R bytes of
-quads then the two scales, d apart; the sums per block written to memory and scaled in
-a Numba loop). Prefill (16384 x 2048, T = 512): one thread 461 GFLOP/s, two 926-929
-(Q4_0 590 and 1157-1163).
-Earlier, against the int16 words the crumbs replaced: decode one thread 24.0-25.0 GB/s
-(words 18.1-21.4); prefill of an 8192 x 2048 matrix, T = 512, one thread 435-453
-GFLOP/s, two threads 622-832 when quiet (the words' dequantize + BLAS 192-220).
+address-ordered run per strip of rows with its scales in it. Both replaced slower
+layouts ("Q6_K records", bench/results/design_measurements.json).
 """
 from __future__ import annotations
 

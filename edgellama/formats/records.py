@@ -116,11 +116,8 @@ class RecordLinear(TiledLinear):
     dequantized. With fine set, decode and prefill multiply x as two int8 rows, x
     rounded and the residual rounded again (prep_q8_split_rows), in one pass over the
     weights: answers closer to full precision than llama.cpp's for the cost of the
-    second row's arithmetic. On this 2-core EPYC (AVX-512 VNNI), Q4_0 8192 x 2048 at T = 512, 2
-    threads: 150-240 GFLOP/s with a pair-dot pass per block against 30-65 for
-    dequantize + BLAS; 480-540 with the float sums in registers (320 with the scales
-    applied in a pass over memory per block, in the same runs); 1054-1155 for
-    16384 x 2048 with records (simd.blocks_gemm)."""
+    second row's arithmetic. Why an int8 GEMM and not dequantize + BLAS: "int8 prefill"
+    in bench/results/design_measurements.json."""
 
     def tile_spec(self):
         return {"q": ((self.nt, self.R // RECORD_ROWS * self._strip_bytes()), np.uint8)}
