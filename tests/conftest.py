@@ -69,3 +69,11 @@ def gemma_q4_k_m_gguf() -> Path:
     for p in parts:
         p.unlink()
     return dest
+
+
+@pytest.fixture(scope="session")
+def tiny_chat(tmp_path_factory) -> Path:
+    """A tiny llama GGUF with a small gpt2 tokenizer and a ChatML template (fast to run)."""
+    from tiny_gguf import TINY_VOCAB, write_tiny_gguf
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", "Q8_0", dim=32, layers=1,
+                           heads=2, kv_heads=1, ffn=32, vocab=TINY_VOCAB, ctx=64, tokenizer=True)
