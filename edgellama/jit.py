@@ -320,7 +320,7 @@ def warm_up(model, show: Callable[[int, int | None, str], None] | None = None) -
     with Compiling(show) as watch:
         try:
             todo = kernels_called(model)
-        except Exception:   # noqa: BLE001 - tests/test_jit_progress.py fails on this
+        except Exception:   # noqa: BLE001 - tests/runtime/test_jit_progress.py fails on this
             # A kernel called in a way a recorder cannot stand in for (keyword arguments,
             # a result the Python goes on to use): compile as both paths run instead,
             # reported without a total.

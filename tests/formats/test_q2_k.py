@@ -1,4 +1,4 @@
-"""Q2_K: what is its own (test_format_conformance.py checks it against ggml, gguf-py and
+"""Q2_K: what is its own (test_conformance.py checks it against ggml, gguf-py and
 the NumPy twin as every format; inputs and helpers shared with test_q3_k.py).
 
 - quantize (ggml's quantize_row_q2_K_ref: make_qkx2_quants with nmax 3, rmin -0.5,

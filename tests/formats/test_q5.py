@@ -1,4 +1,4 @@
-"""Q5_0 / Q5_1: what is their own (test_format_conformance.py checks them against ggml,
+"""Q5_0 / Q5_1: what is their own (test_conformance.py checks them against ggml,
 gguf-py and the NumPy twin as every format): the counts of a block with NaN, inf or an
 overflowing scale, the round-trip error, dequantizing the extreme codes, decode exact on
 the int8 grid at the int16 edge, resident size.

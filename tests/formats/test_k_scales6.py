@@ -1,5 +1,5 @@
 """Q4_K and Q5_K, the K-quants with 6-bit sub-block scales and mins: what is their own
-(test_format_conformance.py checks them against ggml, gguf-py and the NumPy twin as
+(test_conformance.py checks them against ggml, gguf-py and the NumPy twin as
 every format).
 
 - quantize (ggml's quantize_row_q{4,5}_K_ref): overflowing scales counted, every level

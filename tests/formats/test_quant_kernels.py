@@ -1,4 +1,4 @@
-"""formats.quantize / dequantize beyond what test_format_conformance.py checks of every
+"""formats.quantize / dequantize beyond what test_conformance.py checks of every
 format: f16 rounding at every boundary, scale overflow refused with the tensor's name
 and the largest representable values kept, row lengths, bf16 exactly."""
 import numpy as np

@@ -1,4 +1,4 @@
-"""Q3_K: what is its own (test_format_conformance.py checks it against ggml, gguf-py and
+"""Q3_K: what is its own (test_conformance.py checks it against ggml, gguf-py and
 the NumPy twin as every format), and the helpers test_q2_k.py shares.
 
 - quantize: an overflowing scale counted; every level the nearest (independent of ggml).

@@ -1,4 +1,4 @@
-"""IQ4_NL / IQ4_XS: what is their own (test_format_conformance.py checks them against
+"""IQ4_NL / IQ4_XS: what is their own (test_conformance.py checks them against
 ggml, gguf-py and the NumPy twin as every format): the counts of a block with NaN, inf or
 an overflowing scale, the round-trip error, the table lookup's ties, dequantizing the
 extreme codes, decode exact on the int8 grid at the int16 edge, resident size.

@@ -1,5 +1,5 @@
 """The per-32-block record formats (Q4_0, Q4_1, Q8_0; every format's Linear is checked
-against its NumPy twin in test_format_conformance.py): decode exact when x is on the
+against its NumPy twin in test_conformance.py): decode exact when x is on the
 int8 grid, and the file's pages released after the repack.
 """
 import mmap

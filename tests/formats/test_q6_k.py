@@ -1,4 +1,4 @@
-"""Q6_K: what is its own (test_format_conformance.py checks it against ggml, gguf-py and
+"""Q6_K: what is its own (test_conformance.py checks it against ggml, gguf-py and
 the NumPy twin as every format): the counts of a block with NaN, inf or an overflowing
 scale, the round-trip error, dequantizing the extreme codes, decode and prefill exact on
 the int8 grid at the int32 extremes, the repack read back row by row, resident size.
