@@ -14,10 +14,10 @@ Runtime tiles (lanes across rows, see base.TiledLinear): the nibbles exactly as 
     XS: sc (nt, nb*R) i8 = ls - 32 per 32 weights (8 bytes per 256 where the file has 6).
 Decode: x is quantized to int8 per 32 (records.prep_q8_x, as llama.cpp's q8 activations), and
 each weight costs a lookup in the 16-entry table KVALUES * xq_j of its x value and an add.
-Numba has no vector table lookup (an indexed load becomes a gather, ~15x slower than the
-Q4_0 kernel here), so `kv_dot_acc` writes the inner step in target-independent LLVM IR,
-which LLVM lowers to a variable permute (one vpermw per vector with AVX-512BW; pshufb
-sequences with AVX2, where this kernel runs at 0.3x Q4_0's speed instead of 0.7x).
+Numba has no vector table lookup (an indexed load becomes a gather, far slower), so
+`kv_dot_acc` writes the inner step in target-independent LLVM IR, which LLVM lowers to a
+variable permute (one vpermw per vector with AVX-512BW; pshufb sequences with AVX2, where
+it is slower: "IQ4 table lookup", bench/results/design_measurements.json).
 """
 from __future__ import annotations
 

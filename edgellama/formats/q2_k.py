@@ -309,8 +309,8 @@ def matvec_q2_k(R):
 
 
 # --- prefill and embedding: dequantize from tiles ----------------------------------------
-# Serial (see base.TiledLinear._dequant_tiles), and no fastmath: the values are gguf's bit for bit, (d sc) q - dmin m
-# with two roundings (no fused multiply-add).
+# Serial (see base.TiledLinear._dequant_tiles), and no fastmath: the values are gguf's
+# bit for bit, (d sc) q - dmin m with two roundings (no fused multiply-add).
 
 @njit(cache=True)
 def dequant_q2_k_tiles(w, sc, d, dmin, t0, t1, wt):

@@ -351,7 +351,8 @@ def matvec_q3_k(R):
 
 
 # --- prefill and embedding: dequantize from tiles ----------------------------------------
-# Serial (see base.TiledLinear._dequant_tiles), and no fastmath: the values are gguf's bit for bit, (d sc) (q - 4).
+# Serial (see base.TiledLinear._dequant_tiles), and no fastmath: the values are gguf's
+# bit for bit, (d sc) (q - 4).
 
 @njit(cache=True)
 def dequant_q3_k_tiles(w, sc, d, t0, t1, wt):
