@@ -2,6 +2,7 @@
 
     python bench/bench_llamacpp.py [--shape llama-3.2-1b] [--type q4_0] [--threads 1,2]
                                    [--depth 0] [--busy 0,1] [--reps 2] [--json OUT]
+                                   [--baseline DIR]
 
 llama.cpp runs through llama-cpp-python (`pip install -e ".[oracle]"`; an optional extra,
 never a runtime dependency). Every measurement is a fresh process of its own, and the two
@@ -21,6 +22,9 @@ Cases:
 - ceiling: the read bandwidth of a parallel sum over 2 GiB, measured in a process of its
   own between the engines' (with the row's thread count); decode's bytes per token
   (weights and K/V) times tokens/s over it says how close each engine is to the memory;
+- --baseline DIR: another checkout of edgellama (say main's, beside a branch) runs as a
+  third engine in the same alternation, so a change's before and after are measured in
+  one run, each also as a ratio to llama.cpp;
 - busy 1: the same with one CPU-bound process running beside it (what a laptop with a
   browser open looks like). edgellama runs with its default thread setting there
   (the column "threads" says what it was asked for; default = adaptive), llama.cpp
@@ -192,15 +196,23 @@ def busy_process(on: bool):
         p.wait()
 
 
-def run_one(engine: str, path: str, threads: int | None, depth: int, pp: int, tg: int) -> dict:
+def run_one(engine: str, path: str, threads: int | None, depth: int, pp: int, tg: int,
+            baseline: str | None = None) -> dict:
+    """One measurement in a process of its own; engine "baseline": edgellama imported
+    from the checkout `baseline`."""
     if engine == "llama.cpp":
         path = with_tokenizer(path)
+    env = None
+    if engine == "baseline":
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [baseline, *filter(None, [os.environ.get("PYTHONPATH")])]))
+        engine = "edgellama"
     cmd = [sys.executable, __file__, "--worker", engine]
     if engine != "ceiling":
         cmd += ["--file", path, "--depth", str(depth), "--pp", str(pp), "--tg", str(tg)]
     if threads is not None:
         cmd += ["--worker-threads", str(threads)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if res.returncode != 0:
         sys.exit(f"{engine} failed: {res.stderr.strip()[-2000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -218,6 +230,7 @@ def main() -> None:
     ap.add_argument("--tg", type=int, default=64)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--baseline", help="another edgellama checkout to run beside this one")
     ap.add_argument("--worker", choices=(*ENGINES, "ceiling"), help=argparse.SUPPRESS)
     ap.add_argument("--worker-threads", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -233,27 +246,30 @@ def main() -> None:
     from edgellama.benchmark import shape_file
     from edgellama.machine import cpu_name
     path = a.file or str(shape_file(a.shape, a.type))
+    engines = (*ENGINES, "baseline") if a.baseline else ENGINES
     rows = []
     for busy in (int(b) for b in a.busy.split(",")):
         for depth in (int(d) for d in a.depth.split(",")):
             for threads in (int(t) for t in a.threads.split(",")):
-                got = {e: [] for e in (*ENGINES, "ceiling")}
+                got = {e: [] for e in (*engines, "ceiling")}
                 with busy_process(busy):
                     for _ in range(a.reps):
                         for e in got:
                             # busy: ours at its default (adaptive) setting, as users run it
-                            t = None if (busy and e == "edgellama") else threads
-                            got[e].append(run_one(e, path, t, depth, a.pp, a.tg))
+                            t = None if (busy and e in ("edgellama", "baseline")) else threads
+                            got[e].append(run_one(e, path, t, depth, a.pp, a.tg, a.baseline))
                 row = {"busy": busy, "depth": depth, "threads": threads,
                        "ceiling GB/s": statistics.median(r["gb_s"] for r in got["ceiling"]),
                        "decode bytes": got["edgellama"][0]["bytes"]}
-                for e in ENGINES:
+                for e in engines:
                     for k in ("pp", "tg"):
                         row[f"{e} {k}"] = statistics.median(r[k] for r in got[e])
                 rows.append(row)
                 print(_line(row), flush=True)
     result = {"machine": cpu_name(), "cores": os.cpu_count(), "file": path,
               "pp": a.pp, "tg": a.tg, "reps": a.reps, **instruction_sets(), "rows": rows}
+    if a.baseline:
+        result["baseline"] = os.path.abspath(a.baseline)
     print("\n" + table(result))
     if a.json:
         with open(a.json, "w") as f:
@@ -266,9 +282,12 @@ def _of_ceiling(r: dict, engine: str) -> float:
 
 
 def _line(r: dict) -> str:
+    base = "baseline pp" in r
     return (f"busy={r['busy']} depth={r['depth']} threads={r['threads']}: "
-            f"pp {r['edgellama pp']:.1f} / {r['llama.cpp pp']:.1f}  "
-            f"tg {r['edgellama tg']:.1f} / {r['llama.cpp tg']:.1f}  "
+            f"pp {r['edgellama pp']:.1f} / {r['llama.cpp pp']:.1f}"
+            + (f" (baseline {r['baseline pp']:.1f})" if base else "") + "  "
+            f"tg {r['edgellama tg']:.1f} / {r['llama.cpp tg']:.1f}"
+            + (f" (baseline {r['baseline tg']:.1f})" if base else "") + "  "
             f"(of a {r['ceiling GB/s']:.0f} GB/s ceiling: {_of_ceiling(r, 'edgellama'):.0%} / "
             f"{_of_ceiling(r, 'llama.cpp'):.0%})")
 
@@ -291,6 +310,19 @@ def table(res: dict) -> str:
                    f"{r['edgellama tg'] / r['llama.cpp tg']:.2f}× | "
                    f"{_of_ceiling(r, 'edgellama'):.0%} / {_of_ceiling(r, 'llama.cpp'):.0%} "
                    f"({r['ceiling GB/s']:.0f}) |")
+    if "baseline" in res:
+        out += ["", f"baseline: {res['baseline']}", "",
+                "| threads | depth | busy | prefill ours / baseline t/s | ratio | "
+                "decode ours / baseline t/s | ratio | baseline / llama.cpp, prefill and decode |",
+                "|---|---|---|---|---|---|---|---|"]
+        for r in res["rows"]:
+            out.append(f"| {r['threads']} | {r['depth']} | {'yes' if r['busy'] else 'no'} | "
+                       f"{r['edgellama pp']:.1f} / {r['baseline pp']:.1f} | "
+                       f"{r['edgellama pp'] / r['baseline pp']:.2f}× | "
+                       f"{r['edgellama tg']:.1f} / {r['baseline tg']:.1f} | "
+                       f"{r['edgellama tg'] / r['baseline tg']:.2f}× | "
+                       f"{r['baseline pp'] / r['llama.cpp pp']:.2f}×, "
+                       f"{r['baseline tg'] / r['llama.cpp tg']:.2f}× |")
     return "\n".join(out)
 
 

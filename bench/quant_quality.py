@@ -5,7 +5,7 @@ top-token agreement against its F32 conversion, on bench/data/alice.txt.
 
 The only weights we have are the published SmolLM2-135M-Instruct Q4_1 GGUF (the default
 model). Its tensors are dequantized to an F32 Hugging Face checkpoint (tests/hf_fixtures.py,
-as tests/test_roundtrip.py does), and `edgellama convert` (quant.convert.convert, the code
+as tests/convert/test_roundtrip.py does), and `edgellama convert` (quant.convert.convert, the code
 behind the command) turns that checkpoint into F32 (the reference) and each type below.
 So "F32" is the Q4_1 model at full precision, not the original bf16 training weights:
 requantizing it to Q4_1 gives back nearly the published file, which flatters Q4_1's row.

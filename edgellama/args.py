@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from gguf.constants import GGMLQuantizationType
 
 from .errors import EdgeError
 from .gguf import GGUFFile
@@ -84,7 +85,7 @@ class ModelArgs:
         freqs = None
         if "rope_freqs.weight" in g.tensors:
             t = g.tensors["rope_freqs.weight"]
-            if t.type_id != 0 or t.shape != (rope_dim // 2,):
+            if t.type_id != GGMLQuantizationType.F32 or t.shape != (rope_dim // 2,):
                 raise EdgeError(f"{g.path}: rope_freqs.weight must be F32 [{rope_dim // 2}], "
                                 f"got {t.type_name} {list(t.shape)}")
             freqs = g.tensor_bytes("rope_freqs.weight").view(np.float32).reshape(-1).copy()

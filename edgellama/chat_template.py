@@ -14,8 +14,9 @@ process, the renderer, and never in ours:
 
 Patching filters one by one cannot bound a single C call, and no trace hook sees inside
 one; a process boundary can. One renderer serves the whole process: starting it costs
-Python plus jinja2 (~50 ms on an idle machine, once, overlapping the model load); a
-render costs one pipe round trip (~0.2 ms) on top of the template itself. The template
+Python plus jinja2 (once, overlapping the model load); a render costs one pipe round trip
+on top of the template itself ("template renderer",
+bench/results/design_measurements.json). The template
 is compiled once, when the ChatFormat is made (so a broken one fails at load), and kept
 compiled in the renderer.
 
@@ -61,7 +62,7 @@ from edgellama.machine import resident_memory
 if TYPE_CHECKING:   # the renderer imports this module: it stays free of NumPy and Numba
     from edgellama.tokenizer import Tokenizer
 
-# Used when the file has no tokenizer.chat_template (DESIGN.md §3 turn format).
+# Used when the file has no tokenizer.chat_template: Llama 3's turn format.
 LLAMA3_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"

@@ -25,7 +25,8 @@ def half_to_float_ir(builder, bits, native: bool = HALF_NATIVE):
     """IR: IEEE half bits (i16 or <n x i16>) -> float (or <n x float>), exactly.
 
     With F16C (or AArch64) LLVM's fpext, one vcvtph2ps that also vectorises in loops
-    (5-17% faster Q4_0 matvec than bit twiddling through a scratch buffer). Without it,
+    (faster than bit twiddling through a scratch buffer: "fp16 conversion" in
+    bench/results/design_measurements.json). Without it,
     fpext would become a call of __extendhfsf2, which Numba cannot link, so: the
     exponent and mantissa moved into place and scaled by 2^112 (exact for normal and
     subnormal halves), inf/NaN given the all-ones exponent, the sign put back.

@@ -34,7 +34,7 @@ _KERNEL_SOURCES = ("target.py", "fp.py", "simd.py", "kernels.py", "membw.py", "f
 def kernel_cache_dir() -> Path:
     """cache_dir()/numba/<digest of the kernel sources and Numba's version>. Numba keys a
     cached kernel by its own file only: a change to an intrinsic in simd.py would
-    otherwise leave q4.py's kernels running stale machine code."""
+    otherwise leave records.py's kernels running stale machine code."""
     h = hashlib.sha256(numba.__version__.encode())
     root = Path(__file__).parent
     for pattern in _KERNEL_SOURCES:
@@ -320,7 +320,7 @@ def warm_up(model, show: Callable[[int, int | None, str], None] | None = None) -
     with Compiling(show) as watch:
         try:
             todo = kernels_called(model)
-        except Exception:   # noqa: BLE001 - tests/test_jit_progress.py fails on this
+        except Exception:   # noqa: BLE001 - tests/runtime/test_jit_progress.py fails on this
             # A kernel called in a way a recorder cannot stand in for (keyword arguments,
             # a result the Python goes on to use): compile as both paths run instead,
             # reported without a total.

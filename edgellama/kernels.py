@@ -1,4 +1,4 @@
-"""Numba kernels of the forward pass other than the linear layers (see linear.py).
+"""Numba kernels of the forward pass other than the linear layers (those are in formats/).
 
 Conventions: T tokens in a batch, E model dim, H query heads, KV key/value heads,
 hd head dim, g = H // KV query heads per KV head, F ffn dim. Every kernel writes
@@ -25,8 +25,8 @@ _TB = 4             # query tokens per work item of prefill attention: they shar
 _CHUNK = 256        # positions per K or V chunk of prefill attention (64 KiB of f16 at
                     # head_dim 128)
 _MIN_LOGIT = F32(-30.0)   # softmax weights below e^-30 of the max count as zero
-_PREFETCH = 4096    # f16 elements (8 KiB) ahead that attention prefetches K and V: 1B, depth
-                    # 4096, 2 threads, from DRAM: 22-26 -> 31-34 GB/s
+_PREFETCH = 4096    # f16 elements (8 KiB) ahead that attention prefetches K and V (the
+                    # gain: "attention prefetch", bench/results/design_measurements.json)
 
 
 @nb.njit(cache=True, error_model="numpy", fastmath=True)

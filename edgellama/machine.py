@@ -223,7 +223,7 @@ def _blas_threads(n: int) -> None:
     global _blas, _blas_n
     if n == _blas_n:     # the process-wide setting, whichever policy made it
         return
-    if _blas is None:    # looking for the loaded BLAS libraries takes ~50 ms: once
+    if _blas is None:    # looking for the loaded BLAS libraries is slow: once
         import threadpoolctl   # well kept (scikit-learn's); knows OpenBLAS, MKL and BLIS
         _blas = threadpoolctl.ThreadpoolController()
     _blas.limit(limits=n, user_api="blas")

@@ -15,7 +15,7 @@ from numba import njit, prange
 def _sum_chunks(a, part):
     # a (n,) f32 -> part (k,) sums of k equal chunks (one prange item each)
     # Loop over a slice from 0: an index range starting at c * m keeps LLVM from
-    # vectorising (it must allow for negative, wrap-around indices) and reads ~30% less.
+    # vectorising (it must allow for negative, wrap-around indices), and reads less.
     k = part.size
     m = a.size // k
     for c in prange(k):

@@ -14,7 +14,7 @@ from .errors import EdgeError
 from .gguf import GGUFFile
 from .formats import SUPPORTED, Linear, block_shape, type_name
 from .formats.base import anon_array
-from .formats.q4 import RecordLinear
+from .formats.records import RecordLinear
 from .machine import ThreadPolicy, available_memory
 from .scratch import Scratch
 from .tile_cache import TileCache
@@ -29,8 +29,8 @@ ACTIVATIONS = ("int8", "fine")
 if TYPE_CHECKING:
     from .sequence import Sequence
 
-DEFAULT_BATCH = 512   # prefill chunk: measured on 1B Q4_0, pp512 runs 44 / 56 / 61 tok/s at
-                      # 128 / 256 / 512 (BLAS needs tall products); scratch 70 MiB (1B), 80 (3B)
+DEFAULT_BATCH = 512   # prefill chunk: taller products run faster ("prefill chunk",
+                      # bench/results/design_measurements.json)
 
 
 class KVCache:

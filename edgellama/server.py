@@ -13,7 +13,7 @@ from the first token that differs, so a client that re-sends its conversation pa
 only for what is new; `usage.prompt_tokens_details.cached_tokens` says how much was
 reused. Interleaved conversations from several clients evict each other's prefix.
 
-Hostile input (tests/test_server_hostile.py, tests/test_fuzz_server.py): every field's JSON
+Hostile input (tests/server/test_server_hostile.py, tests/server/test_fuzz_server.py): every field's JSON
 type and range is checked, a wrong one answered 400 naming it; bodies must be JSON (415);
 Host and Origin headers are checked against DNS rebinding and cross-site requests
 (_Guard: 403); stopping the server ends waiting and running requests with 503

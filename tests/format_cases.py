@@ -70,23 +70,60 @@ def random_blocks(nb, rng, fmt, d_values=None, d_at=0, m_at=None):
     return q
 
 
+# Byte offsets in a block of its f16 scales: d first, then the min's scale (m, dmin) of
+# the formats with one. Random blocks get finite values there.
+SCALES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2),
+          "IQ4_NL": (0,), "IQ4_XS": (0,), "Q2_K": (80, 82), "Q3_K": (108,),
+          "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def format_blocks(fmt, nb, rng, d_values=None, m_values=None):
+    """nb blocks of fmt: random bytes, finite f16 scales (d from d_values, else around
+    1e-2; a min's scale from m_values, else around 1e-2), as random_blocks."""
+    halves = SCALES[fmt.name]
+    q = random_blocks(nb, rng, fmt, d_values, halves[0], halves[1] if len(halves) > 1 else None)
+    if m_values is not None and len(halves) > 1:
+        q[:, halves[1]:halves[1] + 2] = np.asarray(m_values, np.float16).reshape(nb, 1).view(np.uint8)
+    return q
+
+
+def weight_parts(raw, fmt):
+    """The blocks raw (rows, row_bytes) as gguf-py's W (float64) and the magnitude of
+    what a kernel sums per weight: |W|, or for a format with a min (w = d q + m, or
+    d sc q - dmin m) |the q part| + |the min part|, each from gguf-py with the other's
+    scale zeroed."""
+    rows = raw.shape[0]
+    w = gguf_dequant(raw, fmt).astype(np.float64).reshape(rows, -1)
+    halves = SCALES.get(fmt.name, ())
+    if len(halves) < 2:
+        return w, np.abs(w)
+    parts = []
+    for zero in (halves[1], halves[0]):
+        b = raw.reshape(-1, fmt.type_size).copy()
+        b[:, zero:zero + 2] = 0
+        parts.append(gguf_dequant(b, fmt).astype(np.float64).reshape(rows, -1))
+    return w, np.abs(parts[0]) + np.abs(parts[1])
+
+
 # --- runtime Linear -------------------------------------------------------------------------
 
-def check(got, ref_w, x, x_quantized=False, block=32):
+def check(got, ref_w, x, x_quantized=False, block=32, mag=None):
     """got = x @ ref_w.T to float32 accuracy; x_quantized: x was rounded to int8 per
-    block."""
+    block. mag (default |ref_w|): the magnitude of what a kernel sums per weight, where
+    that is more than |w| (a format with a min sums d q x and m x apart: |d q| + |m|)."""
     want = x.astype(np.float64) @ ref_w.T
-    tol = 64 * EPS * (np.abs(x) @ np.abs(ref_w).T) + 1e-30
+    mag = np.abs(ref_w) if mag is None else mag
+    tol = 64 * EPS * (np.abs(x) @ mag.T) + 1e-30
     if x_quantized:   # x (n,) or (T, n), rounded per block of each row
         step = np.repeat(np.abs(x).reshape(-1, block).max(1), block).reshape(x.shape) / 254
-        tol += step @ np.abs(ref_w).T * 1.01
+        tol += step @ mag.T * 1.01
     assert got.shape == want.shape
     assert np.all(np.abs(got - want) <= tol), np.max(np.abs(got - want) / tol)
 
 
-def check_matmul(lin, ref_w, T, monkeypatch, x_quantized=False):
+def check_matmul(lin, ref_w, T, monkeypatch, x_quantized=False, mag=None):
     """Prefill of T tokens through several chunks of rows (the last ragged); x_quantized:
-    the format's prefill rounds x to int8 per block (formats.q4.RecordLinear)."""
+    the format's prefill rounds x to int8 per block (formats.records.RecordLinear)."""
     rows, n = ref_w.shape
     monkeypatch.setattr(base, "_CHUNK_FLOATS", n * 40)
     monkeypatch.setattr(base, "_CHUNK_MIN_ROWS", 1)
@@ -94,7 +131,7 @@ def check_matmul(lin, ref_w, T, monkeypatch, x_quantized=False):
     x = np.random.default_rng(2).standard_normal((T, n)).astype(np.float32)
     out = np.full((T, rows), np.nan, np.float32)
     lin.matmul(x, out)
-    check(out, ref_w, x, x_quantized=x_quantized)
+    check(out, ref_w, x, x_quantized=x_quantized, mag=mag)
 
 
 def check_rows(lin, ref_w, bits=True):
@@ -120,25 +157,3 @@ def check_dequant_tiles(lin, ref_w):
     np.testing.assert_array_equal(wt[:, :rows].view(np.uint32),
                                   ref_w.T.astype(np.float32).view(np.uint32))
     assert not wt[:, rows:].any()
-
-
-def check_stacked(fmt, raws, ref_w, rng, block=32, int8_prefill=False):
-    """q/k/v-like parts raws (rows_i, row_bytes) (150, 37, 37 rows: none a multiple of the
-    tile size) as one W of reference ref_w: matvec, outputs split back, matmul (int8_prefill:
-    x rounded to int8 per 32, q4.RecordLinear), rows."""
-    n = ref_w.shape[1]
-    lin = fmt.linear(fmt, [r.reshape(-1) for r in raws], [r.shape[0] for r in raws], n)
-    assert lin.out_features == 224 and lin.nbytes == sum(r.nbytes for r in raws)
-    x = rng.standard_normal(n).astype(np.float32)
-    out = np.full(224, np.nan, np.float32)
-    lin.matvec(x, out)
-    check(out, ref_w, x, True, block)
-    assert [o.shape for o in lin.split(out)] == [(150,), (37,), (37,)]
-    xs = rng.standard_normal((3, n)).astype(np.float32)
-    outs = np.full((3, 224), np.nan, np.float32)
-    lin.matmul(xs, outs)
-    check(outs, ref_w, xs, int8_prefill)
-    ids = np.array([0, 149, 150, 186, 187, 223])
-    rows = np.empty((ids.size, n), np.float32)
-    lin.rows(ids, rows)
-    np.testing.assert_array_equal(rows, ref_w[ids].astype(np.float32))

@@ -23,7 +23,7 @@ HOST = "127.0.0.1:8080"
 
 
 def tiny_chat_model(directory: Path) -> Path:
-    """The small F32 chat model of tests/test_server.py (~0.3 ms a token)."""
+    """The small F32 chat model of tests/server/test_server.py (~0.3 ms a token)."""
     return write_tiny_gguf(directory / "tiny-chat.gguf", "F32", vocab=TINY_VOCAB, ctx=256,
                            tokenizer=True, tied=False, seed=4)
 

@@ -11,7 +11,8 @@ from gguf.quants import quantize
 
 
 def llama3_rope_freqs(head_dim, theta, factor=32.0, low=1.0, high=4.0, orig=8192):
-    """rope_freqs values for llama3 scaling, DESIGN.md §3 (independent of quant/convert)."""
+    """rope_freqs values for llama3 rope scaling (written out here, independent of
+    quant/convert.llama3_rope_factors)."""
     out = []
     for i in range(0, head_dim, 2):
         f = 1.0 / theta ** (i / head_dim)

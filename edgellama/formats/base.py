@@ -7,11 +7,11 @@ whatever layout its kernels read fastest:
 
     matvec   decode, one token: out = W @ x
     matvecs  batched decode, a few tokens of different sequences: one pass over W when
-             the format has a multi-token kernel (q4.RecordLinear), else a matvec each
+             the format has a multi-token kernel (records.RecordLinear), else a matvec each
     matmul   prefill, T tokens: out = x @ W.T, by dequantizing a few MB of rows at a
              time and handing them to NumPy's BLAS (shared here; a format only says
              how to dequantize a run of rows), or, for the formats with pair-dot
-             kernels, as an int8 GEMM over the tiles (q4.RecordLinear)
+             kernels, as an int8 GEMM over the tiles (records.RecordLinear)
     rows     embedding lookup: dequantized rows of W
 
 A Linear holds only its weights: the buffers a call works in come from the `scratch`
@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numba
 import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from numba import njit, prange
 
 from ..scratch import Scratch
@@ -38,12 +39,14 @@ _CHUNK_FLOATS = 1 << 20        # prefill dequantizes ~4 MB of W at a time (at le
 _CHUNK_MIN_ROWS = 256          # 256 rows: narrower products run BLAS below its best)
 
 
+def block_sizes(name: str) -> tuple[int, int]:
+    """(elements, bytes) of one block of GGML type `name`, from gguf-py's table."""
+    return GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+
+
 @dataclass(frozen=True)
 class WeightFormat:
     name: str                  # GGML type name, e.g. "Q4_K"
-    type_id: int               # GGMLQuantizationType value stored in the file
-    block_size: int            # elements per block
-    type_size: int             # bytes per block
     layout: str                # byte layout of one block, little-endian
     linear: type               # the runtime form, a Linear subclass
     # Whole blocks, flat arrays: dequantize(q (nb*type_size,) u8, out (nb*block_size,) f32);
@@ -52,6 +55,15 @@ class WeightFormat:
     dequantize: Callable
     quantize: Callable | None = None
     file_type: int | None = None   # general.file_type of a file made mostly of this type
+    # From gguf-py (GGMLQuantizationType, GGML_QUANT_SIZES) by name, never written out here:
+    type_id: int = field(init=False)       # the type's id in a file
+    block_size: int = field(init=False)    # elements per block
+    type_size: int = field(init=False)     # bytes per block
+
+    def __post_init__(self):
+        object.__setattr__(self, "type_id", int(GGMLQuantizationType[self.name]))
+        object.__setattr__(self, "block_size", block_sizes(self.name)[0])
+        object.__setattr__(self, "type_size", block_sizes(self.name)[1])
 
     def row_bytes(self, n: int) -> int:
         assert n % self.block_size == 0, (self.name, n)
@@ -63,7 +75,8 @@ class Linear:
 
     Built from one or more tensors of the same format and row length whose rows are
     stacked (q/k/v, gate/up): one matvec then does the work of several in one parallel
-    launch (15-30% less time at 135M shapes); split(out) gives per-tensor views.
+    launch ("stacked matvec", bench/results/design_measurements.json); split(out) gives
+    per-tensor views.
     """
     chunk_unit = 16            # prefill dequantizes runs of rows in multiples of this
 
@@ -166,8 +179,8 @@ class Linear:
 
 def tile_rows(out_features: int) -> int:
     """Rows per tile: the widest that still gives every thread 2+ tiles and pads <= 1/8
-    of the rows. Wide tiles amortise each pass's loop overhead (one thread, GB/s per
-    CPU-second, Q4_0 2048x2048: R=16 4.4, 32 7.4, 64 10.2, 128 12.5, 256 14.2)."""
+    of the rows. Wide tiles amortise each pass's loop overhead ("tile rows",
+    bench/results/design_measurements.json)."""
     for r in (256, 128, 64, 32):
         nt = -(-out_features // r)
         if nt >= 2 * numba.config.NUMBA_NUM_THREADS and nt * r - out_features <= out_features // 8:
@@ -179,9 +192,8 @@ def anon_array(shape: tuple[int, ...], dtype) -> np.ndarray:
     """A zeroed array in its own anonymous mapping, in ordinary 4 KiB pages.
 
     Load time is dominated by the kernel handing out the tiles' pages. np.empty asks
-    for transparent huge pages on large arrays: on the VM measured here those cost
-    ~2.7 s per GiB against ~0.36 s for 4 KiB pages (faulted in by the parallel repack;
-    MAP_POPULATE did not measurably help).
+    for transparent huge pages on large arrays, which were several times slower to
+    hand out ("tile pages", bench/results/design_measurements.json).
     """
     count = int(np.prod(shape))
     n = count * np.dtype(dtype).itemsize
@@ -286,7 +298,10 @@ class TiledLinear(Linear):
         return wt[:, :r1 - r0]
 
     def _dequant_tiles(self, t0: int, t1: int, wt: np.ndarray) -> None:
-        """Tiles t0..t1 -> wt (in_features, (t1-t0)*R) f32 = W[rows].T."""
+        """Tiles t0..t1 -> wt (in_features, (t1-t0)*R) f32 = W[rows].T. Formats write it
+        as a serial kernel, on purpose: it is a few % of the matmul's time, and a parallel
+        region between BLAS calls fights BLAS's threads (spin-waits) and stalls whenever
+        any core is busy."""
         raise NotImplementedError
 
 
@@ -295,7 +310,8 @@ def repack_bytes(raw, row0, bs, lo, hi, dst):
     # Bytes lo..hi of every block (bs bytes) of raw (rows, nb*bs) u8 -> rows row0.. of
     # the tiles dst (nt, nb*(hi-lo)*R) u8: dst[t, (b*(hi-lo) + j)*R + r] = byte lo+j of
     # block b of row t*R + r. Column by column of one tile (L2-resident): contiguous
-    # writes, 7x faster than row by row with strided writes.
+    # writes, not row by row with strided writes ("repack order",
+    # bench/results/design_measurements.json).
     rows = raw.shape[0]
     nb = raw.shape[1] // bs
     w = hi - lo

@@ -163,9 +163,9 @@ class FloatLinear(Linear):
             np.left_shift(w16, 16, out=out.view(np.uint32), dtype=np.uint32)
 
 
-F32 = WeightFormat("F32", 0, 1, 4, "f32", FloatLinear, dequantize_f32, quantize_f32,
+F32 = WeightFormat("F32", "f32", FloatLinear, dequantize_f32, quantize_f32,
                    LlamaFileType.ALL_F32)
-F16 = WeightFormat("F16", 1, 1, 2, "f16 (IEEE half)", FloatLinear, dequantize_f16, quantize_f16,
+F16 = WeightFormat("F16", "f16 (IEEE half)", FloatLinear, dequantize_f16, quantize_f16,
                    LlamaFileType.MOSTLY_F16)
-BF16 = WeightFormat("BF16", 30, 1, 2, "bf16 (top half of f32)", FloatLinear, dequantize_bf16,
+BF16 = WeightFormat("BF16", "bf16 (top half of f32)", FloatLinear, dequantize_bf16,
                     quantize_bf16, LlamaFileType.MOSTLY_BF16)

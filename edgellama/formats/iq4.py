@@ -12,12 +12,12 @@ qs[j - 16] (Q4 order).
 Runtime tiles (lanes across rows, see base.TiledLinear): the nibbles exactly as Q4_0,
     q (nt, nb*16*R) u8,  d (nt, nd*R) u16 f16 bits (per 32 for NL, per 256 for XS),
     XS: sc (nt, nb*R) i8 = ls - 32 per 32 weights (8 bytes per 256 where the file has 6).
-Decode: x is quantized to int8 per 32 (q4.prep_q8_x, as llama.cpp's q8 activations), and
+Decode: x is quantized to int8 per 32 (records.prep_q8_x, as llama.cpp's q8 activations), and
 each weight costs a lookup in the 16-entry table KVALUES * xq_j of its x value and an add.
-Numba has no vector table lookup (an indexed load becomes a gather, ~15x slower than the
-Q4_0 kernel here), so `kv_dot_acc` writes the inner step in target-independent LLVM IR,
-which LLVM lowers to a variable permute (one vpermw per vector with AVX-512BW; pshufb
-sequences with AVX2, where this kernel runs at 0.3x Q4_0's speed instead of 0.7x).
+Numba has no vector table lookup (an indexed load becomes a gather, far slower), so
+`kv_dot_acc` writes the inner step in target-independent LLVM IR, which LLVM lowers to a
+variable permute (one vpermw per vector with AVX-512BW; pshufb sequences with AVX2, where
+it is slower: "IQ4 table lookup", bench/results/design_measurements.json).
 """
 from __future__ import annotations
 
@@ -32,14 +32,17 @@ from ..fp import f16_to_f32, get_f16, nearest_int, put_f16
 from .base import (
     TiledLinear,
     WeightFormat,
+    block_sizes,
     release_pages,
     repack_bytes,
     repack_halves,
 )
 from ..simd import ir_ptr, splat
-from .q4 import prep_q8_x
+from .records import prep_q8_x
 
 f32 = np.float32
+NL_BYTES = block_sizes("IQ4_NL")[1]          # bytes per block of 32
+QK_XS, XS_BYTES = block_sizes("IQ4_XS")     # weights and bytes per super-block
 KVALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
                    np.int8)
 _KVF = KVALUES.astype(np.float32)
@@ -135,9 +138,9 @@ def quantize_iq4_nl(x, out):
         if _non_finite(x, 32 * b, 32):
             bad += 1
         d = fit_scale(x, 32 * b)
-        if put_f16(out, 18 * b, d):
+        if put_f16(out, NL_BYTES * b, d):
             over += 1
-        _put_nibbles(x, 32 * b, f32(1) / d if d != 0 else f32(0), out, 18 * b + 2)
+        _put_nibbles(x, 32 * b, f32(1) / d if d != 0 else f32(0), out, NL_BYTES * b + 2)
     return bad, over
 
 
@@ -175,13 +178,13 @@ def quantize_xs_block(x, base, out, o):
 @njit(parallel=True, cache=True)
 def quantize_iq4_xs(x, out):
     # x (nb*256,) f32 -> out (nb*136,) u8; returns (non-finite blocks, overflowing scales)
-    nb = x.size // 256
+    nb = x.size // QK_XS
     bad = 0
     over = 0
     for b in prange(nb):
-        if _non_finite(x, 256 * b, 256):
+        if _non_finite(x, QK_XS * b, QK_XS):
             bad += 1
-        if quantize_xs_block(x, 256 * b, out, 136 * b):
+        if quantize_xs_block(x, QK_XS * b, out, XS_BYTES * b):
             over += 1
     return bad, over
 
@@ -190,9 +193,9 @@ def quantize_iq4_xs(x, out):
 def dequantize_iq4_nl(q, out):
     # q (nb*18,) u8 -> out (nb*32,) f32
     for b in prange(out.size // 32):
-        d = get_f16(q, 18 * b)
+        d = get_f16(q, NL_BYTES * b)
         for j in range(16):
-            v = q[18 * b + 2 + j]
+            v = q[NL_BYTES * b + 2 + j]
             out[32 * b + j] = d * _KVF[v & 15]
             out[32 * b + 16 + j] = d * _KVF[v >> 4]
 
@@ -208,15 +211,15 @@ def xs_scale(q, o, i):
 @njit(parallel=True, cache=True)
 def dequantize_iq4_xs(q, out):
     # q (nb*136,) u8 -> out (nb*256,) f32
-    for b in prange(out.size // 256):
-        o = 136 * b
+    for b in prange(out.size // QK_XS):
+        o = XS_BYTES * b
         d = get_f16(q, o)
         for i in range(8):
             dl = d * f32(xs_scale(q, o, i))
             for j in range(16):
                 v = q[o + 8 + 16 * i + j]
-                out[256 * b + 32 * i + j] = dl * _KVF[v & 15]
-                out[256 * b + 32 * i + 16 + j] = dl * _KVF[v >> 4]
+                out[QK_XS * b + 32 * i + j] = dl * _KVF[v & 15]
+                out[QK_XS * b + 32 * i + 16 + j] = dl * _KVF[v >> 4]
 
 
 # --- decode: a 16-entry table lookup per weight --------------------------------------------
@@ -321,7 +324,7 @@ def prep_iq4_x(x, x8, xd, xs8, xsum, xq):
 def iq4_block(qt, o, xq, b, a32, R):
     # a32 (R,) int32 += sum over the 16 nibble bytes of block b at qt[o:o+16R] (lanes
     # across rows) of KVALUES[nibble] xq: two passes of 8 bytes (16 tables; 4 bytes a
-    # pass: 7% slower, 16: register spills)
+    # pass was slower, 16 spill registers)
     for j in range(0, 16, 8):
         if R % 32 == 0:
             kv_dot_acc(xq, 32 * b + j, qt, o + j * R, R, a32, R, 32, 8)
@@ -376,7 +379,7 @@ def matvec_iq4_xs(q, d, sc, xq, xd, out, scratch, s32):
         out[t * R:t * R + n] = acc[:n]
 
 
-# --- prefill and embedding: dequantize from tiles (serial: see q4.py) ---------------------
+# --- prefill and embedding: dequantize from tiles (serial: see base.TiledLinear._dequant_tiles)
 
 @njit(cache=True)
 def dequant_iq4_tiles(q, d, sc, per_d, t0, t1, wt):
@@ -430,7 +433,7 @@ def repack_xs_scales(raw, row0, dst):
     # ls - 32 of every sub-block of raw (rows, nb*136) u8 IQ4_XS -> rows row0.. of
     # dst (nt, nb*8*R) i8 (lanes across rows)
     rows = raw.shape[0]
-    nb = raw.shape[1] // 136
+    nb = raw.shape[1] // XS_BYTES
     R = dst.shape[1] // (nb * 8)
     for t in prange(row0 // R, (row0 + rows - 1) // R + 1):
         r0 = max(0, row0 - t * R)
@@ -439,7 +442,7 @@ def repack_xs_scales(raw, row0, dst):
             for i in range(8):
                 lane = dst[t, (8 * b + i) * R + r0:(8 * b + i) * R + r1]
                 for r in range(r1 - r0):
-                    lane[r] = xs_scale(raw[t * R + r0 - row0 + r], 136 * b, i)
+                    lane[r] = xs_scale(raw[t * R + r0 - row0 + r], XS_BYTES * b, i)
 
 
 class IQ4Linear(TiledLinear):
@@ -490,9 +493,8 @@ class IQ4Linear(TiledLinear):
         rows_iq4(self.q, self.d, self.sc, self.per_d, ids, out)
 
 
-IQ4_NL = WeightFormat("IQ4_NL", 20, 32, 18, "d:f16, qs:u8[16]; x=d*KVALUES[nibble]", IQ4Linear,
+IQ4_NL = WeightFormat("IQ4_NL", "d:f16, qs:u8[16]; x=d*KVALUES[nibble]", IQ4Linear,
                       dequantize_iq4_nl, quantize_iq4_nl, LlamaFileType.MOSTLY_IQ4_NL)
-IQ4_XS = WeightFormat("IQ4_XS", 23, 256, 136,
-                      "d:f16, scales_h:u16, scales_l:u8[4], qs:u8[128]; "
+IQ4_XS = WeightFormat("IQ4_XS", "d:f16, scales_h:u16, scales_l:u8[4], qs:u8[128]; "
                       "x=d*(ls-32)*KVALUES[nibble], ls 6 bits per 32", IQ4Linear,
                       dequantize_iq4_xs, quantize_iq4_xs, LlamaFileType.MOSTLY_IQ4_XS)

@@ -27,6 +27,7 @@ from ..fp import f16_to_f32, get_f16, nearest_int, put_f16
 from .base import (
     TiledLinear,
     WeightFormat,
+    block_sizes,
     release_pages,
     repack_bytes,
     repack_halves,
@@ -34,7 +35,7 @@ from .base import (
 from .q3_k import QK, pack_2bit, put_scale, quantize_x_block, tile_span
 
 f32 = np.float32
-BS = 84                    # bytes per super-block
+BS = block_sizes("Q2_K")[1]   # bytes per super-block
 _CHUNK = 64                # super-blocks per parallel work item of the reference kernels
 
 
@@ -308,8 +309,8 @@ def matvec_q2_k(R):
 
 
 # --- prefill and embedding: dequantize from tiles ----------------------------------------
-# Serial (see q4.py), and no fastmath: the values are gguf's bit for bit, (d sc) q - dmin m
-# with two roundings (no fused multiply-add).
+# Serial (see base.TiledLinear._dequant_tiles), and no fastmath: the values are gguf's
+# bit for bit, (d sc) q - dmin m with two roundings (no fused multiply-add).
 
 @njit(cache=True)
 def dequant_q2_k_tiles(w, sc, d, dmin, t0, t1, wt):
@@ -396,7 +397,6 @@ class Q2KLinear(TiledLinear):
         rows_q2_k(self.w, self.sc, self.d, self.dmin, ids, out)
 
 
-Q2_K = WeightFormat("Q2_K", 10, QK, BS,
-                    "scales:u8[16] (4-bit sc | 4-bit m << 4), qs:u8[64], d:f16, dmin:f16; "
-                    "x=d*sc*q-dmin*m", Q2KLinear, dequantize_q2_k, quantize_q2_k,
+Q2_K = WeightFormat("Q2_K", "scales:u8[16] (4-bit sc | 4-bit m << 4), qs:u8[64], d:f16, "
+                    "dmin:f16; x=d*sc*q-dmin*m", Q2KLinear, dequantize_q2_k, quantize_q2_k,
                     LlamaFileType.MOSTLY_Q2_K)

@@ -29,11 +29,10 @@ from gguf.constants import LlamaFileType
 from numba import njit, prange
 
 from ..fp import f16_to_f32, get_f16, nearest_int, put_f16
-from .base import TiledLinear, WeightFormat, release_pages, repack_halves
+from .base import TiledLinear, WeightFormat, block_sizes, release_pages, repack_halves
 
 f32 = np.float32
-QK = 256                   # weights per super-block
-BS = 110                   # bytes per super-block
+QK, BS = block_sizes("Q3_K")   # weights and bytes per super-block
 GROUP_MAX_EPS = f32(1e-15)
 _CHUNK = 64                # super-blocks per parallel work item of the reference kernels
 
@@ -352,7 +351,8 @@ def matvec_q3_k(R):
 
 
 # --- prefill and embedding: dequantize from tiles ----------------------------------------
-# Serial (see q4.py), and no fastmath: the values are gguf's bit for bit, (d sc) (q - 4).
+# Serial (see base.TiledLinear._dequant_tiles), and no fastmath: the values are gguf's
+# bit for bit, (d sc) (q - 4).
 
 @njit(cache=True)
 def dequant_q3_k_tiles(w, sc, d, t0, t1, wt):
@@ -443,6 +443,6 @@ class Q3KLinear(TiledLinear):
         rows_q3_k(self.w, self.sc, self.d, ids, out)
 
 
-Q3_K = WeightFormat("Q3_K", 11, QK, BS,
-                    "hmask:u8[32], qs:u8[64], scales:u8[12] (6-bit), d:f16; x=d*(sc-32)*(q-4)",
+Q3_K = WeightFormat("Q3_K", "hmask:u8[32], qs:u8[64], scales:u8[12] (6-bit), d:f16; "
+                    "x=d*(sc-32)*(q-4)",
                     Q3KLinear, dequantize_q3_k, quantize_q3_k, LlamaFileType.MOSTLY_Q3_K_M)

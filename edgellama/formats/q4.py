@@ -4,12 +4,8 @@
     Q4_1  20 bytes  d:f16, m:f16, qs:u8[16]  x_j = nibble_j * d + m
 Element j < 16 is the low nibble of qs[j], j >= 16 the high nibble of qs[j - 16].
 
-Runtime tiles (lanes across rows, see base.TiledLinear), shared with Q8_0 (q8_0.py):
-records of 16 rows and G blocks (simd.py's layout; G = record_group(nb)), the rows' f16
-d (and m) of each block, then the blocks' bytes as quads (for Q4, the file's nibble
-bytes). Decode quantizes x to int8 per block (prep_q8_x, as llama.cpp does); decode and
-prefill are one intrinsic, simd.blocks_gemm, which sums q times x8 exactly in int32
-with the CPU's pair-dot instructions and keeps its f32 sums in registers over a row.
+Runtime tiles: records.py's per-32-block records (BlocksLinear), shared with Q8_0; a
+block's quads are the file's 16 nibble bytes.
 """
 from __future__ import annotations
 
@@ -18,12 +14,13 @@ from gguf.constants import LlamaFileType
 from numba import njit, prange
 
 from ..fp import get_f16, put_f16, wrap_u8
-from ..simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, RECORD_ROWS,
-                    TOKENS, blocks_gemm)
-from ..scratch import Scratch
-from .base import TiledLinear, WeightFormat, release_pages
+from ..simd import KIND_Q4_0, KIND_Q4_1
+from .base import WeightFormat, block_sizes
+from .records import BlocksLinear
 
 f32 = np.float32
+Q4_0_BYTES = block_sizes("Q4_0")[1]     # bytes per block of 32
+Q4_1_BYTES = block_sizes("Q4_1")[1]
 
 
 # --- reference quantize / dequantize (bit-exact with ggml's quantize_row_q4_*_ref) ------
@@ -58,7 +55,7 @@ def quantize_q4_0(x, out):
             bad += 1
         d = mx / f32(-8.0)
         idv = f32(1.0) / d if d != 0 else f32(0.0)
-        o = b * 18
+        o = b * Q4_0_BYTES
         if put_f16(out, o, d):
             over += 1
         for j in range(16):
@@ -88,7 +85,7 @@ def quantize_q4_1(x, out):
             bad += 1
         d = (vmax - vmin) / f32(15.0)
         idv = f32(1.0) / d if d != 0 else f32(0.0)
-        o = b * 20
+        o = b * Q4_1_BYTES
         o1 = put_f16(out, o, d)
         o2 = put_f16(out, o + 2, vmin)
         if o1 or o2:
@@ -104,7 +101,7 @@ def quantize_q4_1(x, out):
 def dequantize_q4_0(q, out):
     # q (nb*18,) u8 -> out (nb*32,) f32
     for b in prange(out.size // 32):
-        o = b * 18
+        o = b * Q4_0_BYTES
         d = get_f16(q, o)
         for j in range(16):
             byte = np.int64(q[o + 2 + j])
@@ -116,7 +113,7 @@ def dequantize_q4_0(q, out):
 def dequantize_q4_1(q, out):
     # q (nb*20,) u8 -> out (nb*32,) f32
     for b in prange(out.size // 32):
-        o = b * 20
+        o = b * Q4_1_BYTES
         d = get_f16(q, o)
         m = get_f16(q, o + 2)
         for j in range(16):
@@ -125,281 +122,15 @@ def dequantize_q4_1(q, out):
             out[b * 32 + 16 + j] = d * f32(byte >> 4) + m
 
 
-# --- decode: x quantized to int8 once per matvec, then pair-dot sums ----------------------
-
-# No reciprocal or contraction licence (fastmath=True had both): x * (1/d) must be that
-# product, rounded once, or near-ties round as they like and no model can check the kernels
-@njit(cache=True, fastmath={"nnan", "ninf", "nsz"})
-def prep_q8_x(x, x8, xd, xs8, xsum):
-    # x (n,) f32 -> per block of 32, x quantized as llama.cpp's q8_0 activations:
-    # x8 (n,) int8 = rint(x / xd) in [-127, 127], xd (nb,) the scale, xs8 (nb,) int32
-    # = sum(x8), xsum (nb,) = xd xs8, the sum of x as quantized, for formats with a min
-    # (w = d q + m): the min term must see the same rounded x as the q term, or the
-    # rounding errors e_j are weighted by w_j - m (all one sign, mean |m|) instead of w_j,
-    # as llama.cpp's q8_1 s and q8_K bsums do. An exact float sum(x) here made Q4_1 six
-    # times further from full precision than llama.cpp.
-    for b in range(xd.size):
-        xblk = x[32 * b:32 * b + 32]
-        amax = f32(0)
-        for j in range(32):
-            amax = max(amax, abs(xblk[j]))
-        d = amax / f32(127)
-        inv = f32(1) / d if d > 0 else f32(0)
-        qs = 0
-        for j in range(32):
-            v = int(np.rint(xblk[j] * inv))
-            x8[32 * b + j] = v
-            qs += v
-        xd[b] = d
-        xs8[b] = qs
-        xsum[b] = d * f32(qs)
+class Q4_0Linear(BlocksLinear):
+    kind = KIND_Q4_0
 
 
-# --- prefill: int8 GEMM over the tiles ------------------------------------------------------
-
-@njit(cache=True, parallel=True)
-def prep_q8_rows(x, x8, xd, xs8, xsum):
-    # x (T, n) f32 -> prep_q8_x of each row: x8 (Tp, n) int8, xd, xs8, xsum (Tp, n/32);
-    # rows T..Tp stay as they are (zero: they pad the last group of TOKENS rows)
-    for i in prange(x.shape[0]):
-        prep_q8_x(x[i], x8[i], xd[i], xs8[i], xsum[i])
+class Q4_1Linear(BlocksLinear):
+    kind = KIND_Q4_1
 
 
-@njit(cache=True, parallel=True)
-def prep_q8_split_rows(x, x8, xd, xs8, xsum):
-    # x (T, n) f32 -> 2T rows of int8 activations whose sum is x to about 16 bits: row 2i is
-    # prep_q8_x of x[i], row 2i+1 prep_q8_x of what it rounded away (x[i] - x8 xd, at
-    # most xd/2 a block, so the second rounding error is at most xd/508)
-    n = x.shape[1]
-    for i in prange(x.shape[0]):
-        prep_q8_x(x[i], x8[2 * i], xd[2 * i], xs8[2 * i], xsum[2 * i])
-        r = np.empty(n, f32)
-        for b in range(n // 32):
-            for j in range(32 * b, 32 * b + 32):
-                r[j] = x[i, j] - f32(x8[2 * i, j]) * xd[2 * i, b]
-        prep_q8_x(r, x8[2 * i + 1], xd[2 * i + 1], xs8[2 * i + 1], xsum[2 * i + 1])
-
-
-@njit(cache=True, parallel=True)
-def matmul_blocks(q, x8, xd, xs8, xsum, out, acc, G, kind):
-    # W (nt*R, n) records of a per-32-block format (kind KIND_*, G blocks a record) @ x
-    # (prep_q8_rows; x8 flat (Tp*n,)) -> out (T, dout) = x W^T; acc (nt, TOKENS, R) f32
-    # per-tile sums. A tile's weights (R rows, L2-sized) are read once per group of
-    # TOKENS rows of x.
-    T = out.shape[0]
-    R = acc.shape[2]
-    nb = xd.shape[1]
-    xdf, xs8f, xsumf = xd.reshape(-1), xs8.reshape(-1), xsum.reshape(-1)
-    for t in prange(q.shape[0]):
-        a = acc[t]
-        af = a.reshape(-1)
-        c0 = t * R
-        nc = min(R, out.shape[1] - c0)
-        for t0 in range(0, T, TOKENS):
-            if kind == KIND_Q4_0:
-                blocks_gemm(q[t], x8, xdf, xs8f, xsumf, af, nb, G, t0, TOKENS, KIND_Q4_0, ISA)
-            elif kind == KIND_Q4_1:
-                blocks_gemm(q[t], x8, xdf, xs8f, xsumf, af, nb, G, t0, TOKENS, KIND_Q4_1, ISA)
-            else:
-                blocks_gemm(q[t], x8, xdf, xs8f, xsumf, af, nb, G, t0, TOKENS, KIND_Q8_0, ISA)
-            for k in range(min(TOKENS, T - t0)):
-                out[t0 + k, c0:c0 + nc] = a[k, :nc]
-
-
-class RecordLinear(TiledLinear):
-    """What the record formats (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) share: their tiles q
-    (nt, R/16 * strip bytes) u8, filled by _repack and then the file's pages released;
-    decode's buffers (x quantized to int8 per block of 32 by prep_q8_x, per-tile sums);
-    and prefill as an int8 GEMM: x is quantized to int8 per block of 32, row by row, as
-    decode and llama.cpp do, and each tile of weights is multiplied in place, never
-    dequantized. With fine set, decode and prefill multiply x as two int8 rows, x
-    rounded and the residual rounded again (prep_q8_split_rows), in one pass over the
-    weights: answers closer to full precision than llama.cpp's for the cost of the
-    second row's arithmetic. On this 2-core EPYC (AVX-512 VNNI), Q4_0 8192 x 2048 at T = 512, 2
-    threads: 150-240 GFLOP/s with a pair-dot pass per block against 30-65 for
-    dequantize + BLAS; 480-540 with the float sums in registers (320 with the scales
-    applied in a pass over memory per block, in the same runs); 1054-1155 for
-    16384 x 2048 with records (simd.blocks_gemm)."""
-
-    def tile_spec(self):
-        return {"q": ((self.nt, self.R // RECORD_ROWS * self._strip_bytes()), np.uint8)}
-
-    def _load(self, raws):
-        self._alloc_tiles()
-        row0 = 0
-        for raw in raws:
-            self._repack(raw, row0)
-            release_pages(raw)
-            row0 += raw.shape[0]
-
-    def decode_buffers(self):
-        # (x8, xd, xs8, xsum) of prep_q8_x, and acc (nt, R) f32 per-tile sums
-        n = self.in_features
-        return (np.zeros(n, np.int8), np.zeros(n // 32, f32), np.zeros(n // 32, np.int32),
-                np.zeros(n // 32, f32), np.zeros((self.nt, self.R), f32))
-
-    def _strip_bytes(self) -> int:
-        """Bytes of the records of one strip of 16 rows (a whole row's length)."""
-        raise NotImplementedError
-
-    def _repack(self, raw: np.ndarray, row0: int) -> None:
-        """File rows raw (rows, row_bytes) -> rows row0.. of q."""
-        raise NotImplementedError
-
-    fine = False     # x as int8 plus its int8 residual (Transformer's activations="fine")
-
-    def matvec(self, x, out, scratch=None):
-        if self.fine:
-            self.matmul(x[None], out[None], scratch)
-        else:
-            self._matvec(x, out, scratch)
-
-    def _matvec(self, x, out, scratch):
-        """out (out_features,) = W @ x with x quantized to int8 per block of 32 (prep_q8_x)."""
-        raise NotImplementedError
-
-    def matmul(self, x, out, scratch=None):
-        T, n = x.shape
-        rows = 2 * T if self.fine else T
-        Tp = -(-rows // TOKENS) * TOKENS
-        sc = scratch or Scratch()
-        x8 = sc.get("q8_x8", (Tp, n), np.int8)
-        xd, xsum = sc.get("q8_xd", (Tp, n // 32)), sc.get("q8_xsum", (Tp, n // 32))
-        xs8 = sc.get("q8_xs8", (Tp, n // 32), np.int32)
-        for a in (x8, xd, xsum, xs8):
-            a[rows:] = 0              # rows past x's pad the last group of TOKENS
-        acc = sc.get("q8_acc", (self.nt, TOKENS, self.R))
-        if not self.fine:
-            prep_q8_rows(x, x8, xd, xs8, xsum)
-            self._gemm(x8.reshape(-1), xd, xs8, xsum, out, acc)
-            return
-        prep_q8_split_rows(x, x8, xd, xs8, xsum)
-        parts = sc.get("q8_parts", (rows, out.shape[1]))
-        self._gemm(x8.reshape(-1), xd, xs8, xsum, parts, acc)
-        np.add(parts[0::2], parts[1::2], out=out)
-
-    # a few tokens cost one pass over the tiles, as one does
-    matvecs = matmul
-
-    def _gemm(self, x8, xd, xs8, xsum, out, acc):
-        """out (T, out_features) = x W^T from prep_q8_rows' arrays; acc (nt, TOKENS, R)
-        f32 per-tile scratch."""
-        raise NotImplementedError
-
-
-# --- the records: load, decode, embedding ----------------------------------------------------
-
-def record_group(nb: int) -> int:
-    """Blocks per record for rows of nb blocks: 8 (256 weights), or the largest power of 2
-    that divides nb."""
-    g = 8
-    while nb % g:
-        g //= 2
-    return g
-
-
-@njit(cache=True, parallel=True)
-def repack_blocks(raw, row0, q, G, kind):
-    # rows raw (rows, nb*bs) u8 of a per-32-block format (kind KIND_*) -> rows row0.. of
-    # the tiles q (nt, R/16 * nb*bb) u8 (bb = BLOCK_BYTES[kind]): row t*R + r is
-    # lane r % 16 of strip r // 16, its block b block b % G of record strip*nb/G + b // G
-    nq = BLOCK_QUADS[kind] // 16                     # quant bytes per row and block
-    bs = nq + (4 if kind == KIND_Q4_1 else 2)
-    rows = raw.shape[0]
-    nb = raw.shape[1] // bs
-    bb = BLOCK_BYTES[kind]
-    R = q.shape[1] // (nb * bb) * RECORD_ROWS
-    for t in prange(row0 // R, (row0 + rows - 1) // R + 1):
-        r0 = max(0, row0 - t * R)
-        r1 = min(R, row0 + rows - t * R)
-        qt = q[t]
-        for r in range(r0, r1):
-            row = raw[t * R + r - row0]
-            lane = r % RECORD_ROWS
-            for b in range(nb):
-                o = b * bs
-                k = b % G
-                rec = (r // RECORD_ROWS * (nb // G) + b // G) * G * bb
-                for i in range(2):
-                    qt[rec + 32 * k + 2 * lane + i] = row[o + i]
-                    if kind == KIND_Q4_1:
-                        qt[rec + 32 * G + 32 * k + 2 * lane + i] = row[o + 2 + i]
-                dst = rec + BLOCK_HEAD[kind] * G + BLOCK_QUADS[kind] * k + 4 * lane
-                for j in range(nq):
-                    qt[dst + 64 * (j >> 2) + (j & 3)] = row[o + bs - nq + j]
-
-
-@njit(cache=True, parallel=True)
-def matvec_blocks(q, x8, xd, xs8, xsum, out, acc, G, kind):
-    # W (nt*R, n) records of a per-32-block format @ x (prep_q8_x) -> out (d,);
-    # acc (nt, R) f32 per-tile sums
-    R = acc.shape[1]
-    for t in prange(q.shape[0]):
-        if kind == KIND_Q4_0:
-            blocks_gemm(q[t], x8, xd, xs8, xsum, acc[t], xd.size, G, 0, 1, KIND_Q4_0, ISA)
-        elif kind == KIND_Q4_1:
-            blocks_gemm(q[t], x8, xd, xs8, xsum, acc[t], xd.size, G, 0, 1, KIND_Q4_1, ISA)
-        else:
-            blocks_gemm(q[t], x8, xd, xs8, xsum, acc[t], xd.size, G, 0, 1, KIND_Q8_0, ISA)
-        n = min(R, out.size - t * R)
-        out[t * R:t * R + n] = acc[t, :n]
-
-
-@njit(cache=True, fastmath=True)
-def rows_blocks(q, ids, out, G, kind):
-    # records of a per-32-block format, ids (T,) -> out (T, n) f32 dequantized rows
-    nb = out.shape[1] // 32
-    bb = BLOCK_BYTES[kind]
-    R = q.shape[1] // (nb * bb) * RECORD_ROWS
-    for i in range(ids.size):
-        t = ids[i] // R
-        lane = ids[i] % R % RECORD_ROWS
-        row = out[i]
-        for b in range(nb):
-            k = b % G
-            rec = q[t, (ids[i] % R // RECORD_ROWS * (nb // G) + b // G) * G * bb:]
-            dd = get_f16(rec, 32 * k + 2 * lane)
-            qs = rec[BLOCK_HEAD[kind] * G + BLOCK_QUADS[kind] * k + 4 * lane:]
-            y = row[32 * b:32 * b + 32]
-            if kind == KIND_Q8_0:
-                for j in range(32):
-                    y[j] = f32(np.int8(qs[64 * (j >> 2) + (j & 3)])) * dd
-            else:
-                mm = get_f16(rec, 32 * G + 32 * k + 2 * lane) if kind == KIND_Q4_1 else dd * f32(-8)
-                for j in range(16):
-                    v = qs[64 * (j >> 2) + (j & 3)]
-                    y[j] = f32(v & 15) * dd + mm
-                    y[16 + j] = f32(v >> 4) * dd + mm
-
-
-class BlocksLinear(RecordLinear):
-    """Q4_0, Q4_1 and Q8_0 in records of 16 rows and G blocks (simd.py's layout)."""
-    KINDS = {"Q4_0": KIND_Q4_0, "Q4_1": KIND_Q4_1, "Q8_0": KIND_Q8_0}
-
-    def _setup(self, fmt, splits, in_features):
-        super()._setup(fmt, splits, in_features)
-        self.kind = self.KINDS[self.type_name]
-        self.group = record_group(self.in_features // 32)
-
-    def _strip_bytes(self):
-        return self.in_features // 32 * BLOCK_BYTES[self.kind]
-
-    def _repack(self, raw, row0):
-        repack_blocks(raw, row0, self.q, self.group, self.kind)
-
-    def _matvec(self, x, out, scratch):
-        x8, xd, xs8, xsum, acc = self._buffers(scratch)
-        prep_q8_x(x, x8, xd, xs8, xsum)
-        matvec_blocks(self.q, x8, xd, xs8, xsum, out, acc, self.group, self.kind)
-
-    def _gemm(self, x8, xd, xs8, xsum, out, acc):
-        matmul_blocks(self.q, x8, xd, xs8, xsum, out, acc, self.group, self.kind)
-
-    def _rows(self, ids, out):
-        rows_blocks(self.q, ids, out, self.group, self.kind)
-
-
-Q4_0 = WeightFormat("Q4_0", 2, 32, 18, "d:f16, qs:u8[16]; x=(nibble-8)*d", BlocksLinear,
+Q4_0 = WeightFormat("Q4_0", "d:f16, qs:u8[16]; x=(nibble-8)*d", Q4_0Linear,
                     dequantize_q4_0, quantize_q4_0, LlamaFileType.MOSTLY_Q4_0)
-Q4_1 = WeightFormat("Q4_1", 3, 32, 20, "d:f16, m:f16, qs:u8[16]; x=nibble*d+m", BlocksLinear,
+Q4_1 = WeightFormat("Q4_1", "d:f16, m:f16, qs:u8[16]; x=nibble*d+m", Q4_1Linear,
                     dequantize_q4_1, quantize_q4_1, LlamaFileType.MOSTLY_Q4_1)

@@ -14,15 +14,12 @@ records of 16 rows and one super-block (layout in simd.py, Q4K_*): the rows' d a
 their 6-bit sc and m decoded to bytes, then each sub-block's nibbles re-paired into Q4_0
 order (byte j holds elements j and j+16) as quads of the 16 rows. 4.625 bits per weight
 resident (4.5 in the file). Decode and prefill are one intrinsic, simd.q4k_gemm: per
-sub-block the exact int32 sum(q x8) (x8 from q4.prep_q8_x), weighted by sc and m in f32
+sub-block the exact int32 sum(q x8) (x8 from records.prep_q8_x), weighted by sc and m in f32
 registers, then by d and dmin once per super-block.
 Why records: a strip of 16 rows reads one address-ordered run holding everything its
-sums need. Read from DRAM (16 matrices of 16384 x 2048, this 2-core VM, 2 threads, Q4_0
-in the same runs, before Q4_0 became records too), decode reads 1.08-1.12x Q4_0's
-bytes/s, against 0.70-0.77x with the earlier tiles (per sub-block 16 R bytes of quads
-then sc and m, a pair-dot pass over the rows and the scales applied in a second pass).
-Prefill (16384 x 2048, T = 512): one thread 580 GFLOP/s (Q4_0 590), two 1162-1169
-(Q4_0 1157-1163).
+sums need; the earlier tiles (per sub-block 16 R bytes of quads then sc and m, a
+pair-dot pass over the rows and the scales applied in a second pass) were slower
+("Q4_K records", bench/results/design_measurements.json).
 """
 from __future__ import annotations
 
@@ -33,11 +30,12 @@ from numba import njit, prange
 from ..fp import get_f16, nearest_int, put_f16
 from ..simd import (ISA, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH, Q5K_RECORD,
                     RECORD_ROWS, TOKENS, q4k_gemm)
-from .base import WeightFormat
-from .q4 import RecordLinear, prep_q8_x
+from .base import WeightFormat, block_sizes
+from .records import RecordLinear, prep_q8_x
 
 f32 = np.float32
-QK_K = 256
+QK_K, Q4K_BYTES = block_sizes("Q4_K")   # weights and bytes per super-block
+Q5K_BYTES = block_sizes("Q5_K")[1]       # repack_k serves both
 _CHUNK = 64                 # super-blocks per parallel work item of the quantizers
 
 
@@ -54,9 +52,8 @@ def get_scale_min_k4(q, o, j):
 
 
 # Q4_K and Q5_K run ggml's make_qkx2_quants (q2_k.py has it one sub-block at a time) on
-# 8 _G sub-blocks at once, one per SIMD lane: a (4096, 3072) f32 matrix, 2 threads, this
-# VM: Q4_K 18-20 -> 71-76 M values/s, Q5_K 22-27 -> 84-90 M/s (one sub-block at a time
-# -> lanes); _G = 2 or 8 measured 34 and 53 M/s.
+# 8 _G sub-blocks at once, one per SIMD lane: several times faster than one sub-block at
+# a time, _G = 4 the best ("K-quant lanes", bench/results/design_measurements.json).
 _G = 4                      # super-blocks per lane group of quantize_k_group
 _S = 8 * _G                 # its sub-blocks, one per lane
 
@@ -254,11 +251,11 @@ def quantize_q4_k(x, out):
         end = min(nb, (c + 1) * _CHUNK)
         for b0 in range(c * _CHUNK, end, _G):
             nbg = min(_G, end - b0)
-            bd, ov = quantize_k_group(x, b0, nbg, 15, f32(-1.0), f32(0.1), 20, out, 144, ws)
+            bd, ov = quantize_k_group(x, b0, nbg, 15, f32(-1.0), f32(0.1), 20, out, Q4K_BYTES, ws)
             bad += bd
             over += ov
             for g in range(nbg):
-                o = (b0 + g) * 144
+                o = (b0 + g) * Q4K_BYTES
                 for p in range(4):
                     for i in range(32):
                         out[o + 16 + 32 * p + i] = (Lq[g, 64 * p + i]
@@ -270,7 +267,7 @@ def quantize_q4_k(x, out):
 def dequantize_q4_k(q, out):
     # q (nb*144,) u8 -> out (nb*256,) f32, bit-exact with gguf-py
     for b in prange(out.size // QK_K):
-        o = b * 144
+        o = b * Q4K_BYTES
         dsc = np.empty(8, f32)
         msc = np.empty(8, f32)
         k_scales(q, o + 4, get_f16(q, o), get_f16(q, o + 2), dsc, msc)
@@ -317,7 +314,7 @@ def repack_k(raw, row0, q, bs, record):
                     for i in range(16):
                         qt[dst + 64 * (i >> 2) + (i & 3)] = (
                             ((row[src + i] >> sh) & 15) | (((row[src + 16 + i] >> sh) & 15) << 4))
-                    if bs == 176:                    # bit j of qh[e]: element e's fifth bit
+                    if bs == Q5K_BYTES:                    # bit j of qh[e]: element e's fifth bit
                         hw = rec + Q5K_QH + 64 * j + 4 * lane
                         for e in range(32):
                             h, g, i = e >> 4, (e >> 2) & 3, e & 3
@@ -342,7 +339,7 @@ def matvec_k(q, x8, xd, xsum, out, acc, bits):
 
 @njit(cache=True, parallel=True)
 def matmul_k(q, x8, xd, xsum, out, acc, bits):
-    # W (nt*R, n) Q4_K or Q5_K tiles @ x (q4.prep_q8_rows; x8 flat (Tp*n,)) -> out (T, dout)
+    # W (nt*R, n) Q4_K or Q5_K tiles @ x (records.prep_q8_rows; x8 flat (Tp*n,)) -> out (T, dout)
     # = x W^T; acc (nt, TOKENS, R) f32 per-tile sums
     T = out.shape[0]
     R = acc.shape[2]
@@ -395,7 +392,7 @@ def rows_k(q, ids, out, record):
 class Q4KLinear(RecordLinear):
     """Q4_K in records of 16 rows and one super-block (simd.py's Q4K_* layout); Q5_K
     (q5_k.py) is this with BITS 5 (its fifth bits after the nibbles)."""
-    BITS, BLOCK_BYTES, RECORD = 4, 144, Q4K_RECORD
+    BITS, BLOCK_BYTES, RECORD = 4, Q4K_BYTES, Q4K_RECORD
 
     def _strip_bytes(self):
         return self.in_features // QK_K * self.RECORD
@@ -415,7 +412,6 @@ class Q4KLinear(RecordLinear):
         rows_k(self.q, ids, out, self.RECORD)
 
 
-Q4_K = WeightFormat("Q4_K", 12, QK_K, 144,
-                    "d:f16, dmin:f16, scales:u8[12] (6-bit sc, m per 32), qs:u8[128]; "
-                    "x=d*sc*nibble-dmin*m", Q4KLinear,
+Q4_K = WeightFormat("Q4_K", "d:f16, dmin:f16, scales:u8[12] (6-bit sc, m per 32), "
+                    "qs:u8[128]; x=d*sc*nibble-dmin*m", Q4KLinear,
                     dequantize_q4_k, quantize_q4_k, LlamaFileType.MOSTLY_Q4_K_M)

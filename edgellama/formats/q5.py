@@ -24,10 +24,13 @@ from gguf.constants import LlamaFileType
 from numba import njit, prange
 
 from ..fp import f16_to_f32, get_f16, put_f16, wrap_u8
-from .base import TiledLinear, WeightFormat, release_pages, repack_halves
-from .q4 import prep_q8_x, signed_absmax
+from .base import TiledLinear, WeightFormat, block_sizes, release_pages, repack_halves
+from .q4 import signed_absmax
+from .records import prep_q8_x
 
 f32 = np.float32
+Q5_0_BYTES = block_sizes("Q5_0")[1]     # bytes per block of 32
+Q5_1_BYTES = block_sizes("Q5_1")[1]
 
 
 # --- reference quantize / dequantize (bit-exact with ggml's quantize_row_q5_*_ref) ------
@@ -61,7 +64,7 @@ def quantize_q5_0(x, out):
             bad += 1
         d = mx / f32(-16.0)
         idv = f32(1.0) / d if d != 0 else f32(0.0)
-        o = b * 22
+        o = b * Q5_0_BYTES
         if put_f16(out, o, d):
             over += 1
         qh = np.uint32(0)
@@ -93,7 +96,7 @@ def quantize_q5_1(x, out):
             bad += 1
         d = (vmax - vmin) / f32(31.0)
         idv = f32(1.0) / d if d != 0 else f32(0.0)
-        o = b * 24
+        o = b * Q5_1_BYTES
         o1 = put_f16(out, o, d)
         o2 = put_f16(out, o + 2, vmin)
         if o1 or o2:
@@ -117,7 +120,7 @@ def _u5(q, o, j):
 def dequantize_q5_0(q, out):
     # q (nb*22,) u8 -> out (nb*32,) f32
     for b in prange(out.size // 32):
-        o = b * 22
+        o = b * Q5_0_BYTES
         d = get_f16(q, o)
         for j in range(32):
             out[b * 32 + j] = d * f32(_u5(q, o + 2, j) - 16)
@@ -127,7 +130,7 @@ def dequantize_q5_0(q, out):
 def dequantize_q5_1(q, out):
     # q (nb*24,) u8 -> out (nb*32,) f32
     for b in prange(out.size // 32):
-        o = b * 24
+        o = b * Q5_1_BYTES
         d = get_f16(q, o)
         m = get_f16(q, o + 2)
         for j in range(32):
@@ -170,7 +173,7 @@ def repack_q5(raw, row0, bs, off, dst):
 
 @njit(cache=True)
 def prep_q5_x(x, x8, xd, xs8, xsum, c, xm5):
-    # x (n,) f32 -> q4.prep_q8_x's int8 x8 per block of 32 (scale xd, sums xs8 and
+    # x (n,) f32 -> records.prep_q8_x's int8 x8 per block of 32 (scale xd, sums xs8 and
     # xsum) and from it c (nb*40,) int16, the 4 coefficients of
     # each of the 10 words of a block (module docstring), and xm5 (nb*2,) int16 =
     # -16 sum(xq) per group of 16, so that a group sums to sum((u - 16) xq): within
@@ -270,7 +273,7 @@ def matvec_q5(w, d, m, has_m, c, xd, xm5, xsum, out, scratch, s16):
         out[t * R:t * R + n] = acc[:n]
 
 
-# --- prefill and embedding: dequantize from tiles (serial: see q4.py) ---------------------
+# --- prefill and embedding: dequantize from tiles (serial: see base.TiledLinear._dequant_tiles)
 
 @njit(cache=True, inline="always")
 def _value(u, d, m, has_m):
@@ -399,7 +402,7 @@ class Q5Linear(TiledLinear):
         rows_q5(self.w, self.d, self.m, self.has_m, ids, out)
 
 
-Q5_0 = WeightFormat("Q5_0", 6, 32, 22, "d:f16, qh:u32, qs:u8[16]; x=(nibble|qh_bit<<4 - 16)*d",
+Q5_0 = WeightFormat("Q5_0", "d:f16, qh:u32, qs:u8[16]; x=(nibble|qh_bit<<4 - 16)*d",
                     Q5Linear, dequantize_q5_0, quantize_q5_0, LlamaFileType.MOSTLY_Q5_0)
-Q5_1 = WeightFormat("Q5_1", 7, 32, 24, "d:f16, m:f16, qh:u32, qs:u8[16]; x=(nibble|qh_bit<<4)*d+m",
+Q5_1 = WeightFormat("Q5_1", "d:f16, m:f16, qh:u32, qs:u8[16]; x=(nibble|qh_bit<<4)*d+m",
                     Q5Linear, dequantize_q5_1, quantize_q5_1, LlamaFileType.MOSTLY_Q5_1)

@@ -7,12 +7,10 @@ q and the 6-bit scales as in Q4_K (q4_k.py); h, the fifth bit, is bit s of qh[e]
 Runtime tiles: q4_k.py's records (Q4KLinear with BITS 5), each sub-block's fifth bits
 after the nibble quads, one 32-bit word per row (layout in simd.py, Q5K_*); decode and
 prefill are simd.q4k_gemm, which ors the fifth bits into the nibbles in registers.
-5.625 bits per weight resident (5.5 in the file).
-Measured on this 2-core EPYC VM (AVX-512 VNNI), 16 matrices of 16384 x 2048, Q4_0 in
-the same runs: decode from DRAM 1.14x Q4_0's bytes/s with 1 or 2 threads, against
-0.64-0.74x for the tiles the records replaced (ten u16 words of three 5-bit values per
-row and sub-block, summed in int16 lanes); prefill (T = 512) 1039-1061 GFLOP/s with 2
-threads (Q4_0 1041-1163), where those tiles were dequantized for BLAS at 219-221.
+5.625 bits per weight resident (5.5 in the file). Records replaced tiles of ten u16
+words of three 5-bit values per row and sub-block, summed in int16 lanes, and
+dequantized for BLAS in prefill: both slower ("Q5_K records",
+bench/results/design_measurements.json).
 """
 from __future__ import annotations
 
@@ -23,7 +21,7 @@ from numba import njit, prange
 from ..fp import get_f16
 from ..simd import Q5K_RECORD
 from .base import WeightFormat
-from .q4_k import _CHUNK, _G, QK_K, Q4KLinear, k_group_scratch, k_scales, quantize_k_group
+from .q4_k import _CHUNK, _G, Q5K_BYTES, QK_K, Q4KLinear, k_group_scratch, k_scales, quantize_k_group
 
 f32 = np.float32
 
@@ -43,11 +41,11 @@ def quantize_q5_k(x, out):
         end = min(nb, (c + 1) * _CHUNK)
         for b0 in range(c * _CHUNK, end, _G):
             nbg = min(_G, end - b0)
-            bd, ov = quantize_k_group(x, b0, nbg, 31, f32(-0.5), f32(0.1), 15, out, 176, ws)
+            bd, ov = quantize_k_group(x, b0, nbg, 31, f32(-0.5), f32(0.1), 15, out, Q5K_BYTES, ws)
             bad += bd
             over += ov
             for g in range(nbg):
-                o = (b0 + g) * 176
+                o = (b0 + g) * Q5K_BYTES
                 L = Lq[g]
                 for i in range(32):
                     h = 0
@@ -64,7 +62,7 @@ def quantize_q5_k(x, out):
 def dequantize_q5_k(q, out):
     # q (nb*176,) u8 -> out (nb*256,) f32, bit-exact with gguf-py
     for b in prange(out.size // QK_K):
-        o = b * 176
+        o = b * Q5K_BYTES
         dsc = np.empty(8, f32)
         msc = np.empty(8, f32)
         k_scales(q, o + 4, get_f16(q, o), get_f16(q, o + 2), dsc, msc)
@@ -80,10 +78,9 @@ def dequantize_q5_k(q, out):
 
 class Q5KLinear(Q4KLinear):
     """Q5_K in Q4_K's records, with the fifth bits (simd.py's Q5K_* layout)."""
-    BITS, BLOCK_BYTES, RECORD = 5, 176, Q5K_RECORD
+    BITS, BLOCK_BYTES, RECORD = 5, Q5K_BYTES, Q5K_RECORD
 
 
-Q5_K = WeightFormat("Q5_K", 13, QK_K, 176,
-                    "d:f16, dmin:f16, scales:u8[12] (6-bit sc, m per 32), qh:u8[32], "
-                    "qs:u8[128]; x=d*sc*(nibble+16*bit)-dmin*m", Q5KLinear,
+Q5_K = WeightFormat("Q5_K", "d:f16, dmin:f16, scales:u8[12] (6-bit sc, m per 32), "
+                    "qh:u8[32], qs:u8[128]; x=d*sc*(nibble+16*bit)-dmin*m", Q5KLinear,
                     dequantize_q5_k, quantize_q5_k, LlamaFileType.MOSTLY_Q5_K_M)

@@ -11,23 +11,15 @@ records of 16 rows and one super-block (layout in simd.py, Q6K_*): the rows' d, 
 int8 scales, then per block of 32 weights 16 bytes of nibbles (byte j: the low 4 bits of
 elements j and 16 + j, as Q4_0) and 8 of crumbs (byte j: the high 2 bits of elements j,
 j + 8, j + 16, j + 24), both as quads of the strip's rows. 6.625 bits per weight resident
-(6.5625 in the file). Decode quantizes x to int8 per 32 (q4.prep_q8_x, as the other
+(6.5625 in the file). Decode quantizes x to int8 per 32 (records.prep_q8_x, as the other
 pair-dot formats; llama.cpp uses one scale per 256 for Q6_K); decode and prefill are one
 intrinsic, simd.q6_gemm, which rebuilds the 6-bit values in registers, sums
 scale * (q - 32) * x8 over each block exactly in int32, and keeps its f32 sums in
 registers over a whole row.
 Why crumbs: a crumb quad serves two nibble quads with a shift and a mask each, so the
 6-bit values cost no more loads than their bytes. Why records: as Q4_K's (q4_k.py), one
-address-ordered run per strip of rows with its scales in it.
-Measured on this 2-core EPYC VM (AVX-512 VNNI), 128256 x 2048 (the 1B output matrix)
-read from DRAM, Q4_0 in the same runs: decode 0.94-1.04x Q4_0's bytes/s with 2 threads,
-against 0.70-0.81x for the tiles the records replaced (per block of 32: 26 R bytes of
-quads then the two scales, d apart; the sums per block written to memory and scaled in
-a Numba loop). Prefill (16384 x 2048, T = 512): one thread 461 GFLOP/s, two 926-929
-(Q4_0 590 and 1157-1163).
-Earlier, against the int16 words the crumbs replaced: decode one thread 24.0-25.0 GB/s
-(words 18.1-21.4); prefill of an 8192 x 2048 matrix, T = 512, one thread 435-453
-GFLOP/s, two threads 622-832 when quiet (the words' dequantize + BLAS 192-220).
+address-ordered run per strip of rows with its scales in it. Both replaced slower
+layouts ("Q6_K records", bench/results/design_measurements.json).
 """
 from __future__ import annotations
 
@@ -37,12 +29,11 @@ from numba import njit, prange
 
 from ..fp import get_f16, nearest_int, put_f16
 from ..simd import ISA, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS, TOKENS, q6_gemm
-from .base import WeightFormat
-from .q4 import RecordLinear, prep_q8_x
+from .base import WeightFormat, block_sizes
+from .records import RecordLinear, prep_q8_x
 
 f32 = np.float32
-QK = 256                   # weights per super-block
-BS = 210                   # bytes per super-block
+QK, BS = block_sizes("Q6_K")   # weights and bytes per super-block
 GROUP_MAX_EPS = f32(1e-15)
 _CHUNK = 64                # super-blocks per parallel work item of the reference kernels
 
@@ -243,7 +234,7 @@ def sums16(x8, xs16):
 
 @njit(cache=True, parallel=True)
 def matvec_q6_k(q, x8, xd, xs16, out, acc):
-    # W (nt*R, n) Q6_K tiles @ x (q4.prep_q8_x, xs16 its sums per 16) -> out (d,);
+    # W (nt*R, n) Q6_K tiles @ x (records.prep_q8_x, xs16 its sums per 16) -> out (d,);
     # acc (nt, R) f32 per-tile sums
     R = acc.shape[1]
     for t in prange(q.shape[0]):
@@ -254,7 +245,7 @@ def matvec_q6_k(q, x8, xd, xs16, out, acc):
 
 @njit(cache=True, parallel=True)
 def matmul_q6_k(q, x8, xd, xs16, out, acc):
-    # W (nt*R, n) Q6_K tiles @ x (q4.prep_q8_rows; x8 flat (Tp*n,), xs16 its sums per 16)
+    # W (nt*R, n) Q6_K tiles @ x (records.prep_q8_rows; x8 flat (Tp*n,), xs16 its sums per 16)
     # -> out (T, dout) = x W^T; acc (nt, TOKENS, R) f32 per-tile sums
     T = out.shape[0]
     R = acc.shape[2]
@@ -332,6 +323,6 @@ class Q6KLinear(RecordLinear):
         rows_q6_k(self.q, ids, out)
 
 
-Q6_K = WeightFormat("Q6_K", 14, QK, BS,
-                    "ql:u8[128], qh:u8[64], scales:i8[16], d:f16; x=d*scale*(q6-32)",
+Q6_K = WeightFormat("Q6_K", "ql:u8[128], qh:u8[64], scales:i8[16], d:f16; "
+                    "x=d*scale*(q6-32)",
                     Q6KLinear, dequantize_q6_k, quantize_q6_k, LlamaFileType.MOSTLY_Q6_K)

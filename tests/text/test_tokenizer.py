@@ -19,7 +19,7 @@ from edgellama.gguf import GGUFFile
 from edgellama.tokenizer import (CONTROL, LLAMA3_PATTERN, USER_DEFINED, StreamDecoder,
                                  Tokenizer)
 
-sys.path.insert(0, str(Path(__file__).parent / "data"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "data"))
 from make_corpus import CORPUS_PATH, build_corpus  # noqa: E402
 
 LLAMA3_STOPS = {128001, 128008, 128009}  # <|end_of_text|>, <|eom_id|>, <|eot_id|>

@@ -13,7 +13,7 @@ alarm, and a per-case time limit, so a hang or a huge allocation is a failure, n
 stuck test run. Files that once found bugs live in tests/data/fuzz_seeds/ and are run
 first.
 
-    python tests/test_fuzz_gguf.py OUT_DIR [--save-failures]   # the child, by hand
+    python tests/gguf/test_fuzz_gguf.py OUT_DIR [--save-failures]   # the child, by hand
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-HERE = Path(__file__).parent
-SEEDS = HERE / "data" / "fuzz_seeds"
+TESTS = Path(__file__).parents[1]     # the shared helpers and data
+SEEDS = TESTS / "data" / "fuzz_seeds"
 SEED = 20240611
 MEM_LIMIT = 4 << 30          # address space of the child (numba + numpy need ~1.5 GB)
 CASE_SECONDS = 2.0           # slowest acceptable case
@@ -247,7 +247,7 @@ def mutated_templates(source: str, n: int, seed: int):
 
 # -- mutations ---------------------------------------------------------------------
 def base_file(tmp: Path) -> bytes:
-    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(TESTS))
     from tiny_gguf import TINY_VOCAB, write_tiny_gguf
     p = write_tiny_gguf(tmp / "base.gguf", "Q4_1", dim=32, layers=1, heads=2, kv_heads=1, ffn=32,
                         vocab=TINY_VOCAB, ctx=64, tied=False, embed_type="Q8_0", tokenizer=True)

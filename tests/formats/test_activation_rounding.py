@@ -16,7 +16,7 @@ import pytest
 
 from edgellama.formats import FORMATS, linear
 from edgellama.formats import quantize as quantize_rows
-from edgellama.formats.q4 import RecordLinear
+from edgellama.formats.records import RecordLinear
 
 EPS = np.finfo(np.float32).eps
 

@@ -11,7 +11,7 @@ simd.py adds in int16. A model that saturates or wraps shows the caller's bound 
 import numpy as np
 import pytest
 
-from edgellama.formats.q4 import prep_q8_x
+from edgellama.formats.records import prep_q8_x
 
 
 def _sat16(v):

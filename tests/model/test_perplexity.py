@@ -20,7 +20,7 @@ from edgellama.errors import EdgeError
 from reference import load_reference, reference_forward
 from tiny_gguf import TINY_VOCAB, write_tiny_gguf
 
-TEXT = (Path(__file__).resolve().parents[1] / "bench/data/alice.txt").read_text()[:3000]
+TEXT = (Path(__file__).resolve().parents[2] / "bench/data/alice.txt").read_text()[:3000]
 CTX = 16
 
 

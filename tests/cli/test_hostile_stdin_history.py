@@ -17,7 +17,6 @@ import pytest
 
 from edgellama.cli import chat_input
 from edgellama.jit import kernel_cache_dir
-from test_robustness_cli import tiny  # noqa: F401 (the fixture: a tiny chat model)
 
 EXE = shutil.which("edgellama")
 ENV = dict(os.environ, NUMBA_NUM_THREADS="2")
@@ -40,31 +39,31 @@ def error_line(res) -> str:
 
 
 @pytest.mark.parametrize("stdin", ["null", "closed"])
-def test_generate_without_a_prompt_and_no_input_says_how_to_give_one(tiny, stdin):
-    line = error_line(run(["generate", "-m", tiny], stdin))
+def test_generate_without_a_prompt_and_no_input_says_how_to_give_one(tiny_chat, stdin):
+    line = error_line(run(["generate", "-m", tiny_chat], stdin))
     assert "no prompt" in line and "--prompt" in line and "-f FILE" in line, line
     assert ("closed" if stdin == "closed" else os.devnull) in line
 
 
 @pytest.mark.parametrize("flag", [["-p", "-"], ["-f", "-"]])
-def test_generate_asked_to_read_a_closed_input_says_so(tiny, flag):
-    line = error_line(run(["generate", "-m", tiny, *flag], "closed"))
+def test_generate_asked_to_read_a_closed_input_says_so(tiny_chat, flag):
+    line = error_line(run(["generate", "-m", tiny_chat, *flag], "closed"))
     assert "standard input is closed" in line and "--prompt" in line, line
 
 
-def test_generate_reading_dev_null_on_purpose_still_answers_its_empty_prompt(tiny):
-    res = run(["generate", "-m", tiny, "-p", "-", "-n", "2", "--temp", "0"], "null")
+def test_generate_reading_dev_null_on_purpose_still_answers_its_empty_prompt(tiny_chat):
+    res = run(["generate", "-m", tiny_chat, "-p", "-", "-n", "2", "--temp", "0"], "null")
     assert res.returncode == 0, res.stderr
 
 
 @pytest.mark.parametrize("stdin", ["null", "closed", ""])
-def test_chat_with_no_input_says_so(tiny, stdin):
-    line = error_line(run(["chat", "-m", tiny], stdin))
+def test_chat_with_no_input_says_so(tiny_chat, stdin):
+    line = error_line(run(["chat", "-m", tiny_chat], stdin))
     assert "no input" in line and "generate --prompt" in line and "-f FILE" in line, line
 
 
-def test_chat_with_piped_messages_still_runs(tiny):
-    res = run(["chat", "-m", tiny, "-n", "2", "--temp", "0"], "hello\n")
+def test_chat_with_piped_messages_still_runs(tiny_chat):
+    res = run(["chat", "-m", tiny_chat, "-n", "2", "--temp", "0"], "hello\n")
     assert res.returncode == 0 and "error" not in res.stderr, res.stderr
 
 
@@ -154,12 +153,12 @@ def test_a_readable_history_is_read_and_written(monkeypatch, tmp_path):
     assert fresh.history_warning is None
 
 
-def test_chat_warns_once_and_leaves_a_non_utf8_history_alone(tiny, tmp_path):
+def test_chat_warns_once_and_leaves_a_non_utf8_history_alone(tiny_chat, tmp_path):
     history = tmp_path / "chat_history"
     old = b"\xff\xfe not UTF-8, the user's\n"
     history.write_bytes(old)
     env = dict(ENV, EDGELLAMA_CACHE=str(tmp_path), NUMBA_CACHE_DIR=str(kernel_cache_dir()))
-    c = pexpect.spawn(EXE, ["chat", "-m", str(tiny), "-n", "2", "--temp", "0"], env=env,
+    c = pexpect.spawn(EXE, ["chat", "-m", str(tiny_chat), "-n", "2", "--temp", "0"], env=env,
                       encoding="utf-8", timeout=180, dimensions=(50, 250))
     c.expect_exact(">>> ")
     banner = c.before

@@ -31,13 +31,6 @@ EXE = shutil.which("edgellama")
 ENV = dict(os.environ, NUMBA_NUM_THREADS="2")
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    """A tiny llama GGUF with a small gpt2 tokenizer and a ChatML template (fast to run)."""
-    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", "Q8_0", dim=32, layers=1,
-                           heads=2, kv_heads=1, ffn=32, vocab=TINY_VOCAB, ctx=64, tokenizer=True)
-
-
 def run(*args, stdin: bytes | None = None, timeout=240) -> subprocess.CompletedProcess:
     assert EXE, "the edgellama command is not on PATH: pip install -e . first"
     return subprocess.run([EXE, *map(str, args)], input=stdin, capture_output=True,
@@ -84,14 +77,14 @@ def test_directory_given_as_model(tmp_path):
         edgellama.load(tmp_path)
 
 
-def test_path_through_a_file(tiny):
-    res = invoke("generate", "-m", tiny / "x.gguf", "-p", "hi")
+def test_path_through_a_file(tiny_chat):
+    res = invoke("generate", "-m", tiny_chat / "x.gguf", "-p", "hi")
     assert_user_error(res, "x.gguf", "cannot read: Not a directory")
 
 
-def test_unreadable_model(tmp_path, tiny, monkeypatch):
+def test_unreadable_model(tmp_path, tiny_chat, monkeypatch):
     p = tmp_path / "locked.gguf"
-    shutil.copy(tiny, p)
+    shutil.copy(tiny_chat, p)
     p.chmod(0)
     if os.geteuid() == 0:
         # root reads a chmod 000 file anyway: make the open fail the way it does for a user
@@ -105,33 +98,33 @@ def test_unreadable_model(tmp_path, tiny, monkeypatch):
     assert_user_error(invoke("generate", "-m", p, "-p", "hi"), "locked.gguf", "permission denied")
 
 
-def test_truncated_model(tmp_path, tiny):
+def test_truncated_model(tmp_path, tiny_chat):
     p = tmp_path / "half.gguf"
-    p.write_bytes(tiny.read_bytes()[: tiny.stat().st_size // 2])
+    p.write_bytes(tiny_chat.read_bytes()[: tiny_chat.stat().st_size // 2])
     assert_user_error(invoke("generate", "-m", p, "-p", "hi"), "half.gguf", "truncated")
 
 
 # -- engine options ----------------------------------------------------------------
-def test_context_larger_than_the_model(tiny):
-    assert_user_error(invoke("generate", "-m", tiny, "-p", "hi", "--ctx", 65), "--ctx 65", "64 tokens")
-    assert_user_error(invoke("generate", "-m", tiny, "-p", "hi", "--ctx", 0), "--ctx must be at least 1")
+def test_context_larger_than_the_model(tiny_chat):
+    assert_user_error(invoke("generate", "-m", tiny_chat, "-p", "hi", "--ctx", 65), "--ctx 65", "64 tokens")
+    assert_user_error(invoke("generate", "-m", tiny_chat, "-p", "hi", "--ctx", 0), "--ctx must be at least 1")
 
 
-def test_context_larger_than_memory(tiny, monkeypatch):
+def test_context_larger_than_memory(tiny_chat, monkeypatch):
     import edgellama.model
     monkeypatch.setattr(edgellama.model, "available_memory", lambda: 1 << 10)
-    assert_user_error(invoke("generate", "-m", tiny, "-p", "hi", "--ctx", 64),
+    assert_user_error(invoke("generate", "-m", tiny_chat, "-p", "hi", "--ctx", 64),
                       "context of 64 tokens needs", "MiB of KV cache", "smaller --ctx")
 
 
 @pytest.mark.parametrize("threads, needle", [("0", "--threads must be at least 1"),
                                              ("100000", "more than the")])
-def test_threads_out_of_range(tiny, threads, needle):
-    assert_user_error(invoke("generate", "-m", tiny, "-p", "hi", "--threads", threads), needle)
+def test_threads_out_of_range(tiny_chat, threads, needle):
+    assert_user_error(invoke("generate", "-m", tiny_chat, "-p", "hi", "--threads", threads), needle)
 
 
-def test_threads_not_a_number_is_a_usage_error(tiny):
-    res = invoke("generate", "-m", tiny, "-p", "hi", "--threads", "many")
+def test_threads_not_a_number_is_a_usage_error(tiny_chat):
+    res = invoke("generate", "-m", tiny_chat, "-p", "hi", "--threads", "many")
     assert res.exit_code == 2 and "Traceback" not in res.output
 
 
@@ -145,27 +138,30 @@ def test_threads_not_a_number_is_a_usage_error(tiny):
     ("--repeat-penalty", "0", "repeat penalty must be > 0"),
     ("--top-k", "-3", "top-k must be >= 0"),
 ])
-def test_invalid_sampling_values(tiny, flag, value, needle):
-    assert_user_error(invoke("generate", "-m", tiny, "-p", "hi", flag, value), "invalid sampling value", needle)
+def test_invalid_sampling_values(tiny_chat, flag, value, needle):
+    assert_user_error(invoke("generate", "-m", tiny_chat, "-p", "hi", flag, value),
+                      "invalid sampling value", needle)
 
 
-def test_prompt_longer_than_the_context(tiny):
-    assert_user_error(invoke("generate", "-m", tiny, "-p", "hello the world " * 40, "--ctx", 32),
+def test_prompt_longer_than_the_context(tiny_chat):
+    assert_user_error(invoke("generate", "-m", tiny_chat, "-p", "hello the world " * 40, "--ctx", 32),
                       "longer than the context of 32 tokens")
-    assert_user_error(invoke("generate", "-m", tiny, "-p", "hello the world " * 40, "--ctx", 32, "--raw"),
+    long = "hello the world " * 40
+    assert_user_error(invoke("generate", "-m", tiny_chat, "-p", long, "--ctx", 32, "--raw"),
                       "longer than the context of 32 tokens")
 
 
-def test_empty_prompt(tiny):
+def test_empty_prompt(tiny_chat):
     # with the chat template an empty message still makes a prompt: it answers
-    res = invoke("generate", "-m", tiny, "-p", "", "--temp", "0", "-n", "2")
+    res = invoke("generate", "-m", tiny_chat, "-p", "", "--temp", "0", "-n", "2")
     assert res.exit_code == 0, res.output
     # raw, there is nothing to continue from
-    assert_user_error(invoke("generate", "-m", tiny, "-p", "", "--raw", "-n", "2"), "the prompt is empty")
+    assert_user_error(invoke("generate", "-m", tiny_chat, "-p", "", "--raw", "-n", "2"),
+                      "the prompt is empty")
 
 
-def test_generate_works(tiny):
-    res = invoke("generate", "-m", tiny, "-p", "hello", "--temp", "0", "-n", "3")
+def test_generate_works(tiny_chat):
+    res = invoke("generate", "-m", tiny_chat, "-p", "hello", "--temp", "0", "-n", "3")
     assert res.exit_code == 0, res.output
     assert "generation:" in res.stderr
 
@@ -197,8 +193,8 @@ def test_hostile_chat_template_through_the_cli(tmp_path):
     assert not marker.exists()
 
 
-def test_chat_with_garbage_bytes_on_stdin(tiny):
-    res = run("chat", "-m", tiny, "--temp", "0", "-n", "4",
+def test_chat_with_garbage_bytes_on_stdin(tiny_chat):
+    res = run("chat", "-m", tiny_chat, "--temp", "0", "-n", "4",
               stdin=b"\xff\xfe hello \x1b[31m\n\x00\x07\n/stats\n\xc3\x28 the \x9b end\n")
     assert res.returncode == 0, res.stderr
     assert b"Traceback" not in res.stderr and b"error" not in res.stderr, res.stderr
@@ -313,10 +309,10 @@ def test_convert_ctrl_c_keeps_existing_output(hf, tmp_path, monkeypatch):
 
 
 # -- hostile input, the runtime's half (issue 12) -----------------------------------
-def _tiny_with(tiny: Path, path: Path, **keys) -> Path:
+def _tiny_with(tiny_chat: Path, path: Path, **keys) -> Path:
     """The tiny model with metadata keys set: key=(gguf value type, value)."""
     from test_fuzz_gguf import _set, parse, serialize
-    doc = parse(tiny.read_bytes())
+    doc = parse(tiny_chat.read_bytes())
     for key, (vtype, value) in keys.items():
         doc = _set(doc, key.replace("__", "."), vtype, value)
     path.write_bytes(serialize(doc)[0])
@@ -334,13 +330,13 @@ def test_fifo_or_device_as_model_is_refused_at_once(tmp_path):
                       "is a character device, not a regular file")
 
 
-def test_token_array_larger_than_the_embedding_is_refused_first(tiny, tmp_path, monkeypatch):
+def test_token_array_larger_than_the_embedding_is_refused_first(tiny_chat, tmp_path, monkeypatch):
     from test_fuzz_gguf import ARR, I32, STR, _kv, parse
     import edgellama.tokenizer
-    doc = parse(tiny.read_bytes())
+    doc = parse(tiny_chat.read_bytes())
     tokens, types = _kv(doc, "tokenizer.ggml.tokens").value[1], _kv(doc, "tokenizer.ggml.token_type").value[1]
     n = 300_000
-    p = _tiny_with(tiny, tmp_path / "vocab.gguf",
+    p = _tiny_with(tiny_chat, tmp_path / "vocab.gguf",
                    tokenizer__ggml__tokens=(ARR, (STR, tokens + [f"t{i}" for i in range(n)])),
                    tokenizer__ggml__token_type=(ARR, (I32, types + [1] * n)))
 
@@ -353,9 +349,9 @@ def test_token_array_larger_than_the_embedding_is_refused_first(tiny, tmp_path, 
     assert time.perf_counter() - t0 < 5
 
 
-def test_bad_sampling_defaults_in_the_file_are_ignored_with_a_warning(tiny, tmp_path):
+def test_bad_sampling_defaults_in_the_file_are_ignored_with_a_warning(tiny_chat, tmp_path):
     from test_fuzz_gguf import F32, STR
-    p = _tiny_with(tiny, tmp_path / "sampling.gguf", general__sampling__temp=(F32, float("nan")),
+    p = _tiny_with(tiny_chat, tmp_path / "sampling.gguf", general__sampling__temp=(F32, float("nan")),
                    general__sampling__top_p=(F32, 2.0), general__sampling__top_k=(STR, "40"))
     res = invoke("generate", "-m", p, "-p", "hello", "-n", "4")
     assert res.exit_code == 0, res.output
@@ -365,30 +361,30 @@ def test_bad_sampling_defaults_in_the_file_are_ignored_with_a_warning(tiny, tmp_
                         "warning: ignoring the file's general.sampling.top_k: it is not a number (str)",
                         "warning: ignoring the file's general.sampling.top_p = 2: top-p must be in (0, 1]"]
     # the command line overrides the file, valid or not: greedy here, greedy there
-    greedy = invoke("generate", "-m", tiny, "-p", "hello", "-n", "8", "--temp", "0")
+    greedy = invoke("generate", "-m", tiny_chat, "-p", "hello", "-n", "8", "--temp", "0")
     assert invoke("generate", "-m", p, "-p", "hello", "-n", "8", "--temp", "0").stdout == greedy.stdout
-    q = _tiny_with(tiny, tmp_path / "greedy.gguf", general__sampling__temp=(F32, 0.0))
+    q = _tiny_with(tiny_chat, tmp_path / "greedy.gguf", general__sampling__temp=(F32, 0.0))
     assert invoke("generate", "-m", q, "-p", "hello", "-n", "8").stdout == greedy.stdout
     hot = invoke("generate", "-m", q, "-p", "hello", "-n", "8", "--temp", "5", "--top-k", "0",
                  "--top-p", "1", "--min-p", "0", "--seed", "1")
     assert hot.exit_code == 0 and hot.stdout != greedy.stdout
 
 
-def test_seed_minus_one_is_a_random_seed(tiny):
-    res = invoke("generate", "-m", tiny, "-p", "hello", "-n", "3", "--seed", "-1")
+def test_seed_minus_one_is_a_random_seed(tiny_chat):
+    res = invoke("generate", "-m", tiny_chat, "-p", "hello", "-n", "3", "--seed", "-1")
     assert res.exit_code == 0, res.output
-    res = invoke("generate", "-m", tiny, "-p", "hello", "--seed", "-2")
+    res = invoke("generate", "-m", tiny_chat, "-p", "hello", "--seed", "-2")
     assert res.exit_code == 2 and "'--seed': -2 is not in the range x>=-1" in res.stderr
     with pytest.raises(EdgeError, match="seed must be >= 0"):
         SamplingParams(seed=-1)
 
 
-def test_chat_context_too_small_for_the_template(tiny):
-    res = CliRunner().invoke(main, ["chat", "-m", str(tiny), "--ctx", "2"], input="hello\n")
+def test_chat_context_too_small_for_the_template(tiny_chat):
+    res = CliRunner().invoke(main, ["chat", "-m", str(tiny_chat), "--ctx", "2"], input="hello\n")
     assert_user_error(res, "a context of 2 tokens is too small for this model's chat template",
                       "an empty message already takes", "use --ctx")
     assert "Compiling" not in res.stderr
-    res = CliRunner().invoke(main, ["chat", "-m", str(tiny), "--ctx", "20", "-s", "be brief " * 20],
+    res = CliRunner().invoke(main, ["chat", "-m", str(tiny_chat), "--ctx", "20", "-s", "be brief " * 20],
                              input="hello\n")
     assert_user_error(res, "an empty message with the system prompt already takes",
                       "leaves no room for a reply")
@@ -403,8 +399,8 @@ def test_bench_context_that_cannot_fit_is_refused_before_generating(tmp_path, mo
     assert not (tmp_path / "bench").exists()
 
 
-def test_closed_pipe_ends_quietly(tiny):
-    proc = subprocess.Popen([EXE, "generate", "-m", str(tiny), "-p", "hello", "--raw", "-n", "60",
+def test_closed_pipe_ends_quietly(tiny_chat):
+    proc = subprocess.Popen([EXE, "generate", "-m", str(tiny_chat), "-p", "hello", "--raw", "-n", "60",
                              "--temp", "2", "--top-k", "0", "--ctx", "64"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
     proc.stdout.read(1)             # `| head -c 1`
@@ -414,12 +410,12 @@ def test_closed_pipe_ends_quietly(tiny):
     assert err == b"", err          # no "Exception ignored", no "error: Broken pipe"
 
 
-def _escaping_generation(tiny, n: int = 60) -> tuple[bytes, list[str]]:
+def _escaping_generation(tiny_chat, n: int = 60) -> tuple[bytes, list[str]]:
     """A `generate --raw -p hello` command whose output holds an ESC, and that output's
     bytes (found with the API: the first seed that makes one)."""
     import edgellama
     from edgellama.cli.options import sampling_from
-    llm = edgellama.load(tiny, threads=1)
+    llm = edgellama.load(tiny_chat, threads=1)
     ids = llm.tokenizer.encode("hello")
     for seed in range(100):
         flags = {"temperature": 3.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.5,
@@ -427,21 +423,21 @@ def _escaping_generation(tiny, n: int = 60) -> tuple[bytes, list[str]]:
         toks = llm.generate(ids, max_tokens=n, sampling=sampling_from(llm.default_sampling(), flags))
         out = b"hello" + b"".join(llm.tokenizer.shown_bytes(t) for t in toks)
         if b"\x1b" in out:
-            return out, ["generate", "-m", str(tiny), "-p", "hello", "--raw", "-n", str(n), "--temp", "3",
-                         "--top-k", "0", "--top-p", "1", "--min-p", "0", "--repeat-penalty", "1.5",
-                         "--seed", str(seed)]
+            return out, ["generate", "-m", str(tiny_chat), "-p", "hello", "--raw", "-n", str(n),
+                         "--temp", "3", "--top-k", "0", "--top-p", "1", "--min-p", "0",
+                         "--repeat-penalty", "1.5", "--seed", str(seed)]
     raise AssertionError("no seed makes the tiny model write an escape character")
 
 
-def test_raw_output_to_a_pipe_is_byte_exact(tiny):
-    expected, cli = _escaping_generation(tiny)
+def test_raw_output_to_a_pipe_is_byte_exact(tiny_chat):
+    expected, cli = _escaping_generation(tiny_chat)
     res = run(*cli)
     assert res.returncode == 0, res.stderr
     assert res.stdout == expected
 
 
-def test_terminal_output_neutralises_control_characters(tiny):
-    expected, cli = _escaping_generation(tiny)
+def test_terminal_output_neutralises_control_characters(tiny_chat):
+    expected, cli = _escaping_generation(tiny_chat)
     master, slave = pty.openpty()
     proc = subprocess.Popen([EXE, *cli], stdout=slave, stderr=subprocess.PIPE, env=ENV)
     os.close(slave)
@@ -510,13 +506,13 @@ def test_kernel_cache_changes_with_an_intrinsic(monkeypatch):
     before = jit.kernel_cache_dir()
     assert jit.kernel_cache_dir() == before                 # stable
     read = Path.read_bytes
-    for name in ("simd.py", "fp.py", "q4.py"):              # intrinsics, and a kernel file
+    for name in ("simd.py", "fp.py", "records.py"):              # intrinsics, and a kernel file
         monkeypatch.setattr(Path, "read_bytes",
                             lambda self, n=name: read(self) + (b"#" if self.name == n else b""))
         assert jit.kernel_cache_dir() != before, name
 
 
-def test_unwritable_cache_and_home_still_run(tiny, tmp_path):
+def test_unwritable_cache_and_home_still_run(tiny_chat, tmp_path):
     """Read-only home (and install): kernels compile in memory, with one note."""
     home = tmp_path / "home"
     home.write_text("not a directory: nothing can be created under it, not even by root")
@@ -526,7 +522,7 @@ def test_unwritable_cache_and_home_still_run(tiny, tmp_path):
                           "print(type(k.rmsnorm._cache).__name__)"],
                          capture_output=True, text=True, timeout=600, env=env)
     assert res.stdout.strip() == "NullCache", res.stderr     # nothing written beside the sources
-    res = subprocess.run([EXE, "generate", "-m", str(tiny), "-p", "hello", "-n", "3"],
+    res = subprocess.run([EXE, "generate", "-m", str(tiny_chat), "-p", "hello", "-n", "3"],
                          capture_output=True, text=True, timeout=600, env=env)
     assert res.returncode == 0, res.stderr
     notes = [ln for ln in res.stderr.splitlines() if ln.startswith("note: ")]

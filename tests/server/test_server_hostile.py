@@ -4,7 +4,7 @@ stopping the server while requests wait or stream. The contract: a 4xx with one 
 OpenAI-shaped message naming what was wrong, no 5xx, no traceback in the log, no hang.
 
 Most cases drive the ASGI app in this process (tests/server_asgi.py); the rest run the
-real command and use the `openai` client, as tests/test_server.py does.
+real command and use the `openai` client, as tests/server/test_server.py does.
 """
 from __future__ import annotations
 

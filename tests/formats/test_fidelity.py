@@ -30,7 +30,7 @@ from gguf.quants import dequantize
 import edgellama
 from edgellama.formats import FORMATS, type_name
 from edgellama.formats import quantize as quantize_rows
-from edgellama.formats.q4 import RecordLinear
+from edgellama.formats.records import RecordLinear
 from edgellama.gguf import GGUFFile
 from edgellama.gguf_write import GGUFStreamWriter
 from edgellama.perplexity import log_softmax

@@ -141,7 +141,7 @@ def test_convert_every_type(tiny, tiny_weights, llama3_tokenizer_json, tmp_path,
     # bits per weight count tensor data only, not the 128k-token vocabulary
     assert s.bits_per_weight == pytest.approx(sum(int(t.n_bytes) for t in r.tensors) * 8 / s.n_params)
 
-    # rope_freqs from the llama3 formula (DESIGN §3)
+    # rope_freqs from the llama3 rope-scaling formula
     _, rf = _tensor(r, "rope_freqs.weight")
     sc = LLAMA3_SCALING
     want = []

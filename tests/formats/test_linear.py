@@ -1,0 +1,67 @@
+"""The per-32-block record formats (Q4_0, Q4_1, Q8_0; every format's Linear is checked
+against its NumPy twin in test_conformance.py): decode exact when x is on the
+int8 grid, and the file's pages released after the repack.
+"""
+import mmap
+
+import numpy as np
+from format_cases import check
+from gguf import GGMLQuantizationType as G
+from gguf.quants import dequantize, quantize
+
+from edgellama.formats import linear
+
+
+def make(type_, shape, seed=0):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal(shape).astype(np.float32)
+    w[0, :] *= 1e-6              # tiny scales: f16 subnormal block scales
+    data = quantize(w, type_)    # uint8 (out, row bytes) as stored in a GGUF file
+    ref = dequantize(data, type_).astype(np.float64).reshape(shape)
+    data.setflags(write=False)
+    return linear(int(type_), [(data, shape)]), ref
+
+
+def test_int8_activation_quantization_is_exact_on_grid():
+    # x already on the int8 grid of each block (amax = 127 * 2^k): no rounding, so the
+    # integer block sums must give the float answer to float32 summation accuracy.
+    shape = (300, 256)
+    rng = np.random.default_rng(3)
+    x = rng.integers(-127, 128, shape[1]).astype(np.float32)
+    x[::32] = 127
+    x *= np.float32(2.0 ** -5)
+    for t in (G.Q4_0, G.Q4_1, G.Q8_0):
+        lin, ref = make(t, shape)
+        out = np.empty(shape[0], np.float32)
+        lin.matvec(x, out)
+        check(out, ref, x)
+
+
+def _rss_file():
+    # resident pages of file mappings in this process (bytes)
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("RssFile:"))
+
+
+def test_repack_releases_file_pages(tmp_path):
+    # Weights read from a file mmap are repacked; the mapping's pages are dropped from
+    # the process but the data stays intact in the file and in the tiles.
+    shape = (1024, 4096)
+    make(G.Q4_0, (64, 64))       # JIT / cache load outside the RSS window
+    data = quantize(np.random.default_rng(0).standard_normal(shape).astype(np.float32), G.Q4_0)
+    path = tmp_path / "w.bin"
+    path.write_bytes(b"\0" * 100 + data.tobytes())
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    view = np.frombuffer(mm, np.uint8, count=data.size, offset=100)
+    assert int(view.sum()) == int(data.sum())                 # all pages now resident
+    rss0 = _rss_file()
+    lin = linear(int(G.Q4_0), [(view, shape)])
+    assert rss0 - _rss_file() > data.nbytes // 2              # the file's pages are out
+    np.testing.assert_array_equal(view, data.reshape(-1))   # refaults from the file
+    x = np.ones(shape[1], np.float32)
+    out = np.zeros(shape[0], np.float32)
+    lin.matvec(x, out)
+    check(out, dequantize(data, G.Q4_0).astype(np.float64), x, x_quantized=True)
+    del view
+    mm.close()
