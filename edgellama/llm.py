@@ -117,12 +117,14 @@ class LLM:
 
     def generate(self, ids: list[int], max_tokens: int = 256,
                  sampling: SamplingParams | None = None,
-                 stop_ids: set[int] | None = None) -> Iterator[int]:
+                 stop_ids: set[int] | None = None,
+                 pick: Callable[[np.ndarray, list[int]], int] | None = None) -> Iterator[int]:
         """Yield generated token ids; stops at a stop token (not yielded), after
         max_tokens, or when the context is full. Closing the iterator early (or
-        Ctrl-C) keeps the sequence consistent (its tokens are those of its cache)."""
-        sampling = sampling or self.default_sampling()
-        sampler = Sampler(sampling)
+        Ctrl-C) keeps the sequence consistent (its tokens are those of its cache).
+        pick(logits, history) -> token replaces sampling with `sampling` (the server's
+        per-request hook: grammar masks, logprobs)."""
+        sampler = pick or Sampler(sampling or self.default_sampling())
         stops = self.tokenizer.stop_ids if stop_ids is None else stop_ids
         logits = self._prefill(list(ids))
         history = list(ids)
