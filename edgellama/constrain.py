@@ -46,6 +46,11 @@ _tokenizers: dict[int, tuple[Tokenizer, llguidance.LLTokenizer]] = {}
 _tokenizers_lock = threading.Lock()
 
 
+class GrammarError(EdgeError):
+    """The grammar failed while generating (a step over its limits, a rule that never
+    ends): the request's grammar is at fault, not the server."""
+
+
 class _Vocabulary(llguidance.TokenizerWrapper):
     """What llguidance.LLTokenizer reads from a tokenizer: token bytes, special ids, EOS."""
 
@@ -123,9 +128,13 @@ class Constraint:
         if not allowed.any():
             raise EdgeError("the grammar matches nothing: no reply could satisfy it")
 
-    def _check(self, what: str) -> None:
+    def _check(self, what: str, error_type: type[EdgeError] = EdgeError) -> None:
         if self.matcher.is_error():
-            raise EdgeError(f"{what}: {self.matcher.get_error().splitlines()[0][:300]}")
+            error = self.matcher.get_error()
+            if "NoExtensionBias" in error:   # llguidance's name for a rule that never ends
+                raise error_type("the grammar matches nothing: one of its rules can never "
+                                 "finish (every expansion refers to itself)")
+            raise error_type(f"{what}: {error.splitlines()[0][:300]}")
 
     def allowed(self) -> np.ndarray:
         """(vocab_size,) bool: the tokens that may come next."""
@@ -136,15 +145,16 @@ class Constraint:
         """Set the logits (V,) of forbidden tokens to -inf, in place (V may exceed the
         tokenizer's vocabulary: the padding rows are forbidden too)."""
         allowed = self.allowed()
-        self._check("the grammar stopped")
+        self._check("the grammar failed while generating", GrammarError)
         logits[self.vocab_size:] = -np.inf
         np.putmask(logits[:self.vocab_size], ~allowed, -np.inf)
 
     def advance(self, token: int) -> None:
         """Move past `token`, which mask() allowed."""
         if not self.matcher.consume_token(token):
-            self._check("the grammar refused the sampled token")
-            raise EdgeError(f"the grammar refused the sampled token {token}")
+            self._check("the grammar failed while generating (it may match only endless "
+                        "text)", GrammarError)
+            raise GrammarError(f"the grammar refused the sampled token {token}")
 
     @property
     def complete(self) -> bool:

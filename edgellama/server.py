@@ -51,7 +51,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .errors import EdgeError
-from .constrain import Constraint, gbnf_grammar, json_object_grammar, json_schema_grammar
+from .constrain import Constraint, GrammarError, gbnf_grammar, json_object_grammar, json_schema_grammar
 from .llm import LLM
 from .sampling import Sampler, SamplingParams, log_probs
 from .tokenizer import StreamDecoder
@@ -580,6 +580,9 @@ class Engine:
                 job = self._running = self._waiting.popleft()
             try:
                 self._generate(job)
+            except GrammarError as e:   # the request's grammar gave up mid-reply
+                job.emit("error", ApiError(400, str(e), job.params.grammar_param,
+                                           "invalid_grammar"))
             except EdgeError as e:   # the model, not the request (that was checked)
                 job.emit("error", ApiError(500, str(e)))
             except Exception:  # noqa: BLE001 - one request fails, the server stays up
@@ -703,10 +706,14 @@ def _completion_logprobs(entries: list[dict]) -> dict:
     """Chat logprob entries in the completions endpoint's (legacy) shape."""
     tokens = [e["token"] for e in entries]
     offsets = np.cumsum([0] + [len(t) for t in tokens[:-1]]).tolist() if tokens else []
+    tops = []
+    for e in entries:   # a dict by text: tokens that share one (pieces of a UTF-8
+        top = {}        # character all read U+FFFD) keep the likeliest
+        for t in e["top_logprobs"]:
+            top.setdefault(t["token"], t["logprob"])
+        tops.append(top)
     return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]}
-                             for e in entries],
-            "text_offset": offsets}
+            "top_logprobs": tops, "text_offset": offsets}
 
 
 def _sse(data: Any) -> str:
