@@ -29,6 +29,7 @@ import numpy as np
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from .errors import EdgeError
+from .sampling import Sampler
 from .tokenizer import CONTROL, Tokenizer
 
 # Compact JSON with single spaces after ':' and ',': how models write JSON, and no
@@ -111,6 +112,19 @@ def gbnf_grammar(text: str) -> str:
     except Exception as e:  # noqa: BLE001 - the converter's parse errors have no common base
         raise EdgeError(f"cannot read this GBNF grammar: {str(e).splitlines()[0][:300]}") from None
     return llguidance.grammar_from("lark", lark)
+
+
+def sample(sampler: Sampler, logits: np.ndarray, history: list[int],
+           constraint: Constraint | None = None) -> tuple[int, np.ndarray]:
+    """One token: the sampler's penalties, the constraint's mask, the sampler's draw, the
+    constraint moved past the token. Returns the token and the logits it was drawn from."""
+    adjusted = sampler.adjusted(logits, history)
+    if constraint is not None:
+        constraint.mask(adjusted)
+    tok = sampler.pick(adjusted)
+    if constraint is not None:
+        constraint.advance(tok)
+    return tok, adjusted
 
 
 class Constraint:

@@ -51,7 +51,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .errors import EdgeError
-from .constrain import Constraint, GrammarError, gbnf_grammar, json_object_grammar, json_schema_grammar
+from .constrain import (Constraint, GrammarError, gbnf_grammar, json_object_grammar,
+                        json_schema_grammar, sample)
 from .llm import LLM
 from .sampling import Sampler, SamplingParams, log_probs
 from .tokenizer import StreamDecoder
@@ -490,18 +491,13 @@ def sample_token(job: Job, logits: np.ndarray, history: list[int]) -> int:
     the job's grammar mask (-inf on what the grammar forbids), its sampler; records the
     token's logprobs if asked (from these adjusted logits, before temperature: see
     sampling.log_probs) and advances the grammar past the token."""
-    adjusted = job.sampler.adjusted(logits, history)
-    if job.constraint is not None:
-        job.constraint.mask(adjusted)
-    tok = job.sampler.pick(adjusted)
+    tok, adjusted = sample(job.sampler, logits, history, job.constraint)
     top = job.params.top_logprobs
     if top is not None:
         lp = log_probs(adjusted)
         best = np.argsort(-lp, kind="stable")[:top] if top else []
         job.logprobs.append((tok, float(lp[tok]), [(int(i), float(lp[i])) for i in best
                                                    if np.isfinite(lp[i])]))
-    if job.constraint is not None:
-        job.constraint.advance(tok)
     return tok
 
 

@@ -492,3 +492,17 @@ def test_langchain_bind_tools_and_structured_output(url):
     jsonschema.validate(out, SCHEMAS[0])
     out = llm.with_structured_output(schema, method="function_calling").invoke("A person.")
     jsonschema.validate(out, SCHEMAS[0])
+
+
+def test_python_api_grammar_and_tool_parser(tiny):
+    """LLM.generate(grammar=...) and edgellama.parse_tool_calls: the server's own pieces."""
+    import edgellama
+    llm = tiny.llm   # no request is running: the engine thread is idle
+    schema = tool_call_schema([WEATHER])
+    ids = llm.chat.encode_messages([{"role": "user", "content": "Oslo?"}], tools=[WEATHER])
+    out = llm.generate(ids, max_tokens=150, grammar=edgellama.json_schema_grammar(schema),
+                       sampling=edgellama.SamplingParams(temperature=1.0, seed=7))
+    text = llm.tokenizer.decode(list(out))
+    assert llm.stats.stop_reason == "stop"
+    (call,) = edgellama.parse_tool_calls(text, {"get_weather"})
+    jsonschema.validate(call.arguments, WEATHER["function"]["parameters"])
