@@ -227,7 +227,6 @@ def test_gbnf_grammar_field(tiny):
     assert text.split(" ")[0] in ("yes", "no") and text.split(" ")[1].isdigit(), text
 
 
-@pytest.mark.slow
 def test_json_object_and_schemas_on_smollm2(smollm2_gguf):
     """The real model: json_object (unbounded) and the schemas, at its own sampling."""
     app = ServerUnderTest(smollm2_gguf)
@@ -506,3 +505,15 @@ def test_python_api_grammar_and_tool_parser(tiny):
     assert llm.stats.stop_reason == "stop"
     (call,) = edgellama.parse_tool_calls(text, {"get_weather"})
     jsonschema.validate(call.arguments, WEATHER["function"]["parameters"])
+
+
+def test_auto_tool_choice_streams_plain_answers_as_content(tiny):
+    """With tools offered, a reply that does not start like a call streams as content."""
+    evs = events(chat(tiny, "hi", tools=[WEATHER], stream=True, temperature=0, max_tokens=8))
+    deltas = [e["choices"][0]["delta"] for e in evs if e["choices"]]
+    text = "".join(d.get("content") or "" for d in deltas)
+    unstreamed = chat(tiny, "hi", tools=[WEATHER], temperature=0, max_tokens=8).json()
+    assert text == unstreamed["choices"][0]["message"]["content"]
+    assert text.strip()[:1] not in ("{", "[")   # the greedy reply is not call-shaped
+    assert not any(d.get("tool_calls") for d in deltas)
+    assert evs[-1]["choices"][0]["finish_reason"] == "length"
