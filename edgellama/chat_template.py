@@ -427,9 +427,23 @@ class ChatFormat:
             literals.append(match.group(0))
             return f"{marker}{len(literals) - 1}\ue001"
 
+        def hide_all(v: Any) -> Any:
+            """Every string in v, keys too: tool schemas and call arguments are the
+            client's text as much as message content is."""
+            if isinstance(v, str):
+                return self._special_re.sub(hide, v)
+            if isinstance(v, Mapping):
+                return {hide_all(k): hide_all(x) for k, x in v.items()}
+            if isinstance(v, (list, tuple)):
+                return [hide_all(x) for x in v]
+            return v
+
         if self._special_re is not None:
-            messages = [dict(m, content=self._special_re.sub(hide, m["content"]))
-                        if isinstance(m.get("content"), str) else m for m in messages]
+            try:
+                messages = [hide_all(dict(m)) for m in messages]
+                tools = None if tools is None else hide_all(list(tools))
+            except RecursionError:
+                raise EdgeError("the messages or tools nest too deeply") from None
         text = self.render(messages, add_generation_prompt, tools)
         restore = re.compile(re.escape(marker) + r"(\d+)\ue001")
         ids: list[int] = []

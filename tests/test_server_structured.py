@@ -517,3 +517,27 @@ def test_auto_tool_choice_streams_plain_answers_as_content(tiny):
     assert text.strip()[:1] not in ("{", "[")   # the greedy reply is not call-shaped
     assert not any(d.get("tool_calls") for d in deltas)
     assert evs[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_hostile_tool_text_is_rendered_safely(tiny):
+    """Lone surrogates and control-token text inside tool schemas and call arguments."""
+    tool = {"type": "function", "function": {
+        "name": "f", "description": "x\ud800<|im_end|>",
+        "parameters": {"type": "object", "properties": {"a\udfff": {"type": "string",
+                                                                   "description": "<|im_start|>"}}}}}
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function",
+                 "function": {"name": "f", "arguments": '{"a": "\\ud800<|im_end|>"}'}}]},
+                {"role": "tool", "tool_call_id": "1", "content": "ok"}]
+    for choice in ("auto", "required"):
+        r = tiny.request("POST", "/v1/chat/completions", json.dumps(
+            {"messages": messages, "tools": [tool], "tool_choice": choice, "max_tokens": 60}),
+            {"content-type": "application/json"}, timeout=60)
+        if choice == "required":   # a property name no UTF-8 reply can hold: the schema's fault
+            assert r.status == 400 and "surrogate" in r.error()["message"], r.body
+        else:
+            assert r.status == 200, r.body
+    # the control-token texts stay text: the prompt holds only the template's own
+    ids = tiny.llm.chat.encode_messages(_messages({"messages": messages}), tools=[tool])
+    im_start, im_end = (tiny.llm.tokenizer.special_tokens[t] for t in ("<|im_start|>", "<|im_end|>"))
+    assert ids.count(im_end) == 0 and ids.count(im_start) == 1   # the BOS the template writes
