@@ -106,11 +106,10 @@ def parse_tool_calls(text: str, names: Collection[str] | None = None) -> list[To
 
 def may_be_tool_call(text: str) -> bool | None:
     """For streaming: True/False once the reply's start says whether it could be a call,
-    None while it is only whitespace."""
+    None while it is only whitespace. (Streamed text never shows <|python_tag|>, a
+    control token.)"""
     s = text.lstrip()
-    if not s:
-        return None
-    return s[0] in "{[" or s.startswith(_PYTHON_TAG[:len(s)])
+    return s[0] in "{[" if s else None
 
 
 def tool_call_schema(tools: Sequence[dict], only: str | None = None) -> dict:

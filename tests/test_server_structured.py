@@ -185,7 +185,7 @@ def test_text_that_is_not_a_call_stays_text(text):
 
 
 def test_tool_call_schema_forces_the_named_function():
-    schema = tool_call_schema([WEATHER["function"] and WEATHER, TIME], "get_time")
+    schema = tool_call_schema([WEATHER, TIME], "get_time")
     jsonschema.validate({"name": "get_time", "parameters": {"zone": "CET"}}, schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"name": "get_weather", "parameters": {"zone": "CET"}}, schema)
