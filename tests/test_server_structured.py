@@ -121,6 +121,16 @@ def test_constraint_walks_a_valid_reply_through_tokens_that_span_symbols(smol_to
     assert set(allowed) <= set(tok.stop_ids) and allowed.size   # only the end can follow
 
 
+def test_json_object_grammar_takes_any_object_and_only_objects(smol_tokenizer):
+    tok = smol_tokenizer
+    c = Constraint(tok, json_object_grammar())
+    assert not c.allowed()[tok.encode("[")[0]] and not c.allowed()[tok.encode('"')[0]]
+    for i in tok.encode('{"a": [1, {"b": null}], "c": "d\\n"}'):
+        assert c.allowed()[i], tok.token_bytes(i)
+        c.advance(i)
+    assert c.complete
+
+
 def test_constraint_forbids_what_the_schema_does_not_allow(smol_tokenizer):
     tok = smol_tokenizer
     c = Constraint(tok, json_schema_grammar(SCHEMAS[0]))
