@@ -30,7 +30,7 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from .errors import EdgeError
 from .sampling import Sampler
-from .tokenizer import CONTROL, Tokenizer
+from .tokenizer import BYTE, NORMAL, USER_DEFINED, Tokenizer
 
 # Compact JSON with single spaces after ':' and ',': how models write JSON, and no
 # freedom to emit whitespace forever (a flexible-whitespace grammar lets a small model
@@ -57,7 +57,9 @@ class _Vocabulary(llguidance.TokenizerWrapper):
 
     def __init__(self, tokenizer: Tokenizer):   # noqa: super().__init__ wraps HF tokenizers
         self.tokens = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
-        self.special_token_ids = np.flatnonzero(tokenizer.token_types == CONTROL).tolist()
+        # control, unknown and unused tokens: never text a grammar can match
+        text = np.isin(tokenizer.token_types, (NORMAL, BYTE, USER_DEFINED))
+        self.special_token_ids = np.flatnonzero(~text).tolist()
         self.eos_token_id = tokenizer.eos_id
         self.bos_token_id = tokenizer.bos_id
         self.is_tokenizer_wrapper = True
