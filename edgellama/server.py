@@ -19,6 +19,12 @@ Host and Origin headers are checked against DNS rebinding and cross-site request
 (_Guard: 403); stopping the server ends waiting and running requests with 503
 (Engine.shutdown). No request gets a 500 or a traceback in the log.
 
+Structured output: response_format / json_schema / grammar and a forced tool_choice become
+a grammar (edgellama/constrain.py) compiled on arrival (a bad one is a 400 before
+queueing); sample_token(job, logits, history) is the one per-token step (penalties, the
+job's grammar mask, its sampler, logprobs). Tool calls are read from the finished reply
+(edgellama/tool_calls.py); streamed, a reply that starts like one is held back until then.
+
 Stop strings are matched on the decoded text across token boundaries. Text that could
 be the start of a stop string is held back until it is known not to be one, so no part
 of a stop string is ever sent, streamed or not.
