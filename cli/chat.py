@@ -1,6 +1,7 @@
 """`edgellama chat`: an interactive terminal chat with streaming replies."""
 from __future__ import annotations
 
+import json
 import signal
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from edgellama import jit
 from edgellama.chat_session import ChatSession
 from edgellama.default_model import cache_dir
 from edgellama.errors import EdgeError
+from edgellama.tool_calls import parse_tool_calls
 
 from .chat_input import Reader, clean
 from .main import main
@@ -120,6 +122,10 @@ def _converse(llm, session, reader, out, max_tokens):
                 for piece in session.send(text):
                     out.write(piece)
             out.write("\n")
+            # the server's parser: a model told of tools (say by /system) may answer a call
+            for call in parse_tool_calls(session.messages[-1]["content"]) or []:
+                click.echo(f"(a tool call: {call.name}({json.dumps(call.arguments)}); chat runs "
+                           f"no tools: send the result as your next message)", err=True)
             if llm.stats.stop_reason == "length":
                 click.echo(f"(reply cut at --max-tokens {max_tokens})", err=True)
             elif llm.stats.stop_reason == "context full":

@@ -6,11 +6,13 @@ import sys
 
 from .errors import EdgeError
 
-__all__ = ["EdgeError", "LLM", "SamplingParams", "load"]
+__all__ = ["EdgeError", "LLM", "SamplingParams", "load", "json_schema_grammar",
+           "parse_tool_calls"]
 
 # The public API loads numpy and numba on first use, so the CLI parses its arguments
 # (and prints --help) without paying for them.
-_LAZY = {"LLM": ".llm", "load": ".llm", "SamplingParams": ".sampling"}
+_LAZY = {"LLM": ".llm", "load": ".llm", "SamplingParams": ".sampling",
+         "json_schema_grammar": ".constrain", "parse_tool_calls": ".tool_calls"}
 
 
 def __getattr__(name):

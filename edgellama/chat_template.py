@@ -393,14 +393,32 @@ class ChatFormat:
             raise EdgeError(reply["error"])
         return reply["text"]
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The template's text for `messages` (dicts with "role" and "content")."""
-        return self._run({"messages": [dict(m) for m in messages],
-                          "add_generation_prompt": bool(add_generation_prompt),
-                          "bos_token": self._bos_text, "eos_token": self._eos_text})
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The template's text for `messages` (dicts with "role" and "content"); `tools`
+        (OpenAI's function list) is passed as the template's `tools` variable."""
+        variables = {"messages": [dict(m) for m in messages],
+                     "add_generation_prompt": bool(add_generation_prompt),
+                     "bos_token": self._bos_text, "eos_token": self._eos_text}
+        if tools is not None:
+            variables["tools"] = [dict(t) for t in tools]
+        return self._run(variables)
+
+    def supports_tools(self) -> bool:
+        """Whether the template shows a tool list to the model (renders a probe tool's
+        name), as llama.cpp's server decides; a template that ignores `tools` would let
+        the model answer without knowing them."""
+        probe = "edgellama_probe_tool_7f3a"
+        tool = {"type": "function", "function": {"name": probe, "description": "probe",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+        try:
+            return probe in self.render([{"role": "user", "content": "hi"}], tools=[tool])
+        except EdgeError:
+            return False
 
     def encode_messages(self, messages: Sequence[Mapping[str, Any]],
-                        add_generation_prompt: bool = True) -> list[int]:
+                        add_generation_prompt: bool = True,
+                        tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """Prompt ids: template special tokens recognised, message text always plain; one BOS."""
         tok = self.tokenizer
         marker = f"\ue000{secrets.token_hex(8)}:"
@@ -410,10 +428,24 @@ class ChatFormat:
             literals.append(match.group(0))
             return f"{marker}{len(literals) - 1}\ue001"
 
+        def hide_all(v: Any) -> Any:
+            """Every string in v, keys too: tool schemas and call arguments are the
+            client's text as much as message content is."""
+            if isinstance(v, str):
+                return self._special_re.sub(hide, v)
+            if isinstance(v, Mapping):
+                return {hide_all(k): hide_all(x) for k, x in v.items()}
+            if isinstance(v, (list, tuple)):
+                return [hide_all(x) for x in v]
+            return v
+
         if self._special_re is not None:
-            messages = [dict(m, content=self._special_re.sub(hide, m["content"]))
-                        if isinstance(m.get("content"), str) else m for m in messages]
-        text = self.render(messages, add_generation_prompt)
+            try:
+                messages = [hide_all(dict(m)) for m in messages]
+                tools = None if tools is None else hide_all(list(tools))
+            except RecursionError:
+                raise EdgeError("the messages or tools nest too deeply") from None
+        text = self.render(messages, add_generation_prompt, tools)
         restore = re.compile(re.escape(marker) + r"(\d+)\ue001")
         ids: list[int] = []
         parts = self._special_re.split(text) if self._special_re is not None else [text]

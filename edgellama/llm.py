@@ -18,6 +18,7 @@ import numpy as np
 
 from .args import ModelArgs
 from .chat_template import ChatFormat, start_renderer
+from .constrain import Constraint, sample
 from .errors import EdgeError
 from .gguf import GGUFFile
 from .machine import ThreadPolicy
@@ -117,12 +118,20 @@ class LLM:
 
     def generate(self, ids: list[int], max_tokens: int = 256,
                  sampling: SamplingParams | None = None,
-                 stop_ids: set[int] | None = None) -> Iterator[int]:
+                 stop_ids: set[int] | None = None, grammar: str | None = None,
+                 pick: Callable[[np.ndarray, list[int]], int] | None = None) -> Iterator[int]:
         """Yield generated token ids; stops at a stop token (not yielded), after
         max_tokens, or when the context is full. Closing the iterator early (or
-        Ctrl-C) keeps the sequence consistent (its tokens are those of its cache)."""
-        sampling = sampling or self.default_sampling()
-        sampler = Sampler(sampling)
+        Ctrl-C) keeps the sequence consistent (its tokens are those of its cache).
+        grammar (edgellama.constrain: json_schema_grammar(schema), ...): the reply is a
+        sentence of it. pick(logits, history) -> token replaces sampling and grammar
+        (the server's per-request hook: grammar masks, logprobs)."""
+        if pick is None:
+            sampler = Sampler(sampling or self.default_sampling())
+            constraint = None if grammar is None else Constraint(self.tokenizer, grammar)
+
+            def pick(logits: np.ndarray, history: list[int]) -> int:
+                return sample(sampler, logits, history, constraint)[0]
         stops = self.tokenizer.stop_ids if stop_ids is None else stop_ids
         logits = self._prefill(list(ids))
         history = list(ids)
@@ -131,7 +140,7 @@ class LLM:
         st.stop_reason = "length"
         try:
             for _ in range(max_tokens):
-                tok = sampler(logits, history)
+                tok = pick(logits, history)
                 if tok in stops:
                     st.stop_reason = "stop"
                     break

@@ -83,13 +83,26 @@ class Sampler:
         self.rng = np.random.default_rng(params.seed)
 
     def __call__(self, logits: np.ndarray, history: list[int] | None = None) -> int:
+        return self.pick(self.adjusted(logits, history))
+
+    def adjusted(self, logits: np.ndarray, history: list[int] | None = None) -> np.ndarray:
+        """A float32 copy of `logits` (V,) with NaN/inf made usable and the repetition
+        penalty applied: what a grammar mask is applied to, `pick` samples from, and
+        log_probs reports."""
         # Every value SamplingParams accepts works, however extreme (a penalty or temperature
         # of 1e-300 or 1e300): the arithmetic is float64, a penalised logit is clipped to
         # float32's range, and no step can make a NaN, so over/underflow is silent.
         with np.errstate(all="ignore"):
-            return self._sample(logits, history)
+            return self._adjusted(logits, history)
 
-    def _sample(self, logits: np.ndarray, history: list[int] | None) -> int:
+    def pick(self, logits: np.ndarray) -> int:
+        """One token from adjusted logits: top-k, top-p, min-p, temperature, a draw."""
+        if np.isneginf(logits).all():
+            raise EdgeError("no token is possible here (every logit is -inf)")
+        with np.errstate(all="ignore"):
+            return self._pick(logits)
+
+    def _adjusted(self, logits: np.ndarray, history: list[int] | None) -> np.ndarray:
         p = self.p
         logits = logits.astype(np.float32, copy=True)
         if not np.isfinite(logits).all():
@@ -105,6 +118,10 @@ class Sampler:
             # finite stays finite (1e-300 would overflow float32); -inf (unusable) stays
             logits[seen] = np.where(np.isneginf(logits[seen]), -np.inf,
                                     np.clip(v, -_F32_MAX, _F32_MAX))
+        return logits
+
+    def _pick(self, logits: np.ndarray) -> int:
+        p = self.p
         if p.temperature == 0:
             return int(np.argmax(logits))
         # Candidates sorted by logit, best first.
@@ -126,3 +143,14 @@ class Sampler:
         # rest <= 0 or -inf, so the weights are finite with a sum >= 1 for any t > 0.
         w = np.exp(diff / p.temperature)
         return int(cand[self.rng.choice(len(cand), p=w / w.sum())])
+
+
+def log_probs(logits: np.ndarray) -> np.ndarray:
+    """log-softmax (V,) float64 of adjusted logits (-inf stays -inf): what `logprobs`
+    reports. Computed from the logits tokens are sampled from (repetition penalty and
+    grammar mask applied), before temperature and truncation, as OpenAI's logprobs do
+    not change with temperature."""
+    x = logits.astype(np.float64)
+    top = x.max()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return x - top - np.log(np.exp(x - top).sum())

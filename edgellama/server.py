@@ -19,6 +19,12 @@ Host and Origin headers are checked against DNS rebinding and cross-site request
 (_Guard: 403); stopping the server ends waiting and running requests with 503
 (Engine.shutdown). No request gets a 500 or a traceback in the log.
 
+Structured output: response_format / json_schema / grammar and a forced tool_choice become
+a grammar (edgellama/constrain.py) compiled on arrival (a bad one is a 400 before
+queueing); sample_token(job, logits, history) is the one per-token step (penalties, the
+job's grammar mask, its sampler, logprobs). Tool calls are read from the finished reply
+(edgellama/tool_calls.py); streamed, a reply that starts like one is held back until then.
+
 Stop strings are matched on the decoded text across token boundaries. Text that could
 be the start of a stop string is held back until it is known not to be one, so no part
 of a stop string is ever sent, streamed or not.
@@ -31,6 +37,7 @@ import ipaddress
 import json
 import logging
 import math
+import re
 import secrets
 import threading
 import time
@@ -39,6 +46,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
@@ -49,9 +57,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .errors import EdgeError
+from .constrain import (Constraint, GrammarError, gbnf_grammar, json_object_grammar,
+                        json_schema_grammar, sample)
 from .llm import LLM
-from .sampling import SamplingParams
+from .sampling import Sampler, SamplingParams, log_probs
 from .tokenizer import StreamDecoder
+from .tool_calls import may_be_tool_call, parse_tool_calls, tool_call_schema
 
 log = logging.getLogger("edgellama.server")
 
@@ -59,14 +70,18 @@ DEFAULT_QUEUE = 16
 MAX_BODY = 8 << 20          # bytes of a request body: a 128k-token context is ~0.5 MB of text
 MAX_STOPS = 16              # stop strings per request (OpenAI allows 4)
 MAX_STOP_CHARS = 500        # characters of one stop string
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool"}
+MAX_TOOLS = 128             # OpenAI's limit on functions per request
+MAX_TOP_LOGPROBS = 20       # OpenAI's limit (chat; completions' `logprobs` allows 5)
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")   # OpenAI's function names
 # Parameters whose non-default values would change the answer in ways we do not
 # implement: refused rather than silently ignored. Everything else unknown is ignored.
 UNSUPPORTED = {
-    "logprobs": (False,), "top_logprobs": (0,), "tools": ([],), "functions": ([],),
-    "tool_choice": ("none", "auto"), "logit_bias": ({},), "presence_penalty": (0, 0.0),
+    "functions": ([],), "function_call": ("none", "auto"),
+    "logit_bias": ({},), "presence_penalty": (0, 0.0),
     "frequency_penalty": (0, 0.0), "echo": (False,), "suffix": ("",), "best_of": (1,),
-    "audio": (), "prediction": (), "response_format": ({"type": "text"},),
+    "audio": (), "prediction": (),
 }
 
 
@@ -193,18 +208,155 @@ def _messages(body: dict) -> list[dict]:
             raise _bad("each message must be an object with role and content", f"messages[{i}]")
         role = m.get("role")
         if not isinstance(role, str) or role not in ROLES:
-            raise _bad(f"role must be one of {', '.join(ROLES)}; got {_show(role)}"
-                       + (" (tool calling is not supported)" if role in ("tool", "function") else ""),
+            raise _bad(f"role must be one of {', '.join(ROLES)}; got {_show(role)}",
                        f"messages[{i}].role")
-        if m.get("tool_calls") or m.get("function_call"):
-            raise _bad("tool calls are not supported", f"messages[{i}]")
+        if m.get("function_call"):
+            raise _bad("function_call (OpenAI's old form) is not supported; use tool_calls",
+                       f"messages[{i}]")
         if m.get("name") is not None and not isinstance(m["name"], str):
             raise _bad("name must be a string", f"messages[{i}].name")
         content = m.get("content")
         if content is None and role == "assistant":
             content = ""
-        out.append({"role": ROLES[role], "content": _message_text(content, i)})
+        message = {"role": ROLES[role], "content": _message_text(content, i)}
+        if role == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = _message_tool_calls(m["tool_calls"], i)
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if call_id is not None and not isinstance(call_id, str):
+                raise _bad("tool_call_id must be a string", f"messages[{i}].tool_call_id")
+            message["tool_call_id"] = call_id or ""
+        out.append(message)
     return out
+
+
+def _message_tool_calls(calls: Any, i: int) -> list[dict]:
+    """An assistant message's tool_calls as templates read them: arguments as an object
+    (Llama 3.2's template writes `arguments | tojson`)."""
+    param = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list) or len(calls) > MAX_TOOLS:
+        raise _bad(f"tool_calls must be a list of at most {MAX_TOOLS} calls", param)
+    out = []
+    for call in calls:
+        f = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) \
+                or not isinstance(f.get("arguments", ""), str):
+            raise _bad("each tool call needs a function with a string name and arguments "
+                       "(JSON text)", param)
+        try:
+            args = json.loads(f.get("arguments") or "{}")
+        except (ValueError, RecursionError):
+            raise _bad("a tool call's arguments must be JSON text", param) from None
+        out.append({"id": str(call.get("id", "")), "type": "function",
+                    "function": {"name": _clean(f["name"]), "arguments": args}})
+    return out
+
+
+def _tools(body: dict) -> list[dict] | None:
+    tools = body.get("tools")
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list):
+        raise _bad("tools must be a list of {type: function, function: {...}} objects", "tools")
+    if len(tools) > MAX_TOOLS:
+        raise _bad(f"tools takes at most {MAX_TOOLS} functions, got {len(tools)}", "tools")
+    out, names = [], set()
+    for k, t in enumerate(tools):
+        param = f"tools[{k}]"
+        f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(f, dict):
+            raise _bad("each tool must be {\"type\": \"function\", \"function\": {...}}", param)
+        name = f.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise _bad("a function name must be 1 to 64 letters, digits, _ or -, got "
+                       f"{_show(name)}", f"{param}.function.name")
+        if name in names:
+            raise _bad(f"two tools are named {name!r}", f"{param}.function.name")
+        names.add(name)
+        if f.get("description") is not None and not isinstance(f["description"], str):
+            raise _bad("description must be a string", f"{param}.function.description")
+        if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
+            raise _bad("parameters must be a JSON schema object", f"{param}.function.parameters")
+        function = {"name": name, "description": _clean(f.get("description") or ""),
+                    "parameters": f.get("parameters") or {"type": "object", "properties": {}}}
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _tool_choice(body: dict, tools: list[dict] | None) -> str:
+    """"none", "auto", "required", or the name of the one function to call."""
+    v = body.get("tool_choice")
+    if v is None:
+        return "auto" if tools else "none"
+    if isinstance(v, str) and v in ("none", "auto", "required"):
+        choice = v
+    elif isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("function"), dict) \
+            and isinstance(v["function"].get("name"), str):
+        choice = v["function"]["name"]
+        if not tools or choice not in {t["function"]["name"] for t in tools}:
+            raise _bad(f"tool_choice names {_show(choice)}, which is not in tools", "tool_choice")
+    else:
+        raise _bad('tool_choice must be "none", "auto", "required" or {"type": "function", '
+                   '"function": {"name": ...}}', "tool_choice")
+    if choice != "none" and not tools:
+        raise _bad(f"tool_choice {_show(v)} needs tools", "tool_choice")
+    return choice
+
+
+def _grammar(body: dict) -> tuple[str | None, str | None]:
+    """(grammar, the parameter it came from) from response_format, or llama.cpp's
+    `json_schema` (a schema) and `grammar` (GBNF) fields; at most one of them."""
+    given = [k for k in ("response_format", "json_schema", "grammar") if body.get(k) is not None]
+    if len(given) > 1:
+        raise _bad(f"give at most one of {', '.join(given)}", given[1])
+    try:
+        if body.get("grammar") is not None:
+            if not isinstance(body["grammar"], str):
+                raise _bad("grammar must be a string (a GBNF grammar)", "grammar")
+            return gbnf_grammar(body["grammar"]), "grammar"
+        if body.get("json_schema") is not None:
+            return json_schema_grammar(body["json_schema"]), "json_schema"
+        fmt = body.get("response_format")
+        if fmt is None:
+            return None, None
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "text":
+            return None, None
+        if kind == "json_object":   # llama.cpp also takes a schema here
+            schema = fmt.get("schema")
+            return (json_object_grammar() if schema is None else json_schema_grammar(schema),
+                    "response_format")
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict):
+                raise _bad("response_format.json_schema must be an object with a schema",
+                           "response_format.json_schema")
+            schema = spec.get("schema")
+            return (json_object_grammar() if schema is None else json_schema_grammar(schema),
+                    "response_format")
+        raise _bad('response_format.type must be "text", "json_object" or "json_schema", '
+                   f"got {_show(kind)}", "response_format")
+    except EdgeError as e:
+        raise _bad(str(e), given[0]) from None
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many top alternatives to report per token, or None for no logprobs."""
+    if chat:
+        if not _flag(body, "logprobs"):
+            if body.get("top_logprobs") not in (None, 0):
+                raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
+            return None
+        top = _integer(body, "top_logprobs", 0)
+        param = "top_logprobs"
+    else:   # completions: logprobs is the number of alternatives
+        top = _integer(body, "logprobs", 0)
+        param = "logprobs"
+        if top is None:
+            return None
+    if top is not None and top > MAX_TOP_LOGPROBS:
+        raise _bad(f"{param} must be at most {MAX_TOP_LOGPROBS}, got {top}", param)
+    return top or 0
 
 
 @dataclass
@@ -216,6 +368,11 @@ class Params:
     sampling: SamplingParams
     stops: list[str]
     max_tokens_param: str = "max_tokens"   # the name the client gave it under
+    top_logprobs: int | None = None        # None: no logprobs; else alternatives per token
+    grammar: str | None = None             # the reply must be a sentence of it
+    grammar_param: str | None = None
+    tools: list[dict] | None = None        # validated OpenAI tool list, as the template gets it
+    tool_choice: str = "none"              # none, auto, required, or one function's name
 
 
 def _params(body: dict, defaults: SamplingParams, chat: bool) -> Params:
@@ -252,7 +409,21 @@ def _params(body: dict, defaults: SamplingParams, chat: bool) -> Params:
         except EdgeError as e:
             raise _bad(f"{name}: {e}", name) from None
     sampling = replace(defaults, **given)
-    return Params(stream, include_usage, max_tokens, sampling, _stops(body), max_param)
+    grammar, grammar_param = _grammar(body)
+    tools = _tools(body) if chat else None
+    choice = _tool_choice(body, tools) if chat else "none"
+    if choice not in ("none", "auto"):
+        if grammar is not None:
+            raise _bad(f"tool_choice {choice!r} forces a tool call; it cannot be combined "
+                       f"with {grammar_param}", "tool_choice")
+        try:   # required and named calls are enforced by a grammar, not hoped for
+            grammar = json_schema_grammar(tool_call_schema(tools, None if choice == "required"
+                                                           else choice))
+        except EdgeError as e:
+            raise _bad(f"cannot constrain a call to these tools: {e}", "tools") from None
+        grammar_param = "tools"
+    return Params(stream, include_usage, max_tokens, sampling, _stops(body), max_param,
+                  _logprobs(body, chat), grammar, grammar_param, tools, choice)
 
 
 # -- the engine ---------------------------------------------------------------------------------
@@ -290,10 +461,21 @@ class StopMatcher:
 
 class Job:
     """One request's generation; the engine thread reports to the event loop as events:
-    ("text", str), ("done", finish_reason, usage), ("error", ApiError), ("cancelled",)."""
+    ("text", str, logprobs), ("done", finish_reason, usage), ("error", ApiError),
+    ("cancelled",). logprobs: the entries (OpenAI's chat shape) of the tokens the text
+    completes, [] unless asked for.
 
-    def __init__(self, ids: list[int], max_tokens: int, params: Params):
+    Its per-token state is here, so one function (sample_token) picks its next token
+    whatever else the engine decodes in the same step: the sampler (its own random
+    stream), the grammar position, the logprobs recorded."""
+
+    def __init__(self, ids: list[int], max_tokens: int, params: Params,
+                 constraint: Constraint | None = None):
         self.ids, self.max_tokens, self.params = ids, max_tokens, params
+        self.sampler = Sampler(params.sampling)
+        self.constraint = constraint
+        self.logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []
+        self._logprobs_sent = 0
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self._loop = asyncio.get_running_loop()
@@ -301,6 +483,37 @@ class Job:
     def emit(self, *event: Any) -> None:
         with contextlib.suppress(RuntimeError):   # the loop is closed: the server has stopped
             self._loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def take_logprobs(self, upto: int, tokenizer) -> list[dict]:
+        """The logprob entries of tokens [sent, upto) in OpenAI's chat shape."""
+        out = [_logprob_entry(tokenizer, tok, lp, top)
+               for tok, lp, top in self.logprobs[self._logprobs_sent:upto]]
+        self._logprobs_sent = max(self._logprobs_sent, upto)
+        return out
+
+
+def sample_token(job: Job, logits: np.ndarray, history: list[int]) -> int:
+    """The next token of `job` from its next-token logits (V,): the repetition penalty,
+    the job's grammar mask (-inf on what the grammar forbids), its sampler; records the
+    token's logprobs if asked (from these adjusted logits, before temperature: see
+    sampling.log_probs) and advances the grammar past the token."""
+    tok, adjusted = sample(job.sampler, logits, history, job.constraint)
+    top = job.params.top_logprobs
+    if top is not None:
+        lp = log_probs(adjusted)
+        best = np.argsort(-lp, kind="stable")[:top] if top else []
+        job.logprobs.append((tok, float(lp[tok]), [(int(i), float(lp[i])) for i in best
+                                                   if np.isfinite(lp[i])]))
+    return tok
+
+
+def _logprob_entry(tokenizer, tok: int, lp: float, top: list[tuple[int, float]]) -> dict:
+    def one(i: int, v: float) -> dict:
+        b = tokenizer.token_bytes(i)
+        # a probability that underflows to 0 gives -inf, which is not JSON: OpenAI's floor
+        return {"token": b.decode("utf-8", "replace"), "logprob": max(v, -9999.0),
+                "bytes": list(b)}
+    return {**one(tok, lp), "top_logprobs": [one(i, v) for i, v in top]}
 
 
 class Engine:
@@ -369,6 +582,9 @@ class Engine:
                 job = self._running = self._waiting.popleft()
             try:
                 self._generate(job)
+            except GrammarError as e:   # the request's grammar gave up mid-reply
+                job.emit("error", ApiError(400, str(e), job.params.grammar_param,
+                                           "invalid_grammar"))
             except EdgeError as e:   # the model, not the request (that was checked)
                 job.emit("error", ApiError(500, str(e)))
             except Exception:  # noqa: BLE001 - one request fails, the server stays up
@@ -394,7 +610,8 @@ class Engine:
             return
         llm, p = self.llm, job.params
         decoder, matcher = StreamDecoder(llm.tokenizer), StopMatcher(p.stops)
-        tokens = llm.generate(job.ids, max_tokens=job.max_tokens, sampling=p.sampling)
+        tokens = llm.generate(job.ids, max_tokens=job.max_tokens,
+                              pick=lambda logits, history: sample_token(job, logits, history))
         count, finish = 0, None
         try:
             for tok in tokens:
@@ -403,7 +620,7 @@ class Engine:
                 count += 1
                 text, hit = matcher.push(decoder.push(tok))
                 if text:
-                    job.emit("text", text)
+                    job.emit("text", text, job.take_logprobs(count, llm.tokenizer))
                 if hit:
                     finish = "stop"
                     break
@@ -415,8 +632,9 @@ class Engine:
         if finish is None:
             text, hit = matcher.push(decoder.flush())
             text += "" if hit else matcher.flush()
-            if text:
-                job.emit("text", text)
+            rest = job.take_logprobs(count, llm.tokenizer)
+            if text or rest:
+                job.emit("text", text, rest)
             finish = "stop" if hit or llm.stats.stop_reason == "stop" else "length"
         prompt = len(job.ids)
         job.emit("done", finish, {
@@ -486,6 +704,20 @@ async def _until_disconnect(request: Request, engine: Engine, job: Job) -> None:
     engine.cancel(job)
 
 
+def _completion_logprobs(entries: list[dict]) -> dict:
+    """Chat logprob entries in the completions endpoint's (legacy) shape."""
+    tokens = [e["token"] for e in entries]
+    offsets = np.cumsum([0] + [len(t) for t in tokens[:-1]]).tolist() if tokens else []
+    tops = []
+    for e in entries:   # a dict by text: tokens that share one (pieces of a UTF-8
+        top = {}        # character all read U+FFFD) keep the likeliest
+        for t in e["top_logprobs"]:
+            top.setdefault(t["token"], t["logprob"])
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": tops, "text_offset": offsets}
+
+
 def _sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -496,6 +728,7 @@ class Server:
         self.engine = Engine(llm, queue_size)
         self.defaults = llm.default_sampling()
         self.created = int(time.time())
+        self._tools_ok: bool | None = None   # the chat template shows tools (asked once)
 
     def _check_model(self, body: dict) -> None:
         model = body.get("model")
@@ -532,12 +765,33 @@ class Server:
         self._check_model(body)
         messages = _messages(body)
         params = _params(body, self.defaults, chat=True)
+        tools = params.tools if params.tool_choice != "none" else None
+        if tools is not None and not await self._template_has_tools():
+            raise _bad("this model's chat template has no tool calling (it does not show the "
+                       "model a tool list); send the request without tools", "tools",
+                       "tools_not_supported")
         try:
-            ids = await _tokenize(self.llm.chat.encode_messages, messages)
+            ids = await _tokenize(lambda m: self.llm.chat.encode_messages(m, tools=tools),
+                                  messages)
         except EdgeError as e:   # the template refused these messages
             raise _bad(f"cannot render these messages with the model's chat template: {e}",
                        "messages") from None
         return await self._run(request, ids, params, "messages", chat=True)
+
+    async def _template_has_tools(self) -> bool:
+        if self._tools_ok is None:
+            self._tools_ok = await run_in_threadpool(self.llm.chat.supports_tools)
+        return self._tools_ok
+
+    async def _constraint(self, params: Params) -> Constraint | None:
+        """The request's grammar compiled against the vocabulary (off the event loop:
+        llguidance bounds the work, which can still take a fraction of a second)."""
+        if params.grammar is None:
+            return None
+        try:
+            return await run_in_threadpool(Constraint, self.llm.tokenizer, params.grammar)
+        except EdgeError as e:
+            raise _bad(str(e), params.grammar_param, "invalid_grammar") from None
 
     async def completions(self, request: Request):
         body = await _read_json(request)
@@ -557,7 +811,8 @@ class Server:
         return await self._run(request, ids, params, "prompt", chat=False)
 
     async def _run(self, request: Request, ids: list[int], params: Params, param: str, chat: bool):
-        job = Job(ids, self._fit(ids, params, param), params)
+        max_tokens = self._fit(ids, params, param)
+        job = Job(ids, max_tokens, params, await self._constraint(params))
         self.engine.submit(job)
         watcher = asyncio.create_task(_until_disconnect(request, self.engine, job))
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
@@ -568,11 +823,12 @@ class Server:
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            parts = []
+            parts, logprobs = [], []
             while True:
                 event = await job.events.get()
                 if event[0] == "text":
                     parts.append(event[1])
+                    logprobs += event[2]
                 elif event[0] == "done":
                     break
                 elif event[0] == "error":
@@ -583,34 +839,79 @@ class Server:
             watcher.cancel()
             self.engine.cancel(job)
         text, (_, finish, usage) = "".join(parts), event
-        choice = {"index": 0, "logprobs": None, "finish_reason": finish}
-        choice.update({"message": {"role": "assistant", "content": text}} if chat
-                      else {"text": text})
+        shown = None if params.top_logprobs is None else \
+            {"content": logprobs} if chat else _completion_logprobs(logprobs)
+        choice = {"index": 0, "logprobs": shown, "finish_reason": finish}
+        calls = self._tool_calls(text, params) if chat else None
+        if calls:
+            choice.update(message={"role": "assistant", "content": None,
+                                   "tool_calls": [c.openai() for c in calls]},
+                          finish_reason="tool_calls")
+        else:
+            choice.update({"message": {"role": "assistant", "content": text}} if chat
+                          else {"text": text})
         return JSONResponse({**head, "choices": [choice], "usage": usage})
+
+    def _tool_calls(self, text: str, params: Params):
+        """The reply's tool calls, if tools were offered and the reply is only calls."""
+        if params.tool_choice == "none" or not params.tools:
+            return None
+        return parse_tool_calls(text, {t["function"]["name"] for t in params.tools})
 
     async def _stream(self, job: Job, watcher: asyncio.Task, head: dict, chat: bool):
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         extra = {"usage": None} if job.params.include_usage else {}
 
-        def chunk(text: str | None, finish: str | None = None) -> str:
+        params = job.params
+
+        def chunk(text: str | None, finish: str | None = None, logprobs: list | None = None,
+                  delta: dict | None = None) -> str:
             if chat:
-                delta = {} if text is None else {"content": text}
-                if text == "" and finish is None:
+                delta = delta or ({} if text is None else {"content": text})
+                if text == "" and finish is None and not logprobs:
                     delta["role"] = "assistant"
                 choice = {"index": 0, "delta": delta}
             else:
                 choice = {"index": 0, "text": text or ""}
-            choice.update({"logprobs": None, "finish_reason": finish})
+            shown = None if params.top_logprobs is None else \
+                {"content": logprobs or []} if chat else _completion_logprobs(logprobs or [])
+            choice.update({"logprobs": shown, "finish_reason": finish})
             return _sse({**head, "choices": [choice], **extra})
+        # With tools offered, a reply that starts like a call ("{", "[") is held back to
+        # the end and sent as tool_calls deltas if it parses as calls; any other reply
+        # streams as content from its first visible character.
+        holding = chat and params.tool_choice != "none" and bool(params.tools)
+        held, held_logprobs = "", []
         try:
             if chat:
                 yield chunk("")   # OpenAI's first chunk: the role
             while True:
                 event = await job.events.get()
                 if event[0] == "text":
-                    yield chunk(event[1])
+                    if holding:
+                        held += event[1]
+                        held_logprobs += event[2]
+                        decided = may_be_tool_call(held)
+                        if decided is False:
+                            holding = False
+                            yield chunk(held, logprobs=held_logprobs)
+                        continue
+                    yield chunk(event[1], logprobs=event[2])
                 elif event[0] == "done":
-                    yield chunk(None, event[1])
+                    finish = event[1]
+                    calls = self._tool_calls(held, params) if holding else None
+                    if calls:
+                        for i, call in enumerate(calls):
+                            whole = call.openai(i)
+                            args = whole["function"].pop("arguments")
+                            whole["function"]["arguments"] = ""
+                            yield chunk(None, delta={"tool_calls": [whole]})
+                            yield chunk(None, delta={"tool_calls": [
+                                {"index": i, "function": {"arguments": args}}]})
+                        finish = "tool_calls"
+                    elif holding and (held or held_logprobs):
+                        yield chunk(held, logprobs=held_logprobs)
+                    yield chunk(None, finish)
                     if job.params.include_usage:
                         yield _sse({**head, "choices": [], "usage": event[2]})
                     break

@@ -56,9 +56,10 @@ class _Records(logging.Handler):
 class ServerUnderTest:
     model: Path
     kwargs: dict = field(default_factory=dict)
+    ctx: int = 256
 
     def __post_init__(self):
-        self.llm = edgellama.load(str(self.model), ctx=256, threads=1)
+        self.llm = edgellama.load(str(self.model), ctx=self.ctx, threads=1)
         self.app = create_app(self.llm, **self.kwargs)
         self.server = self.app.state.server
         self.loop = asyncio.new_event_loop()

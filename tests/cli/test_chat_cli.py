@@ -86,3 +86,14 @@ def test_context_overflow_drops_oldest_turns(smollm2_gguf):
     c.expect(pexpect.EOF)
     c.close()
     assert c.exitstatus == 0
+
+
+def test_a_tool_call_reply_is_named(smollm2_gguf):
+    """chat reads replies with the server's tool-call parser (it runs no tools)."""
+    c = _spawn(smollm2_gguf, "-n", "40")
+    shown = _say(c, 'Output this JSON exactly: {"name": "get_time", "parameters": {"zone": "CET"}}')
+    assert '(a tool call: get_time({"zone": "CET"}); chat runs no tools' in shown
+    assert "tool call" not in _say(c, "What is the capital of France? Answer in one sentence.")
+    c.sendeof()
+    c.expect(pexpect.EOF)
+    c.close()

@@ -323,7 +323,7 @@ BAD_CHAT = [
     ({"messages": []}, "messages"),
     ({"messages": ["hi"]}, "messages[0]"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
-    ({"messages": [{"role": "tool", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "function", "content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content"),
@@ -340,7 +340,8 @@ BAD_CHAT = [
     ({"messages": MSG, "stream": "yes"}, "stream"),
     ({"messages": MSG, "stream_options": "usage"}, "stream_options"),
     ({"messages": MSG, "seed": 1.5}, "seed"),
-    ({"messages": MSG, "logprobs": True}, "logprobs"),
+    ({"messages": MSG, "logprobs": True, "top_logprobs": 99}, "top_logprobs"),
+    # the tiny model's ChatML template shows the model no tools
     ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"messages": MSG, "model": 3}, "model"),
 ]

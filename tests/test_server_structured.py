@@ -1,0 +1,555 @@
+"""`serve` as the backend of other programs: replies constrained to a JSON schema or a
+grammar, logprobs, tool calls; bad schemas, tool lists and grammars refused with a 400.
+
+Most requests go to a tiny random model (tests/server_asgi.py, in this process): a random
+model never writes JSON by chance, so a reply that parses and validates is the grammar's
+doing. The official `openai` client and langchain-openai talk to the same app served by
+uvicorn on a free local port.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from edgellama.constrain import Constraint, gbnf_grammar, json_object_grammar, json_schema_grammar
+from edgellama.errors import EdgeError
+from edgellama.gguf import GGUFFile
+from edgellama.perplexity import log_softmax
+from edgellama.server import _messages
+from edgellama.tokenizer import Tokenizer
+from edgellama.tool_calls import ToolCall, parse_tool_calls, tool_call_schema
+from server_asgi import ServerUnderTest
+from test_chat_template import LLAMA32_TEMPLATE
+from tiny_gguf import TINY_VOCAB, write_tiny_gguf
+
+jsonschema = pytest.importorskip("jsonschema")
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}},
+                   "required": ["zone"]}}}
+
+# Schemas whose every valid reply is short (bounded strings, numbers, arrays), so a random
+# model reaches the end well within max_tokens.
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 4},
+    {"enum": ["red", "green", "blue", 7, None]},
+    {"type": "object", "properties": {
+        "point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": -9,
+                                                         "maximum": 9},
+                                                   "y": {"type": "integer", "minimum": -9,
+                                                         "maximum": 9}},
+                  "required": ["x", "y"], "additionalProperties": False},
+        "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,4}$"},
+                 "maxItems": 3},
+        "ok": {"type": "boolean"}},
+     "required": ["point", "tags", "ok"], "additionalProperties": False},
+    {"anyOf": [{"type": "string", "format": "date"}, {"type": "null"}]},
+    {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny F32 model with Llama 3.2's chat template (tool calling)."""
+    path = write_tiny_gguf(tmp_path_factory.mktemp("structured") / "tiny-tools.gguf", "F32",
+                           vocab=TINY_VOCAB, ctx=4096, tokenizer=True, tied=False, seed=4,
+                           chat_template=LLAMA32_TEMPLATE)
+    app = ServerUnderTest(path, ctx=4096)
+    yield app
+    app.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_chatml(tmp_path_factory):
+    """The tiny model with a ChatML template, which shows the model no tools."""
+    path = write_tiny_gguf(tmp_path_factory.mktemp("structured") / "tiny-chatml.gguf", "F32",
+                           vocab=TINY_VOCAB, ctx=256, tokenizer=True, tied=False, seed=4)
+    app = ServerUnderTest(path)
+    yield app
+    app.close()
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer(smollm2_gguf) -> Tokenizer:
+    return Tokenizer.from_metadata(GGUFFile(smollm2_gguf).metadata)
+
+
+def chat(app, content="Say something.", **kw):
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 120, **kw}
+    return app.request("POST", "/v1/chat/completions", body, timeout=120)
+
+
+def events(reply) -> list[dict]:
+    lines = [ln[6:] for ln in reply.body.decode().split("\n") if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+# -- the grammar engine on a real vocabulary ----------------------------------------------------
+
+def test_constraint_walks_a_valid_reply_through_tokens_that_span_symbols(smol_tokenizer):
+    tok = smol_tokenizer
+    c = Constraint(tok, json_schema_grammar(SCHEMAS[3]))
+    text = '{"point": {"x": -3, "y": 4}, "tags": ["ab", "c"], "ok": true}'
+    ids = tok.encode(text)
+    spanning = [i for i in ids if len(tok.token_bytes(i)) > 1
+                and set(tok.token_bytes(i)) & set(b'{}[]":,')]
+    assert spanning, "the reply must have tokens that span JSON symbols"
+    for i in ids:
+        logits = np.zeros(tok.vocab_size + 3, np.float32)   # a padded output row too
+        c.mask(logits)
+        assert np.isfinite(logits[i]), tok.token_bytes(i)
+        assert np.isneginf(logits[tok.vocab_size:]).all()
+        c.advance(i)
+    assert c.complete
+    allowed = np.flatnonzero(c.allowed())
+    assert set(allowed) <= set(tok.stop_ids) and allowed.size   # only the end can follow
+
+
+def test_json_object_grammar_takes_any_object_and_only_objects(smol_tokenizer):
+    tok = smol_tokenizer
+    c = Constraint(tok, json_object_grammar())
+    assert not c.allowed()[tok.encode("[")[0]] and not c.allowed()[tok.encode('"')[0]]
+    for i in tok.encode('{"a": [1, {"b": null}], "c": "d\\n"}'):
+        assert c.allowed()[i], tok.token_bytes(i)
+        c.advance(i)
+    assert c.complete
+
+
+def test_constraint_forbids_what_the_schema_does_not_allow(smol_tokenizer):
+    tok = smol_tokenizer
+    c = Constraint(tok, json_schema_grammar(SCHEMAS[0]))
+    allowed = c.allowed()
+    for text in ("[", " {", "}", "hello", '{"'):
+        first = tok.encode(text)[0]
+        assert allowed[first] == (text == '{"'), text
+    # no control token is ever allowed inside the reply
+    control = [i for t, i in tok.special_tokens.items() if i not in tok.stop_ids]
+    assert control and not allowed[control].any()
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: json_schema_grammar({"type": "string", "minLength": 5, "maxLength": 2}),
+     "Unsatisfiable"),
+    (lambda: json_schema_grammar({"type": "flurb"}), "cannot compile"),
+    (lambda: json_schema_grammar({"type": "string", "pattern": "(("}), "regex"),
+    (lambda: gbnf_grammar('root ::= root "a"'), "matches nothing"),
+    (lambda: gbnf_grammar("root ::= ("), "cannot read this GBNF grammar"),
+])
+def test_bad_grammars_fail_with_one_clear_message(smol_tokenizer, make, message):
+    with pytest.raises(EdgeError, match=message) as e:
+        Constraint(smol_tokenizer, make())
+    assert "\n" not in str(e.value)
+
+
+# -- tool call parsing --------------------------------------------------------------------------
+
+def test_tool_calls_parse_json_and_pythonic_forms():
+    names = {"get_weather", "get_time"}
+    want = [ToolCall("get_weather", {"city": "Paris", "unit": "celsius"})]
+    for text in ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}',
+                 ' <|python_tag|>{"name": "get_weather", "arguments": {"city": "Paris", '
+                 '"unit": "celsius"}}\n',
+                 '{"type": "function", "name": "get_weather", "parameters": '
+                 '"{\\"city\\": \\"Paris\\", \\"unit\\": \\"celsius\\"}"}',
+                 '[get_weather(city="Paris", unit=\'celsius\')]'):
+        assert parse_tool_calls(text, names) == want, text
+    two = parse_tool_calls('[get_weather(city="Oslo", unit="celsius"), get_time(zone="CET")]',
+                           names)
+    assert [c.name for c in two] == ["get_weather", "get_time"]
+    assert two[1].arguments == {"zone": "CET"}
+    assert [c.name for c in parse_tool_calls(
+        '{"name": "get_time", "parameters": {}}; {"name": "get_weather", "parameters": {}}',
+        names)] == ["get_time", "get_weather"]
+    nested = parse_tool_calls('[get_time(zone={"a": [1, 2.5, None, True]})]', names)
+    assert nested[0].arguments == {"zone": {"a": [1, 2.5, None, True]}}
+
+
+@pytest.mark.parametrize("text", [
+    "The weather in Paris is sunny.",
+    '{"name": "delete_everything", "parameters": {}}',           # not an offered tool
+    '{"name": "get_time", "parameters": {}, "extra": 1}',
+    "[get_time(zone=__import__('os').system('touch /tmp/pwned'))]",   # never evaluated
+    "[get_time(zone=open('/etc/passwd').read())]",
+    "[get_time(*args)]", "[get_time('CET')]", "[os.system('x')]", "[]", "[1, 2]",
+    '{"name": "get_time", "parameters": [1]}', "[get_time(zone={1, 2})]",
+    "[" * 100_000,
+])
+def test_text_that_is_not_a_call_stays_text(text):
+    assert parse_tool_calls(text, {"get_weather", "get_time"}) is None
+
+
+def test_tool_call_schema_forces_the_named_function():
+    schema = tool_call_schema([WEATHER, TIME], "get_time")
+    jsonschema.validate({"name": "get_time", "parameters": {"zone": "CET"}}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "get_weather", "parameters": {"zone": "CET"}}, schema)
+
+
+# -- response_format through the server ---------------------------------------------------------
+
+@pytest.mark.parametrize("k", range(len(SCHEMAS)))
+def test_json_schema_replies_parse_and_validate(tiny, k):
+    schema = SCHEMAS[k]
+    for seed in range(3):
+        r = chat(tiny, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed,
+                 response_format={"type": "json_schema",
+                                  "json_schema": {"name": "x", "schema": schema, "strict": True}})
+        assert r.status == 200, r.body
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+
+
+def test_json_schema_streamed_and_on_completions(tiny):
+    schema = SCHEMAS[0]
+    r = chat(tiny, stream=True, temperature=0.9, seed=1,
+             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events(r))
+    jsonschema.validate(json.loads(text), schema)
+    for field in ({"json_schema": schema},
+                  {"response_format": {"type": "json_object", "schema": schema}}):
+        r = tiny.request("POST", "/v1/completions", {"prompt": "x", "max_tokens": 120,
+                                                     "seed": 2, **field}, timeout=60)
+        assert r.status == 200, r.body
+        jsonschema.validate(json.loads(r.json()["choices"][0]["text"]), schema)
+
+
+def test_gbnf_grammar_field(tiny):
+    r = chat(tiny, grammar='root ::= ("yes" | "no") " " [0-9] [0-9]?', seed=3, temperature=1.0)
+    assert r.status == 200, r.body
+    text = r.json()["choices"][0]["message"]["content"]
+    assert text.split(" ")[0] in ("yes", "no") and text.split(" ")[1].isdigit(), text
+
+
+def test_json_object_and_schemas_on_smollm2(smollm2_gguf):
+    """The real model: json_object (unbounded: greedy with a repetition penalty, where
+    this 135M model closes the object instead of nesting for ever) and the schemas at
+    its own sampling, seeded."""
+    app = ServerUnderTest(smollm2_gguf)
+    try:
+        r = chat(app, "Give me a JSON object describing a cat.", max_tokens=200, temperature=0,
+                 repeat_penalty=1.1, response_format={"type": "json_object"})
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop"
+        assert isinstance(json.loads(choice["message"]["content"]), dict)
+        for schema in SCHEMAS:
+            r = chat(app, "Answer in JSON.", max_tokens=120, seed=11, response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+            jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), schema)
+    finally:
+        app.close()
+
+
+# -- logprobs -----------------------------------------------------------------------------------
+
+def test_logprobs_are_the_models_distribution(tiny):
+    prompt = "the end of"
+    r = tiny.request("POST", "/v1/completions", {"prompt": prompt, "max_tokens": 6,
+                                                 "temperature": 0, "logprobs": 3}, timeout=60)
+    assert r.status == 200, r.body
+    lp = r.json()["choices"][0]["logprobs"]
+    assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert "".join(lp["tokens"]) == r.json()["choices"][0]["text"]
+    assert len(lp["tokens"]) == r.json()["usage"]["completion_tokens"]
+    # the first token's logprob is the log-softmax of the prompt's next-token logits
+    llm = tiny.llm
+    ids = llm.tokenizer.encode(prompt)
+    expect = log_softmax(llm.logits(ids)[None].astype(np.float64))[0]
+    first = int(np.argmax(expect))
+    assert lp["tokens"][0] == llm.tokenizer.token_bytes(first).decode("utf-8", "replace")
+    assert lp["token_logprobs"][0] == pytest.approx(expect[first], abs=1e-4)
+    best3 = np.sort(expect)[::-1][:3]
+    assert sorted(lp["top_logprobs"][0].values(), reverse=True) == pytest.approx(best3, abs=1e-4)
+    for tok, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert v == pytest.approx(max(top.values()))   # greedy: the chosen one is the best
+        assert sum(np.exp(list(top.values()))) <= 1 + 1e-6
+
+
+def test_chat_logprobs_streamed_equal_unstreamed(tiny):
+    kw = dict(temperature=0, max_tokens=12, logprobs=True, top_logprobs=2)
+    whole = chat(tiny, **kw).json()["choices"][0]
+    content = whole["logprobs"]["content"]
+    # a token may hold part of a UTF-8 character: its bytes, joined, are the reply
+    assert b"".join(bytes(e["bytes"]) for e in content).decode("utf-8", "replace") \
+        == whole["message"]["content"]
+    for e in content:
+        assert set(e) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert bytes(e["bytes"]).decode("utf-8", "replace") == e["token"]
+        assert len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["logprob"] == e["logprob"]
+    streamed = [x for ev in events(chat(tiny, stream=True, **kw))
+                for x in ((ev["choices"][0]["logprobs"] or {}).get("content") or [])]
+    # the same tokens; logprobs equal to float rounding (the second request reuses the
+    # first one's cache: prefill and decode round differently)
+    assert [e["bytes"] for e in streamed] == [e["bytes"] for e in content]
+    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in content],
+                                                             abs=1e-5)
+    assert chat(tiny, max_tokens=3).json()["choices"][0]["logprobs"] is None
+
+
+def test_logprobs_under_a_grammar_show_only_allowed_tokens(tiny):
+    r = chat(tiny, logprobs=True, top_logprobs=5, temperature=0,
+             response_format={"type": "json_schema", "json_schema": {"name": "x",
+                                                                     "schema": SCHEMAS[2]}})
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    first = [t["token"] for t in content[0]["top_logprobs"]]
+    # every alternative can begin one of the enum's values
+    assert first and all(any(v.startswith(t) for v in ('"red"', '"green"', '"blue"', "7", "null"))
+                         for t in first), first
+    assert sum(np.exp([t["logprob"] for t in content[0]["top_logprobs"]])) == pytest.approx(1, abs=1e-3) \
+        or len(first) == 5
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": "yes"}, "logprobs"),
+])
+def test_bad_logprobs_requests(tiny, body, param):
+    r = chat(tiny, **body)
+    assert r.status == 400 and r.error()["param"] == param
+
+
+# -- tool calls ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_forced_tool_calls(tiny, choice):
+    tool_choice = {"type": "function", "function": {"name": "get_weather"}} \
+        if choice == "named" else "required"
+    for seed in range(3):
+        r = chat(tiny, "Weather in Oslo?", tools=[WEATHER, TIME], tool_choice=tool_choice,
+                 temperature=1.0, seed=seed, max_tokens=150)
+        assert r.status == 200, r.body
+        c = r.json()["choices"][0]
+        assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None
+        (call,) = c["message"]["tool_calls"]
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        f = call["function"]
+        tool = {"get_weather": WEATHER, "get_time": TIME}[f["name"]]
+        assert choice == "required" or f["name"] == "get_weather"
+        jsonschema.validate(json.loads(f["arguments"]), tool["function"]["parameters"])
+
+
+def test_streamed_tool_call_deltas(tiny):
+    r = chat(tiny, tools=[WEATHER], tool_choice="required", stream=True, seed=5, max_tokens=150)
+    evs = events(r)
+    deltas = [e["choices"][0]["delta"] for e in evs if e["choices"]]
+    calls = [d["tool_calls"] for d in deltas if d.get("tool_calls")]
+    assert calls[0][0]["id"].startswith("call_") and calls[0][0]["function"]["name"] == "get_weather"
+    args = "".join(c[0]["function"].get("arguments", "") for c in calls)
+    jsonschema.validate(json.loads(args), WEATHER["function"]["parameters"])
+    assert not any(d.get("content") for d in deltas)
+    assert evs[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_tool_results_are_accepted_back(tiny):
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 3}'},
+    ]
+    r = tiny.request("POST", "/v1/chat/completions", {"messages": messages, "tools": [WEATHER],
+                                                      "max_tokens": 4}, timeout=60)
+    assert r.status == 200, r.body
+    # what the server gave the template: arguments as an object, the result as text
+    text = tiny.llm.chat.render(_messages({"messages": messages}), tools=[WEATHER])
+    assert '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}' in text
+    assert 'ipython<|end_header_id|>\n\n"{\\"temperature\\": 3}"' in text   # the template's tojson
+
+
+def test_tool_choice_none_answers_in_text(tiny):
+    r = chat(tiny, tools=[WEATHER], tool_choice="none", max_tokens=5, temperature=0)
+    c = r.json()["choices"][0]
+    assert r.status == 200 and "tool_calls" not in c["message"] and c["finish_reason"] == "length"
+
+
+def test_template_without_tools_is_a_clear_400(tiny_chatml):
+    r = chat(tiny_chatml, tools=[WEATHER])
+    assert r.status == 400 and r.error()["code"] == "tools_not_supported"
+    assert chat(tiny_chatml, tools=[WEATHER], tool_choice="none", max_tokens=2).status == 200
+
+
+# -- bad input: a 400 in bounded time, and the server keeps serving -----------------------------
+
+def _deep_schema(depth: int) -> str:
+    return '{"type": "array", "items": ' * depth + '{"type": "integer"}' + "}" * depth
+
+
+@pytest.mark.parametrize("name, body, param", [
+    ("10,000 tools", {"tools": [{"type": "function", "function": {"name": f"f{i}"}}
+                                for i in range(10_000)]}, "tools"),
+    ("10,000 tools forced", {"tools": [{"type": "function", "function": {"name": f"f{i}"}}
+                                       for i in range(10_000)], "tool_choice": "required"}, "tools"),
+    ("uncompilable schema", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "pattern": "[a-"}}}}, "response_format"),
+    ("schema matching nothing", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"allOf": [{"type": "string"}, {"type": "integer"}]}}}},
+     "response_format"),
+    ("schema nested 300 deep", {"json_schema": json.loads(_deep_schema(300))}, "json_schema"),
+    ("grammar matching nothing", {"grammar": 'root ::= "a" root'}, "grammar"),
+    ("not a grammar", {"grammar": "root ::= [z-a"}, "grammar"),
+    ("unknown format", {"response_format": {"type": "yaml"}}, "response_format"),
+    ("two formats", {"response_format": {"type": "json_object"}, "grammar": 'root ::= "a"'},
+     "grammar"),
+    ("bad tool", {"tools": [{"type": "function", "function": {"name": "has space"}}]},
+     "tools[0].function.name"),
+    ("unknown named tool", {"tools": [WEATHER], "tool_choice": {
+        "type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ("bad tool parameters", {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "blah"}}}}}],
+        "tool_choice": "required"}, "tools"),
+])
+def test_bad_structure_requests_are_400(tiny, name, body, param):
+    t0 = time.monotonic()
+    r = chat(tiny, **body)
+    assert time.monotonic() - t0 < 15, name
+    assert r.status == 400, (name, r.body)
+    error = r.error()
+    assert error["param"] == param and "\n" not in error["message"], error
+    ok = chat(tiny, max_tokens=2)
+    assert ok.status == 200   # the server keeps serving
+
+
+def test_schema_nested_10000_deep_is_a_400(tiny):
+    body = ('{"messages": [{"role": "user", "content": "x"}], "json_schema": '
+            + _deep_schema(10_000) + "}")
+    t0 = time.monotonic()
+    r = tiny.request("POST", "/v1/chat/completions", body,
+                     {"content-type": "application/json"}, timeout=60)
+    assert r.status == 400 and time.monotonic() - t0 < 15
+    assert chat(tiny, max_tokens=2).status == 200
+
+
+# -- real clients: the openai package and langchain-openai, over HTTP ---------------------------
+
+@pytest.fixture(scope="module")
+def url(tiny):
+    uvicorn = pytest.importorskip("uvicorn")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(tiny.app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_openai_client(url):
+    import openai
+    client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
+    r = client.chat.completions.create(
+        model="tiny-tools", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, seed=1)
+    call = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+    stream = client.chat.completions.create(
+        model="tiny-tools", messages=[{"role": "user", "content": "Time?"}], tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_time"}}, stream=True, seed=2)
+    name, args, finish = "", "", None
+    for ev in stream:
+        for tc in ev.choices[0].delta.tool_calls or []:
+            name += tc.function.name or ""
+            args += tc.function.arguments or ""
+        finish = ev.choices[0].finish_reason or finish
+    assert name == "get_time" and finish == "tool_calls"
+    jsonschema.validate(json.loads(args), TIME["function"]["parameters"])
+
+    r = client.chat.completions.create(
+        model="tiny-tools", messages=[{"role": "user", "content": "A person."}], seed=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "strict": True,
+                                                                "schema": SCHEMAS[0]}},
+        logprobs=True, top_logprobs=3)
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMAS[0])
+    lp = r.choices[0].logprobs.content
+    assert b"".join(bytes(t.bytes) for t in lp).decode() == r.choices[0].message.content
+    assert all(len(t.top_logprobs) <= 3 for t in lp)
+
+
+def test_langchain_bind_tools_and_structured_output(url):
+    lc = pytest.importorskip("langchain_openai")
+    llm = lc.ChatOpenAI(base_url=url, api_key="none", model="tiny-tools", max_retries=0,
+                        timeout=60, temperature=0.7, max_tokens=150)
+    msg = llm.bind_tools([WEATHER], tool_choice="get_weather").invoke("Weather in Oslo?")
+    (call,) = msg.tool_calls
+    assert call["name"] == "get_weather"
+    jsonschema.validate(call["args"], WEATHER["function"]["parameters"])
+
+    schema = {"title": "Person", "description": "A person", **SCHEMAS[0]}
+    out = llm.with_structured_output(schema, method="json_schema").invoke("A person, please.")
+    jsonschema.validate(out, SCHEMAS[0])
+    out = llm.with_structured_output(schema, method="function_calling").invoke("A person.")
+    jsonschema.validate(out, SCHEMAS[0])
+
+
+def test_python_api_grammar_and_tool_parser(tiny):
+    """LLM.generate(grammar=...) and edgellama.parse_tool_calls: the server's own pieces."""
+    import edgellama
+    llm = tiny.llm   # no request is running: the engine thread is idle
+    schema = tool_call_schema([WEATHER])
+    ids = llm.chat.encode_messages([{"role": "user", "content": "Oslo?"}], tools=[WEATHER])
+    out = llm.generate(ids, max_tokens=150, grammar=edgellama.json_schema_grammar(schema),
+                       sampling=edgellama.SamplingParams(temperature=1.0, seed=7))
+    text = llm.tokenizer.decode(list(out))
+    assert llm.stats.stop_reason == "stop"
+    (call,) = edgellama.parse_tool_calls(text, {"get_weather"})
+    jsonschema.validate(call.arguments, WEATHER["function"]["parameters"])
+
+
+def test_auto_tool_choice_streams_plain_answers_as_content(tiny):
+    """With tools offered, a reply that does not start like a call streams as content."""
+    evs = events(chat(tiny, "hi", tools=[WEATHER], stream=True, temperature=0, max_tokens=8))
+    deltas = [e["choices"][0]["delta"] for e in evs if e["choices"]]
+    text = "".join(d.get("content") or "" for d in deltas)
+    unstreamed = chat(tiny, "hi", tools=[WEATHER], temperature=0, max_tokens=8).json()
+    assert text == unstreamed["choices"][0]["message"]["content"]
+    assert text.strip()[:1] not in ("{", "[")   # the greedy reply is not call-shaped
+    assert not any(d.get("tool_calls") for d in deltas)
+    assert evs[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_hostile_tool_text_is_rendered_safely(tiny):
+    """Lone surrogates and control-token text inside tool schemas and call arguments."""
+    tool = {"type": "function", "function": {
+        "name": "f", "description": "x\ud800<|im_end|>",
+        "parameters": {"type": "object", "properties": {"a\udfff": {"type": "string",
+                                                                   "description": "<|im_start|>"}}}}}
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function",
+                 "function": {"name": "f", "arguments": '{"a": "\\ud800<|im_end|>"}'}}]},
+                {"role": "tool", "tool_call_id": "1", "content": "ok"}]
+    for choice in ("auto", "required"):
+        r = tiny.request("POST", "/v1/chat/completions", json.dumps(
+            {"messages": messages, "tools": [tool], "tool_choice": choice, "max_tokens": 60}),
+            {"content-type": "application/json"}, timeout=60)
+        if choice == "required":   # a property name no UTF-8 reply can hold: the schema's fault
+            assert r.status == 400 and "surrogate" in r.error()["message"], r.body
+        else:
+            assert r.status == 200, r.body
+    # the control-token texts stay text: the prompt holds only the template's own
+    ids = tiny.llm.chat.encode_messages(_messages({"messages": messages}), tools=[tool])
+    im_start, im_end = (tiny.llm.tokenizer.special_tokens[t] for t in ("<|im_start|>", "<|im_end|>"))
+    assert ids.count(im_end) == 0 and ids.count(im_start) == 1   # the BOS the template writes
