@@ -12,8 +12,8 @@ parses requests and passes text on, so it answers /health and refuses bad reques
 replies are being generated.
 
 Prefix reuse: a slot keeps its cache after a request, and a new request goes to the free
-slot whose cache shares the longest prefix with its prompt, which recomputes only from the
-first token that differs; so a client that re-sends its conversation pays only for what
+slot whose cache its prompt continues (else the least recently used), which recomputes
+only from the first token that differs; so a client that re-sends its conversation pays only for what
 is new, even while other conversations come and go. `usage.prompt_tokens_details.
 cached_tokens` says how much was reused.
 
@@ -357,6 +357,14 @@ def shared_prefix(cached: list[int], ids: list[int]) -> int:
     return n
 
 
+def _reusable(cached: list[int], ids: list[int]) -> int:
+    """The tokens a prompt would reuse of a slot's cache, counted only where the prompt
+    continues what the slot holds (keeps at least half of it): a chat template's opening
+    alone saves little, and taking that slot would evict another conversation."""
+    n = shared_prefix(cached, ids)
+    return n if 2 * n >= len(cached) else 0
+
+
 def choose_parallel(asked: int | None, slot_bytes: int, ctx: int) -> int:
     """The number of slots: `asked`, refused if the available memory cannot hold that many
     full KV caches; by default DEFAULT_PARALLEL, fewer if memory holds fewer (at least
@@ -387,9 +395,9 @@ class Engine:
     request whose prompt is read, all of them in one pass over the weights
     (Transformer.decode). Requests join (a free slot) and leave (done, cancelled) between
     steps, so none waits for another to finish, and each decoding request gets one token
-    a step. A request goes to the free slot whose cache shares the longest prefix with its
-    prompt (the least recently used among equals), so interleaved conversations keep their
-    caches. All slots share one Scratch: one pass runs at a time."""
+    a step. A request goes to the free slot whose cache its prompt continues furthest
+    (_reusable), else to the least recently used one, so interleaved conversations keep
+    their caches. All slots share one Scratch: one pass runs at a time."""
 
     def __init__(self, llm: LLM, capacity: int = DEFAULT_QUEUE, parallel: int | None = None):
         self.llm, self.capacity = llm, capacity
@@ -494,7 +502,7 @@ class Engine:
         free = [s for s in self.slots if s.job is None]
         while self._waiting and free:
             job = self._waiting.popleft()
-            slot = max(free, key=lambda s: (shared_prefix(s.seq.tokens, job.ids), -s.last_used))
+            slot = max(free, key=lambda s: (_reusable(s.seq.tokens, job.ids), -s.last_used))
             free.remove(slot)
             self._admitted += 1
             slot.job, slot.last_used, job.slot = job, self._admitted, slot
