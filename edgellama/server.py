@@ -13,8 +13,8 @@ replies are being generated.
 
 Prefix reuse: a slot keeps its cache after a request, and a new request goes to the free
 slot whose cache its prompt continues (else the least recently used), which recomputes
-only from the first token that differs; so a client that re-sends its conversation pays only for what
-is new, even while other conversations come and go. `usage.prompt_tokens_details.
+only from the first token that differs; so a client that re-sends its conversation pays
+only for what is new, even while other conversations come and go. `usage.prompt_tokens_details.
 cached_tokens` says how much was reused.
 
 Hostile input (tests/test_server_hostile.py, tests/test_fuzz_server.py): every field's JSON
@@ -43,6 +43,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
@@ -51,8 +52,6 @@ from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-
-import numpy as np
 
 from .errors import EdgeError
 from .llm import LLM
@@ -65,10 +64,12 @@ from .tokenizer import StreamDecoder
 log = logging.getLogger("edgellama.server")
 
 DEFAULT_QUEUE = 16
-DEFAULT_PARALLEL = 4        # slots unless --parallel says (fewer if memory is short): on two
-                            # cores four sequences decoded together already come near the
-                            # limit of what one weight pass serves (bench_batch_decode)
-PREFILL_CHUNK = 64          # prompt tokens read per step while other requests decode
+DEFAULT_PARALLEL = 4        # slots unless --parallel says (fewer if memory is short): the
+                            # batched decode kernels multiply tokens in groups of four, so
+                            # up to four sequences share one pass's work (bench_batch_decode)
+PREFILL_CHUNK = 64          # prompt tokens read per step while other requests decode: a
+                            # decode step costs what a few prompt tokens do, so a long prompt
+                            # is read nearly as fast as alone, and the others stall one chunk
 MAX_BODY = 8 << 20          # bytes of a request body: a 128k-token context is ~0.5 MB of text
 MAX_STOPS = 16              # stop strings per request (OpenAI allows 4)
 MAX_STOP_CHARS = 500        # characters of one stop string
@@ -322,7 +323,8 @@ class Job:
         self.slot: Slot | None = None
         self.reused = 0                # prompt tokens the slot's cache already held
         self.count = 0                 # tokens generated
-        self.next_token = ids[-1]      # fed to the next decode step: the prompt's last, then each sampled one
+        self.next_token = ids[-1]      # fed to the next decode step: the prompt's last,
+                                       # then each sampled one
         self.decoder: StreamDecoder | None = None
         self.matcher = StopMatcher(params.stops)
 

@@ -24,7 +24,7 @@ from edgellama.errors import EdgeError
 from edgellama.sampling import SamplingParams
 from edgellama.server import ApiError, Engine, Job, Params, choose_parallel
 from server_asgi import tiny_chat_model
-from test_server import Served, chat, models, streamed  # noqa: F401 - the fixture, shared
+from test_server import Served, models, streamed  # noqa: F401 - the fixture, shared
 
 PROMPTS = ["hello there", "once upon a time", "the end of", "on and on and", "zebra",
            "in the", "tell me a story", "pick"]
@@ -228,13 +228,13 @@ def test_slot_count_from_memory(monkeypatch):
 
 @pytest.fixture(scope="module")
 def four_slots(models):   # noqa: F811
-    d, tiny, slow = models
+    d, _, slow = models
     s = Served(slow, "--parallel", "4", "--queue", "8", log=d / "parallel.log")
     yield s
     s.stop()
 
 
-def test_eight_openai_clients_at_once(models, four_slots):   # noqa: F811
+def test_eight_openai_clients_at_once(four_slots):
     """8 concurrent streaming clients on 4 slots: 4 run together, 4 wait, all are answered
     in full; /health and the start-up message show the slots and their memory."""
     s = four_slots
