@@ -313,3 +313,29 @@ def test_eight_openai_clients_at_once(four_slots):
     assert together == [ask(i) for i in range(8)]   # each as it is alone
     s.wait_health(lambda h: h["queue"]["running"] == 0)
     assert "Traceback" not in s.text()
+
+
+def test_a_client_leaving_frees_its_slot_for_one_waiting(four_slots):
+    """4 long streams fill the 4 slots and a fifth waits; when one client leaves, the
+    fifth starts generating while the other three go on."""
+    s = four_slots
+    c = s.client()
+
+    def long_stream(prompt):
+        return c.completions.create(model="slow-chat", prompt=prompt, max_tokens=3000,
+                                    temperature=0, stream=True)
+    running = [long_stream(p) for p in PROMPTS[:4]]
+    for stream in running:
+        next(iter(stream))                                # all four are generating
+    waiting = long_stream(PROMPTS[4])                     # headers back: it waits for a slot
+    h = s.wait_health(lambda h: h["queue"]["waiting"] == 1)
+    assert h["queue"]["running"] == 4 and h["slots"]["busy"] == 4
+    running[0].close()
+    next(iter(waiting))                                   # it has a slot now
+    h = s.wait_health(lambda h: h["queue"]["waiting"] == 0)
+    assert h["queue"]["running"] == 4
+    for stream in running[1:]:
+        next(iter(stream))                                # the others still stream
+    for stream in [*running[1:], waiting]:
+        stream.close()
+    s.wait_health(lambda h: h["queue"]["running"] == 0)
