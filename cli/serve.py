@@ -78,8 +78,12 @@ def _accepted_hosts(host: str, sock: socket.socket, extra: list[str]) -> tuple[l
 @click.option("--api-key", envvar="EDGELLAMA_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' on /v1 (or set EDGELLAMA_API_KEY, "
                    "which other users cannot read from the process list).")
+@click.option("--parallel", type=click.IntRange(min=1), default=None,
+              help="Requests that run at once, each in a slot with its own KV cache, decoded "
+                   "together in one pass over the weights. Default: 4, fewer if the "
+                   "available memory does not hold that many full-context KV caches.")
 @click.option("--queue", "queue_size", type=click.IntRange(min=0), default=16, show_default=True,
-              help="Requests that may wait while one runs; more are answered 503.")
+              help="Requests that may wait while all slots are busy; more are answered 503.")
 @click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
               callback=_host_names,
               help="Also answer requests whose Host header is NAME (repeatable; * = any "
@@ -91,7 +95,8 @@ def _accepted_hosts(host: str, sock: socket.socket, extra: list[str]) -> tuple[l
               help="Let web pages at ORIGIN (e.g. http://localhost:3000; * = any) call the "
                    "API from a browser, with CORS headers (repeatable). Without it every "
                    "request that a page on another origin sends is refused (403).")
-def serve(model, ctx, threads, activations, host, port, api_key, queue_size, allowed_hosts, cors):
+def serve(model, ctx, threads, activations, host, port, api_key, parallel, queue_size,
+          allowed_hosts, cors):
     """Serve the model over OpenAI's HTTP API (chat and completions).
 
     Requests must send JSON bodies with 'Content-Type: application/json' (or none); form
@@ -112,7 +117,7 @@ def serve(model, ctx, threads, activations, host, port, api_key, queue_size, all
     progress.done(loading.count + warm.compiled, loading.seconds + warm.compile_seconds)
     hosts, any_ip = _accepted_hosts(host, sock, allowed_hosts)
     app = create_app(llm, api_key=api_key or None, queue_size=queue_size,
-                     allowed_hosts=hosts, any_ip_host=any_ip, cors=cors)
+                     allowed_hosts=hosts, any_ip_host=any_ip, cors=cors, parallel=parallel)
     server = app.state.server
     if not api_key and not _is_local(sock):
         click.echo(f"warning: listening on {host} without --api-key: anyone who can reach "
@@ -120,8 +125,14 @@ def serve(model, ctx, threads, activations, host, port, api_key, queue_size, all
     sock.listen(128)
     bound = sock.getsockname()
     address = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
-    click.echo(f"serving {one_line(server.model_id)} (ctx {llm.ctx}, queue {queue_size}) on "
-               f"http://{address}:{bound[1]}/v1", err=True)
+    engine = server.engine
+    click.echo(f"{engine.parallel} slot{'s' if engine.parallel > 1 else ''} of ctx {llm.ctx}: "
+               f"KV cache up to {engine.kv_cache_bytes / 2**20:.0f} MiB "
+               f"({engine.kv_cache_bytes / engine.parallel / 2**20:.0f} MiB a slot, mapped as "
+               f"it fills)", err=True)
+    click.echo(f"serving {one_line(server.model_id)} (ctx {llm.ctx}, parallel "
+               f"{engine.parallel}, queue {queue_size}) on http://{address}:{bound[1]}/v1",
+               err=True)
     shown = ", ".join(f"[{h}]" if ":" in h else h for h in hosts)
     click.echo(f"answering Host {shown}{' and any IP address' if any_ip else ''}"
                f"{'; cross-origin pages: ' + ', '.join(cors) if cors else ''}", err=True)

@@ -99,19 +99,6 @@ class LLM:
         self.stats = Stats(prompt_tokens=len(ids) - n, prompt_seconds=time.perf_counter() - t0)
         return logits
 
-    def read_prompt(self, ids: list[int], cancelled: Callable[[], bool] = lambda: False) -> int | None:
-        """Bring the cache to hold `ids` but its last batch (generate reads that), a
-        batch at a time, so that a caller can stop a long prompt between batches.
-        Returns how many tokens were reused from the cache, or None once cancelled()."""
-        self._check_prompt(ids)
-        n = self.seq.reuse_prefix(ids)
-        B = self.model.batch
-        for end in range(n + B, len(ids), B):   # the batches forward() would make
-            if cancelled():
-                return None
-            self.model.forward(ids[self.seq.pos:end], self.seq)
-        return None if cancelled() else n
-
     def logits(self, ids: list[int]) -> np.ndarray:
         """Next-token logits (V,) after `ids` (a copy)."""
         return self._prefill(list(ids)).copy()

@@ -1,17 +1,21 @@
 """`edgellama serve`'s application: the OpenAI HTTP API over one loaded model.
 
-    app = create_app(llm, api_key=None, queue_size=16)   # a Starlette (ASGI) app
+    app = create_app(llm, api_key=None, queue_size=16, parallel=None)   # a Starlette (ASGI) app
 
-One model, one KV cache, one engine thread: requests are validated and tokenized on
-arrival (so a bad one fails at once, without queueing), then wait in a bounded queue
-and run one at a time. A full queue answers 503. The engine is not thread-safe, so only
-its thread runs the model; the event loop parses requests and passes text on, so it
-answers /health and refuses bad requests while a reply is being generated.
+One model, `parallel` slots (each a Sequence: its own KV cache), one engine thread:
+requests are validated and tokenized on arrival (so a bad one fails at once, without
+queueing), then take a free slot or wait in a bounded queue; a full queue answers 503.
+The engine decodes one token for every running request in one pass over the weights
+(continuous batching, see Engine), and reads new prompts a chunk at a time between those
+steps. The model is not thread-safe, so only the engine's thread runs it; the event loop
+parses requests and passes text on, so it answers /health and refuses bad requests while
+replies are being generated.
 
-Prefix reuse: LLM.generate keeps the cache of the previous request and recomputes only
-from the first token that differs, so a client that re-sends its conversation pays
-only for what is new; `usage.prompt_tokens_details.cached_tokens` says how much was
-reused. Interleaved conversations from several clients evict each other's prefix.
+Prefix reuse: a slot keeps its cache after a request, and a new request goes to the free
+slot whose cache its prompt continues (else the least recently used), which recomputes
+only from the first token that differs; so a client that re-sends its conversation pays
+only for what is new, even while other conversations come and go. `usage.prompt_tokens_details.
+cached_tokens` says how much was reused.
 
 Hostile input (tests/server/test_server_hostile.py, tests/server/test_fuzz_server.py): every field's JSON
 type and range is checked, a wrong one answered 400 naming it; bodies must be JSON (415);
@@ -60,13 +64,22 @@ from .errors import EdgeError
 from .constrain import (Constraint, GrammarError, gbnf_grammar, json_object_grammar,
                         json_schema_grammar, sample)
 from .llm import LLM
+from .machine import available_memory
 from .sampling import Sampler, SamplingParams, log_probs
+from .scratch import Scratch
+from .sequence import Sequence
 from .tokenizer import StreamDecoder
 from .tool_calls import may_be_tool_call, parse_tool_calls, tool_call_schema
 
 log = logging.getLogger("edgellama.server")
 
 DEFAULT_QUEUE = 16
+DEFAULT_PARALLEL = 4        # slots unless --parallel says (fewer if memory is short): the
+                            # batched decode kernels multiply tokens in groups of four, so
+                            # up to four sequences share one pass's work (bench_batch_decode)
+PREFILL_CHUNK = 64          # prompt tokens read per step while other requests decode: a
+                            # decode step costs what a few prompt tokens do, so a long prompt
+                            # is read nearly as fast as alone, and the others stall one chunk
 MAX_BODY = 8 << 20          # bytes of a request body: a 128k-token context is ~0.5 MB of text
 MAX_STOPS = 16              # stop strings per request (OpenAI allows 4)
 MAX_STOP_CHARS = 500        # characters of one stop string
@@ -479,6 +492,21 @@ class Job:
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self._loop = asyncio.get_running_loop()
+        # generation state, touched by the engine thread only
+        self.history = list(ids)       # what the repetition penalty looks back on
+        self.slot: Slot | None = None
+        self.reused = 0                # prompt tokens the slot's cache already held
+        self.count = 0                 # tokens generated
+        self.next_token = ids[-1]      # fed to the next decode step: the prompt's last,
+                                       # then each sampled one
+        self.decoder: StreamDecoder | None = None
+        self.matcher = StopMatcher(params.stops)
+
+    @property
+    def reading(self) -> bool:
+        """Still reading its prompt: the cache lacks more than the last prompt token
+        (which the first decode step feeds)."""
+        return self.slot.seq.pos < len(self.ids) - 1
 
     def emit(self, *event: Any) -> None:
         with contextlib.suppress(RuntimeError):   # the loop is closed: the server has stopped
@@ -516,32 +544,106 @@ def _logprob_entry(tokenizer, tok: int, lp: float, top: list[tuple[int, float]])
     return {**one(tok, lp), "top_logprobs": [one(i, v) for i, v in top]}
 
 
-class Engine:
-    """The one thread that runs the model, and the bounded queue in front of it."""
+@dataclass(eq=False)
+class Slot:
+    """One sequence of the engine. Its KV cache outlives the requests it serves: the next
+    request that shares a prefix with the tokens it holds reads only the rest."""
+    index: int
+    seq: Sequence
+    job: Job | None = None
+    last_used: int = 0    # admission count when it last took a job
 
-    def __init__(self, llm: LLM, capacity: int = DEFAULT_QUEUE):
+
+def shared_prefix(cached: list[int], ids: list[int]) -> int:
+    """How many leading tokens `cached` and `ids` have in common."""
+    n = 0
+    for a, b in zip(cached, ids):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def _reusable(cached: list[int], ids: list[int]) -> int:
+    """The tokens a prompt would reuse of a slot's cache, counted only where the prompt
+    continues what the slot holds (keeps at least half of it): a chat template's opening
+    alone saves little, and taking that slot would evict another conversation."""
+    n = shared_prefix(cached, ids)
+    return n if 2 * n >= len(cached) else 0
+
+
+def choose_parallel(asked: int | None, slot_bytes: int, ctx: int) -> int:
+    """The number of slots: `asked`, refused if the available memory cannot hold that many
+    full KV caches; by default DEFAULT_PARALLEL, fewer if memory holds fewer (at least
+    one: loading the model checked that one fits). A cache's pages are mapped as its
+    positions are written, so this is the most the slots can come to take, never an
+    out-of-memory kill halfway through a reply."""
+    avail = available_memory()
+    fits = None if avail is None else avail // slot_bytes
+    if asked is None:
+        return DEFAULT_PARALLEL if fits is None else max(1, min(DEFAULT_PARALLEL, fits))
+    if asked < 1:
+        raise EdgeError(f"--parallel must be at least 1, got {asked}")
+    if fits is not None and asked > fits:
+        raise EdgeError(f"--parallel {asked} needs {asked * slot_bytes / 2**20:.0f} MiB of KV "
+                        f"cache ({slot_bytes / 2**20:.0f} MiB a slot at ctx {ctx}), but only "
+                        f"{avail / 2**20:.0f} MiB of memory is available; use a smaller "
+                        f"--parallel or --ctx")
+    return asked
+
+
+class Engine:
+    """The one thread that runs the model, its `parallel` slots and the bounded queue in
+    front of them.
+
+    Continuous batching: each step reads one chunk of the prompt of the earliest admitted
+    request still reading (PREFILL_CHUNK tokens while others decode, so they are not
+    stalled long; the model's batch when none does), then decodes one token for every
+    request whose prompt is read, all of them in one pass over the weights
+    (Transformer.decode). Requests join (a free slot) and leave (done, cancelled) between
+    steps, so none waits for another to finish, and each decoding request gets one token
+    a step. A request goes to the free slot whose cache its prompt continues furthest
+    (_reusable), else to the least recently used one, so interleaved conversations keep
+    their caches. All slots share one Scratch: one pass runs at a time."""
+
+    def __init__(self, llm: LLM, capacity: int = DEFAULT_QUEUE, parallel: int | None = None):
         self.llm, self.capacity = llm, capacity
+        model = llm.model
+        self.scratch = Scratch()
+        first = model.new_sequence(scratch=self.scratch)
+        self.parallel = choose_parallel(parallel, first.cache.nbytes, llm.ctx)
+        self.slots = [Slot(0, first)] + [Slot(i, model.new_sequence(scratch=self.scratch))
+                                         for i in range(1, self.parallel)]
+        self._stop_ids = llm.tokenizer.stop_ids
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
-        self._running: Job | None = None
+        self._active: list[Job] = []     # in admission order
+        self._admitted = 0
         self._closed = False
         self._thread = threading.Thread(target=self._work, name="edgellama-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The slots' KV caches at full context: the most they take."""
+        return sum(s.seq.cache.nbytes for s in self.slots)
 
     def submit(self, job: Job) -> None:
         with self._cond:
             if self._closed:
                 raise ApiError(503, "the server is shutting down", code="shutting_down")
-            # between two jobs nothing runs yet: the first waiting one is about to
-            if len(self._waiting) >= self.capacity + (self._running is None):
-                raise ApiError(503, f"the server is busy: one request is running and "
+            # a job that finds a free slot waits only until the engine thread takes it
+            free = self.parallel - len(self._active)
+            if len(self._waiting) >= self.capacity + free:
+                raise ApiError(503, f"the server is busy: {len(self._active)} requests are "
+                                    f"running (--parallel {self.parallel}) and "
                                     f"{len(self._waiting)} are waiting, the most it queues "
                                     f"(--queue {self.capacity}); retry later", code="queue_full")
             self._waiting.append(job)
             self._cond.notify()
 
     def cancel(self, job: Job) -> None:
-        """Stop a job: dropped if still waiting, else stopped before its next token."""
+        """Stop a job: dropped if still waiting, else stopped before its next step."""
         job.cancelled.set()
         with self._cond:
             if job in self._waiting:
@@ -550,16 +652,26 @@ class Engine:
 
     def status(self) -> dict:
         with self._cond:
-            return {"running": int(self._running is not None), "waiting": len(self._waiting),
+            return {"running": len(self._active), "waiting": len(self._waiting),
                     "capacity": self.capacity}
+
+    def slot_status(self) -> dict:
+        """The slots for /health: how many, which are busy, the tokens each cache holds,
+        and their KV cache memory."""
+        with self._cond:
+            return {"parallel": self.parallel,
+                    "busy": sum(s.job is not None for s in self.slots),
+                    "cached_tokens": [len(s.seq.tokens) for s in self.slots],
+                    "kv_cache_bytes_per_slot": self.slots[0].seq.cache.nbytes,
+                    "kv_cache_bytes": self.kv_cache_bytes}
 
     def shutdown(self) -> None:
         """Take no more requests, and end the waiting and running ones now: each is told
-        503 shutting_down (the running one stops before its next token or prompt batch).
-        Returns at once; safe to call more than once, from any thread."""
+        503 shutting_down (the running ones stop before the next step). Returns at once;
+        safe to call more than once, from any thread."""
         with self._cond:
             self._closed = True
-            jobs = list(self._waiting) + ([self._running] if self._running else [])
+            jobs = list(self._waiting) + self._active
             self._waiting.clear()
             self._cond.notify_all()
         for job in jobs:
@@ -575,71 +687,115 @@ class Engine:
     def _work(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self._closed:
+                while not self._waiting and not self._active and not self._closed:
                     self._cond.wait()
                 if self._closed:
                     return
-                job = self._running = self._waiting.popleft()
+                self._admit()
+                jobs = list(self._active)
+            for job in jobs:
+                if job.cancelled.is_set():   # the client left: its slot is free now
+                    self._release(job, "cancelled")
+            jobs = [j for j in jobs if not j.cancelled.is_set()]
+            reading = [j for j in jobs if j.reading]
+            ready = [j for j in jobs if not j.reading]
+            if reading:
+                self._guarded(reading[:1], self._read_prompt, reading[0], bool(ready))
+            if ready:
+                self._guarded(ready, self._decode, ready)
+
+    def _admit(self) -> None:
+        """Waiting jobs into free slots, first come first served (holding the lock)."""
+        free = [s for s in self.slots if s.job is None]
+        while self._waiting and free:
+            job = self._waiting.popleft()
+            slot = max(free, key=lambda s: (_reusable(s.seq.tokens, job.ids), -s.last_used))
+            free.remove(slot)
+            self._admitted += 1
+            slot.job, slot.last_used, job.slot = job, self._admitted, slot
+            job.reused = slot.seq.reuse_prefix(job.ids)
+            job.decoder = StreamDecoder(self.llm.tokenizer)
+            self._active.append(job)
+
+    def _guarded(self, jobs: list[Job], step, *args) -> None:
+        """Run one step for `jobs`; if it fails, they fail (500) and the server goes on."""
+        try:
+            step(*args)
+        except Exception as e:  # noqa: BLE001 - those requests fail, the server stays up
+            if isinstance(e, EdgeError):   # the model, not the request (that was checked)
+                error = ApiError(500, str(e))
+            else:
+                log.exception("generation failed")
+                error = ApiError(500, "internal error while generating; the server log "
+                                      "has the details")
+            for job in jobs:
+                job.emit("error", error)
+                self._release(job, None)
+
+    def _read_prompt(self, job: Job, others_decoding: bool) -> None:
+        """One chunk of the job's prompt into its slot's cache. A client that leaves
+        stops the reading between chunks; what was read stays for the next request."""
+        seq = job.slot.seq
+        chunk = PREFILL_CHUNK if others_decoding else self.llm.model.batch
+        end = min(len(job.ids) - 1, seq.pos + chunk)
+        self.llm.model.forward(job.ids[seq.pos:end], seq)
+
+    def _decode(self, jobs: list[Job]) -> None:
+        """One token for each job, all in one pass over the weights."""
+        logits = self.llm.model.decode([j.slot.seq for j in jobs],
+                                       [j.next_token for j in jobs], self.scratch)
+        for job, row in zip(jobs, logits):
             try:
-                self._generate(job)
-            except GrammarError as e:   # the request's grammar gave up mid-reply
+                tok = sample_token(job, row, job.history)
+            except GrammarError as e:   # its grammar gave up mid-reply: this request
+                # fails, not the others of the step
                 job.emit("error", ApiError(400, str(e), job.params.grammar_param,
                                            "invalid_grammar"))
-            except EdgeError as e:   # the model, not the request (that was checked)
-                job.emit("error", ApiError(500, str(e)))
-            except Exception:  # noqa: BLE001 - one request fails, the server stays up
-                log.exception("generation failed")
-                job.emit("error", ApiError(500, "internal error while generating; "
-                                                "the server log has the details"))
-            finally:
-                with self._cond:
-                    self._running = None
+                self._release(job, None)
+                continue
+            self._advance(job, tok)
 
-    def _read_prompt(self, job: Job) -> int | None:
-        """Bring the KV cache to hold the prompt but its last batch, one batch at a time,
-        so that a client leaving during a long prompt stops it (LLM.generate reads the
-        prompt in one call; the batches are the ones its forward pass would make, so the
-        numbers are the same). Returns the prompt tokens reused from the cache, or None
-        if the client left."""
-        return self.llm.read_prompt(job.ids, job.cancelled.is_set)
+    def _advance(self, job: Job, tok: int) -> None:
+        """Take the sampled token: stream its text, or end the reply."""
+        if tok in self._stop_ids:
+            self._finish(job, "stop")
+            return
+        job.count += 1
+        job.history.append(tok)
+        text, hit = job.matcher.push(job.decoder.push(tok))
+        if text:
+            job.emit("text", text, job.take_logprobs(job.count, self.llm.tokenizer))
+        seq = job.slot.seq
+        if hit:
+            self._finish(job, "stop", flush=False)
+        elif job.count >= job.max_tokens or seq.pos >= seq.ctx:
+            self._finish(job, "length")
+        else:
+            job.next_token = tok
 
-    def _generate(self, job: Job) -> None:
-        reused = self._read_prompt(job)
-        if reused is None:
-            job.emit("cancelled")
-            return
-        llm, p = self.llm, job.params
-        decoder, matcher = StreamDecoder(llm.tokenizer), StopMatcher(p.stops)
-        tokens = llm.generate(job.ids, max_tokens=job.max_tokens,
-                              pick=lambda logits, history: sample_token(job, logits, history))
-        count, finish = 0, None
-        try:
-            for tok in tokens:
-                if job.cancelled.is_set():   # the client left: no further token
-                    break
-                count += 1
-                text, hit = matcher.push(decoder.push(tok))
-                if text:
-                    job.emit("text", text, job.take_logprobs(count, llm.tokenizer))
-                if hit:
-                    finish = "stop"
-                    break
-        finally:
-            tokens.close()   # LLM.generate keeps the cache consistent when closed early
-        if job.cancelled.is_set():
-            job.emit("cancelled")
-            return
-        if finish is None:
-            text, hit = matcher.push(decoder.flush())
-            text += "" if hit else matcher.flush()
-            rest = job.take_logprobs(count, llm.tokenizer)
+    def _finish(self, job: Job, finish: str, flush: bool = True) -> None:
+        if flush:   # text held back by the decoder (a partial character) or the matcher
+            text, hit = job.matcher.push(job.decoder.flush())
+            text += "" if hit else job.matcher.flush()
+            rest = job.take_logprobs(job.count, self.llm.tokenizer)
             if text or rest:
                 job.emit("text", text, rest)
-            finish = "stop" if hit or llm.stats.stop_reason == "stop" else "length"
+            finish = "stop" if hit else finish
         prompt = len(job.ids)
         job.emit("done", finish, {
-            "prompt_tokens": prompt, "completion_tokens": count, "total_tokens": prompt + count,
-            "prompt_tokens_details": {"cached_tokens": reused}})
+            "prompt_tokens": prompt, "completion_tokens": job.count,
+            "total_tokens": prompt + job.count,
+            "prompt_tokens_details": {"cached_tokens": job.reused}})
+        self._release(job, None)
+
+    def _release(self, job: Job, event: str | None) -> None:
+        """Free the job's slot (its cache stays, for prefix reuse); tell the client `event`."""
+        if event:
+            job.emit(event)
+        with self._cond:
+            if job in self._active:
+                self._active.remove(job)
+                job.slot.job = None
 
 
 # -- the HTTP side ------------------------------------------------------------------------------
@@ -723,9 +879,9 @@ def _sse(data: Any) -> str:
 
 
 class Server:
-    def __init__(self, llm: LLM, model_id: str, queue_size: int):
+    def __init__(self, llm: LLM, model_id: str, queue_size: int, parallel: int | None = None):
         self.llm, self.model_id = llm, model_id
-        self.engine = Engine(llm, queue_size)
+        self.engine = Engine(llm, queue_size, parallel)
         self.defaults = llm.default_sampling()
         self.created = int(time.time())
         self._tools_ok: bool | None = None   # the chat template shows tools (asked once)
@@ -940,10 +1096,12 @@ class Server:
                 "owned_by": "edgellama"}
 
     async def health(self, request: Request):
-        # kv_cache_tokens: what the next request can reuse (and how far the last one got)
+        # kv_cache_tokens: what the slots' caches hold for the next requests to reuse (and
+        # how far the running ones got); slots: each one's, and their memory
+        slots = self.engine.slot_status()
         return JSONResponse({"status": "ok", "model": self.model_id, "ctx": self.llm.ctx,
-                             "kv_cache_tokens": len(self.llm.cached),
-                             "queue": self.engine.status()})
+                             "kv_cache_tokens": sum(slots["cached_tokens"]),
+                             "queue": self.engine.status(), "slots": slots})
 
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -1102,14 +1260,16 @@ class _RequireKey:
 
 def create_app(llm: LLM, *, model_id: str | None = None, api_key: str | None = None,
                queue_size: int = DEFAULT_QUEUE, allowed_hosts: Iterable[str] = LOOPBACK_HOSTS,
-               any_ip_host: bool = False, cors: Iterable[str] = ()) -> Starlette:
+               any_ip_host: bool = False, cors: Iterable[str] = (),
+               parallel: int | None = None) -> Starlette:
     """The ASGI app serving `llm`; its id is the file name without .gguf unless given.
-    The engine thread starts now and stops when the app's lifespan ends.
+    The engine thread starts now and stops when the app's lifespan ends. `parallel`
+    requests run at once (None: choose_parallel's default from memory).
 
     Only requests whose Host names one of `allowed_hosts` ("*": any; `any_ip_host`: any
     IP address too) are answered, and requests from web pages only from the same origin
     or one of the `cors` origins ("*": any); see _Guard. normalize_origin checks `cors`."""
-    server = Server(llm, model_id or llm.path.stem, queue_size)
+    server = Server(llm, model_id or llm.path.stem, queue_size, parallel)
     guard = Middleware(_Guard, hosts=list(allowed_hosts), any_ip=any_ip_host, cors=list(cors))
 
     async def api_error(request: Request, exc: ApiError):

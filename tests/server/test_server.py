@@ -124,9 +124,10 @@ def server(models):
 
 @pytest.fixture(scope="module")
 def busy(models):
-    """The slow model, at most 2 waiting requests, an API key."""
+    """The slow model, one slot (requests run one at a time), at most 2 waiting requests,
+    an API key."""
     d, _, slow = models
-    s = Served(slow, "--queue", "2", "--api-key", KEY, log=d / "slow.log")
+    s = Served(slow, "--parallel", "1", "--queue", "2", "--api-key", KEY, log=d / "slow.log")
     yield s
     s.stop()
 

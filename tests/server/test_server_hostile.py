@@ -450,7 +450,7 @@ def test_stopping_the_server_while_requests_wait_and_stream(models, tmp_path):  
     not streamed waiting: the waiting one gets 503 shutting_down, both streams end with
     that error and [DONE], the process exits at once, and the log has no traceback."""
     _, _, slow = models
-    s = Served(slow, "--queue", "4", log=tmp_path / "stop.log")
+    s = Served(slow, "--parallel", "1", "--queue", "4", log=tmp_path / "stop.log")   # one runs
     try:
         long = {"prompt": "hello the", "max_tokens": 4000, "temperature": 0}
         conn1, running = _start_stream(s, {"path": "/v1/completions", **long, "stream": True})
