@@ -118,3 +118,7 @@ def main(ctx, debug):
         from edgellama import jit   # imports numba, which sets up the kernel cache
         if jit.cache_note:
             click.echo(f"note: {jit.cache_note}", err=True)
+
+
+if __name__ == "__main__":   # python -m edgellama.cli.main
+    main(prog_name="edgellama")
