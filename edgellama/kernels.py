@@ -410,6 +410,30 @@ def kv_store(k_cache, v_cache, pos, k, v):
                 v_cache[h, p, i] = f32_to_f16(v[t, h, i])
 
 
+@nb.njit(cache=True, error_model="numpy", fastmath=True, parallel=True)
+def kv_shift(k_cache, v_cache, keep, drop, length, cos, sin):
+    # Context shift, in place, every layer: positions keep+drop..length-1 move to
+    # keep..length-drop-1. k_cache (L, KV, nB, hd, 16), v_cache (L, KV, nB·16, hd): f16
+    # bits as kv_store writes them. cos, sin (hd/2,) f32 of drop·inv_freq: each K pair
+    # (2i, 2i+1) is rotated back by that angle (RoPE at position p-drop is RoPE at p
+    # turned by -drop·θ_i) and rounded to f16 again. Ascending positions: a source,
+    # p + drop > p, is read before any destination reaches it.
+    L, KV, _, hd, _ = k_cache.shape
+    for item in prange(L * KV):
+        layer, h = item // KV, item % KV
+        kc, vc = k_cache[layer, h], v_cache[layer, h]
+        for p in range(keep, length - drop):
+            s = p + drop
+            db, dl, sb, sl = p // KV_BLOCK, p % KV_BLOCK, s // KV_BLOCK, s % KV_BLOCK
+            for i in range(hd // 2):
+                a = f16_to_f32(kc[sb, 2 * i, sl])
+                b = f16_to_f32(kc[sb, 2 * i + 1, sl])
+                kc[db, 2 * i, dl] = f32_to_f16(a * cos[i] + b * sin[i])
+                kc[db, 2 * i + 1, dl] = f32_to_f16(b * cos[i] - a * sin[i])
+            for i in range(hd):
+                vc[p, i] = vc[s, i]
+
+
 def attention_scratch_shape(n_threads: int, n_heads: int, n_kv_heads: int, ctx: int,
                             head_dim: int) -> tuple[int, int]:
     """The shape of attention's scratch for a KV cache of ctx positions."""

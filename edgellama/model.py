@@ -68,6 +68,49 @@ class KVCache:
             self.write(layer, 0, k, v)
         self.length = n
 
+    # -- the contract of every cache type (saved prompts, context shift) ------------
+    LAYOUT_VERSION = 1      # bump when the meaning of the arrays changes
+
+    def layout(self) -> dict:
+        """What the cache holds, JSON-able: its K and V types, its capacity, and each state
+        array's name, dtype, full shape and positions axis (`axis`, with `per_index`
+        positions an index along it), so that state(n)'s arrays have that shape with
+        ceil(n / per_index) along the axis."""
+        L, KV, nb, hd, blk = self.k.shape
+        return {"version": self.LAYOUT_VERSION, "k_type": "f16", "v_type": "f16",
+                "capacity": nb * blk, "arrays": {
+                    "k": {"dtype": "<f2", "shape": [L, KV, nb, hd, blk], "axis": 2,
+                          "per_index": blk},
+                    "v": {"dtype": "<f2", "shape": list(self.v.shape), "axis": 2,
+                          "per_index": 1}}}
+
+    def state(self, n: int) -> dict[str, np.ndarray]:
+        """Views of the arrays holding positions 0..n-1 (K: its first ceil(n/16) blocks,
+        their lanes past n unused)."""
+        if not 0 < n <= self.length:
+            raise ValueError(f"state of {n} positions, the cache holds {self.length}")
+        return {"k": self.k[:, :, :-(-n // K.KV_BLOCK)], "v": self.v[:, :, :n]}
+
+    def load_state(self, arrays: dict[str, np.ndarray], n: int) -> None:
+        """Positions 0..n-1 from state(n)-shaped arrays (the caller checked them against
+        layout()); the cache then holds n positions."""
+        if not 0 < n <= self.ctx:
+            raise ValueError(f"{n} positions do not fit a cache of {self.ctx}")
+        self.k[:, :, :-(-n // K.KV_BLOCK)] = arrays["k"]
+        self.v[:, :, :n] = arrays["v"]
+        self.length = n
+
+    def shift(self, keep: int, drop: int, inv_freq: np.ndarray) -> None:
+        """Forget positions keep..keep+drop-1 and move the later ones down by drop, their
+        K rotated back by drop positions (inv_freq: the forward pass's RoPE frequencies,
+        scaling included)."""
+        if not (0 <= keep and 0 < drop and keep + drop <= self.length):
+            raise ValueError(f"shift keep={keep} drop={drop} of {self.length} positions")
+        angle = drop * inv_freq.astype(np.float64)      # as the forward pass's angles
+        K.kv_shift(self.k_bits, self.v_bits, keep, drop, self.length,
+                   np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32))
+        self.length -= drop
+
     @staticmethod
     def bytes_needed(args: ModelArgs, ctx: int) -> int:
         """2 (K and V) × layers × kv heads × head dim × ctx × 2 bytes (f16); the cache

@@ -57,6 +57,14 @@ class Sequence:
         self.truncate(n)
         return n
 
+    def shift(self, keep: int, drop: int, inv_freq: np.ndarray) -> None:
+        """Context shift: forget tokens keep..keep+drop-1; the later ones move down to
+        follow the first `keep`, their K rotated to the new positions (KVCache.shift).
+        Their K/V still carry what they saw of the dropped tokens, as in llama.cpp's
+        context shift: close to, not the same as, reading the shorter text afresh."""
+        self.cache.shift(keep, drop, inv_freq)
+        del self.tokens[keep:keep + drop]
+
     def fill_random(self, n: int, rng: np.random.Generator) -> None:
         """Synthetic K/V for the first n positions (benchmarks: speed ignores values);
         their token ids are -1, which no prompt matches."""

@@ -38,9 +38,12 @@ def exact_product(x, W, name):
     return x @ W[name].T
 
 
-def reference_forward(meta, W, tokens, product=exact_product):
+def reference_forward(meta, W, tokens, product=exact_product, cache=None):
     """Logits (T, V) for tokens at positions 0..T-1. product(x, W, name) is each matrix
-    product x W[name]^T (a model of how a runtime rounds x can stand in)."""
+    product x W[name]^T (a model of how a runtime rounds x can stand in). cache: a dict
+    {"k": [...], "v": [...]} of each layer's stored K (roped) and V, (n, KV, hd) f32 of
+    f16 values, for positions 0..n-1: the tokens then sit at n..n+T-1, see those
+    positions too, and their K/V are appended (an empty dict starts one)."""
     E = meta["llama.embedding_length"]
     H = meta["llama.attention.head_count"]
     KV = meta["llama.attention.head_count_kv"]
@@ -52,9 +55,12 @@ def reference_forward(meta, W, tokens, product=exact_product):
     if "rope_freqs.weight" in W:
         inv_freq = inv_freq / W["rope_freqs.weight"]
     T = len(tokens)
-    pos = np.arange(T)
+    if cache is not None and not cache:
+        cache.update(k=[np.zeros((0, KV, hd), np.float32)] * L, v=[np.zeros((0, KV, hd), np.float32)] * L)
+    n = 0 if cache is None else len(cache["k"][0])
+    pos = np.arange(n, n + T)
     x = W["token_embd.weight"][np.asarray(tokens)]
-    mask = np.triu(np.full((T, T), -np.inf, np.float32), 1)
+    mask = np.triu(np.full((T, n + T), -np.inf, np.float32), n + 1)
     for i in range(L):
         p = f"blk.{i}."
         h = rmsnorm(x, W[p + "attn_norm.weight"], eps)
@@ -63,6 +69,9 @@ def reference_forward(meta, W, tokens, product=exact_product):
         v = product(h, W, p + "attn_v.weight").reshape(T, KV, hd)
         # the cache stores K and V as f16
         k, v = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
+        if cache is not None:
+            cache["k"][i] = k = np.concatenate([cache["k"][i], k])
+            cache["v"][i] = v = np.concatenate([cache["v"][i], v])
         att = np.empty((T, H, hd), np.float32)
         for head in range(H):
             kvh = head // (H // KV)
