@@ -31,6 +31,8 @@ HELP = """commands:
   /system TEXT   set the system prompt (starts a new conversation)
   /reset         forget the conversation
   /stats         speed of the last reply and context used
+  /save NAME     keep the conversation and its cache (NAME, or a PATH with a /)
+  /load NAME     go back to a saved conversation without reading it again
   /help          this text
   /exit          quit (or Ctrl-D); Ctrl-C stops a reply
 input:
@@ -56,7 +58,10 @@ def _shown(path: Path) -> str:
 @click.option("-s", "--system", default=None, help="System prompt.")
 @click.option("--history/--no-history", default=True, show_default=True,
               help="Keep what you type in ~/.cache/edgellama/chat_history (Up recalls it).")
-def chat(model, ctx, threads, activations, max_tokens, system, history, **sampling):
+@click.option("--context-shift/--no-context-shift", default=True, show_default=True,
+              help="When the context fills, the oldest turns are dropped and the rest moved "
+                   "down in the cache (a context shift), not read again.")
+def chat(model, ctx, threads, activations, max_tokens, system, history, context_shift, **sampling):
     """Chat with a model in the terminal."""
     if why := stdin_problem():
         raise EdgeError(f"no input: {why}, and chat reads your messages from it; run it in a "
@@ -66,7 +71,7 @@ def chat(model, ctx, threads, activations, max_tokens, system, history, **sampli
     with jit.Compiling(progress) as loading:      # loading repacks weights with kernels too
         llm = load(model, ctx, threads, activations)
     session = ChatSession(llm, sampling_from(llm.default_sampling(), sampling),
-                          max_tokens=max_tokens, system=system)
+                          max_tokens=max_tokens, system=system, context_shift=context_shift)
     warm = jit.warm_up(llm.model, progress)
     progress.done(loading.count + warm.compiled, loading.seconds + warm.compile_seconds)
     kv = llm.seq.cache
@@ -159,6 +164,24 @@ def _command(text, llm, session, reader) -> str | None:
         click.echo(f"prompt: {s.prompt_tokens} tokens at {s.prompt_tps:.1f} tok/s | "
                    f"reply: {s.gen_tokens} tokens at {s.gen_tps:.1f} tok/s | "
                    f"context: {session.context_used()}/{llm.ctx} tokens", err=True)
+    elif cmd in ("/save", "/load"):
+        if not arg.strip():
+            click.echo(f"{cmd} NAME (kept in edgellama's cache, `edgellama list` shows them) "
+                       f"or {cmd} PATH (with a /)", err=True)
+            return None
+        from edgellama.prompt_cache import resolve
+        try:
+            path = resolve(arg.strip())
+            if cmd == "/save":
+                session.save(path)
+                click.echo(f"(saved {session.context_used()} tokens to {_shown(path)})", err=True)
+            else:
+                n = session.load(path)
+                click.echo(f"(loaded {n} tokens from {_shown(path)}: {len(session.messages)} "
+                           f"message(s)" + (", a system prompt" if session.system else "") + ")",
+                           err=True)
+        except EdgeError as e:
+            click.echo(f"error: {one_line(str(e))}", err=True)
     elif cmd == "/help":
         kept = (f"history: {_shown(reader.history)} (--no-history: none)" if reader.history
                 else "history: this session only (its file cannot be read)"

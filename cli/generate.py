@@ -60,8 +60,16 @@ def _prompt(model_arg, prompt_arg, prompt, prompt_file) -> tuple[str | None, str
               help="Most tokens to generate.")
 @click.option("--raw", is_flag=True, help="Use the prompt as is, without the chat template.")
 @click.option("--system", default=None, help="System prompt (chat template only).")
+@click.option("--prompt-cache", "prompt_cache", metavar="NAME|PATH", default=None,
+              help="Keep the prompt's KV cache in a file: made on the first run, then its "
+                   "longest common start with the prompt is not read again (a long document "
+                   "asked new questions). A NAME (no slash) is kept in edgellama's cache "
+                   "(`edgellama list`).")
+@click.option("--context-shift/--no-context-shift", default=True, show_default=True,
+              help="When the context fills, drop the older half of what follows the prompt "
+                   "and go on, instead of stopping.")
 def generate(model, hf_repo, ctx, threads, activations, model_arg, prompt_arg, prompt, prompt_file, max_tokens,
-             raw, system, **sampling):
+             raw, system, prompt_cache, context_shift, **sampling):
     """Complete PROMPT with the model and print the reply as it is generated.
 
     \b
@@ -93,13 +101,43 @@ def generate(model, hf_repo, ctx, threads, activations, model_arg, prompt_arg, p
     if len(ids) > llm.ctx:   # refused before the prompt is echoed
         raise EdgeError(f"the prompt is {len(ids)} tokens, longer than the context of "
                         f"{llm.ctx} tokens; use a larger --ctx or a shorter prompt")
+    save, notes = None, []
+    if prompt_cache is not None:
+        save = _prompt_cache(llm, prompt_cache, ids, None if raw else {
+            "system": system, "messages": [{"role": "user", "content": prompt}]}, notes)
     out = Output(sys.stdout)
     if raw:
         out.write(prompt)
-    for tok in llm.generate(ids, max_tokens=max_tokens, sampling=params):
+    # the prompt, or the first half of the context of a longer one, stays when it fills
+    keep = min(len(ids), llm.ctx // 2) if context_shift else None
+    for tok in llm.generate(ids, max_tokens=max_tokens, sampling=params, shift_keep=keep,
+                            prompt_read=save):
         out.write(llm.tokenizer.shown_bytes(tok))
     out.finish()
+    for note in notes:
+        click.echo(note, err=True)
     s = llm.stats
+    shifts = f", {s.shifts} context shift{'s' if s.shifts > 1 else ''}" if s.shifts else ""
     click.echo(f"prompt: {s.prompt_tokens} tokens, {s.prompt_tps:.1f} tok/s | "
-               f"generation: {s.gen_tokens} tokens, {s.gen_tps:.1f} tok/s ({s.stop_reason})",
+               f"generation: {s.gen_tokens} tokens, {s.gen_tps:.1f} tok/s ({s.stop_reason}{shifts})",
                err=True)
+
+
+def _prompt_cache(llm, name_or_path: str, ids: list[int], chat: dict | None, notes: list[str]):
+    """Load the saved prompt if there is one (refused if another model or cache kind
+    made it); returns what saves the prompt's cache once it is read, unless the file
+    holds exactly this prompt already. `notes` gets what to tell the user at the end."""
+    from edgellama import prompt_cache
+    path = prompt_cache.resolve(name_or_path)
+    if path.exists():
+        saved = llm.load_prompt(path).tokens
+        same = next((i for i, (a, b) in enumerate(zip(saved, ids)) if a != b),
+                    min(len(saved), len(ids)))
+        notes.append(f"(prompt cache {path}: {same} of the prompt's {len(ids)} tokens were in it)")
+        if saved == ids:
+            return None
+
+    def save():
+        llm.save_prompt(path, chat)
+        notes.append(f"(prompt cache {path}: saved the prompt's {len(ids)} tokens)")
+    return save

@@ -2,12 +2,16 @@
 context (dropping the oldest turns, never the system prompt) and streams replies.
 
 The conversation is re-rendered with the chat template every turn; LLM.generate
-reuses the cached prefix, so each turn prefills only what is new.
+reuses the cached prefix, so each turn prefills only what is new. When turns are
+dropped, the turns kept move down in the cache by a context shift (Sequence.shift)
+instead of being read again. save() and load() keep a conversation and its cache in a
+file (prompt_cache.py).
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .errors import EdgeError
 from .llm import LLM
@@ -23,6 +27,7 @@ class ChatSession:
     system: str | None = None
     messages: list[dict] = field(default_factory=list)   # user/assistant turns only
     notices: list[str] = field(default_factory=list)     # things the UI should tell the user
+    context_shift: bool = True      # dropped turns: shift the cache, not read it again
 
     def __post_init__(self):
         # The smallest turn (the system prompt and an empty message) must leave room for a
@@ -55,9 +60,9 @@ class ChatSession:
         """The most prompt tokens a context of `ctx` takes."""
         return ctx - self.reply_budget(ctx)
 
-    def _fit(self) -> list[int]:
+    def _fit(self) -> tuple[list[int], bool]:
         """Token ids of the conversation with a generation prompt, dropping the oldest
-        turns until they leave room for a reply."""
+        turns until they leave room for a reply; and whether any were dropped."""
         limit = self._limit(self.llm.ctx)
         ids = self._render(self.messages)
         dropped = 0
@@ -73,19 +78,21 @@ class ChatSession:
                             f"the {limit} the context of {self.llm.ctx} allows; shorten it or "
                             f"use a larger --ctx")
         if dropped:
+            how = "; the rest moved down by a context shift" if self.context_shift else ""
             self.notices.append(f"context full: dropped the {dropped} oldest message(s) "
-                                f"to make room (the system prompt is kept)")
-        return ids
+                                f"to make room (the system prompt is kept{how})")
+        return ids, dropped > 0
 
     def send(self, text: str) -> Iterator[str]:
         """Add a user message and stream the reply's text. If the consumer stops early
         (Ctrl-C), what was generated so far is kept as the assistant's reply."""
         self.messages.append({"role": "user", "content": text})
-        ids = self._fit()
+        ids, dropped = self._fit()
         out = StreamDecoder(self.llm.tokenizer)
         parts: list[str] = []
         try:
-            for tok in self.llm.generate(ids, max_tokens=self.max_tokens, sampling=self.sampling):
+            for tok in self.llm.generate(ids, max_tokens=self.max_tokens, sampling=self.sampling,
+                                         shifted=dropped and self.context_shift):
                 piece = out.push(tok)
                 if piece:
                     parts.append(piece)
@@ -100,6 +107,19 @@ class ChatSession:
     def reset(self):
         self.messages.clear()
         self.llm.reset()
+
+    def save(self, path: str | Path) -> Path:
+        """The conversation (system prompt, messages) and its cache, to a file."""
+        return self.llm.save_prompt(path, {"system": self.system, "messages": self.messages})
+
+    def load(self, path: str | Path) -> int:
+        """A saved conversation and its cache (a saved prompt without a conversation,
+        from `generate --prompt-cache`, say, leaves this one's messages and brings its
+        cache: the next message reuses what it shares with it). Returns its tokens."""
+        saved = self.llm.load_prompt(path)
+        if saved.chat is not None:
+            self.system, self.messages[:] = saved.chat["system"], saved.chat["messages"]
+        return len(saved.tokens)
 
     def context_used(self) -> int:
         return len(self.llm.cached)

@@ -334,8 +334,9 @@ def _hub_repos() -> list[tuple[str, Path]]:
 def cached_models() -> list[CachedModel]:
     """The GGUF files and checkpoints in the Hugging Face cache, then the GGUF files in
     edgellama's own cache (the default model among them), then the tiles kept for fast
-    starts (tile_cache.py). Removal is by repository and file: never by commit hash (a
-    mirror shares those), never through a link to its target."""
+    starts (tile_cache.py), then the saved prompts (prompt_cache.py). Removal is by
+    repository and file: never by commit hash (a mirror shares those), never through a
+    link to its target."""
     from .default_model import cache_dir
     found = []
     for repo_id, repo_dir in _hub_repos():
@@ -370,4 +371,7 @@ def cached_models() -> list[CachedModel]:
     for p, source in cached_tiles():
         found.append(CachedModel(f"tiles/{p.name}", _size(p) or 0, p,
                                  f"start-up tiles of {Path(source['path']).name}", p.unlink))
+    from .prompt_cache import saved_prompts
+    for name, p, what in saved_prompts():       # a link goes as a link
+        found.append(CachedModel(f"prompts/{name}", _size(p), p, what, p.unlink))
     return found

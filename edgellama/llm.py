@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import prompt_cache
 from .args import ModelArgs
 from .chat_template import ChatFormat, start_renderer
 from .constrain import Constraint, sample
@@ -37,6 +38,7 @@ class Stats:
     gen_tokens: int = 0
     gen_seconds: float = 0.0
     stop_reason: str = ""
+    shifts: int = 0              # context shifts while generating
 
     @property
     def prompt_tps(self) -> float:
@@ -89,11 +91,12 @@ class LLM:
             raise EdgeError(f"the prompt is {len(ids)} tokens, longer than the context of "
                             f"{self.ctx} tokens; use a larger --ctx or a shorter prompt")
 
-    def _prefill(self, ids: list[int]) -> np.ndarray:
-        """Bring the cache to hold `ids`, reusing the longest common prefix; returns
-        the last position's logits."""
+    def _prefill(self, ids: list[int], shifted: bool = False) -> np.ndarray:
+        """Bring the cache to hold `ids`, reusing the longest common prefix (with
+        `shifted`, also cached tokens after a dropped run: Sequence.reuse_shifted);
+        returns the last position's logits."""
         self._check_prompt(ids)
-        n = self.seq.reuse_prefix(ids)
+        n = self.seq.reuse_shifted(ids, self.model.inv_freq) if shifted else self.seq.reuse_prefix(ids)
         t0 = time.perf_counter()
         logits = self.model.forward(ids[n:], self.seq)
         self.stats = Stats(prompt_tokens=len(ids) - n, prompt_seconds=time.perf_counter() - t0)
@@ -106,13 +109,20 @@ class LLM:
     def generate(self, ids: list[int], max_tokens: int = 256,
                  sampling: SamplingParams | None = None,
                  stop_ids: set[int] | None = None, grammar: str | None = None,
-                 pick: Callable[[np.ndarray, list[int]], int] | None = None) -> Iterator[int]:
+                 pick: Callable[[np.ndarray, list[int]], int] | None = None, *,
+                 shifted: bool = False, shift_keep: int | None = None,
+                 prompt_read: Callable[[], None] | None = None) -> Iterator[int]:
         """Yield generated token ids; stops at a stop token (not yielded), after
         max_tokens, or when the context is full. Closing the iterator early (or
         Ctrl-C) keeps the sequence consistent (its tokens are those of its cache).
         grammar (edgellama.constrain: json_schema_grammar(schema), ...): the reply is a
         sentence of it. pick(logits, history) -> token replaces sampling and grammar
-        (the server's per-request hook: grammar masks, logprobs)."""
+        (the server's per-request hook: grammar masks, logprobs).
+
+        shifted: `ids` may leave out a run of the cached tokens (Sequence.reuse_shifted).
+        shift_keep: when the context fills, keep its first shift_keep tokens, drop half
+        of the rest (a context shift, as llama.cpp's) and go on. prompt_read: called once
+        the prompt is in the cache, before the first token (to save it, say)."""
         if pick is None:
             sampler = Sampler(sampling or self.default_sampling())
             constraint = None if grammar is None else Constraint(self.tokenizer, grammar)
@@ -120,7 +130,9 @@ class LLM:
             def pick(logits: np.ndarray, history: list[int]) -> int:
                 return sample(sampler, logits, history, constraint)[0]
         stops = self.tokenizer.stop_ids if stop_ids is None else stop_ids
-        logits = self._prefill(list(ids))
+        logits = self._prefill(list(ids), shifted)
+        if prompt_read is not None:
+            prompt_read()
         history = list(ids)
         t0 = time.perf_counter()
         st, seq = self.stats, self.seq
@@ -133,13 +145,28 @@ class LLM:
                     break
                 yield tok
                 if seq.pos >= seq.ctx:
-                    st.stop_reason = "context full"
-                    break
+                    if shift_keep is None or seq.pos - shift_keep < 2:
+                        st.stop_reason = "context full"
+                        break
+                    seq.shift(shift_keep, (seq.pos - shift_keep) // 2, self.model.inv_freq)
+                    st.shifts += 1
                 history.append(tok)
                 logits = self.model.forward([tok], seq)
                 st.gen_tokens += 1
         finally:
             st.gen_seconds = time.perf_counter() - t0
+
+    def save_prompt(self, path: str | Path, chat: dict | None = None) -> Path:
+        """Write the cache and tokens of llm.seq to path (prompt_cache.py; `chat`, a
+        {"system", "messages"} conversation, is kept with them): a later run loads it with
+        load_prompt instead of reading those tokens again."""
+        return prompt_cache.save(path, self.seq, self.model, chat)
+
+    def load_prompt(self, path: str | Path) -> prompt_cache.SavedPrompt:
+        """Put a saved prompt in llm.seq (refused, with what differs, if another model or
+        cache kind made it); the next generate or logits reuses its longest common prefix
+        with the new prompt, as with any cache."""
+        return prompt_cache.load(path, self.seq, self.model)
 
     def reset(self):
         self.seq.reset()

@@ -57,6 +57,23 @@ class Sequence:
         self.truncate(n)
         return n
 
+    def reuse_shifted(self, ids: Seq[int], inv_freq: np.ndarray) -> int:
+        """reuse_prefix for `ids` that leave out a run of the cached tokens after their
+        common start (a chat that dropped its oldest turns to fit the context): the cached
+        tokens after that run which continue `ids` are kept, moved down by a context shift
+        (shift()) instead of being read again. Returns how many tokens of ids are reused."""
+        cached, want = np.asarray(self.tokens, np.int64), np.asarray(ids, np.int64)
+        keep = _common(cached, want)
+        drop, run = 0, 0
+        if keep < min(len(cached), len(want)):
+            for j in np.flatnonzero(cached[keep + 1:] == want[keep]) + keep + 1:
+                if (n := _common(cached[j:], want[keep:])) > run:
+                    drop, run = int(j) - keep, n
+        if run:
+            self.truncate(keep + drop + run)
+            self.shift(keep, drop, inv_freq)
+        return self.reuse_prefix(ids)
+
     def shift(self, keep: int, drop: int, inv_freq: np.ndarray) -> None:
         """Context shift: forget tokens keep..keep+drop-1; the later ones move down to
         follow the first `keep`, their K rotated to the new positions (KVCache.shift).
@@ -83,3 +100,10 @@ class Sequence:
 
     def __repr__(self) -> str:
         return f"Sequence(pos={self.pos}, ctx={self.ctx})"
+
+
+def _common(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the common prefix of two token arrays."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
