@@ -5,12 +5,15 @@ model's logits after a shift against the NumPy reference."""
 import numpy as np
 import pytest
 
+import edgellama
 from edgellama import kernels as K
 from edgellama.args import ModelArgs
+from edgellama.chat_session import ChatSession
 from edgellama.gguf import GGUFFile
 from edgellama.model import KVCache, Transformer
+from edgellama.sampling import SamplingParams
 from reference import load_reference, reference_forward, rope_adjacent
-from tiny_gguf import llama3_rope_freqs, write_tiny_gguf
+from tiny_gguf import TINY_VOCAB, llama3_rope_freqs, write_tiny_gguf
 
 
 def _args(rope_freqs=None, layers=2, kv=2, hd=16):
@@ -175,3 +178,73 @@ def _move_without_turning(cache, keep, drop, length):
     cache.k[...] = k.reshape(L, KV, nb, blk, hd).transpose(0, 1, 2, 4, 3)
     cache.v[:, :, keep:length - drop] = cache.v[:, :, keep + drop:length].copy()
     cache.length = length - drop
+
+
+# -- chat and generate ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """One layer (a shift then equals a fresh read, but for rounding), a ChatML template."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("chat") / "m.gguf", "Q8_0", layers=1,
+                           vocab=TINY_VOCAB, tokenizer=True)
+
+
+def _until_a_drop(llm, shift):
+    """A session that talks until it drops turns; the tokens read by the turn before the
+    drop turn and by the drop turn."""
+    session = ChatSession(llm, SamplingParams(temperature=0), max_tokens=6, system="be kind",
+                          context_shift=shift)
+    reads = []
+    for i in range(10, 50):                      # messages of the same length in tokens
+        "".join(session.send(f"tell me about the number {i} in a few words"))
+        reads.append(llm.stats.prompt_tokens)
+        if session.notices:
+            return session, reads[-2], reads[-1]
+    raise AssertionError("the context never filled")
+
+
+def test_chat_drops_turns_by_a_shift_not_a_reread(chat_model):
+    llm = edgellama.load(chat_model, ctx=160, batch=8)
+    session, normal, read = _until_a_drop(llm, shift=True)
+    assert "context shift" in session.notices[-1]
+    # the drop turn reads what any turn reads: the new message (the kept turns moved)
+    assert read == normal
+    ids = session._render(session.messages[:-1])   # the drop turn's prompt (before its reply)
+    assert llm.cached[:len(ids)] == ids            # the cache holds the shortened conversation
+    # without the shift the same turn reads all the kept turns again
+    plain = edgellama.load(chat_model, ctx=160, batch=8)
+    _, normal, reread = _until_a_drop(plain, shift=False)
+    assert reread > normal + 20, (normal, reread)
+
+
+def test_logits_after_a_chat_shift_match_a_fresh_read(chat_model):
+    """The drop turn's prompt read through the shifted cache and read afresh: one layer,
+    so equal but for the f16 rounding of the turned K (1e-3 of the logits' scale, as in
+    test_one_layer_shift_equals_reading_the_shorter_text)."""
+    llm = edgellama.load(chat_model, ctx=160, batch=8)
+    session = ChatSession(llm, SamplingParams(temperature=0), max_tokens=6, system="be kind")
+    for i in range(40):
+        session.messages.append({"role": "user", "content": f"tell me about {i} in a few words"})
+        ids, dropped = session._fit()
+        if dropped:
+            break
+        session.messages.pop()
+        "".join(session.send(f"tell me about {i} in a few words"))
+    assert dropped
+    got = llm._prefill(ids, shifted=True).copy()
+    assert llm.stats.prompt_tokens < len(ids) // 2          # most of it came from the shift
+    fresh = edgellama.load(chat_model, ctx=160, batch=8).logits(ids)
+    assert np.abs(got - fresh).max() / np.abs(fresh).max() < 1e-3
+
+
+def test_generate_shifts_when_the_context_fills(chat_model):
+    llm = edgellama.load(chat_model, ctx=32, batch=8)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    out = list(llm.generate(prompt, max_tokens=60, sampling=SamplingParams(temperature=0),
+                            stop_ids=set(), shift_keep=len(prompt)))
+    assert len(out) == 60 and llm.stats.shifts >= 2 and llm.stats.stop_reason == "length"
+    assert llm.cached[:len(prompt)] == prompt and llm.seq.pos <= 32
+    assert llm.cached[len(prompt):] == out[len(out) - (len(llm.cached) - len(prompt)):]
+    # without shift_keep it stops when full, as before
+    out = list(llm.generate(prompt, max_tokens=60, sampling=SamplingParams(temperature=0),
+                            stop_ids=set()))
+    assert len(out) == 32 - len(prompt) + 1 and llm.stats.stop_reason == "context full"
