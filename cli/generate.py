@@ -90,6 +90,8 @@ def generate(model, hf_repo, ctx, threads, activations, model_arg, prompt_arg, p
     warm = jit.warm_up(llm.model, progress)   # so the prompt's speed is not the kernels'
     progress.done(loading.count + warm.compiled, loading.seconds + warm.compile_seconds)
     params = sampling_from(llm.default_sampling(), sampling)
+    if prompt_cache is not None:
+        _adopt_saved_date(llm, prompt_cache)
     if raw:
         ids = llm.tokenizer.encode(prompt)
         if llm.tokenizer.add_bos:
@@ -104,7 +106,8 @@ def generate(model, hf_repo, ctx, threads, activations, model_arg, prompt_arg, p
     save, notes = None, []
     if prompt_cache is not None:
         save = _prompt_cache(llm, prompt_cache, ids, None if raw else {
-            "system": system, "messages": [{"role": "user", "content": prompt}]}, notes)
+            "system": system, "messages": [{"role": "user", "content": prompt}],
+            "date": llm.chat.date}, notes)
     out = Output(sys.stdout)
     if raw:
         out.write(prompt)
@@ -123,12 +126,22 @@ def generate(model, hf_repo, ctx, threads, activations, model_arg, prompt_arg, p
                err=True)
 
 
+def _adopt_saved_date(llm, name_or_path: str) -> None:
+    """A saved prompt's chat template date (a template that prints today's date would
+    otherwise change the prompt, before the document, on another day)."""
+    from edgellama import prompt_cache
+    path = prompt_cache.resolve(name_or_path)
+    if path.exists() and (chat := prompt_cache.saved_chat(path)) is not None:
+        llm.chat.date = chat["date"]
+
+
 def _prompt_cache(llm, name_or_path: str, ids: list[int], chat: dict | None, notes: list[str]):
     """Load the saved prompt if there is one (refused if another model or cache kind
     made it); returns what saves the prompt's cache once it is read, unless the file
     holds exactly this prompt already. `notes` gets what to tell the user at the end."""
     from edgellama import prompt_cache
     path = prompt_cache.resolve(name_or_path)
+    prompt_cache.check_target(path)
     if path.exists():
         saved = llm.load_prompt(path).tokens
         same = next((i for i, (a, b) in enumerate(zip(saved, ids)) if a != b),

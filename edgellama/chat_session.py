@@ -110,7 +110,8 @@ class ChatSession:
 
     def save(self, path: str | Path) -> Path:
         """The conversation (system prompt, messages) and its cache, to a file."""
-        return self.llm.save_prompt(path, {"system": self.system, "messages": self.messages})
+        return self.llm.save_prompt(path, {"system": self.system, "messages": self.messages,
+                                           "date": self.llm.chat.date})
 
     def load(self, path: str | Path) -> int:
         """A saved conversation and its cache (a saved prompt without a conversation,
@@ -119,6 +120,7 @@ class ChatSession:
         saved = self.llm.load_prompt(path)
         if saved.chat is not None:
             self.system, self.messages[:] = saved.chat["system"], saved.chat["messages"]
+            self.llm.chat.date = saved.chat["date"]     # its template date: the same prompt
         return len(saved.tokens)
 
     def context_used(self) -> int:

@@ -387,6 +387,17 @@ class ChatFormat:
         self._special_re = re.compile("(" + "|".join(map(re.escape, by_length)) + ")") if by_length else None
         self._run(None)   # compile now: a broken template fails at load, not at the first message
 
+    @property
+    def date(self) -> str:
+        """The time strftime_now formats (ISO 8601), fixed when the format was made; a
+        saved conversation keeps its own (prompt_cache.py), so that its prompt, and the
+        cache of it, stay the same on another day."""
+        return self._now
+
+    @date.setter
+    def date(self, value: str) -> None:
+        self._now = datetime.fromisoformat(value).isoformat()   # ValueError if not a time
+
     def _run(self, variables: Mapping[str, Any] | None) -> str:
         reply = _renderer.request({"source": self.source, "now": self._now, "vars": variables})
         if "error" in reply:

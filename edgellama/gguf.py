@@ -290,9 +290,9 @@ class GGUFFile:
         rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else 1
         return flat.reshape(rows, t.nbytes // rows)
 
-    def header_bytes(self) -> bytes:
-        """The bytes before the tensor data: magic, version, metadata and tensor table."""
-        return self._mmap[:self.data_offset]
+    def read_bytes(self, offset: int, n: int) -> bytes:
+        """Up to n bytes of the file from offset (fewer at its end)."""
+        return self._mmap[offset:offset + n]
 
     def close(self):
         self._mmap.close()

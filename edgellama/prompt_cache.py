@@ -13,7 +13,8 @@ The header says what the file was made with and where its arrays are:
      "activations": "int8", "ctx": 8192, "n_tokens": n,
      "arrays": {"tokens": {"dtype": "<i4", "shape": [n], "offset": 4096, "crc32": "hex"},
                 "k": {...}, "v": {...}},      # the cache's state(n), as layout() declares
-     "chat": {"system": str or null, "messages": [{"role", "content"}, ...]},  (optional)
+     "chat": {"system": str or null, "messages": [{"role", "content"}, ...],  (optional)
+              "date": the chat template's time (ISO), kept so the prompt stays the same},
      "sha256": the digest of the rest of the header}
 
 The model is named by its content (fingerprint(): its metadata, tensor table and some of
@@ -42,6 +43,7 @@ import tempfile
 import weakref
 import zlib
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -67,24 +69,23 @@ _ROLES = ("user", "assistant")
 
 
 # -- the model's identity -----------------------------------------------------------
-_SAMPLE = 4096                       # bytes hashed at each end of every tensor
+_WINDOWS, _WINDOW = 32, 4096          # evenly spaced samples of the tensor data
 _fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def fingerprint(g: GGUFFile) -> str:
     """SHA-256 of a model file's content as far as it decides a KV cache: everything
-    before the tensor data (metadata, tokenizer, tensor names, shapes and types) and the
-    first and last 4 KiB of every tensor's bytes (all of small ones: norms, rope_freqs).
-    Another quantization, fine-tune or conversion changes them; a copy or rename does
-    not. A few hundred page reads, not the whole file."""
+    before the tensor data (metadata, tokenizer, tensor names, shapes and types), and 32
+    windows of 4 KiB evenly spread over the tensor data. Another quantization, fine-tune
+    or conversion changes them; a copy or rename does not. 32 page reads, not the file
+    (a model started from its tile cache may have none of it in memory)."""
     if (known := _fingerprints.get(g)) is not None:
         return known
     h = hashlib.sha256(b"edgellama model fingerprint 1\0")
-    h.update(g.header_bytes())
-    for name in sorted(g.tensors, key=lambda n: g.tensors[n].offset):
-        data = g.tensor_bytes(name).reshape(-1)
-        h.update(data if len(data) <= 2 * _SAMPLE else
-                 np.concatenate([data[:_SAMPLE], data[-_SAMPLE:]]))
+    h.update(g.read_bytes(0, g.data_offset))
+    span = max(g.file_size - g.data_offset - _WINDOW, 0)
+    for i in range(_WINDOWS):
+        h.update(g.read_bytes(g.data_offset + span * i // (_WINDOWS - 1), _WINDOW))
     _fingerprints[g] = digest = h.hexdigest()
     return digest
 
@@ -167,12 +168,9 @@ def save(path: str | Path, seq: Sequence, model: Transformer, chat: dict | None 
         if _HEAD.size + len(blob) <= start:
             break
         start = -(-(_HEAD.size + len(blob)) // ALIGN) * ALIGN
-    if path.is_dir():
-        raise EdgeError(f"{path} is a directory; give a file name to save the prompt to")
+    check_target(path)
     if path.parent == prompts_dir():
         path.parent.mkdir(parents=True, exist_ok=True)
-    elif not path.parent.is_dir():
-        raise EdgeError(f"cannot save the prompt to {path}: the folder {path.parent} does not exist")
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_TMP_PREFIX, suffix=".tmp")
     except OSError as e:
@@ -200,6 +198,14 @@ def save(path: str | Path, seq: Sequence, model: Transformer, chat: dict | None 
             raise EdgeError(f"cannot save the prompt to {path}: {e.strerror or e}") from None
         raise
     return path
+
+
+def check_target(path: Path) -> None:
+    """EdgeError if a prompt cannot be saved to path (before the work of reading it)."""
+    if path.is_dir():
+        raise EdgeError(f"{path} is a directory; give a file name to save the prompt to")
+    if path.parent != prompts_dir() and not path.parent.is_dir():
+        raise EdgeError(f"cannot save the prompt to {path}: the folder {path.parent} does not exist")
 
 
 def _encode(header: dict) -> bytes:
@@ -283,13 +289,27 @@ def _check_form(h: dict) -> None:
 
 
 def _checked_chat(chat) -> dict:
-    if not (isinstance(chat, dict) and set(chat) == {"system", "messages"}
+    if not (isinstance(chat, dict) and set(chat) == {"system", "messages", "date"}
             and (chat["system"] is None or _is(chat["system"], str))
             and isinstance(chat["messages"], list)
             and all(isinstance(m, dict) and set(m) == {"role", "content"}
-                    and m["role"] in _ROLES and _is(m["content"], str) for m in chat["messages"])):
-        raise ValueError("a chat is {'system': str or None, 'messages': [{'role', 'content'}]}")
-    return {"system": chat["system"], "messages": [dict(m) for m in chat["messages"]]}
+                    and m["role"] in _ROLES and _is(m["content"], str) for m in chat["messages"])
+            and _is(chat["date"], str) and len(chat["date"]) < 64):
+        raise ValueError("a chat is {'system': str or None, 'messages': [{'role', 'content'}], "
+                         "'date': the chat template's ISO time}")
+    datetime.fromisoformat(chat["date"])          # ValueError if not a time
+    return {"system": chat["system"], "messages": [dict(m) for m in chat["messages"]],
+            "date": chat["date"]}
+
+
+def saved_chat(path: Path) -> dict | None:
+    """The conversation a saved prompt records, if any, from its header alone (for the
+    chat template's date before the prompt is rendered); EdgeError if it is damaged."""
+    with _open_regular(path) as f:
+        try:
+            return _read_header(f, os.fstat(f.fileno()).st_size).get("chat")
+        except _Damaged as e:
+            raise EdgeError(f"{path}: {e}; save it again") from None
 
 
 def _refuse_other_run(path: Path, h: dict, ident: dict, ctx: int) -> None:

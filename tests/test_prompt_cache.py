@@ -6,6 +6,7 @@ the sequence as it was; writes are atomic; named prompts are listed and removed 
 the models."""
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import random
@@ -21,13 +22,14 @@ from click.testing import CliRunner
 
 import edgellama
 from edgellama import hub
+from edgellama import chat_template
 from edgellama import prompt_cache as pc
 from edgellama.chat_session import ChatSession
 from edgellama.cli.main import main
 from edgellama.errors import EdgeError
 from edgellama.sampling import SamplingParams
 from test_fuzz_caches import _mutate_json
-from tiny_gguf import TINY_VOCAB, write_tiny_gguf
+from tiny_gguf import CHATML, TINY_VOCAB, write_tiny_gguf
 
 PROMPT = [5, 9, 17, 200, 3, 3, 90, 41, 42, 43, 120, 7, 8, 250, 11, 19, 23, 60, 61, 62]
 MORE = [100, 101, 33]
@@ -55,7 +57,8 @@ def saved(model_path, tmp_path_factory):
     llm = _llm(model_path)
     llm.logits(PROMPT)
     path = llm.save_prompt(tmp_path_factory.mktemp("p") / "p.prompt",
-                           {"system": None, "messages": [{"role": "user", "content": "hi"}]})
+                           {"system": None, "messages": [{"role": "user", "content": "hi"}],
+                            "date": "2026-11-24T10:00:00"})
     want = llm.model.forward(MORE, llm.seq, all_logits=True)
     return path, want
 
@@ -69,7 +72,8 @@ def test_loaded_prompt_gives_the_original_logits(model_path, saved):
     llm = _llm(model_path)
     got = llm.load_prompt(path)
     assert got.tokens == PROMPT == llm.seq.tokens and llm.seq.cache.length == len(PROMPT)
-    assert got.chat == {"system": None, "messages": [{"role": "user", "content": "hi"}]}
+    assert got.chat == {"system": None, "messages": [{"role": "user", "content": "hi"}],
+                        "date": "2026-11-24T10:00:00"}
     # the same K/V bits, so the same logits bit for bit
     np.testing.assert_array_equal(llm.model.forward(MORE, llm.seq, all_logits=True), want)
     # and a new prompt reuses what it shares with the loaded one
@@ -302,17 +306,25 @@ def test_generate_prompt_cache_reuses_the_document(model_path, cache):
     assert f"{total} of the prompt's {total}" in third and "saved" not in third
 
 
-def test_chat_session_save_and_load(model_path, tmp_path):
-    """A conversation saved with its cache comes back whole in a new session, and the
-    next message reads only itself: every loaded token is reused."""
+def test_chat_session_save_and_load(tmp_path):
+    """A conversation saved with its cache comes back whole in a new session, with the
+    chat template's date it was started with (a template that prints today's date must
+    give the same prompt on another day), and the next message reads only itself:
+    every loaded token is reused."""
+    dated = CHATML.replace("{% for m in messages %}", "Today {{ strftime_now('%d %b %Y') }}\n"
+                           "{% for m in messages %}")
+    path = write_tiny_gguf(tmp_path / "dated.gguf", "Q8_0", vocab=TINY_VOCAB, tokenizer=True,
+                           chat_template=dated)
     params = SamplingParams(temperature=0)
-    first = ChatSession(_llm(model_path, ctx=256), params, max_tokens=4, system="be brief")
+    first = ChatSession(_llm(path, ctx=256), params, max_tokens=4, system="be brief")
+    first.llm.chat.date = "2026-11-24T23:59:00"
     "".join(first.send("hello there"))
     first.save(tmp_path / "talk.prompt")
-    again = ChatSession(_llm(model_path, ctx=256), params, max_tokens=4)
+    again = ChatSession(_llm(path, ctx=256), params, max_tokens=4)     # today's date
     loaded = again.load(tmp_path / "talk.prompt")
     assert loaded == len(first.llm.cached) and again.system == "be brief"
     assert again.messages == first.messages and len(again.messages) == 2
+    assert again.llm.chat.date == "2026-11-24T23:59:00"
     "".join(again.send("the end"))
     st = again.llm.stats
     assert 0 < st.prompt_tokens and again.context_used() == loaded + st.prompt_tokens + st.gen_tokens
@@ -337,3 +349,26 @@ def test_chat_save_and_load_commands(model_path, cache):
                                            r"context: (\d+)/", err).groups())
     assert read > 0 and used == loaded + read + reply, err   # every loaded token reused
     assert "error: " in err and "nothing.prompt: no such saved prompt" in err
+
+
+def test_generate_prompt_cache_keeps_the_template_date(cache, tmp_path, monkeypatch):
+    """A template that prints today's date: a prompt saved on another day is rendered
+    with that day's date, so the saved tokens still match."""
+    dated = CHATML.replace("{% for m in messages %}", "Today {{ strftime_now('%d %b %Y') }}\n"
+                           "{% for m in messages %}")
+    path = write_tiny_gguf(tmp_path / "dated.gguf", "Q8_0", vocab=TINY_VOCAB, tokenizer=True,
+                           chat_template=dated)
+    args = ["generate", "-m", str(path), "--ctx", "256", "--temp", "0", "-n", "2",
+            "--prompt-cache", "d", "-p", "hello there, all of it"]
+    class Then(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2020, 1, 2, 3, 4, 5)
+    with monkeypatch.context() as m:
+        m.setattr(chat_template, "datetime", Then)             # saved on 2 Jan 2020
+        assert CliRunner().invoke(main, args).exit_code == 0
+    assert pc.saved_chat(pc.resolve("d"))["date"] == "2020-01-02T03:04:05"
+    res = CliRunner().invoke(main, args)                       # today
+    assert res.exit_code == 0, res.stderr
+    n = re.search(r"(\d+) of the prompt's (\d+) tokens were in it", res.stderr).groups()
+    assert n[0] == n[1], res.stderr
