@@ -372,3 +372,10 @@ def test_generate_prompt_cache_keeps_the_template_date(cache, tmp_path, monkeypa
     assert res.exit_code == 0, res.stderr
     n = re.search(r"(\d+) of the prompt's (\d+) tokens were in it", res.stderr).groups()
     assert n[0] == n[1], res.stderr
+
+
+def test_generate_refuses_a_prompt_cache_it_cannot_write_before_reading(model_path, tmp_path):
+    res = CliRunner().invoke(main, ["generate", "-m", str(model_path), "-n", "1", "--prompt-cache",
+                                    str(tmp_path / "no" / "such" / "x.prompt"), "-p", "hi"])
+    assert res.exit_code == 1 and "the folder" in res.stderr and "does not exist" in res.stderr
+    assert not re.search(r"^prompt: ", res.stderr, re.M)   # refused before the prompt was read
