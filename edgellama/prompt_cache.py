@@ -40,6 +40,7 @@ import re
 import stat
 import struct
 import tempfile
+import time
 import weakref
 import zlib
 from dataclasses import dataclass, field
@@ -169,9 +170,10 @@ def save(path: str | Path, seq: Sequence, model: Transformer, chat: dict | None 
             break
         start = -(-(_HEAD.size + len(blob)) // ALIGN) * ALIGN
     check_target(path)
-    if path.parent == prompts_dir():
-        path.parent.mkdir(parents=True, exist_ok=True)
+    named = path.parent == prompts_dir()
     try:
+        if named:
+            path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_TMP_PREFIX, suffix=".tmp")
     except OSError as e:
         raise EdgeError(f"cannot save the prompt in {path.parent}: {e.strerror or e}") from None
@@ -191,6 +193,8 @@ def save(path: str | Path, seq: Sequence, model: Transformer, chat: dict | None 
             f.seek(0)
             f.write(_HEAD.pack(MAGIC, VERSION, len(final)) + final)
         os.replace(tmp, path)
+        if named:
+            _remove_stale_temporaries(path.parent)
     except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -198,6 +202,15 @@ def save(path: str | Path, seq: Sequence, model: Transformer, chat: dict | None 
             raise EdgeError(f"cannot save the prompt to {path}: {e.strerror or e}") from None
         raise
     return path
+
+
+def _remove_stale_temporaries(folder: Path) -> None:
+    """Temporary files of saves that were killed (ours by their prefix, and an hour old,
+    so not another process's save in progress)."""
+    for p in folder.glob(f"{_TMP_PREFIX}*.tmp"):
+        with contextlib.suppress(OSError):
+            if p.lstat().st_mtime < time.time() - 3600 and p.is_file() and not p.is_symlink():
+                p.unlink()
 
 
 def check_target(path: Path) -> None:

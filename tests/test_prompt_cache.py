@@ -379,3 +379,18 @@ def test_generate_refuses_a_prompt_cache_it_cannot_write_before_reading(model_pa
                                     str(tmp_path / "no" / "such" / "x.prompt"), "-p", "hi"])
     assert res.exit_code == 1 and "the folder" in res.stderr and "does not exist" in res.stderr
     assert not re.search(r"^prompt: ", res.stderr, re.M)   # refused before the prompt was read
+
+
+def test_a_named_save_removes_temporaries_of_killed_saves_only(model_path, cache):
+    folder = cache / "prompts"
+    folder.mkdir(parents=True)
+    stale, fresh = folder / ".edgellama-prompt-old.tmp", folder / ".edgellama-prompt-new.tmp"
+    users = folder / "draft.tmp"
+    for p in (stale, fresh, users):
+        p.write_bytes(b"x")
+    os.utime(stale, (1e9, 1e9))
+    os.utime(users, (1e9, 1e9))
+    llm = _llm(model_path)
+    llm.logits(PROMPT)
+    llm.save_prompt(pc.resolve("doc"))
+    assert sorted(p.name for p in folder.iterdir()) == sorted([fresh.name, users.name, "doc.prompt"])
