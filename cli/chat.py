@@ -73,7 +73,11 @@ def chat(model, ctx, threads, activations, max_tokens, system, history, context_
     session = ChatSession(llm, sampling_from(llm.default_sampling(), sampling),
                           max_tokens=max_tokens, system=system, context_shift=context_shift)
     warm = jit.warm_up(llm.model, progress)
-    progress.done(loading.count + warm.compiled, loading.seconds + warm.compile_seconds)
+    with jit.Compiling(progress) as shifting:
+        if context_shift:
+            llm.ready_context_shift()
+    progress.done(loading.count + warm.compiled + shifting.count,
+                  loading.seconds + warm.compile_seconds + shifting.seconds)
     kv = llm.seq.cache
     # loading the model and its kernels, whatever compiling took (reported above)
     startup = llm.load_seconds + warm.seconds - loading.seconds - warm.compile_seconds

@@ -88,7 +88,11 @@ def generate(model, hf_repo, ctx, threads, activations, model_arg, prompt_arg, p
     with jit.Compiling(progress) as loading:
         llm = load(resolve_model(model_arg, model, hf_repo), ctx, threads, activations)
     warm = jit.warm_up(llm.model, progress)   # so the prompt's speed is not the kernels'
-    progress.done(loading.count + warm.compiled, loading.seconds + warm.compile_seconds)
+    with jit.Compiling(progress) as shifting:
+        if context_shift:
+            llm.ready_context_shift()
+    progress.done(loading.count + warm.compiled + shifting.count,
+                  loading.seconds + warm.compile_seconds + shifting.seconds)
     params = sampling_from(llm.default_sampling(), sampling)
     if prompt_cache is not None:
         _adopt_saved_date(llm, prompt_cache)

@@ -168,6 +168,13 @@ class LLM:
         with the new prompt, as with any cache."""
         return prompt_cache.load(path, self.seq, self.model)
 
+    def ready_context_shift(self) -> None:
+        """Compile (or load from the cache) the context shift's kernel now, at start-up,
+        not at the first shift in the middle of a conversation."""
+        seq = self.model.new_sequence(min(self.ctx, 32))
+        seq.fill_random(2, np.random.default_rng(0))
+        seq.shift(0, 1, self.model.inv_freq)
+
     def reset(self):
         self.seq.reset()
 
