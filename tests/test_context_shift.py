@@ -248,4 +248,3 @@ def test_generate_shifts_when_the_context_fills(chat_model):
     out = list(llm.generate(prompt, max_tokens=60, sampling=SamplingParams(temperature=0),
                             stop_ids=set()))
     assert len(out) == 32 - len(prompt) + 1 and llm.stats.stop_reason == "context full"
-
