@@ -22,6 +22,7 @@ the document's K/V are synthetic (Sequence.fill_random) under random token ids.
    dropping the oldest tenth by a shift (Sequence.shift, then the message) beside the
    same message read at the same depth without one; and what re-reading the kept part
    instead would cost (from 2).
+4. What a shift does to the logits, on real weights (SmolLM2, shift_quality()).
 """
 from __future__ import annotations
 
@@ -75,6 +76,40 @@ def _prefill_seconds(model, depth: int, n: int, rng) -> float:
     t0 = time.perf_counter()
     model.forward(ids, seq)
     return time.perf_counter() - t0
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def shift_quality() -> dict:
+    """SmolLM2 (real weights) over a text: A (32 tokens, kept) + B (256, dropped) + C (512,
+    moved by the shift), then D (128) read after the shift, against A + C + D read afresh:
+    top-1 agreement and KL(fresh || shifted) over D's positions; beside the same numbers
+    for A + B + C + D with nothing dropped (how far the dropped text's influence alone
+    moves them)."""
+    import edgellama
+    from edgellama.default_model import default_model_path
+    llm = edgellama.load(default_model_path(quiet=True), ctx=2048)
+    text = open(os.path.join(os.path.dirname(__file__), "data", "alice.txt")).read()[:20000]
+    ids = llm.tokenizer.encode(text)
+    A, B, C, D = ids[:32], ids[32:288], ids[288:800], ids[800:928]
+    m = llm.model
+    seq = m.new_sequence()
+    m.forward(A + B + C, seq)
+    seq.shift(len(A), len(B), m.inv_freq)
+    shifted = m.forward(D, seq, all_logits=True)
+    fresh = m.forward(A + C + D, m.new_sequence(), all_logits=True)[-len(D):]
+    kept_all = m.forward(A + B + C + D, m.new_sequence(), all_logits=True)[-len(D):]
+    p = _log_softmax(fresh)
+
+    def against_fresh(x):
+        q = _log_softmax(x)
+        return {"top1_agreement": float(np.mean(x.argmax(-1) == fresh.argmax(-1))),
+                "kl_mean": float((np.exp(p) * (p - q)).sum(-1).mean())}
+    return {"model": "SmolLM2-135M-Instruct Q4_1", "tokens": [len(A), len(B), len(C), len(D)],
+            "shifted": against_fresh(shifted), "nothing_dropped": against_fresh(kept_all)}
 
 
 def main() -> None:
@@ -169,6 +204,7 @@ def main() -> None:
                     "shift_s": med(shift_s), "message_after_shift_s": med(after_shift_s),
                     "message_without_shift_s": med(normal_s),
                     "reread_kept_instead_s": kept / a.chunk * (chunk_s[0] + chunk_s[2]) / 2}
+    res["shift_quality"] = q = shift_quality()
     res["load_average_at_end"] = os.getloadavg()[0]
 
     best = min(runs, key=lambda r: r["from_prompt_load_s"])
@@ -191,6 +227,10 @@ def main() -> None:
           f"{a.question}-token message after it {s['message_after_shift_s']:.2f} s, without "
           f"{s['message_without_shift_s']:.2f} s; re-reading the kept {kept} tokens instead "
           f"~{s['reread_kept_instead_s']:.0f} s")
+    print(f"after a shift ({q['model']}, kept/dropped/moved/read {q['tokens']}): top-1 agrees with "
+          f"a fresh read of the shorter text at {q['shifted']['top1_agreement']:.0%} of positions, "
+          f"KL {q['shifted']['kl_mean']:.4f}; with nothing dropped "
+          f"{q['nothing_dropped']['top1_agreement']:.0%}, KL {q['nothing_dropped']['kl_mean']:.4f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
