@@ -26,6 +26,8 @@ from .machine import ThreadPolicy
 from .model import DEFAULT_BATCH, Transformer
 from .sampling import Sampler, SamplingParams
 from .sequence import Sequence
+from .speculative import (DRAFT_MAX, DRAFT_MIN, DraftCounts, Drafter, DraftModel,
+                          check_same_vocabulary, speculative_decode)
 from .tokenizer import Tokenizer
 
 DEFAULT_CTX = 8192
@@ -39,6 +41,8 @@ class Stats:
     gen_seconds: float = 0.0
     stop_reason: str = ""
     shifts: int = 0              # context shifts while generating
+    drafted: int = 0             # speculative decoding: tokens proposed and checked,
+    accepted: int = 0            # and of them kept
 
     @property
     def prompt_tps(self) -> float:
@@ -106,12 +110,25 @@ class LLM:
         """Next-token logits (V,) after `ids` (a copy)."""
         return self._prefill(list(ids)).copy()
 
+    def load_draft(self, path: str | Path, draft_min: int = DRAFT_MIN,
+                   draft_max: int = DRAFT_MAX) -> DraftModel:
+        """A draft model for speculative decoding (generate's drafter): a smaller GGUF
+        with this model's vocabulary, run with the same threads and context (at most
+        its own)."""
+        g = GGUFFile(path)
+        check_same_vocabulary(self.gguf, g)
+        args = ModelArgs.from_gguf(g)
+        model = Transformer(g, min(self.ctx, args.train_ctx), args=args,
+                            threads=self.model.threads, activations=self.model.activations)
+        return DraftModel(model, draft_min, draft_max)
+
     def generate(self, ids: list[int], max_tokens: int = 256,
                  sampling: SamplingParams | None = None,
                  stop_ids: set[int] | None = None, grammar: str | None = None,
                  pick: Callable[[np.ndarray, list[int]], int] | None = None, *,
                  shifted: bool = False, shift_keep: int | None = None,
-                 prompt_read: Callable[[], None] | None = None) -> Iterator[int]:
+                 prompt_read: Callable[[], None] | None = None,
+                 drafter: Drafter | None = None) -> Iterator[int]:
         """Yield generated token ids; stops at a stop token (not yielded), after
         max_tokens, or when the context is full. Closing the iterator early (or
         Ctrl-C) keeps the sequence consistent (its tokens are those of its cache).
@@ -122,9 +139,16 @@ class LLM:
         shifted: `ids` may leave out a run of the cached tokens (Sequence.reuse_shifted).
         shift_keep: when the context fills, keep its first shift_keep tokens, drop half
         of the rest (a context shift, as llama.cpp's) and go on. prompt_read: called once
-        the prompt is in the cache, before the first token (to save it, say)."""
+        the prompt is in the cache, before the first token (to save it, say).
+
+        drafter (load_draft, or speculative.PromptLookup()): speculative decoding, the
+        same tokens at temperature 0, the same distribution otherwise; a reply that fills
+        the context ends there (no shift)."""
+        if drafter is not None and (grammar is not None or pick is not None):
+            raise EdgeError("speculative decoding does not combine with a grammar or a "
+                            "custom pick; leave out the drafter")
+        sampler = Sampler(sampling or self.default_sampling())
         if pick is None:
-            sampler = Sampler(sampling or self.default_sampling())
             constraint = None if grammar is None else Constraint(self.tokenizer, grammar)
 
             def pick(logits: np.ndarray, history: list[int]) -> int:
@@ -137,6 +161,21 @@ class LLM:
         t0 = time.perf_counter()
         st, seq = self.stats, self.seq
         st.stop_reason = "length"
+        if drafter is not None:
+            counts = DraftCounts()
+            try:
+                for tok in speculative_decode(self.model, seq, logits.copy(), history, sampler,
+                                              drafter, drafter.length_for(self.model),
+                                              max_tokens, stops, counts):
+                    if isinstance(tok, str):
+                        st.stop_reason = tok
+                        return
+                    st.gen_tokens += 1
+                    yield tok
+            finally:
+                st.gen_seconds = time.perf_counter() - t0
+                st.drafted, st.accepted = counts.drafted, counts.accepted
+            return
         try:
             for _ in range(max_tokens):
                 tok = pick(logits, history)

@@ -339,6 +339,29 @@ class Transformer:
         return self._run(tokens, seqs, [1] * len(seqs), sc, True,
                          sc.get("logits_n", (len(seqs), self.args.vocab_size)))
 
+    def verify(self, tokens, seq: Sequence) -> np.ndarray:
+        """Logits (T, V) of a few tokens at the sequence's next positions, extending it
+        as forward() does: speculative decoding's check of proposed tokens. It runs
+        decode's kernels, so every row is exactly what forward() of that one token
+        computes; the record formats (one_pass_verify) read the weights once for all
+        rows, the others run one matvec per row. A buffer of seq.scratch."""
+        tokens = self._check(tokens)
+        T = len(tokens)
+        if T == 0:
+            raise ValueError("verify() needs at least one token")
+        if seq.pos + T > seq.ctx:
+            raise EdgeError(f"{T} tokens at position {seq.pos} do not fit the context of "
+                            f"{seq.ctx} tokens")
+        self.threads.apply()
+        return self._run(tokens, [seq], [T], seq.scratch, True,
+                         seq.scratch.get("logits_verify", (T, self.args.vocab_size)))
+
+    @property
+    def one_pass_verify(self) -> bool:
+        """Whether verify() reads the weights once for several tokens: every matrix has a
+        multi-token decode kernel (the record formats), not a matvec per token."""
+        return all(type(w).matvecs is not Linear.matvecs for w in self.linears())
+
     def _check(self, tokens) -> np.ndarray:
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if len(tokens) and (tokens.min() < 0 or tokens.max() >= self.args.vocab_size):

@@ -120,10 +120,35 @@ class Sampler:
                                     np.clip(v, -_F32_MAX, _F32_MAX))
         return logits
 
+    def distribution(self, logits: np.ndarray, history: list[int] | None = None) -> np.ndarray:
+        """The distribution __call__ draws from, over the whole vocabulary (V,) float64:
+        a point mass on the best token at temperature 0. Speculative decoding's
+        rejection sampling compares the target's and the draft's."""
+        adjusted = self.adjusted(logits, history)
+        with np.errstate(all="ignore"):
+            best, cand, w = self._candidates(adjusted)
+        probs = np.zeros(len(logits), np.float64)
+        if cand is None:
+            probs[best] = 1.0
+        else:
+            probs[cand] = w / w.sum()
+        return probs
+
+    def draw(self, probs: np.ndarray) -> int:
+        """A token from a distribution (V,) that sums to 1."""
+        return int(self.rng.choice(len(probs), p=probs))
+
     def _pick(self, logits: np.ndarray) -> int:
+        best, cand, w = self._candidates(logits)
+        if cand is None:
+            return best
+        return int(cand[self.rng.choice(len(cand), p=w / w.sum())])
+
+    def _candidates(self, logits: np.ndarray):
+        # (argmax, None, None) at temperature 0, else (None, candidate ids, their weights)
         p = self.p
         if p.temperature == 0:
-            return int(np.argmax(logits))
+            return int(np.argmax(logits)), None, None
         # Candidates sorted by logit, best first.
         k = p.top_k if 0 < p.top_k < len(logits) else len(logits)
         cand = np.argpartition(-logits, k - 1)[:k] if k < len(logits) else np.arange(len(logits))
@@ -141,8 +166,7 @@ class Sampler:
             cand, probs, diff = cand[keep], probs[keep], diff[keep]
         # Temperature last, on the surviving candidates: 0 / t = 0 for the best, and the
         # rest <= 0 or -inf, so the weights are finite with a sum >= 1 for any t > 0.
-        w = np.exp(diff / p.temperature)
-        return int(cand[self.rng.choice(len(cand), p=w / w.sum())])
+        return None, cand, np.exp(diff / p.temperature)
 
 
 def log_probs(logits: np.ndarray) -> np.ndarray:

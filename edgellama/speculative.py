@@ -1,0 +1,306 @@
+"""Speculative decoding: a drafter proposes the next few tokens, the target model checks
+them all in one pass over its weights (Transformer.verify) and keeps the longest prefix
+it agrees with, plus one token of its own. Decode reads every weight once per step, so
+checking k tokens costs little more than producing one.
+
+Two drafters: DraftModel (a smaller model with the same vocabulary, its own KV cache)
+and PromptLookup (tokens copied from where the latest n-gram of the text last occurred
+in the prompt or the reply: llama.cpp's lookup decoding, for summaries, edits and code).
+
+Exactness. At temperature 0 the tokens are those of plain decoding: verify() computes
+every row with decode's kernels, exactly as a one-token step does (the record formats'
+multi-token kernel gives each row the one-token matvec's bits; the other formats run a
+matvec per row), and each check is the sampler's own greedy choice. With sampling,
+proposals pass by rejection sampling (Leviathan et al. 2023, Chen et al. 2023): accept
+d with probability min(1, p(d)/q(d)), else draw from max(0, p - q) normalised, with p
+and q the target's and draft's distributions after the same temperature/top-k/top-p/
+min-p/penalty processing (Sampler.distribution), so every token is distributed as the
+target's. Prompt lookup's proposals are a point mass (q(d) = 1).
+
+Adaptive length (DraftLength) keeps each step's draft length where the measured
+acceptance and costs say it pays, and drafts nothing when it would not.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import EdgeError
+from .gguf import GGUFFile
+from .model import Transformer
+from .sampling import Sampler
+from .sequence import Sequence
+
+DRAFT_MAX = 16        # llama.cpp's --draft-max default
+DRAFT_MIN = 0         # 0: a step may draft nothing when drafting does not pay
+
+
+class Drafter:
+    """Proposes tokens that may follow a text; draft_min..draft_max bound how many per
+    step (DraftLength picks within them, and keeps its measurements across replies)."""
+
+    name = "drafter"
+
+    def __init__(self, draft_min: int = DRAFT_MIN, draft_max: int = DRAFT_MAX):
+        if not 0 <= draft_min <= draft_max or draft_max < 1:
+            raise EdgeError(f"draft lengths must satisfy 0 <= --draft-min <= --draft-max and "
+                            f"--draft-max >= 1, got {draft_min} and {draft_max}")
+        self.draft_min, self.draft_max = draft_min, draft_max
+        self.length: DraftLength | None = None
+
+    def length_for(self, target: Transformer) -> DraftLength:
+        """The draft-length chooser of this drafter checking for `target`."""
+        if self.length is None:
+            self.length = DraftLength(self.draft_min, self.draft_max, target.one_pass_verify)
+        return self.length
+
+    def propose(self, history: list[int], k: int, sampler: Sampler) -> tuple[list[int], np.ndarray | None]:
+        """Up to k tokens that may follow `history`, and the distributions (n, V) they
+        were drawn from, or None when they were chosen deterministically (a point mass:
+        greedy drafting, lookup)."""
+        raise NotImplementedError
+
+
+class PromptLookup(Drafter):
+    """Proposals copied from the text so far: the tokens that followed the latest earlier
+    occurrence of its last n tokens, n from ngram_max down to ngram_min (the longest
+    match wins, the most recent among equals)."""
+
+    name = "lookup"
+
+    def __init__(self, ngram_max: int = 3, ngram_min: int = 1, draft_min: int = DRAFT_MIN,
+                 draft_max: int = DRAFT_MAX):
+        super().__init__(draft_min, draft_max)
+        if not 1 <= ngram_min <= ngram_max:
+            raise EdgeError(f"lookup n-gram sizes must satisfy 1 <= min <= max, got "
+                            f"{ngram_min}..{ngram_max}")
+        self.ngram_max, self.ngram_min = ngram_max, ngram_min
+
+    def propose(self, history, k, sampler):
+        h = np.asarray(history, dtype=np.int64)
+        L = len(h)
+        for n in range(min(self.ngram_max, L - 1), self.ngram_min - 1, -1):
+            # starts i < L - n of an earlier copy of the last n tokens
+            match = h[:L - n] == h[L - n]
+            for j in range(1, n):
+                match[:L - n - j] &= h[j:L - n] == h[L - n + j]
+                match[L - n - j:] = False
+            starts = np.flatnonzero(match)
+            if len(starts):
+                i = int(starts[-1]) + n
+                return h[i:i + k].tolist(), None
+        return [], None
+
+
+class DraftModel(Drafter):
+    """A smaller model of the same vocabulary drafting token by token, greedily at
+    temperature 0, else sampled with the target's sampling settings; it keeps its own
+    KV cache, rolled back to the text's common prefix at each proposal."""
+
+    name = "draft model"
+
+    def __init__(self, model: Transformer, draft_min: int = DRAFT_MIN, draft_max: int = DRAFT_MAX):
+        super().__init__(draft_min, draft_max)
+        self.model = model
+        self.seq: Sequence = model.new_sequence()
+
+    def propose(self, history, k, sampler):
+        seq = self.seq
+        k = min(k, seq.ctx - len(history))
+        if k <= 0:
+            return [], None
+        n = seq.reuse_prefix(history)
+        logits = self.model.forward(history[n:], seq)
+        greedy = sampler.p.temperature == 0
+        tokens, dists, text = [], [], list(history)
+        for i in range(k):
+            if greedy:
+                tok = sampler(logits, text)
+            else:
+                q = sampler.distribution(logits, text)
+                tok = sampler.draw(q)
+                dists.append(q)
+            tokens.append(tok)
+            text.append(tok)
+            if i + 1 < k:
+                logits = self.model.forward([tok], seq)
+        return tokens, (None if greedy else np.stack(dists))
+
+
+def check_same_vocabulary(target: GGUFFile, draft: GGUFFile) -> None:
+    """Refuse a draft whose token ids mean other strings than the target's: same
+    tokenizer model, same number of tokens, and the same string at every id."""
+    def vocab(g):
+        tokens = g.get("tokenizer.ggml.tokens")
+        return g.get("tokenizer.ggml.model"), tokens if isinstance(tokens, list) else []
+
+    (tm, tt), (dm, dt) = vocab(target), vocab(draft)
+    problem = None
+    if not tt or not dt:
+        problem = "one of them has no tokenizer"
+    elif tm != dm:
+        problem = f"its tokenizer is {dm!r}, the target's {tm!r}"
+    elif len(tt) != len(dt):
+        problem = f"it has {len(dt)} tokens, the target {len(tt)}"
+    else:
+        diff = next((i for i, (a, b) in enumerate(zip(tt, dt)) if a != b), None)
+        if diff is not None:
+            problem = f"token {diff} is {dt[diff]!r} in the draft, {tt[diff]!r} in the target"
+    if problem:
+        raise EdgeError(f"the draft model {draft.path.name} does not share the vocabulary of "
+                        f"{target.path.name} ({problem}); use a draft from the same model family")
+
+
+class DraftLength:
+    """Chooses each step's draft length from measured costs and acceptance.
+
+    A step that verifies k proposals costs v(k+1) + k·d (v: the target's pass over k+1
+    tokens, d: drafting one token) and yields 1 + a + ... + a^k tokens on average, for
+    a per-token acceptance a. The length with the most tokens per second wins; with
+    draft_min 0, none (a plain step) unless it beats plain decoding. While drafting
+    is off, every PROBE_EVERY-th step drafts draft_min or 1 token, to notice when
+    proposals start to be accepted. v(T) = c1 + s·(T - 1), each term a moving average
+    of measured passes."""
+
+    PROBE_EVERY = 16
+    DECAY = 0.9           # weight of the past in the moving averages
+
+    def __init__(self, draft_min: int = DRAFT_MIN, draft_max: int = DRAFT_MAX,
+                 one_pass_verify: bool = True):
+        self.draft_min, self.draft_max = draft_min, draft_max
+        self.step = None                  # c1: seconds of a one-token pass
+        # s / c1 before any measurement: what a record format's verify costs per extra
+        # token, about; a matvec per token costs a whole step
+        self._prior_slope = 0.1 if one_pass_verify else 1.0
+        self.slope = None                 # s: seconds per extra verified token
+        self.draft_cost = 0.0             # d: seconds per drafted token
+        self.accepted = self.trials = 0.0
+        self._off_steps = 0
+
+    @property
+    def acceptance(self) -> float:
+        # the chance a proposal is accepted given the ones before it were (a Beta(1, 1) prior)
+        return (self.accepted + 1) / (self.trials + 2)
+
+    def _ema(self, old, new):
+        return new if old is None else self.DECAY * old + (1 - self.DECAY) * new
+
+    def observe_verify(self, tokens: int, seconds: float) -> None:
+        if tokens == 1:
+            self.step = self._ema(self.step, seconds)
+        elif self.step is not None:
+            self.slope = self._ema(self.slope, max(0.0, seconds - self.step) / (tokens - 1))
+
+    def observe_draft(self, tokens: int, seconds: float) -> None:
+        if tokens:
+            self.draft_cost = self._ema(self.draft_cost or None, seconds / tokens)
+
+    def observe_acceptance(self, proposed: int, accepted: int) -> None:
+        # a truncated geometric: `accepted` successes, then a failure unless all passed
+        self.accepted = self.DECAY * self.accepted + accepted
+        self.trials = self.DECAY * self.trials + accepted + (accepted < proposed)
+
+    def expected_speed(self, k: int) -> float:
+        """Tokens per second of steps drafting k tokens, as measured so far."""
+        c1 = self.step
+        s = self.slope if self.slope is not None else self._prior_slope * c1
+        a = self.acceptance
+        tokens = sum(a ** i for i in range(k + 1))
+        return tokens / (c1 + s * k + self.draft_cost * k)
+
+    def choose(self) -> int:
+        if self.step is None:             # measure a plain step first
+            return self.draft_min
+        best = max(range(max(1, self.draft_min), self.draft_max + 1), key=self.expected_speed)
+        if self.draft_min == 0 and self.expected_speed(best) <= self.expected_speed(0):
+            self._off_steps += 1
+            if self._off_steps % self.PROBE_EVERY:
+                return 0
+            return 1
+        self._off_steps = 0
+        return best
+
+
+@dataclass
+class DraftCounts:
+    drafted: int = 0      # tokens proposed and checked
+    accepted: int = 0     # of them, kept
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+def speculative_decode(model: Transformer, seq: Sequence, logits: np.ndarray, history: list[int],
+                       sampler: Sampler, drafter: Drafter, length: DraftLength,
+                       max_tokens: int, stops: set[int], counts: DraftCounts) -> Iterator[int | str]:
+    """Yield generated tokens, then a stop reason ("stop", "length", "context full").
+
+    seq holds `history` (the prompt and reply so far; extended in place), `logits` are
+    the target's for the next token. On return, or when the caller closes the iterator,
+    seq holds exactly the history (its rejected positions are dropped)."""
+    greedy = sampler.p.temperature == 0
+    pending = None                    # a token already chosen: a rejection's resample
+    produced = 0
+    try:
+        while produced < max_tokens:
+            tok = sampler(logits, history) if pending is None else pending
+            if tok in stops:
+                yield "stop"
+                return
+            history.append(tok)
+            yield tok
+            produced += 1
+            if seq.pos >= seq.ctx:
+                yield "context full"
+                return
+            if produced >= max_tokens:
+                break
+            k = min(length.choose(), max_tokens - produced, seq.ctx - seq.pos - 1)
+            t0 = time.perf_counter()
+            drafts, q = drafter.propose(history, k, sampler) if k > 0 else ([], None)
+            t1 = time.perf_counter()
+            rows = model.verify([tok] + drafts, seq)
+            length.observe_verify(1 + len(drafts), time.perf_counter() - t1)
+            length.observe_draft(len(drafts), t1 - t0)
+            pending, accepted, stopped = None, 0, False
+            for i, d in enumerate(drafts):
+                if greedy:
+                    choice = sampler(rows[i], history)
+                    ok = choice == d
+                else:
+                    p = sampler.distribution(rows[i], history)
+                    qd = 1.0 if q is None else q[i][d]
+                    ok = sampler.rng.random() < p[d] / qd
+                    if not ok:       # draw from max(0, p - q), renormalised
+                        residual = p.copy()
+                        if q is None:
+                            residual[d] = 0.0
+                        else:
+                            residual = np.maximum(p - q[i], 0.0)
+                        choice = sampler.draw(residual / residual.sum())
+                if not ok:
+                    pending = choice
+                    break
+                accepted += 1
+                if d in stops:
+                    stopped = True
+                    break
+                history.append(d)
+                yield d
+                produced += 1
+            counts.drafted += len(drafts)
+            counts.accepted += accepted
+            length.observe_acceptance(len(drafts), accepted)
+            seq.truncate(len(history))
+            if stopped:
+                yield "stop"
+                return
+            if pending is None:       # all accepted: the last row is the next token's
+                logits = rows[accepted].copy()
+        yield "length"
+    finally:
+        seq.truncate(min(seq.pos, len(history)))
