@@ -18,11 +18,14 @@ from .chat_input import Reader, clean
 from .main import main
 from .options import (
     Output,
+    draft_summary,
+    drafter_from,
     load,
     model_options,
     one_line,
     sampling_from,
     sampling_options,
+    speculative_options,
     stdin_problem,
 )
 from .progress import KernelProgress
@@ -30,7 +33,7 @@ from .progress import KernelProgress
 HELP = """commands:
   /system TEXT   set the system prompt (starts a new conversation)
   /reset         forget the conversation
-  /stats         speed of the last reply and context used
+  /stats         speed of the last reply, context used, tokens drafted and accepted
   /save NAME     keep the conversation and its cache (NAME, or a PATH with a /)
   /load NAME     go back to a saved conversation without reading it again
   /help          this text
@@ -53,6 +56,7 @@ def _shown(path: Path) -> str:
 @main.command()
 @model_options
 @sampling_options
+@speculative_options
 @click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Most tokens per reply.")
 @click.option("-s", "--system", default=None, help="System prompt.")
@@ -61,7 +65,8 @@ def _shown(path: Path) -> str:
 @click.option("--context-shift/--no-context-shift", default=True, show_default=True,
               help="When the context fills, the oldest turns are dropped and the rest moved "
                    "down in the cache (a context shift), not read again.")
-def chat(model, ctx, threads, activations, max_tokens, system, history, context_shift, **sampling):
+def chat(model, ctx, threads, activations, max_tokens, system, history, context_shift, draft,
+         lookup, draft_min, draft_max, **sampling):
     """Chat with a model in the terminal."""
     if why := stdin_problem():
         raise EdgeError(f"no input: {why}, and chat reads your messages from it; run it in a "
@@ -70,9 +75,15 @@ def chat(model, ctx, threads, activations, max_tokens, system, history, context_
     progress = KernelProgress()
     with jit.Compiling(progress) as loading:      # loading repacks weights with kernels too
         llm = load(model, ctx, threads, activations)
+        drafter = drafter_from(llm, draft, lookup, draft_min, draft_max)
     session = ChatSession(llm, sampling_from(llm.default_sampling(), sampling),
-                          max_tokens=max_tokens, system=system, context_shift=context_shift)
+                          max_tokens=max_tokens, system=system, context_shift=context_shift,
+                          drafter=drafter)
     warm = jit.warm_up(llm.model, progress)
+    if hasattr(drafter, "model"):
+        warm_draft = jit.warm_up(drafter.model, progress)
+        warm = jit.Warm(warm.seconds + warm_draft.seconds, warm.compiled + warm_draft.compiled,
+                        warm.compile_seconds + warm_draft.compile_seconds)
     with jit.Compiling(progress) as shifting:
         if context_shift:
             llm.ready_context_shift()
@@ -167,7 +178,8 @@ def _command(text, llm, session, reader) -> str | None:
         s = llm.stats
         click.echo(f"prompt: {s.prompt_tokens} tokens at {s.prompt_tps:.1f} tok/s | "
                    f"reply: {s.gen_tokens} tokens at {s.gen_tps:.1f} tok/s | "
-                   f"context: {session.context_used()}/{llm.ctx} tokens", err=True)
+                   f"context: {session.context_used()}/{llm.ctx} tokens{draft_summary(s)}",
+                   err=True)
     elif cmd in ("/save", "/load"):
         if not arg.strip():
             click.echo(f"{cmd} NAME (kept in edgellama's cache, `edgellama list` shows them) "

@@ -8,8 +8,9 @@ import click
 from edgellama.errors import EdgeError
 
 from .main import main
-from .options import (Output, load, model_flags, positional_is_model, resolve_model,
-                      sampling_from, sampling_options, stdin_problem)
+from .options import (Output, draft_summary, drafter_from, load, model_flags,
+                      positional_is_model, resolve_model, sampling_from, sampling_options,
+                      speculative_options, stdin_problem)
 
 # More than any context holds (8192 tokens of a few bytes each), small enough to read.
 MAX_PROMPT_BYTES = 64 << 20
@@ -51,6 +52,7 @@ def _prompt(model_arg, prompt_arg, prompt, prompt_file) -> tuple[str | None, str
 @main.command()
 @model_flags
 @sampling_options
+@speculative_options
 @click.argument("model_arg", metavar="[MODEL]", required=False)
 @click.argument("prompt_arg", metavar="[PROMPT]", required=False)
 @click.option("-p", "--prompt", default=None, help="The prompt text; - reads it from stdin.")
@@ -69,7 +71,8 @@ def _prompt(model_arg, prompt_arg, prompt, prompt_file) -> tuple[str | None, str
               help="When the context fills, drop the older half of what follows the prompt "
                    "and go on, instead of stopping.")
 def generate(model, hf_repo, ctx, threads, activations, model_arg, prompt_arg, prompt, prompt_file, max_tokens,
-             raw, system, prompt_cache, context_shift, **sampling):
+             raw, system, prompt_cache, context_shift, draft, lookup, draft_min, draft_max,
+             **sampling):
     """Complete PROMPT with the model and print the reply as it is generated.
 
     \b
@@ -87,12 +90,14 @@ def generate(model, hf_repo, ctx, threads, activations, model_arg, prompt_arg, p
     progress = KernelProgress()
     with jit.Compiling(progress) as loading:
         llm = load(resolve_model(model_arg, model, hf_repo), ctx, threads, activations)
-    warm = jit.warm_up(llm.model, progress)   # so the prompt's speed is not the kernels'
+        drafter = drafter_from(llm, draft, lookup, draft_min, draft_max)
+    warms = [jit.warm_up(m, progress)   # so the prompt's speed is not the kernels'
+             for m in [llm.model] + ([drafter.model] if hasattr(drafter, "model") else [])]
     with jit.Compiling(progress) as shifting:
         if context_shift:
             llm.ready_context_shift()
-    progress.done(loading.count + warm.compiled + shifting.count,
-                  loading.seconds + warm.compile_seconds + shifting.seconds)
+    progress.done(loading.count + sum(w.compiled for w in warms) + shifting.count,
+                  loading.seconds + sum(w.compile_seconds for w in warms) + shifting.seconds)
     params = sampling_from(llm.default_sampling(), sampling)
     if prompt_cache is not None:
         _adopt_saved_date(llm, prompt_cache)
@@ -118,7 +123,7 @@ def generate(model, hf_repo, ctx, threads, activations, model_arg, prompt_arg, p
     # the prompt, or the first half of the context of a longer one, stays when it fills
     keep = min(len(ids), llm.ctx // 2) if context_shift else None
     for tok in llm.generate(ids, max_tokens=max_tokens, sampling=params, shift_keep=keep,
-                            prompt_read=save):
+                            prompt_read=save, drafter=drafter):
         out.write(llm.tokenizer.shown_bytes(tok))
     out.finish()
     for note in notes:
@@ -126,7 +131,8 @@ def generate(model, hf_repo, ctx, threads, activations, model_arg, prompt_arg, p
     s = llm.stats
     shifts = f", {s.shifts} context shift{'s' if s.shifts > 1 else ''}" if s.shifts else ""
     click.echo(f"prompt: {s.prompt_tokens} tokens, {s.prompt_tps:.1f} tok/s | "
-               f"generation: {s.gen_tokens} tokens, {s.gen_tps:.1f} tok/s ({s.stop_reason}{shifts})",
+               f"generation: {s.gen_tokens} tokens, {s.gen_tps:.1f} tok/s ({s.stop_reason}{shifts})"
+               f"{draft_summary(s)}",
                err=True)
 
 

@@ -201,3 +201,44 @@ class Output:
         if self.terminal:
             self.stream.write(for_terminal(self._utf8.decode(b"", final=True)) + "\n")
             self.stream.flush()
+
+
+def speculative_options(f):
+    """--draft MODEL, --lookup, --draft-max, --draft-min: speculative decoding."""
+    f = click.option("--draft-min", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="Fewest tokens to draft per step; 0 lets a step draft none when "
+                          "drafting does not pay.")(f)
+    f = click.option("--draft-max", type=click.IntRange(min=1), default=16, show_default=True,
+                     help="Most tokens to draft per step (the length adapts to how many "
+                          "are accepted).")(f)
+    f = click.option("--lookup", is_flag=True,
+                     help="Speculative decoding without a draft model: propose tokens copied "
+                          "from the prompt and the reply where their last words recur "
+                          "(llama.cpp's lookup decoding; for summaries, edits and code).")(f)
+    return click.option("--draft", "draft", metavar="MODEL", default=None,
+                        help="Speculative decoding with a smaller draft model of the same "
+                             "vocabulary (a GGUF file or a Hugging Face reference): the same "
+                             "replies, sooner.")(f)
+
+
+def drafter_from(llm: edgellama.LLM, draft: str | None, lookup: bool, draft_min: int,
+                 draft_max: int):
+    """The drafter the speculative options ask for, or None."""
+    if draft is not None and lookup:
+        raise click.UsageError("give --draft MODEL or --lookup, not both")
+    if draft_min > draft_max:
+        raise EdgeError(f"--draft-min {draft_min} is more than --draft-max {draft_max}")
+    if lookup:
+        from edgellama.speculative import PromptLookup
+        return PromptLookup(draft_min=draft_min, draft_max=draft_max)
+    if draft is not None:
+        return llm.load_draft(resolve_model(draft, None, None), draft_min, draft_max)
+    return None
+
+
+def draft_summary(stats) -> str:
+    """' | drafted D, accepted A (P%)' of speculative decoding, or '' without."""
+    if not stats.drafted:
+        return ""
+    return (f" | drafted {stats.drafted}, accepted {stats.accepted} "
+            f"({100 * stats.accepted / stats.drafted:.0f}%)")

@@ -16,6 +16,7 @@ from pathlib import Path
 from .errors import EdgeError
 from .llm import LLM
 from .sampling import SamplingParams
+from .speculative import Drafter
 from .tokenizer import StreamDecoder
 
 
@@ -28,6 +29,7 @@ class ChatSession:
     messages: list[dict] = field(default_factory=list)   # user/assistant turns only
     notices: list[str] = field(default_factory=list)     # things the UI should tell the user
     context_shift: bool = True      # dropped turns: shift the cache, not read it again
+    drafter: Drafter | None = None  # speculative decoding (LLM.generate)
 
     def __post_init__(self):
         # The smallest turn (the system prompt and an empty message) must leave room for a
@@ -92,7 +94,8 @@ class ChatSession:
         parts: list[str] = []
         try:
             for tok in self.llm.generate(ids, max_tokens=self.max_tokens, sampling=self.sampling,
-                                         shifted=dropped and self.context_shift):
+                                         shifted=dropped and self.context_shift,
+                                         drafter=self.drafter):
                 piece = out.push(tok)
                 if piece:
                     parts.append(piece)
