@@ -206,3 +206,23 @@ def test_a_draft_of_another_vocabulary_is_refused(tmp_path, monkeypatch):
     assert "\n" not in str(e.value)
     from edgellama.gguf import GGUFFile
     check_same_vocabulary(GGUFFile(_tiny(tmp_path, "Q8_0")), GGUFFile(_tiny(tmp_path, "Q4_0", seed=3)))
+
+
+def test_generate_command_drafts_and_reports_it(tmp_path):
+    from click.testing import CliRunner
+
+    import edgellama.cli.generate  # noqa: F401  (registers the command)
+    from edgellama.cli.main import main
+    target, draft = _tiny(tmp_path, "Q8_0"), _tiny(tmp_path, "Q4_0")
+    base = ["generate", str(target), "-p", "hello hello hello", "--raw", "--temp", "0", "-n", "24"]
+    plain = CliRunner().invoke(main, base)
+    assert plain.exit_code == 0, plain.output
+    for extra in (["--lookup"], ["--draft", str(draft), "--draft-max", "4"]):
+        r = CliRunner().invoke(main, base + extra)
+        assert r.exit_code == 0, r.output
+        assert r.stdout == plain.stdout
+        assert "drafted " in r.stderr and "accepted " in r.stderr
+    both = CliRunner().invoke(main, base + ["--lookup", "--draft", str(draft)])
+    assert both.exit_code != 0 and "not both" in both.output
+    bad = CliRunner().invoke(main, base + ["--draft", str(_tiny(tmp_path, "Q4_0", seed=1, vocab=TINY_VOCAB + 16))])
+    assert bad.exit_code == 1 and "does not share the vocabulary" in bad.output
