@@ -32,6 +32,7 @@ from .errors import EdgeError
 from .gguf import GGUFFile
 from .model import Transformer
 from .sampling import Sampler
+from .simd import TOKENS
 from .sequence import Sequence
 
 DRAFT_MAX = 16        # llama.cpp's --draft-max default
@@ -163,7 +164,8 @@ class DraftLength:
     draft_min 0, none (a plain step) unless it beats plain decoding. While drafting
     is off, every PROBE_EVERY-th step drafts draft_min or 1 token, to notice when
     proposals start to be accepted. v(T) = c1 + s·(T - 1), each term a moving average
-    of measured passes."""
+    of measured passes, T counted in whole groups of verify_rows (the record formats'
+    kernel multiplies 4 rows at a time: 8 tokens cost what 5 do)."""
 
     PROBE_EVERY = 16
     DECAY = 0.9           # weight of the past in the moving averages
@@ -175,6 +177,7 @@ class DraftLength:
         # s / c1 before any measurement: what a record format's verify costs per extra
         # token, about; a matvec per token costs a whole step
         self._prior_slope = 0.1 if one_pass_verify else 1.0
+        self.verify_rows = TOKENS if one_pass_verify else 1
         self.slope = None                 # s: seconds per extra verified token
         self.draft_cost = 0.0             # d: seconds per drafted token
         self.accepted = self.trials = 0.0
@@ -192,7 +195,12 @@ class DraftLength:
         if tokens == 1:
             self.step = self._ema(self.step, seconds)
         elif self.step is not None:
-            self.slope = self._ema(self.slope, max(0.0, seconds - self.step) / (tokens - 1))
+            rows = self._rows(tokens)
+            self.slope = self._ema(self.slope, max(0.0, seconds - self.step) / (rows - 1))
+
+    def _rows(self, tokens: int) -> int:
+        # the rows a verify of `tokens` costs: padded to whole groups
+        return -(-tokens // self.verify_rows) * self.verify_rows if tokens > 1 else 1
 
     def observe_draft(self, tokens: int, seconds: float) -> None:
         if tokens:
@@ -209,7 +217,7 @@ class DraftLength:
         s = self.slope if self.slope is not None else self._prior_slope * c1
         a = self.acceptance
         tokens = sum(a ** i for i in range(k + 1))
-        return tokens / (c1 + s * k + self.draft_cost * k)
+        return tokens / (c1 + s * (self._rows(k + 1) - 1) + self.draft_cost * k)
 
     def choose(self) -> int:
         if self.step is None:             # measure a plain step first
