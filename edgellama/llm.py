@@ -162,7 +162,10 @@ class LLM:
         st, seq = self.stats, self.seq
         st.stop_reason = "length"
         if drafter is not None:
-            counts = DraftCounts()
+            drafter.start(history)      # a draft model's prefill, counted as the prompt's
+            t1 = time.perf_counter()
+            st.prompt_seconds += t1 - t0
+            t0, counts = t1, DraftCounts()
             try:
                 for tok in speculative_decode(self.model, seq, logits.copy(), history, sampler,
                                               drafter, drafter.length_for(self.model),

@@ -58,6 +58,9 @@ class Drafter:
             self.length = DraftLength(self.draft_min, self.draft_max, target.one_pass_verify)
         return self.length
 
+    def start(self, prompt: list[int]) -> None:
+        """Read the prompt ahead of the reply (generate counts it as prompt time)."""
+
     def propose(self, history: list[int], k: int, sampler: Sampler) -> tuple[list[int], np.ndarray | None]:
         """Up to k tokens that may follow `history`, and the distributions (n, V) they
         were drawn from, or None when they were chosen deterministically (a point mass:
@@ -107,6 +110,11 @@ class DraftModel(Drafter):
         super().__init__(draft_min, draft_max)
         self.model = model
         self.seq: Sequence = model.new_sequence()
+
+    def start(self, prompt):
+        n = self.seq.reuse_prefix(prompt)
+        if len(prompt) <= self.seq.ctx:
+            self.model.forward(prompt[n:], self.seq)
 
     def propose(self, history, k, sampler):
         seq = self.seq
