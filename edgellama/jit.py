@@ -28,7 +28,7 @@ cache_note: str | None = None
 
 # Every file holding kernels, the intrinsics they inline (fp.py, simd.py) or the target
 # features their instructions follow (target.py).
-_KERNEL_SOURCES = ("target.py", "fp.py", "simd.py", "kernels.py", "membw.py", "formats/*.py")
+_KERNEL_SOURCES = ("target.py", "fp.py", "simd.py", "kernels.py", "attention.py", "membw.py", "formats/*.py")
 
 
 def kernel_cache_dir() -> Path:

@@ -2,28 +2,26 @@
 
 Conventions: T tokens in a batch, E model dim, H query heads, KV key/value heads,
 hd head dim, g = H // KV query heads per KV head, F ffn dim. Every kernel writes
-into an output array; nothing here allocates per token. The KV cache holds IEEE
-half floats; Numba has no float16 type, so kernels see the raw uint16 bits.
+into an output array; nothing here allocates per token. Attention is in attention.py;
+the register kernels of its f16 cache (_scores, _weighted) are here. Numba has no
+float16 type, so kernels see an f16 cache's raw uint16 bits.
 """
 from __future__ import annotations
 
 import numba as nb
 import numpy as np
 from llvmlite import ir
-from numba import prange, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .fp import f16_to_f32, f32_to_f16, half_to_float_ir
+from .fp import half_to_float_ir
 from .simd import call_llvm, ir_ptr, prefetch_ir, splat
 from .target import FEATURES
 
 F32 = np.float32
-KV_BLOCK = 16       # positions per block of the K cache: one vector of halves per head dim
-_TB = 4             # query tokens per work item of prefill attention: they share every
-                    # K/V chunk while it is in L2
-_CHUNK = 256        # positions per K or V chunk of prefill attention (64 KiB of f16 at
-                    # head_dim 128)
+_TB = 4             # query tokens per work item of prefill attention (attention.py): they
+                    # share every K/V chunk while it is in L2
 _MIN_LOGIT = F32(-30.0)   # softmax weights below e^-30 of the max count as zero
 _PREFETCH = 4096    # f16 elements (8 KiB) ahead that attention prefetches K and V (the
                     # gain: "attention prefetch", bench/results/design_measurements.json)
@@ -100,11 +98,6 @@ def swiglu(gate_up, out):
             e = _exp_neg(-abs(g))
             sig = (F32(1.0) if g >= F32(0.0) else e) / (F32(1.0) + e)
             out[t, i] = g * sig * gate_up[t, F + i]
-
-
-def kv_capacity(ctx: int) -> int:
-    """Positions the KV cache holds for a context of ctx: whole blocks of K."""
-    return -(-ctx // KV_BLOCK) * KV_BLOCK
 
 
 def _f16x16(builder, p):
@@ -291,160 +284,6 @@ def _weighted(v, voff, hd, w, wstride, n, out, ooff, ostride, g):
         _weighted16(v, voff, hd, w, wstride, n, out, ooff, ostride, 5)
     elif g == 7:
         _weighted16(v, voff, hd, w, wstride, n, out, ooff, ostride, 7)
-
-
-@nb.njit(cache=True, error_model="numpy", fastmath=True, parallel=True)
-def attention(q, k_cache, v_cache, pos0, scale, out, scratch):
-    # q (T, H, hd) roped queries at positions pos0..pos0+T-1;
-    # k_cache (KV, nB, hd, 16): K of one layer in blocks of 16 positions, each block's
-    # head dims in turn, a vector of 16 positions each (scores are multiply-adds over
-    # positions, K read in address order); v_cache (KV, nB·16, hd): V by position (the
-    # output is a sum of whole V rows). Both f16 bits, filled up to pos0+T.
-    # out (T, H, hd). Causal: token t sees positions 0..pos0+t.
-    # scratch (threads, G·ctx + G + G·hd) f32 with G = TB·g, ctx = nB·16: one row per thread.
-    # GQA: the g query heads of a KV head share every K and V vector converted; repeated
-    # K/V is never materialised. A work item is one KV head and a block of up to TB
-    # tokens (rows tt·g + j of its scratch): K and V are read a chunk at a time for all
-    # of them, then from L2. Token blocks are handed out first, last, second, second to
-    # last...: the threads' even shares of the items then have even shares of the
-    # causal work (in order, a 512-token prefill's second half had 3/4 of it).
-    T, H, hd = q.shape
-    KV, nB, _, _ = k_cache.shape
-    ctx = nB * KV_BLOCK
-    g = H // KV
-    G = _TB * g
-    reg_k = g <= 8                                    # the register kernels' shapes
-    reg_v = reg_k and hd % 16 == 0
-    nblocks = -(-T // _TB)
-    for item in prange(nblocks * KV):
-        tb, kvh = item // KV, item % KV
-        tb = tb // 2 if tb % 2 == 0 else nblocks - 1 - tb // 2
-        t0 = tb * _TB
-        nt = min(T, t0 + _TB) - t0
-        buf = scratch[nb.get_thread_id()]
-        s = buf[:G * ctx].reshape((G, ctx))
-        tot_inv = buf[G * ctx:G * ctx + G]
-        qs = buf[G * ctx + G:G * ctx + G + G * hd]
-        kb, vr = k_cache[kvh], v_cache[kvh]
-        ko, vo = kvh * nB * hd * KV_BLOCK, kvh * ctx * hd
-        for tt in range(nt):
-            for j in range(g):
-                for i in range(hd):
-                    qs[(tt * g + j) * hd + i] = q[t0 + tt, kvh * g + j, i] * scale
-        # scores s[tt g + j, p] = scale · q · k_p, 16 positions at a time: a token's last
-        # block also scores positions past its own, which softmax never reads. What a
-        # token gets never depends on the other tokens of its block (nor on the batch).
-        end = pos0 + t0 + nt                          # positions the last token sees
-        if reg_k:
-            for c0 in range(0, end, _CHUNK):
-                for tt in range(nt):
-                    n = min(pos0 + t0 + tt + 1, c0 + _CHUNK) - c0
-                    if n > 0:
-                        _scores(k_cache, ko + c0 * hd, qs[tt * g * hd:], hd, buf,
-                                tt * g * ctx + c0, ctx, -(-n // KV_BLOCK), g)
-        else:
-            for tt in range(nt):
-                for blk in range(-(-(pos0 + t0 + tt + 1) // KV_BLOCK)):
-                    p0 = blk * KV_BLOCK
-                    for j in range(g):
-                        s[tt * g + j, p0:p0 + KV_BLOCK] = 0
-                    for i in range(hd):
-                        ki = kb[blk, i]
-                        for j in range(g):
-                            qi = qs[(tt * g + j) * hd + i]
-                            sj = s[tt * g + j, p0:p0 + KV_BLOCK]
-                            for lane in range(KV_BLOCK):
-                                sj[lane] += qi * f16_to_f32(ki[lane])
-        # softmax weights e^(s - max), unnormalised: out is divided by their sum at the
-        # end. Weights below e^-30 (1e-13, far under f32 resolution next to the max's 1)
-        # are zero: tiny weights would make subnormal products, ~100x slower on x86.
-        for tt in range(nt):
-            n = pos0 + t0 + tt + 1
-            for j in range(g):
-                sj = s[tt * g + j]
-                mx = sj[0]
-                for p in range(n):
-                    mx = max(mx, sj[p])
-                tot = F32(0.0)
-                for p in range(n):
-                    x = sj[p] - mx
-                    e = _exp_neg(max(x, _MIN_LOGIT))
-                    e = e if x > _MIN_LOGIT else F32(0.0)
-                    sj[p] = e
-                    tot += e
-                out[t0 + tt, kvh * g + j] = 0
-                tot_inv[tt * g + j] = F32(1.0) / tot
-        # out[j] = Σ_p w[j, p] · v_p / Σ_p w[j, p]: whole V rows, the sums in registers
-        if reg_v:
-            for c0 in range(0, end, _CHUNK):
-                for tt in range(nt):
-                    n = min(pos0 + t0 + tt + 1, c0 + _CHUNK) - c0
-                    if n > 0:
-                        _weighted(v_cache, vo + c0 * hd, hd, buf[tt * g * ctx + c0:], ctx, n,
-                                  out, ((t0 + tt) * H + kvh * g) * hd, hd, g)
-        else:
-            for tt in range(nt):
-                for p in range(pos0 + t0 + tt + 1):
-                    for j in range(g):
-                        w = s[tt * g + j, p]
-                        for i in range(hd):
-                            out[t0 + tt, kvh * g + j, i] += w * f16_to_f32(vr[p, i])
-        for tt in range(nt):
-            for j in range(g):
-                for i in range(hd):
-                    out[t0 + tt, kvh * g + j, i] *= tot_inv[tt * g + j]
-
-
-@nb.njit(cache=True, error_model="numpy")
-def kv_store(k_cache, v_cache, pos, k, v):
-    # k, v (T, KV, hd) f32 -> positions pos..pos+T-1 of one layer's caches as f16 bits
-    # (rounded to nearest even, as NumPy's astype): k_cache (KV, nB, hd, 16),
-    # v_cache (KV, nB·16, hd), the layouts of attention()
-    T, KV, hd = k.shape
-    for t in range(T):
-        p = pos + t
-        blk, lane = p // KV_BLOCK, p % KV_BLOCK
-        for h in range(KV):
-            for i in range(hd):
-                k_cache[h, blk, i, lane] = f32_to_f16(k[t, h, i])
-                v_cache[h, p, i] = f32_to_f16(v[t, h, i])
-
-
-@nb.njit(cache=True, error_model="numpy", fastmath=True, parallel=True)
-def kv_shift(k_cache, v_cache, keep, drop, length, cos, sin):
-    # Context shift, in place, every layer: positions keep+drop..length-1 move to
-    # keep..length-drop-1. k_cache (L, KV, nB, hd, 16), v_cache (L, KV, nB·16, hd): f16
-    # bits as kv_store writes them. cos, sin (hd/2,) f32 of drop·inv_freq: each K pair
-    # (2i, 2i+1) is rotated back by that angle (RoPE at position p-drop is RoPE at p
-    # turned by -drop·θ_i) and rounded to f16 again. Ascending positions: a source,
-    # p + drop > p, is read before any destination reaches it.
-    L, KV, _, hd, _ = k_cache.shape
-    for item in prange(L * KV):
-        layer, h = item // KV, item % KV
-        kc, vc = k_cache[layer, h], v_cache[layer, h]
-        for p in range(keep, length - drop):
-            s = p + drop
-            db, dl, sb, sl = p // KV_BLOCK, p % KV_BLOCK, s // KV_BLOCK, s % KV_BLOCK
-            for i in range(hd // 2):
-                a = f16_to_f32(kc[sb, 2 * i, sl])
-                b = f16_to_f32(kc[sb, 2 * i + 1, sl])
-                kc[db, 2 * i, dl] = f32_to_f16(a * cos[i] + b * sin[i])
-                kc[db, 2 * i + 1, dl] = f32_to_f16(b * cos[i] - a * sin[i])
-            for i in range(hd):
-                vc[p, i] = vc[s, i]
-
-
-def attention_scratch_shape(n_threads: int, n_heads: int, n_kv_heads: int, ctx: int,
-                            head_dim: int) -> tuple[int, int]:
-    """The shape of attention's scratch for a KV cache of ctx positions."""
-    G = _TB * (n_heads // n_kv_heads)
-    cap = kv_capacity(ctx)
-    return n_threads, G * cap + G + G * head_dim
-
-
-def attention_scratch(n_threads: int, n_heads: int, n_kv_heads: int, ctx: int,
-                      head_dim: int) -> np.ndarray:
-    return np.zeros(attention_scratch_shape(n_threads, n_heads, n_kv_heads, ctx, head_dim), F32)
 
 
 @nb.njit(cache=True, error_model="numpy")

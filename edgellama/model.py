@@ -12,8 +12,9 @@ from . import kernels as K
 from .args import ModelArgs
 from .errors import EdgeError
 from .gguf import GGUFFile
+from .kv_cache import KVCache, check_cache_type, fit_advice
+from . import attention as A
 from .formats import SUPPORTED, Linear, block_shape, type_name
-from .formats.base import anon_array
 from .formats.records import RecordLinear
 from .machine import ThreadPolicy, available_memory
 from .scratch import Scratch
@@ -31,95 +32,6 @@ if TYPE_CHECKING:
 
 DEFAULT_BATCH = 512   # prefill chunk: taller products run faster ("prefill chunk",
                       # bench/results/design_measurements.json)
-
-
-class KVCache:
-    """K and V for every layer, allocated once for `ctx` positions as IEEE half.
-
-    Laid out for attention's register kernels (kernels.attention): K in blocks of 16
-    positions, (L, KV, ctx/16, hd, 16), so a block's scores are multiply-adds of whole
-    vectors over the head dims, read in address order; V by position, (L, KV, ctx, hd),
-    so the output is a sum of whole V rows. ctx is rounded up to a whole block
-    (kernels.kv_capacity). `length` is how many leading positions hold valid entries.
-    """
-
-    def __init__(self, args: ModelArgs, ctx: int):
-        cap = K.kv_capacity(ctx)
-        L, KV, hd = args.n_layers, args.n_kv_heads, args.head_dim
-        # Anonymous 4 KiB pages, mapped on first touch, so residency grows with the
-        # positions written. Not np.zeros: NumPy asks for huge pages, and the first
-        # token then faults in all of the cache (1B at ctx 8192, this VM: 0.4 s and
-        # 256 MiB resident at once).
-        self.k = anon_array((L, KV, cap // K.KV_BLOCK, hd, K.KV_BLOCK), np.float16)
-        self.v = anon_array((L, KV, cap, hd), np.float16)
-        self.k_bits, self.v_bits = self.k.view(np.uint16), self.v.view(np.uint16)
-        self.ctx = ctx
-        self.length = 0
-
-    def write(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
-        """Store k, v (T, KV, hd) f32 at positions pos..pos+T-1 (rounded to f16)."""
-        K.kv_store(self.k_bits[layer], self.v_bits[layer], pos, k, v)
-
-    def fill_random(self, n: int, rng: np.random.Generator) -> None:
-        """Synthetic K/V for the first n positions (benchmarks: speed ignores values)."""
-        L, KV, _, hd, _ = self.k.shape
-        k, v = rng.standard_normal((2, n, KV, hd), np.float32) * 0.5
-        for layer in range(L):
-            self.write(layer, 0, k, v)
-        self.length = n
-
-    # -- the contract of every cache type (saved prompts, context shift) ------------
-    LAYOUT_VERSION = 1      # bump when the meaning of the arrays changes
-
-    def layout(self) -> dict:
-        """What the cache holds, JSON-able: its K and V types, its capacity, and each state
-        array's name, dtype, full shape and positions axis (`axis`, with `per_index`
-        positions an index along it), so that state(n)'s arrays have that shape with
-        ceil(n / per_index) along the axis."""
-        L, KV, nb, hd, blk = self.k.shape
-        return {"version": self.LAYOUT_VERSION, "k_type": "f16", "v_type": "f16",
-                "capacity": nb * blk, "arrays": {
-                    "k": {"dtype": "<f2", "shape": [L, KV, nb, hd, blk], "axis": 2,
-                          "per_index": blk},
-                    "v": {"dtype": "<f2", "shape": list(self.v.shape), "axis": 2,
-                          "per_index": 1}}}
-
-    def state(self, n: int) -> dict[str, np.ndarray]:
-        """Views of the arrays holding positions 0..n-1 (K: its first ceil(n/16) blocks,
-        their lanes past n unused)."""
-        if not 0 < n <= self.length:
-            raise ValueError(f"state of {n} positions, the cache holds {self.length}")
-        return {"k": self.k[:, :, :-(-n // K.KV_BLOCK)], "v": self.v[:, :, :n]}
-
-    def load_state(self, arrays: dict[str, np.ndarray], n: int) -> None:
-        """Positions 0..n-1 from state(n)-shaped arrays (the caller checked them against
-        layout()); the cache then holds n positions."""
-        if not 0 < n <= self.ctx:
-            raise ValueError(f"{n} positions do not fit a cache of {self.ctx}")
-        self.k[:, :, :-(-n // K.KV_BLOCK)] = arrays["k"]
-        self.v[:, :, :n] = arrays["v"]
-        self.length = n
-
-    def shift(self, keep: int, drop: int, inv_freq: np.ndarray) -> None:
-        """Forget positions keep..keep+drop-1 and move the later ones down by drop, their
-        K rotated back by drop positions (inv_freq: the forward pass's RoPE frequencies,
-        scaling included)."""
-        if not (0 <= keep and 0 < drop and keep + drop <= self.length):
-            raise ValueError(f"shift keep={keep} drop={drop} of {self.length} positions")
-        angle = drop * inv_freq.astype(np.float64)      # as the forward pass's angles
-        K.kv_shift(self.k_bits, self.v_bits, keep, drop, self.length,
-                   np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32))
-        self.length -= drop
-
-    @staticmethod
-    def bytes_needed(args: ModelArgs, ctx: int) -> int:
-        """2 (K and V) × layers × kv heads × head dim × ctx × 2 bytes (f16); the cache
-        holds up to 15 positions more, to end on a whole block."""
-        return 2 * args.n_layers * args.n_kv_heads * args.head_dim * ctx * 2
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
 
 
 @dataclass
@@ -194,17 +106,18 @@ class Transformer:
 
     def __init__(self, gguf: GGUFFile, ctx: int, batch: int = DEFAULT_BATCH,
                  args: ModelArgs | None = None, threads: ThreadPolicy | None = None,
-                 activations: str = "int8"):
+                 activations: str = "int8", cache_type_k: str = "f16", cache_type_v: str = "f16"):
         self.gguf = gguf
         # None: Numba's current thread count, fixed
         self.threads = threads or ThreadPolicy(numba.get_num_threads())
         self.args = a = args or ModelArgs.from_gguf(gguf)
         check_tensors(gguf, a)
-        need, avail = KVCache.bytes_needed(a, ctx), available_memory()
+        # the sequences' default cache types
+        self.cache_type_k = check_cache_type(cache_type_k, a.head_dim)
+        self.cache_type_v = check_cache_type(cache_type_v, a.head_dim)
+        need, avail = KVCache.bytes_needed(a, ctx, cache_type_k, cache_type_v), available_memory()
         if avail is not None and need > avail:
-            raise EdgeError(f"a context of {ctx} tokens needs {need / 2**20:.0f} MiB of KV cache, "
-                            f"but only {avail / 2**20:.0f} MiB of memory is available; "
-                            f"use a smaller --ctx")
+            raise EdgeError(fit_advice(a, ctx, self.cache_type_k, self.cache_type_v, avail))
         self.ctx = ctx
         self.batch = batch = max(1, min(batch, ctx))
         self._tiles = TileCache(gguf.path, sum(t.nbytes for t in gguf.tensors.values()
@@ -229,14 +142,18 @@ class Transformer:
         self.set_activations(activations)
         self.inv_freq = a.inv_freq()
 
-    def new_sequence(self, ctx: int | None = None, scratch: Scratch | None = None) -> Sequence:
+    def new_sequence(self, ctx: int | None = None, scratch: Scratch | None = None,
+                     type_k: str | None = None, type_v: str | None = None) -> Sequence:
         """An empty sequence for this model: a KV cache of `ctx` positions (default and
-        most: the model's ctx) and a scratch of its own unless one is given to share."""
+        most: the model's ctx) with K and V in the given cache types (default: the
+        model's, kv_cache.CACHE_TYPES), and a scratch of its own unless one is given to
+        share."""
         from .sequence import Sequence
         ctx = self.ctx if ctx is None else ctx
         if not 1 <= ctx <= self.ctx:
             raise EdgeError(f"a sequence's context must be 1..{self.ctx} tokens, got {ctx}")
-        return Sequence(KVCache(self.args, ctx), scratch)
+        return Sequence(KVCache(self.args, ctx, type_k or self.cache_type_k,
+                                type_v or self.cache_type_v), scratch)
 
     def set_activations(self, mode: str) -> None:
         """Round x for the matrix products as ACTIVATIONS' mode says."""
@@ -383,9 +300,8 @@ class Transformer:
         angles = positions.astype(np.float64)[:, None] * self.inv_freq[None, :]
         cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
         scale = np.float32(1.0 / np.sqrt(hd))
-        threads = numba.config.NUMBA_NUM_THREADS
-        att_scratch = [sc.get("attention", K.attention_scratch_shape(
-            threads, a.n_heads, a.n_kv_heads, s.ctx, hd)) for s in seqs]
+        att_scratch = tuple(sc.get(f"attention_{i}", shape, dt) for i, (shape, dt) in enumerate(
+            A.attention_scratch_shapes(numba.config.NUMBA_NUM_THREADS, a.n_heads, a.n_kv_heads, hd)))
         att3 = att.reshape(T, a.n_heads, hd)
         self.embed.rows(tokens, x)
         for li, layer in enumerate(self.layers):
@@ -396,10 +312,10 @@ class Transformer:
             v3 = qkv[:, qd + kvd:].reshape(T, a.n_kv_heads, hd)
             K.rope(q3, cos, sin)
             K.rope(k3, cos, sin)
-            for s, r0, n, ascr in zip(seqs, starts, counts, att_scratch):
+            for s, r0, n in zip(seqs, starts, counts):
                 c, r1 = s.cache, r0 + n
                 c.write(li, s.pos, k3[r0:r1], v3[r0:r1])
-                K.attention(q3[r0:r1], c.k_bits[li], c.v_bits[li], s.pos, scale, att3[r0:r1], ascr)
+                c.attend(li, s.pos, q3[r0:r1], scale, att3[r0:r1], att_scratch)
             _linear(att, layer.wo, o, sc, decode)
             K.add_inplace(x, o)
             K.rmsnorm(x, layer.ffn_norm, a.norm_eps, h)

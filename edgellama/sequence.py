@@ -16,7 +16,7 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
-from .model import KVCache
+from .kv_cache import KVCache
 from .scratch import Scratch
 
 

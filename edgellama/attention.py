@@ -1,0 +1,584 @@
+"""Attention over the KV cache of every cache type, read where it lies (kv_cache.py).
+
+One kernel, `attention`, for prefill and decode: an online softmax over chunks of _CHUNK
+positions (flash attention's form), so its scratch is a few chunks' scores per thread
+whatever the context. Per chunk: the scores of the work item's query rows, the running
+max and sum updated (the output so far rescaled when the max grows), then the weighted
+sum of V added to the output; at the end the output is divided by the sum.
+
+K and V are read in their stored type, never copied out dequantized:
+    f16   scores and weighted sums as f32 multiply-adds of widened halves (kernels.py's
+          register kernels)
+    q8_0  K: q quantized per block of 32 to int8 (as llama.cpp's q8_0 activations), the
+    q4_0  score an exact int32 pair-dot per block (simd._dot: vpdpbusd on AVX-512 VNNI,
+          vpmaddubsw + vpmaddwd on AVX2, plain IR elsewhere) times the two block scales;
+          V: each block's 32 values widened to f32 in registers and multiply-added with
+          weight x scale.
+The cache layouts (kv_cache.py): K in blocks of 16 positions (one vector lane per
+position), for q8_0 each block's int8 as quads (4 dims of one position in a 32-bit lane,
+byte 4g + i of position l of head-dim block b at 512 b + 64 g + 4 l + i), for q4_0 its
+ggml nibble bytes as quads (256 b + 64 g + 4 l + i holds dims 32b + 4g + i, low nibble,
+and 32b + 16 + 4g + i, high), the f16 scales (nB, hd/32, 16); V by position, q8_0 int8
+rows (cap, hd), q4_0 ggml nibble bytes (cap, hd/2), scales (cap, hd/32).
+"""
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+from llvmlite import ir
+from numba import prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from .formats.records import prep_q8_x
+from .fp import f16_to_f32, f32_to_f16, half_to_float_ir
+from .kernels import _MIN_LOGIT, _PREFETCH, _TB, _exp_neg, _scores, _weighted
+from .simd import ISA, _dot, ir_ptr, prefetch_ir, splat
+
+F32 = np.float32
+KV_BLOCK = 16        # positions per block of K (one vector lane each)
+QBLOCK = 32          # values per quantized block (ggml's QK8_0, QK4_0)
+_CHUNK = 256         # positions per chunk of the online softmax (K and V stay in L2)
+_NO_MAX = F32(-1e30)  # the running max before the first chunk
+KIND_Q8, KIND_Q4 = 0, 1
+_GMAX = 8            # query heads per call of a register kernel (more go in groups)
+
+
+def kv_capacity(ctx: int) -> int:
+    """Positions the KV cache holds for a context of ctx: whole blocks of K."""
+    return -(-ctx // KV_BLOCK) * KV_BLOCK
+
+
+# -- register kernels of the quantized types ----------------------------------------------
+
+@intrinsic(prefer_literal=True)
+def _scores_q16(typingctx, kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride,
+                nblk, g, kind):
+    """s[soff + j sstride + 16 p + l] = sum over head-dim blocks b of dk(p, b, l) qd[qoff/32
+    + j nbk + b] S(j, p, b, l), for the nblk blocks p of 16 positions (lanes l) from byte
+    koff of kq and scale koff ksoff of ks (f16 bits (nB, nbk, 16)), j < g (a constant),
+    nbk = hd/32, S the exact int32 dot of position l's int8 K values of block b with q8's
+    row j (int8, from qoff): for q4_0 (nibble - 8) as sum(nibble q) - 8 qs8[j, b]. Each K
+    vector is loaded and unpacked once for the g query heads."""
+    if not isinstance(g, types.IntegerLiteral) or not isinstance(kind, types.IntegerLiteral):
+        return None
+    G, KIND = g.literal_value, kind.literal_value
+
+    def codegen(context, builder, sig, args):
+        koa, ksa, qoa, hda, soa, ssa, nba = (args[i] for i in (1, 3, 7, 8, 10, 11, 12))
+        i32, f32 = ir.IntType(32), ir.FloatType()
+        v16, w16 = ir.VectorType(f32, 16), ir.VectorType(i32, 16)
+        k64 = lambda v: ir.Constant(koa.type, v)
+        ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
+        nbk = builder.udiv(hda, k64(QBLOCK))
+        bbytes = 512 if KIND == KIND_Q8 else 256          # K bytes per head-dim block
+        pbytes = builder.mul(nbk, k64(bbytes))            # per block of 16 positions
+        accs = [cgutils.alloca_once(builder, v16) for _ in range(G)]
+        with cgutils.for_range(builder, nba) as pb:
+            kbase = builder.add(koa, builder.mul(pb.index, pbytes))
+            sbase = builder.add(ksa, builder.mul(pb.index, builder.mul(nbk, k64(16))))
+            for a in accs:
+                builder.store(ir.Constant(v16, None), a)
+            with cgutils.for_range(builder, nbk) as blk:
+                b = blk.index
+                at = builder.add(kbase, builder.mul(b, k64(bbytes)))
+                for line in range(0, bbytes, 64):
+                    prefetch_ir(context, builder, sig.args[0], args[0],
+                                builder.add(at, k64(_PREFETCH + line)))
+                dk = half_to_float_ir(builder, builder.load(
+                    ptr(2, builder.add(sbase, builder.mul(b, k64(16))),
+                        ir.VectorType(ir.IntType(16), 16)), align=2))
+                words = [builder.load(ptr(0, builder.add(at, k64(64 * gq)), w16), align=1)
+                         for gq in range(bbytes // 64)]
+                if KIND == KIND_Q4:
+                    m = ir.Constant(w16, [0x0F0F0F0F] * 16)
+                    lo = [builder.and_(w, m) for w in words]
+                    hi = [builder.and_(builder.lshr(w, ir.Constant(w16, [4] * 16)), m) for w in words]
+                for j, a in enumerate(accs):
+                    qrow = builder.add(qoa, builder.mul(k64(j), hda))
+                    qb = builder.add(qrow, builder.mul(b, k64(QBLOCK)))
+                    x = lambda e: builder.load(ptr(4, builder.add(qb, k64(e)), i32), align=1)
+                    if KIND == KIND_Q8:
+                        isum = _dot(builder, ISA, 16, [(w, x(4 * gq)) for gq, w in enumerate(words)],
+                                    True)
+                    else:
+                        pairs = [(lo[gq], x(4 * gq)) for gq in range(4)] + \
+                                [(hi[gq], x(16 + 4 * gq)) for gq in range(4)]
+                        isum = _dot(builder, ISA, 16, pairs, False)
+                    qi = builder.add(builder.udiv(qoa, k64(QBLOCK)), builder.add(builder.mul(k64(j), nbk), b))
+                    if KIND == KIND_Q4:
+                        s8 = builder.load(ptr(6, qi, i32))
+                        isum = builder.sub(isum, splat(builder, builder.shl(s8, ir.Constant(i32, 3)), 16))
+                    scale = builder.fmul(dk, splat(builder, builder.load(ptr(5, qi, f32)), 16))
+                    prod = builder.fmul(builder.sitofp(isum, v16), scale)
+                    builder.store(builder.fadd(builder.load(a), prod), a)
+            for j, a in enumerate(accs):
+                o = builder.add(builder.add(soa, builder.mul(k64(j), ssa)), builder.mul(pb.index, k64(16)))
+                builder.store(builder.load(a), ptr(9, o, v16), align=4)
+        return context.get_dummy_value()
+
+    return types.void(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, g,
+                      kind), codegen
+
+
+@intrinsic(prefer_literal=True)
+def _weighted_q16(typingctx, vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, g, kind):
+    """out[ooff + j ostride + c] += sum_p w[j wstride + p] dv(p, c/32) V(p, c) for c < hd,
+    j < g (a constant), over the n positions p from byte voff of vq (q8_0: int8 rows of hd,
+    q4_0: ggml nibble rows of hd/2) and scale voff vsoff of vs (f16 bits, hd/32 a row):
+    one head-dim block of 32 columns a pass over the positions, its g x 2 vector sums in
+    registers; each position's block widened to f32 once for the g heads."""
+    if not isinstance(g, types.IntegerLiteral) or not isinstance(kind, types.IntegerLiteral):
+        return None
+    G, KIND = g.literal_value, kind.literal_value
+
+    def codegen(context, builder, sig, args):
+        voa, vsa, hda, wsa, na, ooa, osa = (args[i] for i in (1, 3, 4, 6, 7, 9, 10))
+        i8, i16, f32 = ir.IntType(8), ir.IntType(16), ir.FloatType()
+        v16, b16, w16 = ir.VectorType(f32, 16), ir.VectorType(i8, 16), ir.VectorType(ir.IntType(32), 16)
+        k64 = lambda v: ir.Constant(voa.type, v)
+        ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
+        nbk = builder.udiv(hda, k64(QBLOCK))
+        rbytes = hda if KIND == KIND_Q8 else builder.udiv(hda, k64(2))
+        bbytes = 32 if KIND == KIND_Q8 else 16
+        accs = [[cgutils.alloca_once(builder, v16) for _ in range(2)] for _ in range(G)]
+        with cgutils.for_range(builder, nbk) as blk:
+            b = blk.index
+            outs = [[ptr(8, builder.add(builder.add(ooa, builder.mul(k64(j), osa)),
+                                        builder.add(builder.mul(b, k64(QBLOCK)), k64(16 * h))), v16)
+                     for h in range(2)] for j in range(G)]
+            for j in range(G):
+                for h in range(2):
+                    builder.store(builder.load(outs[j][h], align=4), accs[j][h])
+            with cgutils.for_range(builder, na) as pos:
+                row = builder.add(builder.add(voa, builder.mul(pos.index, rbytes)),
+                                  builder.mul(b, k64(bbytes)))
+                prefetch_ir(context, builder, sig.args[0], args[0], builder.add(row, k64(_PREFETCH)))
+                dv = half_to_float_ir(builder, builder.load(
+                    ptr(2, builder.add(vsa, builder.add(builder.mul(pos.index, nbk), b)), i16)))
+                if KIND == KIND_Q8:
+                    vals = [builder.sitofp(builder.sext(builder.load(
+                        ptr(0, builder.add(row, k64(16 * h)), b16), align=1), w16), v16) for h in range(2)]
+                else:
+                    raw = builder.zext(builder.load(ptr(0, row, b16), align=1), w16)
+                    eight = ir.Constant(w16, [8] * 16)
+                    lo = builder.sub(builder.and_(raw, ir.Constant(w16, [15] * 16)), eight)
+                    hi = builder.sub(builder.lshr(raw, ir.Constant(w16, [4] * 16)), eight)
+                    vals = [builder.sitofp(lo, v16), builder.sitofp(hi, v16)]
+                for j in range(G):
+                    wj = builder.load(ptr(5, builder.add(builder.mul(k64(j), wsa), pos.index), f32))
+                    c = splat(builder, builder.fmul(wj, dv), 16)
+                    for h in range(2):
+                        a = accs[j][h]
+                        builder.store(builder.fadd(builder.load(a), builder.fmul(c, vals[h])), a)
+            for j in range(G):
+                for h in range(2):
+                    builder.store(builder.load(accs[j][h]), outs[j][h], align=4)
+        return context.get_dummy_value()
+
+    return types.void(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, g, kind), codegen
+
+
+@nb.njit(cache=True, inline="always")
+def _scores_q(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, g, kind):
+    # _scores_q16 with g and kind as constants, g 1.._GMAX
+    if kind == KIND_Q8:
+        if g == 4:
+            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 4, 0)
+        elif g == 3:
+            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 3, 0)
+        elif g == 8:
+            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 8, 0)
+        elif g == 2:
+            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 2, 0)
+        elif g == 1:
+            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 1, 0)
+        elif g == 6:
+            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 6, 0)
+        elif g == 5:
+            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 5, 0)
+        elif g == 7:
+            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 7, 0)
+    else:
+        if g == 4:
+            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 4, 1)
+        elif g == 3:
+            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 3, 1)
+        elif g == 8:
+            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 8, 1)
+        elif g == 2:
+            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 2, 1)
+        elif g == 1:
+            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 1, 1)
+        elif g == 6:
+            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 6, 1)
+        elif g == 5:
+            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 5, 1)
+        elif g == 7:
+            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 7, 1)
+
+
+@nb.njit(cache=True, inline="always")
+def _weighted_q(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, g, kind):
+    # _weighted_q16 with g and kind as constants, g 1.._GMAX
+    if kind == KIND_Q8:
+        if g == 4:
+            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 4, 0)
+        elif g == 3:
+            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 3, 0)
+        elif g == 8:
+            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 8, 0)
+        elif g == 2:
+            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 2, 0)
+        elif g == 1:
+            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 1, 0)
+        elif g == 6:
+            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 6, 0)
+        elif g == 5:
+            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 5, 0)
+        elif g == 7:
+            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 7, 0)
+    else:
+        if g == 4:
+            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 4, 1)
+        elif g == 3:
+            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 3, 1)
+        elif g == 8:
+            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 8, 1)
+        elif g == 2:
+            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 2, 1)
+        elif g == 1:
+            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 1, 1)
+        elif g == 6:
+            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 6, 1)
+        elif g == 5:
+            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 5, 1)
+        elif g == 7:
+            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 7, 1)
+
+
+# -- per cache type: scores of one token's g heads over a chunk, V's weighted sum ---------
+# Chosen by the cache arrays' dtypes when the kernel compiles (uint16: f16 bits, int8:
+# q8_0, uint8: q4_0), so each type pair compiles only its own code.
+
+def _chunk_scores(kq, ks, hd, cap, kvh, c0, n, q32, q8, qd, qs8, r, s, soff, g):
+    """Scores of query rows r.. over n positions from c0 (njit only: see the overload)."""
+    raise NotImplementedError
+
+
+def _chunk_weighted(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g):
+    """V's weighted sum over n positions from c0 (njit only: see the overload)."""
+    raise NotImplementedError
+
+
+@overload(_chunk_scores, inline="always")
+def _ov_chunk_scores(kq, ks, hd, cap, kvh, c0, n, q32, q8, qd, qs8, r, s, soff, g):
+    # scores s[soff + j _CHUNK + p] = q_{r+j} . k_{c0+p}, p < n rounded up to 16, j < g
+    # (q32 f32 rows pre-scaled for f16 K; q8/qd/qs8 their int8 quantization otherwise)
+    if kq.dtype == types.uint16:
+        def f16(kq, ks, hd, cap, kvh, c0, n, q32, q8, qd, qs8, r, s, soff, g):
+            nblk = -(-n // KV_BLOCK)
+            base = kvh * cap * hd + c0 * hd
+            if hd % 16 == 0:
+                for j0 in range(0, g, _GMAX):
+                    _scores(kq, base, q32[(r + j0) * hd:], hd, s, soff + j0 * _CHUNK, _CHUNK,
+                            nblk, min(_GMAX, g - j0))
+            else:
+                for blk in range(nblk):
+                    for j in range(g):
+                        for lane in range(KV_BLOCK):
+                            acc = F32(0.0)
+                            for i in range(hd):
+                                acc += q32[(r + j) * hd + i] * f16_to_f32(
+                                    kq[base + (blk * hd + i) * KV_BLOCK + lane])
+                            s[soff + j * _CHUNK + blk * KV_BLOCK + lane] = acc
+        return f16
+    kind = KIND_Q8 if kq.dtype == types.int8 else KIND_Q4
+
+    def quant(kq, ks, hd, cap, kvh, c0, n, q32, q8, qd, qs8, r, s, soff, g):
+        nbk = hd // QBLOCK
+        per = hd * 16 if kind == KIND_Q8 else hd * 8           # bytes per 16 positions
+        kb = kvh * (cap // KV_BLOCK) * per + (c0 // KV_BLOCK) * per
+        sb = kvh * cap * nbk + c0 * nbk
+        for j0 in range(0, g, _GMAX):
+            _scores_q(kq, kb, ks, sb, q8, qd, qs8, (r + j0) * hd, hd, s, soff + j0 * _CHUNK,
+                      _CHUNK, -(-n // KV_BLOCK), min(_GMAX, g - j0), kind)
+    return quant
+
+
+@overload(_chunk_weighted, inline="always")
+def _ov_chunk_weighted(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g):
+    # out[ooff + j hd + c] += sum_{p<n} w[woff + j _CHUNK + p] v_{c0+p, c}, j < g
+    if vq.dtype == types.uint16:
+        def f16(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g):
+            base = kvh * cap * hd + c0 * hd
+            if hd % 16 == 0:
+                for j0 in range(0, g, _GMAX):
+                    _weighted(vq, base, hd, w[woff + j0 * _CHUNK:], _CHUNK, n, out,
+                              ooff + j0 * hd, hd, min(_GMAX, g - j0))
+            else:
+                for p in range(n):
+                    for j in range(g):
+                        wp = w[woff + j * _CHUNK + p]
+                        for i in range(hd):
+                            out[ooff + j * hd + i] += wp * f16_to_f32(vq[base + p * hd + i])
+        return f16
+    kind = KIND_Q8 if vq.dtype == types.int8 else KIND_Q4
+
+    def quant(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g):
+        nbk = hd // QBLOCK
+        row = hd if kind == KIND_Q8 else hd // 2
+        for j0 in range(0, g, _GMAX):
+            _weighted_q(vq, (kvh * cap + c0) * row, vs, (kvh * cap + c0) * nbk, hd,
+                        w[woff + j0 * _CHUNK:], _CHUNK, n, out, ooff + j0 * hd, hd,
+                        min(_GMAX, g - j0), kind)
+    return quant
+
+
+@nb.njit(cache=True, error_model="numpy", fastmath=True, parallel=True)
+def attention(q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si):
+    # q (T, H, hd) roped queries at positions pos0..pos0+T-1; one layer's cache, flat:
+    # kq, ks (K and its scales), vq, vs (V and its scales), KV heads of `cap` positions, in the
+    # layouts of the module docstring (f16: ks, vs unused), filled up to pos0+T.
+    # out (T, H, hd). Causal: token t sees positions 0..pos0+t.
+    # sf (threads, attention_scratch_shape) f32, s8 (threads, G hd) int8, si (threads, G
+    # hd/32) int32, G = TB g: one row per thread.
+    # GQA: the g query heads of a KV head share every K and V vector read; a work item is
+    # one KV head and a block of up to TB tokens (rows tt g + j), which read K and V a
+    # chunk at a time, then from L2. Token blocks are handed out first, last, second,
+    # second to last...: even shares of the items are even shares of the causal work.
+    T, H, hd = q.shape
+    g = H // KV
+    G = _TB * g
+    nbk = hd // QBLOCK
+    quant_k = ks.size > 0
+    nblocks = -(-T // _TB)
+    for item in prange(nblocks * KV):
+        tb, kvh = item // KV, item % KV
+        tb = tb // 2 if tb % 2 == 0 else nblocks - 1 - tb // 2
+        t0 = tb * _TB
+        nt = min(T, t0 + _TB) - t0
+        buf = sf[nb.get_thread_id()]
+        s = buf[:G * _CHUNK]
+        q32 = buf[G * _CHUNK:G * (_CHUNK + hd)]
+        mrow = buf[G * (_CHUNK + hd):G * (_CHUNK + hd + 1)]
+        lrow = buf[G * (_CHUNK + hd + 1):G * (_CHUNK + hd + 2)]
+        qd = buf[G * (_CHUNK + hd + 2):G * (_CHUNK + hd + 2) + G * nbk]
+        xsum = buf[G * (_CHUNK + hd + 2) + G * nbk:G * (_CHUNK + hd + 2) + 2 * G * nbk]
+        q8, qs8 = s8[nb.get_thread_id()], si[nb.get_thread_id()]
+        for tt in range(nt):
+            for j in range(g):
+                r = tt * g + j
+                for i in range(hd):
+                    q32[r * hd + i] = q[t0 + tt, kvh * g + j, i] * scale
+                if quant_k:
+                    prep_q8_x(q32[r * hd:(r + 1) * hd], q8[r * hd:(r + 1) * hd],
+                              qd[r * nbk:(r + 1) * nbk], qs8[r * nbk:(r + 1) * nbk],
+                              xsum[r * nbk:(r + 1) * nbk])
+                mrow[r] = _NO_MAX
+                lrow[r] = F32(0.0)
+                out[t0 + tt, kvh * g + j] = 0
+        oflat = out.reshape(-1)
+        end = pos0 + t0 + nt                          # positions the last token sees
+        for c0 in range(0, end, _CHUNK):
+            # scores, 16 positions at a time: a token's last block also scores positions
+            # past its own, which the softmax never reads
+            for tt in range(nt):
+                n = min(pos0 + t0 + tt + 1, c0 + _CHUNK) - c0
+                if n > 0:
+                    _chunk_scores(kq, ks, hd, cap, kvh, c0, n, q32, q8, qd, qs8, tt * g, s,
+                                  tt * g * _CHUNK, g)
+            # the running max and sum; weights e^(s - max) below e^-30 of it are zero
+            # (1e-13, far under f32 resolution next to the max's 1): tiny weights make
+            # subnormal products, ~100x slower on x86
+            for tt in range(nt):
+                n = min(pos0 + t0 + tt + 1, c0 + _CHUNK) - c0
+                for j in range(g):
+                    if n <= 0:
+                        continue
+                    r = tt * g + j
+                    sj = s[r * _CHUNK:r * _CHUNK + n]
+                    mx = sj[0]
+                    for p in range(n):
+                        mx = max(mx, sj[p])
+                    if mx > mrow[r]:
+                        d = mrow[r] - mx
+                        f = _exp_neg(max(d, _MIN_LOGIT)) if d > _MIN_LOGIT else F32(0.0)
+                        lrow[r] *= f
+                        for i in range(hd):
+                            out[t0 + tt, kvh * g + j, i] *= f
+                        mrow[r] = mx
+                    m = mrow[r]
+                    tot = F32(0.0)
+                    for p in range(n):
+                        x = sj[p] - m
+                        e = _exp_neg(max(x, _MIN_LOGIT))
+                        e = e if x > _MIN_LOGIT else F32(0.0)
+                        sj[p] = e
+                        tot += e
+                    lrow[r] += tot
+            for tt in range(nt):
+                n = min(pos0 + t0 + tt + 1, c0 + _CHUNK) - c0
+                if n > 0:
+                    _chunk_weighted(vq, vs, hd, cap, kvh, c0, n, s, tt * g * _CHUNK, oflat,
+                                    ((t0 + tt) * H + kvh * g) * hd, g)
+        for tt in range(nt):
+            for j in range(g):
+                inv = F32(1.0) / lrow[tt * g + j]
+                for i in range(hd):
+                    out[t0 + tt, kvh * g + j, i] *= inv
+
+
+def attention_scratch_shapes(n_threads: int, n_heads: int, n_kv_heads: int,
+                             head_dim: int) -> list[tuple[tuple[int, int], type]]:
+    """Shapes and dtypes of attention's three scratch arrays (sf, s8, si): a chunk of
+    scores and the query rows of one work item per thread, whatever the context."""
+    G = _TB * (n_heads // n_kv_heads)
+    nbk = head_dim // QBLOCK
+    return [((n_threads, G * (_CHUNK + head_dim + 2) + 2 * G * nbk), np.float32),
+            ((n_threads, max(1, G * head_dim)), np.int8),
+            ((n_threads, max(1, G * nbk)), np.int32)]
+
+
+# -- storing K and V ---------------------------------------------------------------------
+
+@nb.njit(cache=True, inline="always")
+def _roundf(v):
+    # C's roundf (half away from zero), as ggml's and gguf-py's q8_0 reference
+    a = abs(v)
+    f = np.floor(a)
+    b = f + np.floor(F32(2.0) * (a - f))
+    return -b if v < 0 else b
+
+
+@nb.njit(cache=True)
+def _q8_block(x, base, vals):
+    # x[base:base+32] f32 -> vals (32,) int8 and the f32 scale d (ggml's
+    # quantize_row_q8_0_ref: d = amax / 127, q = roundf(x / d) with x / d as x * (1/d))
+    amax = F32(0.0)
+    for j in range(QBLOCK):
+        amax = max(amax, abs(x[base + j]))
+    d = amax / F32(127.0)
+    idv = F32(1.0) / d if d != 0 else F32(0.0)
+    for j in range(QBLOCK):
+        vals[j] = np.int8(_roundf(x[base + j] * idv))
+    return d
+
+
+@nb.njit(cache=True)
+def _q4_block(x, base, vals):
+    # x[base:base+32] f32 -> vals (32,) uint8 nibbles and the f32 scale d (ggml's
+    # quantize_row_q4_0_ref: d = (the value of largest |x|) / -8, q = min(15,
+    # trunc(x / d + 8.5)))
+    mx = F32(0.0)
+    amax = F32(0.0)
+    for j in range(QBLOCK):
+        v = x[base + j]
+        if abs(v) > amax:
+            amax = abs(v)
+            mx = v
+    d = mx / F32(-8.0)
+    idv = F32(1.0) / d if d != 0 else F32(0.0)
+    for j in range(QBLOCK):
+        vals[j] = min(np.uint8(np.int64(np.trunc(x[base + j] * idv + F32(8.5))) & 0xFF), np.uint8(15))
+    return d
+
+
+@nb.njit(cache=True, parallel=True)
+def store_f16_k(kc, cap, pos, k):
+    # k (T, KV, hd) f32 -> kc flat f16 bits (KV, cap/16, hd, 16) at positions pos..
+    T, KV, hd = k.shape
+    for h in prange(KV):
+        for t in range(T):
+            p = pos + t
+            base = h * cap * hd + (p // KV_BLOCK) * hd * KV_BLOCK + p % KV_BLOCK
+            for i in range(hd):
+                kc[base + i * KV_BLOCK] = f32_to_f16(k[t, h, i])
+
+
+@nb.njit(cache=True, parallel=True)
+def store_f16_v(vc, cap, pos, v):
+    # v (T, KV, hd) f32 -> vc flat f16 bits (KV, cap, hd) at positions pos..
+    T, KV, hd = v.shape
+    for h in prange(KV):
+        for t in range(T):
+            base = (h * cap + pos + t) * hd
+            for i in range(hd):
+                vc[base + i] = f32_to_f16(v[t, h, i])
+
+
+@nb.njit(cache=True, parallel=True)
+def store_q_k(kq, ks, cap, pos, k, q4):
+    # k (T, KV, hd) f32 -> q8_0 (kq int8) or q4_0 (q4, kq uint8) K at positions pos.., in the
+    # quads of the module docstring; ks f16 bits (KV, cap/16, hd/32, 16)
+    T, KV, hd = k.shape
+    nbk = hd // QBLOCK
+    per = hd * 8 if q4 else hd * 16
+    for h in prange(KV):
+        vals = np.empty(QBLOCK, kq.dtype)
+        x = np.empty(QBLOCK, F32)
+        for t in range(T):
+            p = pos + t
+            blk, lane = p // KV_BLOCK, p % KV_BLOCK
+            kb = (h * (cap // KV_BLOCK) + blk) * per + 4 * lane
+            for b in range(nbk):
+                for j in range(QBLOCK):
+                    x[j] = k[t, h, QBLOCK * b + j]
+                if q4:
+                    d = _q4_block(x, 0, vals)
+                    for gq in range(4):
+                        for i in range(4):
+                            kq[kb + 256 * b + 64 * gq + i] = vals[4 * gq + i] | (vals[16 + 4 * gq + i] << 4)
+                else:
+                    d = _q8_block(x, 0, vals)
+                    for gq in range(8):
+                        for i in range(4):
+                            kq[kb + 512 * b + 64 * gq + i] = vals[4 * gq + i]
+                ks[((h * (cap // KV_BLOCK) + blk) * nbk + b) * KV_BLOCK + lane] = f32_to_f16(d)
+
+
+@nb.njit(cache=True, parallel=True)
+def store_q_v(vq, vs, cap, pos, v, q4):
+    # v (T, KV, hd) f32 -> q8_0 (vq int8 rows of hd) or q4_0 (q4, vq uint8 rows of hd/2, ggml's
+    # nibble bytes) V at positions pos..; vs f16 bits (KV, cap, hd/32)
+    T, KV, hd = v.shape
+    nbk = hd // QBLOCK
+    row = hd // 2 if q4 else hd
+    for h in prange(KV):
+        vals = np.empty(QBLOCK, vq.dtype)
+        x = np.empty(QBLOCK, F32)
+        for t in range(T):
+            p = h * cap + pos + t
+            for b in range(nbk):
+                for j in range(QBLOCK):
+                    x[j] = v[t, h, QBLOCK * b + j]
+                if q4:
+                    d = _q4_block(x, 0, vals)
+                    for j in range(16):
+                        vq[p * row + 16 * b + j] = vals[j] | (vals[16 + j] << 4)
+                else:
+                    d = _q8_block(x, 0, vals)
+                    for j in range(QBLOCK):
+                        vq[p * row + QBLOCK * b + j] = vals[j]
+                vs[p * nbk + b] = f32_to_f16(d)
+
+
+@nb.njit(cache=True, fastmath=True)
+def hadamard(x, m):
+    # x (T, nh, hd) in place: each run of m values (m a power of 2 dividing hd) times the
+    # orthonormal Walsh-Hadamard matrix H_m / sqrt(m), symmetric, so its own inverse
+    T, nh, hd = x.shape
+    norm = F32(1.0 / np.sqrt(m))
+    for t in range(T):
+        for h in range(nh):
+            for b0 in range(0, hd, m):
+                step = 1
+                while step < m:
+                    for i in range(b0, b0 + m, 2 * step):
+                        for j in range(i, i + step):
+                            a, c = x[t, h, j], x[t, h, j + step]
+                            x[t, h, j] = a + c
+                            x[t, h, j + step] = a - c
+                    step *= 2
+                for j in range(b0, b0 + m):
+                    x[t, h, j] *= norm

@@ -1,0 +1,295 @@
+"""The KV cache: K and V of every layer for `ctx` positions, each in a cache type of its own.
+
+    f16   IEEE half, 2 bytes a value (the exact type)
+    q8_0  ggml's q8_0: blocks of 32 values along the head dim, int8 and an f16 scale,
+          34 bytes a block
+    q4_0  ggml's q4_0: blocks of 32, nibbles and an f16 scale, 18 bytes a block
+
+Values and rounding per block are ggml's (quantize_row_q8_0_ref, quantize_row_q4_0_ref);
+the arrangement in memory is attention's (attention.py's docstring): K in blocks of 16
+positions, scales in arrays of their own. A quantized K or V is stored rotated by an
+orthonormal Walsh-Hadamard transform over the head dim (runs of the largest power of 2
+dividing it): Q gets the same rotation, so Q.K is unchanged, and attention's output is
+rotated back for V. The rotation spreads the few large channels RoPE'd keys have over
+the block, so one scale no longer has to span them.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import attention as A
+from .args import ModelArgs
+from .errors import EdgeError
+from .formats.base import anon_array
+from .kernels import rope
+
+CACHE_TYPES = ("f16", "q8_0", "q4_0")
+# bytes per value and per block of 32 values of each type
+_BLOCK_BYTES = {"f16": 64, "q8_0": 34, "q4_0": 18}
+LAYOUT_VERSION = 1
+
+
+def check_cache_type(name: str, head_dim: int | None = None) -> str:
+    """The cache type `name` names (case-insensitive), or EdgeError."""
+    t = str(name).lower()
+    if t not in CACHE_TYPES:
+        raise EdgeError(f"unknown KV cache type {name!r}: use one of {', '.join(CACHE_TYPES)}")
+    if head_dim is not None and t != "f16" and head_dim % A.QBLOCK:
+        raise EdgeError(f"a {t} KV cache needs a head dim that is a multiple of {A.QBLOCK}; "
+                        f"this model's is {head_dim}: use --cache-type f16")
+    return t
+
+
+def value_bytes(cache_type: str, n: int) -> int:
+    """Bytes that n values (a multiple of 32) take in a cache type."""
+    return n // 32 * _BLOCK_BYTES[cache_type]
+
+
+def rotation_size(head_dim: int) -> int:
+    """The Hadamard transform's size: the largest power of 2 dividing the head dim."""
+    return head_dim & -head_dim
+
+
+class KVCache:
+    """K and V for every layer, allocated once for `ctx` positions (rounded up to a whole
+    block of 16, attention.kv_capacity) in the given types; `length` is how many leading
+    positions hold valid entries. Arrays, by name (layout() lists them):
+        k (L, KV, cap/16, hd, 16) f16 bits        | kq (L, KV, cap/16, hd·16) int8 (q8_0) or
+                                                  |    (L, KV, cap/16, hd·8) uint8 (q4_0),
+                                                  |  ks (L, KV, cap/16, hd/32, 16) f16 bits
+        v (L, KV, cap, hd) f16 bits               | vq (L, KV, cap, hd) int8 or (.., hd/2) uint8,
+                                                  |  vs (L, KV, cap, hd/32) f16 bits
+    """
+
+    def __init__(self, args: ModelArgs, ctx: int, type_k: str = "f16", type_v: str = "f16",
+                 rotate: bool = True):
+        L, KV, hd = args.n_layers, args.n_kv_heads, args.head_dim
+        self.type_k, self.type_v = check_cache_type(type_k, hd), check_cache_type(type_v, hd)
+        self.cap = cap = A.kv_capacity(ctx)
+        self.ctx, self.length = ctx, 0
+        self.n_layers, self.n_kv_heads, self.head_dim = L, KV, hd
+        nB, nbk = cap // A.KV_BLOCK, hd // A.QBLOCK
+        # Quantized types are stored rotated; f16 needs no help
+        m = rotation_size(hd) if rotate else 0
+        self.rot_k = m if self.type_k != "f16" else 0
+        self.rot_v = m if self.type_v != "f16" else 0
+        shapes = {}
+        if self.type_k == "f16":
+            shapes["k"] = ((L, KV, nB, hd, A.KV_BLOCK), np.uint16)
+        else:
+            q4 = self.type_k == "q4_0"
+            shapes["kq"] = ((L, KV, nB, hd * (8 if q4 else 16)), np.uint8 if q4 else np.int8)
+            shapes["ks"] = ((L, KV, nB, nbk, A.KV_BLOCK), np.uint16)
+        if self.type_v == "f16":
+            shapes["v"] = ((L, KV, cap, hd), np.uint16)
+        else:
+            q4 = self.type_v == "q4_0"
+            shapes["vq"] = ((L, KV, cap, hd // 2 if q4 else hd), np.uint8 if q4 else np.int8)
+            shapes["vs"] = ((L, KV, cap, nbk), np.uint16)
+        # Anonymous 4 KiB pages, mapped on first touch, so residency grows with the
+        # positions written. Not np.zeros: NumPy asks for huge pages, and the first
+        # token then faults in all of the cache (1B at ctx 8192, this VM: 0.4 s and
+        # 256 MiB resident at once).
+        self.arrays = {name: anon_array(shape, dt) for name, (shape, dt) in shapes.items()}
+        a, none = self.arrays, np.zeros((L, 0), np.uint16)   # f16 has no scales
+        self._k, self._ks = a.get("k", a.get("kq")), a.get("ks", none)
+        self._v, self._vs = a.get("v", a.get("vq")), a.get("vs", none)
+
+    # -- the model's use -------------------------------------------------------
+    def write(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store k, v (T, KV, hd) f32 at positions pos..pos+T-1 in the cache's types.
+        A rotated type's input is rotated in place."""
+        if self.rot_k:
+            A.hadamard(k, self.rot_k)
+        if self.rot_v:
+            A.hadamard(v, self.rot_v)
+        kf, vf = self._k[layer].reshape(-1), self._v[layer].reshape(-1)
+        if self.type_k == "f16":
+            A.store_f16_k(kf, self.cap, pos, k)
+        else:
+            A.store_q_k(kf, self._ks[layer].reshape(-1), self.cap, pos, k, self.type_k == "q4_0")
+        if self.type_v == "f16":
+            A.store_f16_v(vf, self.cap, pos, v)
+        else:
+            A.store_q_v(vf, self._vs[layer].reshape(-1), self.cap, pos, v, self.type_v == "q4_0")
+
+    def attend(self, layer: int, pos: int, q: np.ndarray, scale, out: np.ndarray,
+               scratch: tuple) -> None:
+        """out (T, H, hd) = attention of q (T, H, hd, roped; rotated in place if K is)
+        at positions pos.. over positions 0..pos+t of `layer` (written first)."""
+        if self.rot_k:
+            A.hadamard(q, self.rot_k)
+        A.attention(q, self._k[layer].reshape(-1), self._ks[layer].reshape(-1),
+                    self._v[layer].reshape(-1), self._vs[layer].reshape(-1), self.n_kv_heads,
+                    self.cap, pos,
+                    scale, out, *scratch)
+        if self.rot_v:
+            A.hadamard(out, self.rot_v)
+
+    def fill_random(self, n: int, rng: np.random.Generator) -> None:
+        """Synthetic K/V for the first n positions of every layer (benchmarks: speed
+        ignores values): layer 0 written in the cache's types, the rest copies of it."""
+        KV, hd = self.n_kv_heads, self.head_dim
+        for p0 in range(0, n, 4096):
+            k, v = rng.standard_normal((2, min(4096, n - p0), KV, hd), np.float32) * 0.5
+            self.write(0, p0, k, v)
+        for name, a in self.arrays.items():
+            cut = self._cut(name, n)
+            for layer in range(1, self.n_layers):
+                a[(layer, slice(None)) + cut] = a[(0, slice(None)) + cut]
+        self.length = n
+
+    def touch(self) -> None:
+        """Make every page of the cache resident (what a filled context uses)."""
+        for a in self.arrays.values():
+            a[...] = 0
+
+    # -- sizes -------------------------------------------------------------------
+    @staticmethod
+    def bytes_per_token(args: ModelArgs, type_k: str = "f16", type_v: str = "f16") -> int:
+        """Layers × kv heads × (K's bytes + V's bytes of head-dim values)."""
+        n = args.n_layers * args.n_kv_heads
+        if args.head_dim % 32:
+            return n * args.head_dim * 4       # f16 only
+        return n * (value_bytes(type_k, args.head_dim) + value_bytes(type_v, args.head_dim))
+
+    @staticmethod
+    def bytes_needed(args: ModelArgs, ctx: int, type_k: str = "f16", type_v: str = "f16") -> int:
+        """bytes_per_token × ctx; the cache holds up to 15 positions more, to end on a
+        whole block."""
+        return KVCache.bytes_per_token(args, type_k, type_v) * ctx
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+    # -- saving, loading and shifting (the contract with saved prompts) --------------
+    def _cut(self, name: str, n: int) -> tuple:
+        # the index (after layer and head) of positions 0..n-1 in array `name`: K's
+        # arrays hold whole blocks of 16 positions, V's single positions
+        if name in ("k", "kq", "ks"):
+            return (slice(0, -(-n // A.KV_BLOCK)),)
+        return (slice(0, n),)
+
+    def layout(self) -> dict:
+        """JSON-able description of the state: cache types, capacity, rotation, and per
+        array its dtype, full shape and the positions one index of axis 2 holds."""
+        return {"version": LAYOUT_VERSION, "type_k": self.type_k, "type_v": self.type_v,
+                "capacity": self.cap, "rotation_k": self.rot_k, "rotation_v": self.rot_v,
+                "arrays": {name: {"dtype": a.dtype.str, "shape": list(a.shape),
+                                  "positions_per_index": A.KV_BLOCK if name[0] == "k" else 1}
+                           for name, a in self.arrays.items()}}
+
+    def state(self, n: int) -> dict[str, np.ndarray]:
+        """The arrays (views) that hold positions 0..n-1 of every layer: axis 2 cut to
+        ceil(n/16) blocks for K's arrays, n positions for V's."""
+        return {name: a[(slice(None), slice(None)) + self._cut(name, n)]
+                for name, a in self.arrays.items()}
+
+    def load_state(self, arrays: dict[str, np.ndarray], n: int) -> None:
+        """The inverse of state(n): the caller has checked names, dtypes and shapes."""
+        for name, a in self.arrays.items():
+            a[(slice(None), slice(None)) + self._cut(name, n)] = arrays[name]
+        self.length = n
+
+    def shift(self, keep: int, drop: int, inv_freq: np.ndarray) -> None:
+        """Forget positions keep..keep+drop-1 and move keep+drop..length-1 down by drop,
+        K rotated back by drop positions of RoPE; length -= drop. A quantized K is read
+        back (un-rotated), turned by RoPE and quantized again, so the moved keys round
+        twice; V moves as stored bytes."""
+        n = self.length - keep - drop
+        if keep < 0 or drop < 0 or n < 0:
+            raise ValueError(f"shift({keep}, {drop}) of a cache holding {self.length} positions")
+        if drop == 0:
+            return
+        if n == 0:
+            self.length = keep
+            return
+        ang = -float(drop) * inv_freq.astype(np.float64)
+        cos = np.cos(ang).astype(np.float32)[None, :]
+        sin = np.sin(ang).astype(np.float32)[None, :]
+        step = 4096
+        for layer in range(self.n_layers):
+            for s0 in range(0, n, step):             # ascending: sources lie above targets
+                c = min(step, n - s0)
+                src = keep + drop + s0
+                k = self.k_values(layer, src, src + c)       # (c, KV, hd), stored space
+                v = self.v_values(layer, src, src + c)
+                if self.rot_k:
+                    A.hadamard(k, self.rot_k)                # back to RoPE'd K
+                if self.rot_v:
+                    A.hadamard(v, self.rot_v)
+                rope(k, np.repeat(cos, c, 0), np.repeat(sin, c, 0))
+                self.write(layer, keep + s0, k, v)
+        self.length -= drop
+
+    # -- reading back (shift, tests) -------------------------------------------------
+    def k_values(self, layer: int, p0: int, p1: int) -> np.ndarray:
+        """K of positions p0..p1-1 as f32 (p1 - p0, KV, hd), as stored (rotated if K is)."""
+        KV, hd, B = self.n_kv_heads, self.head_dim, A.KV_BLOCK
+        b0, b1 = p0 // B, -(-p1 // B)                 # the blocks holding them
+        nB, nbk = b1 - b0, hd // A.QBLOCK
+        if self.type_k == "f16":
+            k = self.arrays["k"][layer, :, b0:b1].view(np.float16).astype(np.float32)
+            k = k.transpose(0, 1, 3, 2).reshape(KV, nB * B, hd)
+        else:
+            kq = self.arrays["kq"][layer, :, b0:b1]
+            if self.type_k == "q8_0":
+                vals = kq.reshape(KV, nB, nbk, 8, B, 4).transpose(0, 1, 4, 2, 3, 5)
+                vals = vals.reshape(KV, nB * B, nbk, A.QBLOCK).astype(np.float32)
+            else:
+                b = kq.reshape(KV, nB, nbk, 4, B, 4).transpose(0, 1, 4, 2, 3, 5)
+                b = b.reshape(KV, nB * B, nbk, 16)
+                vals = np.concatenate([b & 15, b >> 4], axis=-1).astype(np.float32) - 8
+            d = self.arrays["ks"][layer, :, b0:b1].view(np.float16).astype(np.float32)
+            d = d.transpose(0, 1, 3, 2).reshape(KV, nB * B, nbk)
+            with np.errstate(invalid="ignore", over="ignore"):   # a block's lanes past
+                k = (vals * d[..., None]).reshape(KV, nB * B, hd)     # p1 may hold anything
+        return np.ascontiguousarray(k[:, p0 - b0 * B:p1 - b0 * B].transpose(1, 0, 2))
+
+    def v_values(self, layer: int, p0: int, p1: int) -> np.ndarray:
+        """V of positions p0..p1-1 as f32 (p1 - p0, KV, hd), as stored (rotated if V is)."""
+        KV, hd = self.n_kv_heads, self.head_dim
+        nbk, n = hd // A.QBLOCK, p1 - p0
+        if self.type_v == "f16":
+            v = self.arrays["v"][layer, :, p0:p1].view(np.float16).astype(np.float32)
+        else:
+            vq = self.arrays["vq"][layer, :, p0:p1]
+            if self.type_v == "q8_0":
+                vals = vq.astype(np.float32).reshape(KV, n, nbk, A.QBLOCK)
+            else:
+                b = vq.reshape(KV, n, nbk, 16)
+                vals = np.concatenate([b & 15, b >> 4], axis=-1).astype(np.float32) - 8
+            d = self.arrays["vs"][layer, :, p0:p1].view(np.float16).astype(np.float32)
+            v = (vals * d[..., None]).reshape(KV, n, hd)
+        return np.ascontiguousarray(v.transpose(1, 0, 2))
+
+
+# -- does it fit ----------------------------------------------------------------------------
+# K/V type pairs from the most exact to the smallest, for advice
+TYPE_PAIRS = (("f16", "f16"), ("q8_0", "q8_0"), ("q8_0", "q4_0"), ("q4_0", "q4_0"))
+
+
+def longest_context(args: ModelArgs, budget: int, type_k: str, type_v: str) -> int:
+    """The most positions whose cache fits in `budget` bytes (whole blocks of 16)."""
+    n = max(0, budget) // KVCache.bytes_per_token(args, type_k, type_v)
+    return n // A.KV_BLOCK * A.KV_BLOCK
+
+
+def fit_advice(args: ModelArgs, ctx: int, type_k: str, type_v: str, avail: int) -> str:
+    """One line for a context whose cache does not fit in `avail` bytes: what would."""
+    MiB = 2 ** 20
+    need = KVCache.bytes_needed(args, ctx, type_k, type_v)
+    msg = (f"a context of {ctx} tokens needs {need / MiB:.0f} MiB of KV cache ({type_k} K, "
+           f"{type_v} V), but only {avail / MiB:.0f} MiB of memory is available")
+    per = KVCache.bytes_per_token(args, type_k, type_v)
+    if args.head_dim % A.QBLOCK == 0:
+        for tk, tv in TYPE_PAIRS:
+            b = KVCache.bytes_needed(args, ctx, tk, tv)
+            if KVCache.bytes_per_token(args, tk, tv) < per and b <= avail:
+                msg += (f"; it fits with --cache-type-k {tk} --cache-type-v {tv} "
+                        f"({b / MiB:.0f} MiB)")
+                break
+    longest = longest_context(args, avail, type_k, type_v)
+    return msg + (f"; with {type_k}/{type_v} use --ctx {longest} or less" if longest
+                  else "; free some memory")

@@ -1,0 +1,176 @@
+"""Attention over every KV cache type against a plain NumPy twin, and the cache's stores
+bit-exact with gguf-py's reference quantizers (ggml's quantize_row_q*_ref)."""
+import numba
+import numpy as np
+import pytest
+from gguf.constants import GGMLQuantizationType as QT
+from gguf.quants import dequantize, quantize
+from scipy.linalg import hadamard as hadamard_matrix
+
+from edgellama import attention as A
+from edgellama.kv_cache import CACHE_TYPES, KVCache
+
+rng = np.random.default_rng(0)
+
+
+class Args:
+    def __init__(self, layers=1, kv=2, hd=64, heads=None):
+        self.n_layers, self.n_kv_heads, self.head_dim = layers, kv, hd
+        self.n_heads = heads or kv
+
+
+def scratch(H, KV, hd):
+    return tuple(np.zeros(s, d) for s, d in
+                 A.attention_scratch_shapes(numba.config.NUMBA_NUM_THREADS, H, KV, hd))
+
+
+def ggml_round_trip(x, cache_type):
+    """x (..., 32k) f32 through gguf-py's quantizer and dequantizer (f16: a cast)."""
+    if cache_type == "f16":
+        return x.astype(np.float16).astype(np.float32)
+    qt = {"q8_0": QT.Q8_0, "q4_0": QT.Q4_0}[cache_type]
+    return dequantize(quantize(x, qt), qt).reshape(x.shape)
+
+
+def q8_activations(x):
+    """x (..., 32k) f32 as attention quantizes q: per block of 32, d = amax / 127 and
+    rint(x * (1 / d)) in f32 (prep_q8_x, llama.cpp's q8_0 activations); returns the
+    exact value d * q8 in f64."""
+    b = x.reshape(*x.shape[:-1], -1, 32)
+    d = np.abs(b).max(-1, keepdims=True) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    q8 = np.rint(b * inv)
+    return (q8 * d.astype(np.float64)).reshape(x.shape)
+
+
+def numpy_attention(q, k, v, pos0):
+    # q (T, H, hd) f64 scaled; k, v (n, KV, hd) f64 -> (T, H, hd), causal from pos0
+    T, H, hd = q.shape
+    g = H // k.shape[1]
+    out = np.zeros((T, H, hd))
+    for t in range(T):
+        for h in range(H):
+            n = pos0 + t + 1
+            s = k[:n, h // g] @ q[t, h]
+            p = np.exp(s - s.max())
+            out[t, h] = (p / p.sum()) @ v[:n, h // g]
+    return out
+
+
+@pytest.mark.parametrize("cache_type", ["q8_0", "q4_0"])
+def test_stores_bit_exact_with_ggml_reference(cache_type):
+    # K and V of every position read back as gguf-py's quantize -> dequantize: the same
+    # values and scales, in attention's arrangement (k_values/v_values read the layout)
+    T, KV, hd = 37, 2, 96
+    x = rng.standard_normal((2, T, KV, hd)).astype(np.float32) * 3
+    x[0, 0, 0, :32] = 0                                   # an all-zero block
+    x[0, 1, 0, :32] = np.arange(32) - 15.5                # ties of x / d
+    x[1, 2, 1, 32:64] = np.float32(1e-30)                 # tiny values
+    x[1, 3, 0, :32] = -x[1, 3, 0, :32]
+    c = KVCache(Args(1, KV, hd), 64, cache_type, cache_type, rotate=False)
+    c.write(0, 5, x[0].copy(), x[1].copy())               # positions 5..41 span 3 blocks
+    np.testing.assert_array_equal(c.k_values(0, 5, 5 + T), ggml_round_trip(x[0], cache_type))
+    np.testing.assert_array_equal(c.v_values(0, 5, 5 + T), ggml_round_trip(x[1], cache_type))
+    assert not c.k_values(0, 0, 5).any() and not c.v_values(0, 0, 5).any()
+
+
+def test_f16_store_rounds_as_numpy():
+    edges = np.array([0.0, -0.0, 1.0, 65504.0, 65520.0, 1e6, -1e6, 6e-8, 3e-8, 2.9e-8, 1e-10,
+                      5.96e-8, 6.1e-5, 1.0009765625, 1.00048828125, 1.00146484375,
+                      np.inf, -np.inf, np.nan], np.float32)
+    T, KV, hd = 5, 2, 32
+    k = rng.standard_normal((T, KV, hd)).astype(np.float32) * 100
+    v = rng.standard_normal((T, KV, hd)).astype(np.float32)
+    k.reshape(-1)[:edges.size] = edges
+    v.reshape(-1)[-edges.size:] = edges
+    c = KVCache(Args(1, KV, hd), 32)
+    c.write(0, 13, k.copy(), v.copy())
+    with np.errstate(over="ignore"):
+        k16, v16 = k.astype(np.float16), v.astype(np.float16)
+    np.testing.assert_array_equal(c.k_values(0, 13, 18).astype(np.float16).view(np.uint16),
+                                  k16.view(np.uint16))
+    np.testing.assert_array_equal(c.v_values(0, 13, 18).astype(np.float16).view(np.uint16),
+                                  v16.view(np.uint16))
+    assert not c.arrays["k"][0, :, 0, :, :13].any()       # nothing before pos written
+
+
+def test_hadamard_matches_matrix():
+    x = rng.standard_normal((3, 2, 96)).astype(np.float32)
+    y = x.copy()
+    A.hadamard(y, 32)
+    H = hadamard_matrix(32) / np.sqrt(32)
+    np.testing.assert_allclose(y, (x.reshape(3, 2, 3, 32) @ H).reshape(x.shape), atol=1e-5)
+    A.hadamard(y, 32)                                     # its own inverse
+    np.testing.assert_allclose(y, x, atol=1e-5)
+
+
+SHAPES = [
+    (1, 0, 4, 2, 64, 1), (1, 300, 8, 2, 64, 1), (7, 90, 6, 3, 32, 1),
+    (2, 1100, 24, 8, 128, 1), (1, 1199, 32, 8, 64, 1),   # 3B and 1B shapes, to the end
+    (3, 500, 8, 2, 64, 30),   # scores spanning hundreds: most weights underflow to zero
+    (1, 200, 7, 1, 32, 1),
+    (2, 100, 20, 2, 32, 1),   # 10 heads a group: register kernels in groups of 8 and 2
+    (9, 250, 6, 2, 64, 1),    # token blocks of 4, 4, 1 across a 256-position chunk edge
+    (13, 3, 24, 8, 128, 1),   # a block whose first tokens end before the last's full 16s
+    (37, 11, 8, 2, 32, 1),    # more token blocks than threads, handed out from both ends
+]
+F16_ONLY = [
+    (70, 0, 4, 4, 8, 1), (2, 50, 10, 2, 16, 1), (2, 60, 8, 1, 8, 1),
+    (2, 100, 16, 1, 16, 1),   # 16 heads a group
+    (2, 40, 4, 2, 6, 1),      # head dim not a multiple of 16: plain loops
+    (3, 70, 4, 2, 48, 1),     # 48 = 2 of g = 2's 4-vector passes short: single vectors
+]
+CASES = [(kt, vt, *s) for s in SHAPES for kt in CACHE_TYPES for vt in CACHE_TYPES] + \
+        [("f16", "f16", *s) for s in F16_ONLY]
+
+
+@pytest.mark.parametrize("type_k,type_v,T,pos0,H,KV,hd,qscale", CASES)
+def test_attention_matches_numpy(type_k, type_v, T, pos0, H, KV, hd, qscale):
+    # The twin takes the cache's K and V as stored (the stores are checked above) and q
+    # as attention rounds it for a quantized K; what is left is f32 summation and
+    # _exp_neg's ~1e-7, hence the tolerance; a score's f32 rounding grows with its size
+    # (qscale), and moves its weight by as much.
+    ctx = 1200
+    scale = np.float32(hd ** -0.5)
+    q = rng.standard_normal((T, H, hd)).astype(np.float32) * qscale
+    n = pos0 + T
+    k = (rng.standard_normal((n, KV, hd)) * 2).astype(np.float32)
+    v = rng.standard_normal((n, KV, hd)).astype(np.float32)
+    c = KVCache(Args(1, KV, hd, H), ctx, type_k, type_v, rotate=False)
+    for a in c.arrays.values():                           # what a longer sequence left
+        a.view(np.uint8)[...] = 0x7C                      # (f16 bits 0x7C7C: inf)
+    c.write(0, 0, k[:pos0].copy(), v[:pos0].copy())       # the cached positions, then this batch's
+    c.write(0, pos0, k[pos0:].copy(), v[pos0:].copy())
+    out = np.empty_like(q)
+    c.attend(0, pos0, q, scale, out, scratch(H, KV, hd))
+    qs = q * scale
+    q64 = q8_activations(qs) if type_k != "f16" else qs.astype(np.float64)
+    ref = numpy_attention(q64, c.k_values(0, 0, n).astype(np.float64),
+                          c.v_values(0, 0, n).astype(np.float64), pos0)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-5 * qscale)
+
+
+@pytest.mark.parametrize("type_k,type_v", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "f16")])
+def test_rotation_leaves_attention_unchanged_but_for_rounding(type_k, type_v):
+    # Rotated and unrotated caches hold the same attention: each against the exact f64
+    # result, within the bound of its types' rounding (q: 1/254 of a block's amax; K, V:
+    # q8_0 1/254, q4_0 1/16 of a block's amax; the rotated one within the same)
+    T, pos0, H, KV, hd = 2, 300, 8, 2, 64
+    scale = np.float32(hd ** -0.5)
+    q = rng.standard_normal((T, H, hd)).astype(np.float32)
+    k = rng.standard_normal((pos0 + T, KV, hd)).astype(np.float32)
+    v = rng.standard_normal((pos0 + T, KV, hd)).astype(np.float32)
+    exact = numpy_attention((q * scale).astype(np.float64), k.astype(np.float64),
+                            v.astype(np.float64), pos0)
+    errs = {}
+    for rotate in (False, True):
+        c = KVCache(Args(1, KV, hd, H), 512, type_k, type_v, rotate=rotate)
+        c.write(0, 0, k.copy(), v.copy())
+        out = np.empty_like(q)
+        c.attend(0, pos0, q.copy(), scale, out, scratch(H, KV, hd))
+        errs[rotate] = np.abs(out - exact).max()
+    # V's rounding alone moves the output by up to its step; K's and q's move the weights
+    step = {"f16": 1e-3, "q8_0": 4 / 254, "q4_0": 4 / 16}
+    bound = step[type_v] + 4 * step[type_k]
+    assert errs[False] < bound and errs[True] < bound, errs
