@@ -11,24 +11,25 @@ from edgellama import benchmark
 from edgellama.args import ModelArgs
 from edgellama.errors import EdgeError
 from edgellama.machine import available_memory
-from edgellama.model import KVCache
+from edgellama.kv_cache import KVCache, fit_advice
 
 from .main import main
+from .options import cache_type_options
 from .progress import StatusLine
 
 
-def _refuse_unfitting(shape: str, ctx: int, n_prompt: int) -> None:
-    """The checks loading would make, made on the shape alone."""
+def _refuse_unfitting(shape: str, ctx: int, n_prompt: int, type_k: str, type_v: str) -> None:
+    """The checks loading would make, made on the shape alone, before anything is
+    generated or allocated: the cache must fit the memory available."""
     if n_prompt + 1 > ctx:
         raise click.UsageError(f"-p {n_prompt} does not fit --ctx {ctx}")
     s = benchmark.SHAPES[shape]
     args = ModelArgs(dim=s.dim, n_layers=s.layers, n_heads=s.heads, n_kv_heads=s.kv_heads,
                      ffn_dim=s.ffn, vocab_size=s.vocab, norm_eps=1e-5, rope_theta=s.theta,
                      rope_dim=s.dim // s.heads, train_ctx=s.train_ctx, tied_output=True)
-    need, avail = KVCache.bytes_needed(args, ctx), available_memory()
+    need, avail = KVCache.bytes_needed(args, ctx, type_k, type_v), available_memory()
     if avail is not None and need > avail:
-        raise EdgeError(f"--ctx {ctx} needs {need / 2**20:.0f} MiB of KV cache for {shape}, but "
-                        f"only {avail / 2**20:.0f} MiB of memory is available; use a smaller --ctx")
+        raise EdgeError(f"{shape}: " + fit_advice(args, ctx, type_k, type_v, avail))
 
 
 def _size(n: int) -> str:
@@ -87,8 +88,9 @@ def _after_run(path: Path, generated: bool, keep: bool | None) -> None:
                    "terminal, else keep].")
 @click.option("--clean", is_flag=True, help="Remove the generated bench files, and run nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print every figure as JSON.")
+@cache_type_options
 def bench(model, shape, qtype, ctx, full, n_prompt, n_gen, depth, threads, reps, budget, keep,
-          clean, as_json):
+          clean, as_json, cache_type_k, cache_type_v):
     """Will a model fit in memory, and how fast will it reply? (default: a quick check of
     the Llama 3.2 3B shape at Q4_0 with random weights; --full for the llama-bench style
     suite)"""
@@ -114,7 +116,8 @@ def bench(model, shape, qtype, ctx, full, n_prompt, n_gen, depth, threads, reps,
     generated = False
     if synthetic:
         shape = shape or "llama-3.2-3b"
-        _refuse_unfitting(shape, ctx, n_prompt)   # before generating gigabytes of weights
+        # before generating gigabytes of weights
+        _refuse_unfitting(shape, ctx, n_prompt, cache_type_k, cache_type_v)
         generated = not benchmark.shape_path(shape, qtype).is_file()
         model = benchmark.shape_file(shape, qtype, progress=progress)
         if generated:
@@ -123,7 +126,8 @@ def bench(model, shape, qtype, ctx, full, n_prompt, n_gen, depth, threads, reps,
     try:
         report = benchmark.run(model, ctx=ctx, n_prompt=n_prompt, n_gen=n_gen, depth=depth,
                                threads=threads, reps=reps, budget_gib=budget, synthetic=synthetic,
-                               full=full, progress=progress)
+                               full=full, type_k=cache_type_k, type_v=cache_type_v,
+                               progress=progress)
     except BaseException:
         status.clear()
         if synthetic:    # no question while failing or interrupted: kept unless --no-keep

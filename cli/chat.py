@@ -65,7 +65,7 @@ def _shown(path: Path) -> str:
 @click.option("--context-shift/--no-context-shift", default=True, show_default=True,
               help="When the context fills, the oldest turns are dropped and the rest moved "
                    "down in the cache (a context shift), not read again.")
-def chat(model, ctx, threads, activations, max_tokens, system, history, context_shift, draft,
+def chat(model, ctx, threads, activations, cache_type_k, cache_type_v, max_tokens, system, history, context_shift, draft,
          lookup, draft_min, draft_max, **sampling):
     """Chat with a model in the terminal."""
     if why := stdin_problem():
@@ -74,7 +74,7 @@ def chat(model, ctx, threads, activations, max_tokens, system, history, context_
                         f"`edgellama generate --prompt TEXT` or `-f FILE`")
     progress = KernelProgress()
     with jit.Compiling(progress) as loading:      # loading repacks weights with kernels too
-        llm = load(model, ctx, threads, activations)
+        llm = load(model, ctx, threads, activations, cache_type_k, cache_type_v)
         drafter = drafter_from(llm, draft, lookup, draft_min, draft_max)
     session = ChatSession(llm, sampling_from(llm.default_sampling(), sampling),
                           max_tokens=max_tokens, system=system, context_shift=context_shift,

@@ -70,7 +70,7 @@ def _prompt(model_arg, prompt_arg, prompt, prompt_file) -> tuple[str | None, str
 @click.option("--context-shift/--no-context-shift", default=True, show_default=True,
               help="When the context fills, drop the older half of what follows the prompt "
                    "and go on, instead of stopping.")
-def generate(model, hf_repo, ctx, threads, activations, model_arg, prompt_arg, prompt, prompt_file, max_tokens,
+def generate(model, hf_repo, ctx, threads, activations, cache_type_k, cache_type_v, model_arg, prompt_arg, prompt, prompt_file, max_tokens,
              raw, system, prompt_cache, context_shift, draft, lookup, draft_min, draft_max,
              **sampling):
     """Complete PROMPT with the model and print the reply as it is generated.
@@ -89,7 +89,8 @@ def generate(model, hf_repo, ctx, threads, activations, model_arg, prompt_arg, p
     model_arg, prompt = _prompt(model_arg, prompt_arg, prompt, prompt_file)
     progress = KernelProgress()
     with jit.Compiling(progress) as loading:
-        llm = load(resolve_model(model_arg, model, hf_repo), ctx, threads, activations)
+        llm = load(resolve_model(model_arg, model, hf_repo), ctx, threads, activations,
+                   cache_type_k, cache_type_v)
         drafter = drafter_from(llm, draft, lookup, draft_min, draft_max)
     warms = [jit.warm_up(m, progress)   # so the prompt's speed is not the kernels'
              for m in [llm.model] + ([drafter.model] if hasattr(drafter, "model") else [])]

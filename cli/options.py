@@ -29,9 +29,25 @@ activations_option = click.option(
          "Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K matrix, closer to full precision and slower "
          "(README, Fidelity).")
 
+# edgellama.kv_cache.CACHE_TYPES and DEFAULT_CACHE_TYPE, written out (as ACTIVATIONS)
+CACHE_TYPES = ("f16", "q8_0", "q4_0")
+DEFAULT_CACHE_TYPE = "f16"
+
+
+def cache_type_options(f):
+    """-ctk/--cache-type-k, -ctv/--cache-type-v (llama.cpp's names)."""
+    for short, name, what in (("-ctv", "--cache-type-v", "V"), ("-ctk", "--cache-type-k", "K")):
+        f = click.option(short, name, type=click.Choice(CACHE_TYPES, case_sensitive=False),
+                         default=DEFAULT_CACHE_TYPE, show_default=True,
+                         help=f"How the KV cache stores {what}: f16, or ggml's q8_0 / q4_0 blocks "
+                              f"(about 1/2 and 1/4 of f16's memory; README, KV cache).")(f)
+    return f
+
 
 def model_flags(f):
-    """-m/--model FILE, -hf/--hf-repo REPO[:QUANT], -c/--ctx, -t/--threads, --activations."""
+    """-m/--model FILE, -hf/--hf-repo REPO[:QUANT], -c/--ctx, -t/--threads, --activations,
+    -ctk/-ctv."""
+    f = cache_type_options(f)
     f = activations_option(f)
     f = click.option("-t", "--threads", type=int, default=None,
                      help="Worker threads (default: automatic, the cores other "
@@ -105,7 +121,8 @@ def resolve_model(positional: str | None, path: str | None, hf_repo: str | None)
     return positional if positional is not None else path
 
 
-def load(model, ctx, threads, activations="int8") -> edgellama.LLM:
+def load(model, ctx, threads, activations="int8", cache_type_k=DEFAULT_CACHE_TYPE,
+         cache_type_v=DEFAULT_CACHE_TYPE) -> edgellama.LLM:
     """edgellama.load, then what the file gave reason to warn about, on stderr. On a
     terminal a transient line says what is loading (repacking a big model takes seconds)."""
     if model is None:
@@ -116,7 +133,8 @@ def load(model, ctx, threads, activations="int8") -> edgellama.LLM:
         sys.stderr.write(f"loading {for_terminal(Path(model).name)}...\r")
         sys.stderr.flush()
     try:
-        llm = edgellama.load(model, ctx=ctx, threads=threads, activations=activations)
+        llm = edgellama.load(model, ctx=ctx, threads=threads, activations=activations,
+                             cache_type_k=cache_type_k, cache_type_v=cache_type_v)
     finally:
         if show:
             sys.stderr.write("\x1b[K")   # the line goes; what follows starts on it

@@ -12,7 +12,7 @@ import click
 from edgellama.errors import EdgeError
 
 from .main import main
-from .options import activations_option, load, one_line, resolve_model
+from .options import activations_option, cache_type_options, load, one_line, resolve_model
 
 
 def _checkpoint_type(hf_dir: Path) -> str:
@@ -107,13 +107,15 @@ def _summary(model, ref, ref_name, text, n_tokens, whole, r, seconds) -> list[st
 @click.option("-t", "--threads", type=int, default=None,
               help="Worker threads (default: automatic, as for generate).")
 @activations_option
-def perplexity(model_arg, model, hf_repo, text_file, ctx, chunks, ref, as_json, threads, activations):
+@cache_type_options
+def perplexity(model_arg, model, hf_repo, text_file, ctx, chunks, ref, as_json, threads, activations,
+               cache_type_k, cache_type_v):
     """Perplexity of a model over a text file, and its divergence from a reference."""
     from edgellama import perplexity as ppl
 
     f = ppl.open_text(text_file)
     model = resolve_model(model_arg, model, hf_repo)
-    llm = load(model, ctx, threads, activations)
+    llm = load(model, ctx, threads, activations, cache_type_k, cache_type_v)
     # only as much of the text as the chunks asked for is read (a file may exceed memory)
     tokens, whole = ppl.read_tokens(llm.tokenizer, text_file, ppl.tokens_needed(ctx, chunks), f=f)
     bos = llm.tokenizer.bos_id if llm.tokenizer.add_bos else None

@@ -95,7 +95,7 @@ def _accepted_hosts(host: str, sock: socket.socket, extra: list[str]) -> tuple[l
               help="Let web pages at ORIGIN (e.g. http://localhost:3000; * = any) call the "
                    "API from a browser, with CORS headers (repeatable). Without it every "
                    "request that a page on another origin sends is refused (403).")
-def serve(model, ctx, threads, activations, host, port, api_key, parallel, queue_size,
+def serve(model, ctx, threads, activations, cache_type_k, cache_type_v, host, port, api_key, parallel, queue_size,
           allowed_hosts, cors):
     """Serve the model over OpenAI's HTTP API (chat and completions).
 
@@ -112,7 +112,7 @@ def serve(model, ctx, threads, activations, host, port, api_key, parallel, queue
     sock = _listen_socket(host, port)
     progress = KernelProgress()
     with jit.Compiling(progress) as loading:
-        llm = load(model, ctx, threads, activations)
+        llm = load(model, ctx, threads, activations, cache_type_k, cache_type_v)
     warm = jit.warm_up(llm.model, progress)
     progress.done(loading.count + warm.compiled, loading.seconds + warm.compile_seconds)
     hosts, any_ip = _accepted_hosts(host, sock, allowed_hosts)

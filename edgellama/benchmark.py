@@ -32,7 +32,8 @@ from .machine import (ThreadPolicy, cpu_name, peak_resident_memory, reset_peak_r
                       resident_memory, total_memory)
 from .membw import measure_read_bandwidth
 from .simd import ISA, ISA_NAMES
-from .model import KVCache, Transformer
+from .kv_cache import DEFAULT_CACHE_TYPE, TYPE_PAIRS, KVCache, longest_context
+from .model import Transformer
 
 MiB = 2 ** 20
 GiB = 2 ** 30
@@ -203,10 +204,13 @@ def _linear_params(model: Transformer) -> int:
     return sum(w.out_features * w.in_features for w in model.linears())
 
 
-def decode_bytes(model: Transformer, depth: int) -> int:
+def decode_bytes(model: Transformer, depth: int, type_k: str = DEFAULT_CACHE_TYPE,
+                 type_v: str = DEFAULT_CACHE_TYPE) -> int:
     """Bytes read per decoded token: all linear weights, the output matrix and the
-    K/V of `depth` cached positions (the one embedding row is negligible)."""
-    return sum(w.nbytes for w in model.linears()) + KVCache.bytes_needed(model.args, depth)
+    K/V of `depth` cached positions in their cache types (the one embedding row is
+    negligible)."""
+    return sum(w.nbytes for w in model.linears()) + KVCache.bytes_needed(model.args, depth,
+                                                                         type_k, type_v)
 
 
 WORDS_PER_TOKEN = 0.75   # English text: a token is about three quarters of a word
@@ -236,13 +240,15 @@ class _Clock:
 
 def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, depth: int | None = None,
         threads: int | None = None, reps: int = 3, budget_gib: float = 8.0, synthetic: bool = False,
-        full: bool = True, progress=lambda msg: None) -> dict:
+        full: bool = True, type_k: str = DEFAULT_CACHE_TYPE, type_v: str = DEFAULT_CACHE_TYPE,
+        progress=lambda msg: None) -> dict:
     """Measure one model file; returns every figure as a dict (the --json output).
 
     full=False is the quick check: memory with the whole KV cache resident, one prefill
     of n_prompt tokens and n_gen decoded tokens at the start of the context. full=True
     adds `reps` repetitions, decode at `depth` cached tokens (default: the context
-    filled), the read-bandwidth ceiling and NumPy's matmul on the same shapes."""
+    filled), the read-bandwidth ceiling and NumPy's matmul on the same shapes. The KV
+    cache stores K and V as type_k, type_v (kv_cache.CACHE_TYPES)."""
     policy = ThreadPolicy(threads)   # as edgellama.load: automatic unless -t
     reps = reps if full else 1
     # BLAS allocates per-thread work buffers on first use: count them in the baseline
@@ -255,7 +261,7 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
     g = GGUFFile(path)
     with Compiling(lambda n, total, name: progress(f"compiling kernels (first run only): {name}")) \
             as loading:
-        model = Transformer(g, ctx, threads=policy)
+        model = Transformer(g, ctx, threads=policy, cache_type_k=type_k, cache_type_v=type_v)
     load_s = time.perf_counter() - t0 - loading.seconds
     progress("loading the model: writing its start-up tiles (first load only)")
     model.wait_for_tiles()         # a first load writes them on a thread: not while timing
@@ -265,11 +271,12 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
     depth = ctx - n_gen if depth is None else depth
     depth = max(0, min(depth, ctx - n_gen)) if full else 0
     rss_load = resident_memory() or 0
-    # the KV cache's pages are mapped on first write: touch them all, so the memory
-    # measured is what a conversation filling the context will use
+    # the KV cache's pages are mapped on first write: fill it to the end (synthetic K/V
+    # in its types), so the memory measured is what a conversation filling the context
+    # will use
     seq = model.new_sequence()
-    seq.cache.k[...] = 0
-    seq.cache.v[...] = 0
+    progress(f"filling the KV cache to {ctx} tokens ({type_k} K, {type_v} V)")
+    seq.fill_random(ctx, np.random.default_rng(1))
 
     def compiling(n, total, name):
         progress(f"compiling kernels (first run only): {n}/{total} {name}" if total
@@ -338,15 +345,25 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
     by_type = Counter()
     for t in g.tensors.values():
         by_type[t.type_name] += t.nbytes
-    kv = KVCache.bytes_needed(a, ctx)
+    kv = KVCache.bytes_needed(a, ctx, type_k, type_v)
     scratch = seq.scratch.nbytes      # what the prefill and decode runs above used
     weights = sum(by_type.values())
     predicted = base + weights + kv + scratch
+    # per cache type pair: the cache at this ctx, and the longest context the budget holds
+    # beside everything else (at most the model's trained context)
+    room = int(budget_gib * GiB) - (base + weights + scratch)
+    by_cache_type = {f"{tk}/{tv}": {
+        "type_k": tk, "type_v": tv, "bytes_per_token": KVCache.bytes_per_token(a, tk, tv),
+        "kv_cache": KVCache.bytes_needed(a, ctx, tk, tv),
+        "predicted_total": base + weights + scratch + KVCache.bytes_needed(a, ctx, tk, tv),
+        "longest_ctx": min(a.train_ctx, longest_context(a, room, tk, tv))}
+        for tk, tv in dict.fromkeys(TYPE_PAIRS + ((type_k, type_v),))
+        if a.head_dim % 32 == 0 or tk == tv == "f16"}
     params = sum(int(np.prod(t.shape)) for t in g.tensors.values())
     pp_m, pp_sd = _mean_sd(pp)
     tg_m, tg_sd = _mean_sd(tg)
     tgd_m, tgd_sd = _mean_sd(tg_depth) if tg_depth else (0.0, 0.0)
-    bytes0, bytesd = decode_bytes(model, 1), decode_bytes(model, depth)
+    bytes0, bytesd = decode_bytes(model, 1, type_k, type_v), decode_bytes(model, depth, type_k, type_v)
     ours_gflops = 2.0 * _linear_params(model) * pp_m / 1e9
     speed = {"pp_tps": pp_m, "pp_sd": pp_sd, "tg_tps": tg_m, "tg_sd": tg_sd,
              "words_per_token": WORDS_PER_TOKEN,
@@ -373,7 +390,9 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
         "jit_compiled": warm.compiled + loading.count, "jit_cache_warm": not (warm.compiled + loading.count),
         "memory": {
             "weights_by_type": dict(by_type), "weights": weights,
-            "kv_cache": kv, "kv_per_token": kv // ctx, "scratch": scratch, "baseline": base,
+            "kv_cache": kv, "kv_per_token": KVCache.bytes_per_token(a, type_k, type_v),
+            "type_k": type_k, "type_v": type_v, "by_cache_type": by_cache_type,
+            "train_ctx": a.train_ctx, "scratch": scratch, "baseline": base,
             "predicted_total": predicted, "rss_after_load": rss_load,
             "rss_after_prefill": rss_prefill, "rss_peak": peak,
             "budget": int(budget_gib * GiB),
@@ -386,6 +405,25 @@ def _needed(m: dict) -> int:
     """Memory the run needs: the peak measured (the KV cache was made resident), or the
     prediction if that is higher."""
     return max(m["rss_peak"], m["predicted_total"])
+
+
+def cache_type_lines(r: dict) -> list[str]:
+    """Per cache type pair: the KV cache at this ctx term by term, the total predicted,
+    and the longest context that fits the budget."""
+    m = r["memory"]
+    budget = m["budget"]
+    rest = m["predicted_total"] - m["kv_cache"]
+    lines = [f"by KV cache type at ctx {r['ctx']} (weights + runtime {rest / GiB:.2f} GiB, "
+             f"budget {budget / GiB:.3g} GiB):"]
+    for name, c in m["by_cache_type"].items():
+        fits = "fits" if c["predicted_total"] <= budget else "does not fit"
+        longest = c["longest_ctx"]
+        lines.append(
+            f"  {name:<10} {c['bytes_per_token'] / 1024:6.1f} KiB/token x {r['ctx']} = "
+            f"{c['kv_cache'] / GiB:6.2f} GiB -> {c['predicted_total'] / GiB:6.2f} GiB, {fits}; "
+            f"longest context in budget: {longest}"
+            + (" (the model's whole window)" if longest >= m["train_ctx"] else ""))
+    return lines
 
 
 def summary(r: dict) -> str:
@@ -409,7 +447,8 @@ def format_quick(r: dict) -> str:
         f"model   {r['model']}: {r['types']}, {r['size_bytes'] / GiB:.2f} GiB, "
         f"{r['threads']} threads{' (automatic)' if r.get('threads_auto') else ''}",
         f"memory  {_needed(m) / GiB:.2f} GiB at ctx {r['ctx']}: weights "
-        f"{m['weights'] / GiB:.2f} GiB + KV cache {m['kv_cache'] / GiB:.2f} GiB + runtime "
+        f"{m['weights'] / GiB:.2f} GiB + KV cache {m['kv_cache'] / GiB:.2f} GiB "
+        f"({m['type_k']} K, {m['type_v']} V) + runtime "
         f"{runtime / GiB:.2f} GiB predicted, {m['rss_peak'] / GiB:.2f} GiB measured at peak",
         f"speed   prompt {s['pp_tps']:.1f} tokens/s ({r['n_prompt']} tokens), reply "
         f"{s['tg_tps']:.1f} tokens/s ({r['n_gen']} tokens, start of a conversation)",
@@ -417,7 +456,7 @@ def format_quick(r: dict) -> str:
     if r["synthetic"]:
         lines.append("        (random weights with the real shapes: speed and memory do not "
                      "depend on the values)")
-    return "\n".join(lines + [summary(r)])
+    return "\n".join(lines + cache_type_lines(r) + [summary(r)])
 
 
 def format_report(r: dict) -> str:
@@ -446,7 +485,8 @@ def format_report(r: dict) -> str:
         "",
         f"memory at ctx {r['ctx']} (predicted):",
         f"  weights     {m['weights'] / MiB:9.1f} MiB  ({types}; memory-mapped)",
-        f"  KV cache    {m['kv_cache'] / MiB:9.1f} MiB  (f16, {m['kv_per_token'] / 1024:.0f} KiB per token)",
+        f"  KV cache    {m['kv_cache'] / MiB:9.1f} MiB  ({m['type_k']} K, {m['type_v']} V: "
+        f"{m['kv_per_token'] / 1024:.1f} KiB per token x {r['ctx']})",
         f"  scratch     {m['scratch'] / MiB:9.1f} MiB",
         f"  baseline    {m['baseline'] / MiB:9.1f} MiB  (Python, NumPy, Numba before loading)",
         f"  total       {m['predicted_total'] / MiB:9.1f} MiB",
@@ -464,7 +504,7 @@ def format_report(r: dict) -> str:
         f"integer kernels: {r['machine']['kernels']}",
         f"load {r['load_seconds']:.2f} s; JIT {r['jit_seconds']:.1f} s "
         f"({'cache warm' if r['jit_cache_warm'] else 'compiled now, cached for next time'})",
-    ]
+    ] + cache_type_lines(r)
     if r["synthetic"]:
         lines.append("(random weights with the real shapes: speed and memory do not depend on values; "
                      "decode at depth uses synthetic K/V)")

@@ -24,6 +24,7 @@ from .formats.base import anon_array
 from .kernels import rope
 
 CACHE_TYPES = ("f16", "q8_0", "q4_0")
+DEFAULT_CACHE_TYPE = "f16"     # for K and V (README, KV cache: why)
 # bytes per value and per block of 32 values of each type
 _BLOCK_BYTES = {"f16": 64, "q8_0": 34, "q4_0": 18}
 LAYOUT_VERSION = 1
@@ -99,19 +100,23 @@ class KVCache:
     def write(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store k, v (T, KV, hd) f32 at positions pos..pos+T-1 in the cache's types.
         A rotated type's input is rotated in place."""
-        if self.rot_k:
-            A.hadamard(k, self.rot_k)
+        self._write_k(layer, pos, k)
         if self.rot_v:
             A.hadamard(v, self.rot_v)
-        kf, vf = self._k[layer].reshape(-1), self._v[layer].reshape(-1)
-        if self.type_k == "f16":
-            A.store_f16_k(kf, self.cap, pos, k)
-        else:
-            A.store_q_k(kf, self._ks[layer].reshape(-1), self.cap, pos, k, self.type_k == "q4_0")
+        vf = self._v[layer].reshape(-1)
         if self.type_v == "f16":
             A.store_f16_v(vf, self.cap, pos, v)
         else:
             A.store_q_v(vf, self._vs[layer].reshape(-1), self.cap, pos, v, self.type_v == "q4_0")
+
+    def _write_k(self, layer: int, pos: int, k: np.ndarray) -> None:
+        if self.rot_k:
+            A.hadamard(k, self.rot_k)
+        kf = self._k[layer].reshape(-1)
+        if self.type_k == "f16":
+            A.store_f16_k(kf, self.cap, pos, k)
+        else:
+            A.store_q_k(kf, self._ks[layer].reshape(-1), self.cap, pos, k, self.type_k == "q4_0")
 
     def attend(self, layer: int, pos: int, q: np.ndarray, scale, out: np.ndarray,
                scratch: tuple) -> None:
@@ -194,33 +199,31 @@ class KVCache:
 
     def shift(self, keep: int, drop: int, inv_freq: np.ndarray) -> None:
         """Forget positions keep..keep+drop-1 and move keep+drop..length-1 down by drop,
-        K rotated back by drop positions of RoPE; length -= drop. A quantized K is read
-        back (un-rotated), turned by RoPE and quantized again, so the moved keys round
-        twice; V moves as stored bytes."""
+        K rotated back by drop positions of RoPE; length -= drop. V moves as stored
+        bytes. A quantized K is read back (un-rotated), turned by RoPE, rotated and
+        quantized again: the moved keys are rounded a second time."""
         n = self.length - keep - drop
         if keep < 0 or drop < 0 or n < 0:
             raise ValueError(f"shift({keep}, {drop}) of a cache holding {self.length} positions")
         if drop == 0:
             return
-        if n == 0:
-            self.length = keep
-            return
-        ang = -float(drop) * inv_freq.astype(np.float64)
+        ang = -float(drop) * np.asarray(inv_freq, np.float64)
         cos = np.cos(ang).astype(np.float32)[None, :]
         sin = np.sin(ang).astype(np.float32)[None, :]
         step = 4096
         for layer in range(self.n_layers):
             for s0 in range(0, n, step):             # ascending: sources lie above targets
                 c = min(step, n - s0)
-                src = keep + drop + s0
-                k = self.k_values(layer, src, src + c)       # (c, KV, hd), stored space
-                v = self.v_values(layer, src, src + c)
+                src, dst = keep + drop + s0, keep + s0
+                for name in ("v", "vq", "vs"):
+                    if name in self.arrays:
+                        a = self.arrays[name][layer]
+                        a[:, dst:dst + c] = a[:, src:src + c]
+                k = self.k_values(layer, src, src + c)       # (c, KV, hd), as stored
                 if self.rot_k:
                     A.hadamard(k, self.rot_k)                # back to RoPE'd K
-                if self.rot_v:
-                    A.hadamard(v, self.rot_v)
                 rope(k, np.repeat(cos, c, 0), np.repeat(sin, c, 0))
-                self.write(layer, keep + s0, k, v)
+                self._write_k(layer, dst, k)
         self.length -= drop
 
     # -- reading back (shift, tests) -------------------------------------------------

@@ -22,6 +22,7 @@ from .chat_template import ChatFormat, start_renderer
 from .constrain import Constraint, sample
 from .errors import EdgeError
 from .gguf import GGUFFile
+from .kv_cache import DEFAULT_CACHE_TYPE
 from .machine import ThreadPolicy
 from .model import DEFAULT_BATCH, Transformer
 from .sampling import Sampler, SamplingParams
@@ -222,9 +223,12 @@ class LLM:
 
 
 def load(path: str | Path | None = None, ctx: int | None = None, threads: int | None = None,
-         batch: int = DEFAULT_BATCH, activations: str = "int8") -> LLM:
+         batch: int = DEFAULT_BATCH, activations: str = "int8",
+         cache_type_k: str = DEFAULT_CACHE_TYPE, cache_type_v: str = DEFAULT_CACHE_TYPE) -> LLM:
     """Load a llama GGUF (memory-mapped). path None = the default model (fetched once).
-    activations: how x is rounded for the matrix products (model.ACTIVATIONS)."""
+    activations: how x is rounded for the matrix products (model.ACTIVATIONS);
+    cache_type_k, cache_type_v: how the KV cache stores K and V (kv_cache.CACHE_TYPES),
+    the default of every sequence (model.new_sequence(type_k=, type_v=) for others)."""
     t0 = time.perf_counter()
     start_renderer()   # the chat template process starts while the file loads
     if path is None:
@@ -253,7 +257,8 @@ def load(path: str | Path | None = None, ctx: int | None = None, threads: int | 
         chat = ChatFormat(tokenizer, g.get("tokenizer.chat_template"))
     except EdgeError as e:
         raise EdgeError(f"{g.path}: {e}") from None
-    model = Transformer(g, ctx, batch=batch, args=args, threads=policy, activations=activations)
+    model = Transformer(g, ctx, batch=batch, args=args, threads=policy, activations=activations,
+                        cache_type_k=cache_type_k, cache_type_v=cache_type_v)
     llm = LLM(Path(path), g, model, tokenizer, chat, policy.max, time.perf_counter() - t0)
     llm.default_sampling(warn=llm.warnings.append)
     return llm

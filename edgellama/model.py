@@ -115,7 +115,8 @@ class Transformer:
         # the sequences' default cache types
         self.cache_type_k = check_cache_type(cache_type_k, a.head_dim)
         self.cache_type_v = check_cache_type(cache_type_v, a.head_dim)
-        need, avail = KVCache.bytes_needed(a, ctx, cache_type_k, cache_type_v), available_memory()
+        need = KVCache.bytes_needed(a, ctx, self.cache_type_k, self.cache_type_v)
+        avail = available_memory()
         if avail is not None and need > avail:
             raise EdgeError(fit_advice(a, ctx, self.cache_type_k, self.cache_type_v, avail))
         self.ctx = ctx
