@@ -3,7 +3,7 @@ against the same model with an f16 cache (mean KL divergence, top-1 agreement), 
 and llama.cpp's, on the same token ids.
 
     python bench/bench_kv_quality.py [--model GGUF] [--file bench/data/alice.txt]
-                                     [--ctx 2048] [--chunks 4] [--json OUT]
+                                     [--ctx 2048] [--chunks 2] [--json OUT]
 
 Chunks as `edgellama perplexity` makes them (the first half of each is context, the rest
 is scored). Ours: each type pair, and the quantized ones also without the Hadamard
@@ -28,49 +28,77 @@ from edgellama.sequence import Sequence
 PAIRS = [("f16", "f16"), ("q8_0", "q8_0"), ("q8_0", "q4_0"), ("q4_0", "q4_0"), ("q4_0", "f16")]
 
 
-def compare(lp_ref: np.ndarray, lp: np.ndarray, targets: np.ndarray) -> dict:
-    """Mean KL(ref || this), top-1 agreement, and this run's perplexity."""
-    kl = (np.exp(lp_ref) * (lp_ref - lp)).sum(-1)
-    nll = -lp[np.arange(len(targets)), targets]
-    return {"mean_kl": float(kl.mean()), "top1": float((lp.argmax(-1) == lp_ref.argmax(-1)).mean()),
-            "ppl": float(np.exp(nll.mean()))}
+class Stats:
+    """Mean KL(ref || this), top-1 agreement and this run's perplexity, summed chunk by
+    chunk (a run's log-probabilities are never all kept: 49152 of them a token)."""
+
+    def __init__(self):
+        self.kl = self.agree = self.nll = 0.0
+        self.n = 0
+
+    def add(self, lp_ref: np.ndarray, lp: np.ndarray, targets: np.ndarray) -> None:
+        self.kl += float((np.exp(lp_ref) * (lp_ref - lp)).sum())
+        self.agree += float((lp.argmax(-1) == lp_ref.argmax(-1)).sum())
+        self.nll -= float(lp[np.arange(len(targets)), targets].sum())
+        self.n += len(targets)
+
+    def result(self) -> dict:
+        return {"mean_kl": self.kl / self.n, "top1": self.agree / self.n,
+                "ppl": float(np.exp(self.nll / self.n))}
 
 
-def ours(path: str, chunks, pairs) -> dict:
+def _configs(pairs):
+    # ours: each pair, the quantized ones also unrotated where K is q4_0 or V is (and
+    # q8_0/q8_0, the likely default)
+    for tk, tv in pairs:
+        yield tk, tv, True
+        if (tk, tv) in (("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q4_0", "f16")):
+            yield tk, tv, False
+
+
+def ours(path: str, chunks, pairs, targets) -> tuple[dict, list]:
+    """Each config's Stats against our f16 cache; and the f16 run's log-probs (f32)."""
     llm = edgellama.load(path, ctx=chunks.n_ctx)
     m = llm.model
-    runs = {}
-    for tk, tv in pairs:
-        for rotate in ((True, False) if (tk, tv) != ("f16", "f16") else (True,)):
-            seq = Sequence(KVCache(m.args, chunks.n_ctx, tk, tv, rotate=rotate))
-            t0 = time.perf_counter()
-            lps = [log_softmax(chunk_logits(m, c, seq)) for c in chunks]
-            name = f"{tk}/{tv}" + ("" if rotate or (tk, tv) == ("f16", "f16") else " unrotated")
-            runs[name] = np.concatenate(lps)
-            print(f"ours {name}: {time.perf_counter() - t0:.1f} s", flush=True)
-    return runs
+    refs = [log_softmax(chunk_logits(m, c)).astype(np.float32) for c in chunks]
+    stats = {}
+    for tk, tv, rotate in _configs(pairs):
+        name = f"{tk}/{tv}" + ("" if rotate else " unrotated")
+        seq = Sequence(KVCache(m.args, chunks.n_ctx, tk, tv, rotate=rotate))
+        st = stats[name] = Stats()
+        t0 = time.perf_counter()
+        for c, ref, tg in zip(chunks, refs, targets):
+            st.add(ref, log_softmax(chunk_logits(m, c, seq)), tg)
+        print(f"ours {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+    return {n: s.result() for n, s in stats.items()}, refs
 
 
-def llamacpp(path: str, chunks, pairs) -> dict:
+def llamacpp(path: str, chunks, pairs, targets, our_refs) -> tuple[dict, dict]:
+    """Each pair's Stats against llama.cpp's f16 cache; and llama.cpp's f16 against ours."""
     import llama_cpp
     ids = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0,
            "q4_0": llama_cpp.GGML_TYPE_Q4_0}
-    runs = {}
+    refs, stats = [], {}
     for tk, tv in pairs:
         t0 = time.perf_counter()
         llm = llama_cpp.Llama(model_path=path, n_ctx=chunks.n_ctx, n_batch=chunks.n_ctx,
                               n_ubatch=512, logits_all=True, type_k=ids[tk], type_v=ids[tv],
                               flash_attn=True, n_threads=os.cpu_count(), verbose=False)
-        lps = []
-        for c in chunks:
+        st = stats[f"{tk}/{tv}"] = Stats()
+        for i, (c, tg) in enumerate(zip(chunks, targets)):
             first = first_scored(len(c))
             llm.reset()
             llm.eval(c[:-1].tolist())
-            lps.append(log_softmax(np.asarray(llm.scores[first:len(c) - 1], np.float32)))
-        runs[f"{tk}/{tv}"] = np.concatenate(lps)
+            lp = log_softmax(np.asarray(llm.scores[first:len(c) - 1], np.float32))
+            if (tk, tv) == ("f16", "f16"):
+                refs.append(lp.astype(np.float32))
+            st.add(refs[i], lp, tg)
         del llm
         print(f"llama.cpp {tk}/{tv}: {time.perf_counter() - t0:.1f} s", flush=True)
-    return runs
+    cross = Stats()
+    for ref, ours_lp, tg in zip(refs, our_refs, targets):
+        cross.add(ref, ours_lp.astype(np.float64), tg)
+    return {n: s.result() for n, s in stats.items()}, cross.result()
 
 
 def main() -> None:
@@ -78,7 +106,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="GGUF (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--file", default=str(Path(__file__).parent / "data" / "alice.txt"))
     ap.add_argument("--ctx", type=int, default=2048)
-    ap.add_argument("--chunks", type=int, default=4)
+    ap.add_argument("--chunks", type=int, default=2)
     ap.add_argument("--no-llamacpp", action="store_true")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -88,18 +116,14 @@ def main() -> None:
     tok = edgellama.load(a.model, ctx=16).tokenizer
     tokens, _ = read_tokens(tok, a.file, a.ctx * a.chunks)
     chunks = make_chunks(tokens, a.ctx, a.chunks, tok.bos_id if tok.add_bos else None, a.file)
-    targets = np.concatenate([c[first_scored(len(c)) + 1:] for c in chunks])
+    targets = [c[first_scored(len(c)) + 1:] for c in chunks]
     result = {"model": os.path.basename(a.model), "text": os.path.basename(a.file), "ctx": a.ctx,
-              "chunks": len(chunks), "scored_tokens": int(len(targets)), "engines": {}}
-    engines = {"edgellama": ours(a.model, chunks, PAIRS)}
+              "chunks": len(chunks), "scored_tokens": int(sum(len(t) for t in targets)),
+              "load_average": os.getloadavg(), "engines": {}}
+    result["engines"]["edgellama"], our_refs = ours(a.model, chunks, PAIRS, targets)
     if not a.no_llamacpp:
-        engines["llama.cpp"] = llamacpp(a.model, chunks, [p for p in PAIRS])
-    for engine, runs in engines.items():
-        ref = runs["f16/f16"]
-        result["engines"][engine] = {name: compare(ref, lp, targets) for name, lp in runs.items()}
-    if "llama.cpp" in engines:   # the two engines' f16 caches, for scale
-        result["f16_ours_vs_llamacpp"] = compare(engines["llama.cpp"]["f16/f16"],
-                                                 engines["edgellama"]["f16/f16"], targets)
+        result["engines"]["llama.cpp"], result["f16_ours_vs_llamacpp"] = llamacpp(
+            a.model, chunks, PAIRS, targets, our_refs)
     print(table(result))
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))

@@ -9,6 +9,11 @@ For each depth: one sequence per type pair, filled with synthetic K/V to the dep
 (Sequence.fill_random); then `rounds` rounds, each decoding --tg tokens in every sequence
 in turn (the cache truncated back to the depth first), and, with --pp, reading a --pp
 token prompt at the depth. Medians over the rounds; ratios against the first pair.
+
+--llamacpp adds llama.cpp (llama-cpp-python) on the same file, each type pair with flash
+attention off (f16/f16 only: llama.cpp quantizes V only with it) and on, in a process of
+its own per row: its cache is filled by really reading `depth` tokens (untimed), then a
+--pp prompt and --tg decoded tokens are timed.
 """
 from __future__ import annotations
 
@@ -26,6 +31,49 @@ from edgellama.machine import ThreadPolicy, cpu_name
 from edgellama.model import Transformer
 
 
+def llamacpp_worker(path: str, depth: int, pp: int, tg: int, tk: str, tv: str, fa: bool,
+                    threads: int) -> dict:
+    import llama_cpp
+    ids = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0,
+           "q4_0": llama_cpp.GGML_TYPE_Q4_0}
+    llm = llama_cpp.Llama(model_path=path, n_ctx=depth + pp + tg + 8, n_threads=threads,
+                          n_threads_batch=threads, n_batch=512, n_ubatch=512, type_k=ids[tk],
+                          type_v=ids[tv], flash_attn=fa, verbose=False)
+    rng = np.random.default_rng(0)
+    if depth:
+        llm.eval(rng.integers(1000, 100000, depth).tolist())
+    t0 = time.perf_counter()
+    llm.eval(rng.integers(1000, 100000, pp).tolist()) if pp else None
+    t_pp = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for t in rng.integers(1000, 100000, tg).tolist():
+        llm.eval([t])
+    return {"pp_tps": pp / t_pp if pp else 0.0, "tg_tps": tg / (time.perf_counter() - t0)}
+
+
+def llamacpp_rows(path, depths, pairs, pp, tg, threads) -> list[dict]:
+    import subprocess
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_llamacpp import with_tokenizer
+    tok_path = with_tokenizer(str(path))
+    rows = []
+    for depth in depths:
+        for tk, tv in pairs:
+            for fa in ((False, True) if (tk, tv) == ("f16", "f16") else (True,)):
+                cmd = [sys.executable, __file__, "--llamacpp-worker", json.dumps(
+                    [tok_path, depth, pp, tg, tk, tv, fa, threads])]
+                res = subprocess.run(cmd, capture_output=True, text=True)
+                if res.returncode:
+                    sys.exit(f"llama.cpp failed: {res.stderr[-2000:]}")
+                row = {"depth": depth, "pair": f"{tk}/{tv}", "flash_attn": fa,
+                       **json.loads(res.stdout.strip().splitlines()[-1])}
+                rows.append(row)
+                print(f"llama.cpp depth {depth} {tk}/{tv} flash_attn={fa}: decode "
+                      f"{row['tg_tps']:.2f} t/s, prefill {row['pp_tps']:.1f} t/s", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="llama-3.2-3b")
@@ -37,7 +85,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--llamacpp", action="store_true")
+    ap.add_argument("--llamacpp-worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.llamacpp_worker:
+        print(json.dumps(llamacpp_worker(*json.loads(a.llamacpp_worker))))
+        return
     depths = [int(d) for d in a.depths.split(",")]
     pairs = [tuple(p.split("/")) for p in a.pairs.split(",")]
     path = shape_file(a.shape, a.type)
@@ -82,11 +135,14 @@ def main() -> None:
                 f"{n} {row['pp_tps'][n]:.1f} t/s ({row['pp_vs_first'][n]:.2f}x)" for n in seqs)),
             flush=True)
         del seqs
+    del m
+    lc = llamacpp_rows(path, depths, pairs, a.pp, a.tg, a.threads or os.cpu_count()) \
+        if a.llamacpp else []
     if a.json:
         Path(a.json).write_text(json.dumps({
             "machine": cpu_name(), "cores": os.cpu_count(), "file": path.name,
             "load_average": os.getloadavg(), "tg": a.tg, "pp": a.pp, "rounds": a.rounds,
-            "rows": rows}, indent=1))
+            "rows": rows, "llamacpp": lc}, indent=1))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ every type, sequences of different types in one model, the options that choose t
 and the advice when a context does not fit."""
 import json
 
+import numba
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -65,7 +66,7 @@ def _filled(type_k, type_v, n, ctx=80, rotate=True):
 def _attend(c, layer, q):
     out = np.empty_like(q)
     c.attend(layer, c.length - len(q), q.copy(), np.float32(0.125), out,
-             tuple(np.zeros(s, d) for s, d in A.attention_scratch_shapes(2, 4, 2, 64)))
+             tuple(np.zeros(s, d) for s, d in A.attention_scratch_shapes(numba.config.NUMBA_NUM_THREADS, 4, 2, 64)))
     return out
 
 
