@@ -73,7 +73,7 @@ def ours(path: str, chunks, pairs, targets) -> tuple[dict, list]:
     return {n: s.result() for n, s in stats.items()}, refs
 
 
-def llamacpp(path: str, chunks, pairs, targets, our_refs) -> tuple[dict, dict]:
+def llamacpp(path: str, chunks, pairs, targets, our_refs, threads: int) -> tuple[dict, dict]:
     """Each pair's Stats against llama.cpp's f16 cache; and llama.cpp's f16 against ours."""
     import llama_cpp
     ids = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0,
@@ -83,7 +83,7 @@ def llamacpp(path: str, chunks, pairs, targets, our_refs) -> tuple[dict, dict]:
         t0 = time.perf_counter()
         llm = llama_cpp.Llama(model_path=path, n_ctx=chunks.n_ctx, n_batch=chunks.n_ctx,
                               n_ubatch=512, logits_all=True, type_k=ids[tk], type_v=ids[tv],
-                              flash_attn=True, n_threads=os.cpu_count(), verbose=False)
+                              flash_attn=True, n_threads=threads, verbose=False)
         st = stats[f"{tk}/{tv}"] = Stats()
         for i, (c, tg) in enumerate(zip(chunks, targets)):
             first = first_scored(len(c))
@@ -108,6 +108,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--chunks", type=int, default=2)
     ap.add_argument("--no-llamacpp", action="store_true")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.model is None:
@@ -121,9 +122,11 @@ def main() -> None:
               "chunks": len(chunks), "scored_tokens": int(sum(len(t) for t in targets)),
               "load_average": os.getloadavg(), "engines": {}}
     result["engines"]["edgellama"], our_refs = ours(a.model, chunks, PAIRS, targets)
+    if a.json:     # ours kept, should llama.cpp's part not finish
+        Path(a.json).write_text(json.dumps(result, indent=1))
     if not a.no_llamacpp:
         result["engines"]["llama.cpp"], result["f16_ours_vs_llamacpp"] = llamacpp(
-            a.model, chunks, PAIRS, targets, our_refs)
+            a.model, chunks, PAIRS, targets, our_refs, a.threads)
     print(table(result))
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
