@@ -98,7 +98,7 @@ def llamacpp(path: str, chunks, pairs, targets, our_refs, threads: int) -> tuple
     cross = Stats()
     for ref, ours_lp, tg in zip(refs, our_refs, targets):
         cross.add(ref, ours_lp.astype(np.float64), tg)
-    return {n: s.result() for n, s in stats.items()}, cross.result()
+    return {n: s.result() for n, s in stats.items()}, cross.result() if our_refs else None
 
 
 def main() -> None:
@@ -108,6 +108,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--chunks", type=int, default=2)
     ap.add_argument("--no-llamacpp", action="store_true")
+    ap.add_argument("--no-ours", action="store_true")
+    ap.add_argument("--pairs", default=",".join(f"{k}/{v}" for k, v in PAIRS))
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -121,12 +123,17 @@ def main() -> None:
     result = {"model": os.path.basename(a.model), "text": os.path.basename(a.file), "ctx": a.ctx,
               "chunks": len(chunks), "scored_tokens": int(sum(len(t) for t in targets)),
               "load_average": os.getloadavg(), "engines": {}}
-    result["engines"]["edgellama"], our_refs = ours(a.model, chunks, PAIRS, targets)
-    if a.json:     # ours kept, should llama.cpp's part not finish
-        Path(a.json).write_text(json.dumps(result, indent=1))
+    pairs = [tuple(p.split("/")) for p in a.pairs.split(",")]
+    our_refs = []
+    if not a.no_ours:
+        result["engines"]["edgellama"], our_refs = ours(a.model, chunks, pairs, targets)
+        if a.json:     # ours kept, should llama.cpp's part not finish
+            Path(a.json).write_text(json.dumps(result, indent=1))
     if not a.no_llamacpp:
-        result["engines"]["llama.cpp"], result["f16_ours_vs_llamacpp"] = llamacpp(
-            a.model, chunks, PAIRS, targets, our_refs, a.threads)
+        result["engines"]["llama.cpp"], cross = llamacpp(a.model, chunks, pairs, targets,
+                                                         our_refs, a.threads)
+        if our_refs:
+            result["f16_ours_vs_llamacpp"] = cross
     print(table(result))
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
@@ -137,7 +144,7 @@ def table(r: dict) -> str:
            f"{r['scored_tokens']} scored tokens; each engine against its own f16 cache",
            "", "| K / V cache | engine | mean KL | top-1 agreement | perplexity |",
            "|---|---|---|---|---|"]
-    names = list(r["engines"]["edgellama"])
+    names = list(dict.fromkeys(n for runs in r["engines"].values() for n in runs))
     for name in names:
         for engine, runs in r["engines"].items():
             if name in runs:
