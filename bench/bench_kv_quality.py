@@ -48,29 +48,37 @@ class Stats:
 
 
 def _configs(pairs):
-    # ours: each pair, the quantized ones also unrotated where K is q4_0 or V is (and
-    # q8_0/q8_0, the likely default)
-    for tk, tv in pairs:
+    # ours: each quantized pair, q4_0 ones also unrotated (what the rotation is worth),
+    # the most telling first; f16/f16 is the reference itself
+    quant = [(tk, tv) for tk, tv in pairs if (tk, tv) != ("f16", "f16")]
+    for tk, tv in quant:
         yield tk, tv, True
-        if (tk, tv) in (("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q4_0", "f16")):
+        if tk == "q4_0":
+            yield tk, tv, False
+    for tk, tv in quant:
+        if tk == "q8_0":
             yield tk, tv, False
 
 
-def ours(path: str, chunks, pairs, targets) -> tuple[dict, list]:
-    """Each config's Stats against our f16 cache; and the f16 run's log-probs (f32)."""
+def ours(path: str, chunks, pairs, targets, save=lambda stats: None) -> tuple[dict, list]:
+    """Each config's Stats against our f16 cache (save(results) after each); and the
+    f16 run's log-probs (f32)."""
     llm = edgellama.load(path, ctx=chunks.n_ctx)
     m = llm.model
     refs = [log_softmax(chunk_logits(m, c)).astype(np.float32) for c in chunks]
-    stats = {}
+    stats = {"f16/f16": {"mean_kl": 0.0, "top1": 1.0, "ppl": float(np.exp(np.mean(
+        [-ref[np.arange(len(tg)), tg].mean() for ref, tg in zip(refs, targets)])))}}
     for tk, tv, rotate in _configs(pairs):
         name = f"{tk}/{tv}" + ("" if rotate else " unrotated")
         seq = Sequence(KVCache(m.args, chunks.n_ctx, tk, tv, rotate=rotate))
-        st = stats[name] = Stats()
+        st = Stats()
         t0 = time.perf_counter()
         for c, ref, tg in zip(chunks, refs, targets):
             st.add(ref, log_softmax(chunk_logits(m, c, seq)), tg)
+        stats[name] = st.result()
+        save(stats)
         print(f"ours {name}: {time.perf_counter() - t0:.1f} s", flush=True)
-    return {n: s.result() for n, s in stats.items()}, refs
+    return stats, refs
 
 
 def llamacpp(path: str, chunks, pairs, targets, our_refs, threads: int) -> tuple[dict, dict]:
@@ -126,9 +134,11 @@ def main() -> None:
     pairs = [tuple(p.split("/")) for p in a.pairs.split(",")]
     our_refs = []
     if not a.no_ours:
-        result["engines"]["edgellama"], our_refs = ours(a.model, chunks, pairs, targets)
-        if a.json:     # ours kept, should llama.cpp's part not finish
-            Path(a.json).write_text(json.dumps(result, indent=1))
+        def save(stats):     # after each config: kept should a later one not finish
+            result["engines"]["edgellama"] = stats
+            if a.json:
+                Path(a.json).write_text(json.dumps(result, indent=1))
+        result["engines"]["edgellama"], our_refs = ours(a.model, chunks, pairs, targets, save)
     if not a.no_llamacpp:
         result["engines"]["llama.cpp"], cross = llamacpp(a.model, chunks, pairs, targets,
                                                          our_refs, a.threads)
