@@ -96,6 +96,16 @@ class KVCache:
         self._k, self._ks = a.get("k", a.get("kq")), a.get("ks", none)
         self._v, self._vs = a.get("v", a.get("vq")), a.get("vs", none)
 
+    @property
+    def k(self) -> np.ndarray:
+        """An f16 K as float16 (L, KV, cap/16, hd, 16) (the f16 cache's old attribute)."""
+        return self.arrays["k"].view(np.float16)
+
+    @property
+    def v(self) -> np.ndarray:
+        """An f16 V as float16 (L, KV, cap, hd)."""
+        return self.arrays["v"].view(np.float16)
+
     # -- the model's use -------------------------------------------------------
     def write(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store k, v (T, KV, hd) f32 at positions pos..pos+T-1 in the cache's types.
@@ -177,24 +187,31 @@ class KVCache:
         return (slice(0, n),)
 
     def layout(self) -> dict:
-        """JSON-able description of the state: cache types, capacity, rotation, and per
-        array its dtype, full shape and the positions one index of axis 2 holds."""
-        return {"version": LAYOUT_VERSION, "type_k": self.type_k, "type_v": self.type_v,
+        """JSON-able description of the state (the key names the saved prompts read): cache
+        types, capacity, rotation, and per array its dtype (f16 arrays as "<f2"), full
+        shape, its positions axis and the positions one index of that axis holds."""
+        return {"version": LAYOUT_VERSION, "k_type": self.type_k, "v_type": self.type_v,
                 "capacity": self.cap, "rotation_k": self.rot_k, "rotation_v": self.rot_v,
-                "arrays": {name: {"dtype": a.dtype.str, "shape": list(a.shape),
-                                  "positions_per_index": A.KV_BLOCK if name[0] == "k" else 1}
+                "arrays": {name: {"dtype": self._public(a).dtype.str, "shape": list(a.shape),
+                                  "axis": 2,
+                                  "per_index": A.KV_BLOCK if name[0] == "k" else 1}
                            for name, a in self.arrays.items()}}
+
+    @staticmethod
+    def _public(a: np.ndarray) -> np.ndarray:
+        # f16 arrays are held as their uint16 bits (the kernels' view); shown as float16
+        return a.view(np.float16) if a.dtype == np.uint16 else a
 
     def state(self, n: int) -> dict[str, np.ndarray]:
         """The arrays (views) that hold positions 0..n-1 of every layer: axis 2 cut to
         ceil(n/16) blocks for K's arrays, n positions for V's."""
-        return {name: a[(slice(None), slice(None)) + self._cut(name, n)]
+        return {name: self._public(a[(slice(None), slice(None)) + self._cut(name, n)])
                 for name, a in self.arrays.items()}
 
     def load_state(self, arrays: dict[str, np.ndarray], n: int) -> None:
         """The inverse of state(n): the caller has checked names, dtypes and shapes."""
         for name, a in self.arrays.items():
-            a[(slice(None), slice(None)) + self._cut(name, n)] = arrays[name]
+            self._public(a)[(slice(None), slice(None)) + self._cut(name, n)] = arrays[name]
         self.length = n
 
     def shift(self, keep: int, drop: int, inv_freq: np.ndarray) -> None:

@@ -74,11 +74,11 @@ def _attend(c, layer, q):
 def test_state_round_trip(type_k, type_v):
     c, _, _ = _filled(type_k, type_v, 37)
     lay, st = c.layout(), c.state(37)
-    assert lay["type_k"] == type_k and lay["type_v"] == type_v and set(st) == set(lay["arrays"])
+    assert lay["k_type"] == type_k and lay["v_type"] == type_v and set(st) == set(lay["arrays"])
     for name, arr in st.items():
         spec = lay["arrays"][name]
         assert arr.dtype.str == spec["dtype"] and arr.shape[:2] == tuple(spec["shape"][:2])
-        assert arr.shape[2] == -(-37 // spec["positions_per_index"])
+        assert arr.shape[spec["axis"]] == -(-37 // spec["per_index"])
     d = KVCache(Args(2, 2, 64, heads=4), 80, type_k, type_v)
     d.load_state({n: a.copy() for n, a in st.items()}, 37)
     assert d.length == 37
