@@ -205,11 +205,15 @@ class KVCache:
     def state(self, n: int) -> dict[str, np.ndarray]:
         """The arrays (views) that hold positions 0..n-1 of every layer: axis 2 cut to
         ceil(n/16) blocks for K's arrays, n positions for V's."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"state of {n} positions, the cache holds {self.length}")
         return {name: self._public(a[(slice(None), slice(None)) + self._cut(name, n)])
                 for name, a in self.arrays.items()}
 
     def load_state(self, arrays: dict[str, np.ndarray], n: int) -> None:
         """The inverse of state(n): the caller has checked names, dtypes and shapes."""
+        if not 0 <= n <= self.ctx:
+            raise ValueError(f"{n} positions do not fit a cache of {self.ctx}")
         for name, a in self.arrays.items():
             self._public(a)[(slice(None), slice(None)) + self._cut(name, n)] = arrays[name]
         self.length = n
@@ -219,11 +223,9 @@ class KVCache:
         K rotated back by drop positions of RoPE; length -= drop. V moves as stored
         bytes. A quantized K is read back (un-rotated), turned by RoPE, rotated and
         quantized again: the moved keys are rounded a second time."""
+        if not (0 <= keep and 0 < drop and keep + drop <= self.length):
+            raise ValueError(f"shift keep={keep} drop={drop} of {self.length} positions")
         n = self.length - keep - drop
-        if keep < 0 or drop < 0 or n < 0:
-            raise ValueError(f"shift({keep}, {drop}) of a cache holding {self.length} positions")
-        if drop == 0:
-            return
         ang = -float(drop) * np.asarray(inv_freq, np.float64)
         cos = np.cos(ang).astype(np.float32)[None, :]
         sin = np.sin(ang).astype(np.float32)[None, :]
