@@ -313,5 +313,5 @@ def fit_advice(args: ModelArgs, ctx: int, type_k: str, type_v: str, avail: int) 
                         f"({b / MiB:.0f} MiB)")
                 break
     longest = longest_context(args, avail, type_k, type_v)
-    return msg + (f"; with {type_k}/{type_v} use --ctx {longest} or less" if longest
-                  else "; free some memory")
+    return msg + (f"; use a smaller --ctx (with {type_k}/{type_v}: {longest} or less)"
+                  if longest else "; free some memory")

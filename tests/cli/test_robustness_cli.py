@@ -392,7 +392,7 @@ def test_chat_context_too_small_for_the_template(tiny_chat):
 
 def test_bench_context_that_cannot_fit_is_refused_before_generating(tmp_path, monkeypatch):
     monkeypatch.setenv("EDGELLAMA_CACHE", str(tmp_path))
-    assert_user_error(invoke("bench", "--ctx", 10**9), "--ctx 1000000000 needs", "MiB of KV cache",
+    assert_user_error(invoke("bench", "--ctx", 10**9), "context of 1000000000 tokens needs", "MiB of KV cache",
                       "use a smaller --ctx")
     res = invoke("bench", "--ctx", 64, "-p", 512)
     assert res.exit_code == 2 and "-p 512 does not fit --ctx 64" in res.stderr

@@ -187,9 +187,9 @@ def test_a_context_that_does_not_fit_says_what_would(tiny32, monkeypatch):
     msg = fit_advice(a, 131072, "f16", "f16", 8 * 2 ** 30)
     # the closest type pair that fits (q8_0's 7616 MiB), or the longest f16 context
     assert "needs 14336 MiB" in msg and "--cache-type-k q8_0 --cache-type-v q8_0 (7616 MiB)" in msg
-    assert "use --ctx 74896 or less" in msg
+    assert "use a smaller --ctx (with f16/f16: 74896 or less)" in msg
     monkeypatch.setattr(M, "available_memory", lambda: 100_000)
-    with pytest.raises(EdgeError, match="use --ctx"):
+    with pytest.raises(EdgeError, match="use a smaller --ctx"):
         M.Transformer(GGUFFile(tiny32), ctx=512)
 
 
