@@ -41,6 +41,17 @@ def normalish(shape, seed: int) -> np.ndarray:
     return ((u - 2.0) * 1.75).reshape(shape).astype(np.float32)
 
 
+def extreme_activations(n: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """x (n,) f32 already on each block's int8 grid (amax 127 * 2^-5, no rounding): all
+    +127, all -127, and random codes; the decode kernels' widest integer sums."""
+    out = []
+    for x in (np.full(n, 127, np.float32), np.full(n, -127, np.float32),
+              rng.integers(-127, 128, n).astype(np.float32)):
+        x[::32] = 127
+        out.append(x * np.float32(2.0 ** -5))
+    return out
+
+
 # --- a format's reference kernels -----------------------------------------------------------
 
 def gguf_dequant(q, fmt) -> np.ndarray:

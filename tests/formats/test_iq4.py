@@ -6,7 +6,7 @@ extreme codes, decode exact on the int8 grid at the int16 edge, resident size.
 import format_cases as fc
 import numpy as np
 import pytest
-from format_cases import check, gguf_dequant
+from format_cases import check, extreme_activations, gguf_dequant
 from format_cases import quantize_counts as quantize
 from quantize_cases import iq4_cases
 
@@ -100,10 +100,7 @@ def test_matvec_on_grid_is_exact_and_extremes(fmt, rows):
         raw[rows // 3:2 * rows // 3, :, 8:] = 0xFF
         raw[:rows // 2, :, 2:8] = 0                              # ls - 32 = -32
     lin, ref = make(fmt, shape, raw=raw.reshape(rows, -1))
-    for x in (np.full(shape[1], 127, np.float32), np.full(shape[1], -127, np.float32),
-              rng.integers(-127, 128, shape[1]).astype(np.float32)):
-        x[::32] = 127
-        x *= np.float32(2.0 ** -5)
+    for x in extreme_activations(shape[1], rng):
         out = np.empty(shape[0], np.float32)
         lin.matvec(x, out)
         check(out, ref, x)

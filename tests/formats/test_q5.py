@@ -6,7 +6,7 @@ the int8 grid at the int16 edge, resident size.
 import format_cases as fc
 import numpy as np
 import pytest
-from format_cases import check, gguf_dequant
+from format_cases import check, extreme_activations, gguf_dequant
 from format_cases import quantize_counts as quantize
 from quantize_cases import q5_cases
 
@@ -77,10 +77,7 @@ def test_matvec_on_grid_is_exact_and_int16_extremes(fmt):
     raw[:100, :, h:] = 0
     raw[100:200, :, h:] = 0xFF
     lin, ref = make(fmt, shape, raw=raw.reshape(shape[0], -1))
-    for x in (np.full(shape[1], 127, np.float32), np.full(shape[1], -127, np.float32),
-              rng.integers(-127, 128, shape[1]).astype(np.float32)):
-        x[::32] = 127
-        x *= np.float32(2.0 ** -5)
+    for x in extreme_activations(shape[1], rng):
         out = np.empty(shape[0], np.float32)
         lin.matvec(x, out)
         check(out, ref, x)

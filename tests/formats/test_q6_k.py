@@ -6,7 +6,7 @@ the int8 grid at the int32 extremes, the repack read back row by row, resident s
 import format_cases as fc
 import numpy as np
 import pytest
-from format_cases import check
+from format_cases import check, extreme_activations
 from quantize_cases import q6_k_cases
 
 from edgellama.formats.q6_k import Q6_K
@@ -85,10 +85,7 @@ def test_on_grid_is_exact_and_extremes(T):
     blocks = raw.reshape(-1, 210)
     blocks[:, 192:208] = blocks[:, 192:208] | 0x80               # negative scales only
     lin, ref = make(shape, raw=raw)
-    for x in (np.full(shape[1], 127, np.float32), np.full(shape[1], -127, np.float32),
-              rng.integers(-127, 128, shape[1]).astype(np.float32)):
-        x[::32] = 127
-        x *= np.float32(2.0 ** -5)
+    for x in extreme_activations(shape[1], rng):
         if T == 0:
             out = np.full(shape[0], np.nan, np.float32)
             lin.matvec(x, out)
