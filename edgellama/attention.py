@@ -32,7 +32,7 @@ from numba.extending import intrinsic, overload
 
 from .formats.records import prep_q8_x
 from .fp import f16_to_f32, f32_to_f16, half_to_float_ir
-from .kernels import _MIN_LOGIT, _PREFETCH, _TB, _exp_neg, _scores, _weighted
+from .kernels import _MIN_LOGIT, _PREFETCH, _TB, _exp_neg, _fma, _scores, _weighted
 from .simd import ISA, _dot, ir_ptr, prefetch_ir, splat
 
 F32 = np.float32
@@ -110,8 +110,7 @@ def _scores_q16(typingctx, kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, 
                         s8 = builder.load(ptr(6, qi, i32))
                         isum = builder.sub(isum, splat(builder, builder.shl(s8, ir.Constant(i32, 3)), 16))
                     scale = builder.fmul(dk, splat(builder, builder.load(ptr(5, qi, f32)), 16))
-                    prod = builder.fmul(builder.sitofp(isum, v16), scale)
-                    builder.store(builder.fadd(builder.load(a), prod), a)
+                    builder.store(_fma(builder, builder.sitofp(isum, v16), scale, builder.load(a)), a)
             for j, a in enumerate(accs):
                 o = builder.add(builder.add(soa, builder.mul(k64(j), ssa)), builder.mul(pb.index, k64(16)))
                 builder.store(builder.load(a), ptr(9, o, v16), align=4)
@@ -170,7 +169,7 @@ def _weighted_q16(typingctx, vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, 
                     c = splat(builder, builder.fmul(wj, dv), 16)
                     for h in range(2):
                         a = accs[j][h]
-                        builder.store(builder.fadd(builder.load(a), builder.fmul(c, vals[h])), a)
+                        builder.store(_fma(builder, c, vals[h], builder.load(a)), a)
             for j in range(G):
                 for h in range(2):
                     builder.store(builder.load(accs[j][h]), outs[j][h], align=4)
