@@ -58,6 +58,11 @@ class Drafter:
             self.length = DraftLength(self.draft_min, self.draft_max, target.one_pass_verify)
         return self.length
 
+    def copy(self) -> Drafter:
+        """A drafter of the same settings for another sequence (a server slot): its own
+        state (a draft model's KV cache) and measurements."""
+        raise NotImplementedError
+
     def start(self, prompt: list[int]) -> None:
         """Read the prompt ahead of the reply (generate counts it as prompt time)."""
 
@@ -82,6 +87,9 @@ class PromptLookup(Drafter):
             raise EdgeError(f"lookup n-gram sizes must satisfy 1 <= min <= max, got "
                             f"{ngram_min}..{ngram_max}")
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
+
+    def copy(self):
+        return PromptLookup(self.ngram_max, self.ngram_min, self.draft_min, self.draft_max)
 
     def propose(self, history, k, sampler):
         h = np.asarray(history, dtype=np.int64)
@@ -110,6 +118,9 @@ class DraftModel(Drafter):
         super().__init__(draft_min, draft_max)
         self.model = model
         self.seq: Sequence = model.new_sequence()
+
+    def copy(self):
+        return DraftModel(self.model, self.draft_min, self.draft_max)
 
     def start(self, prompt):
         n = self.seq.reuse_prefix(prompt)
