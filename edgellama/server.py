@@ -828,6 +828,7 @@ class Engine:
         seq, slot = job.slot.seq, job.slot
         base = seq.pos - len(rows)      # where next_token went
         accepted = 0
+        job.drafted += len(drafts)      # counted before a token ends the reply (usage)
         for i, row in enumerate(rows):
             d = drafts[i] if i < len(drafts) else None
             if d is not None and job.params.sampling.temperature > 0:
@@ -839,14 +840,13 @@ class Engine:
             else:
                 tok = sample_token(job, row, job.history)
                 ok = tok == d
+            accepted += ok
+            job.accepted += ok
             self._advance(job, tok, base + 1 + i)
             if not ok or slot.job is not job:   # rejected, or the reply ended
                 break
-            accepted += 1
         seq.truncate(base + 1 + accepted)   # the rows after the last token kept
         if drafts:
-            job.drafted += len(drafts)
-            job.accepted += accepted
             slot.length.observe_acceptance(len(drafts), accepted)
         elif probe is not None:
             slot.length.observe_acceptance(1, int(tok == probe))
