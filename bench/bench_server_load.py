@@ -275,6 +275,7 @@ def main() -> None:
     from edgellama.machine import cpu_name
 
     counts = [int(v) for v in a.clients.split(",")]
+    load_at_start = os.getloadavg()[0]
     path = a.model or with_tokenizer(str(shape_file(a.shape, a.type)))
     how = None
     modes = {"plain": ()}
@@ -314,7 +315,8 @@ def main() -> None:
            "threads": a.threads, "parallel": max(counts), "summarise": a.summarise,
            "prompt_tokens": None if a.summarise else a.prompt,
            "max_tokens": a.max_tokens, "requests_per_client": a.requests,
-           "rounds": a.rounds, "load_average_at_end": os.getloadavg()[0]}
+           "rounds": a.rounds, "load_average_at_start": load_at_start,
+           "load_average_at_end": os.getloadavg()[0]}
     if how:
         res.update(speculative=how, draft=None if how == "lookup" else Path(a.speculative).name,
                    replies_differing=differ,

@@ -813,10 +813,14 @@ class Engine:
             if not job.draft_started:   # a draft model reads the prompt: not a draft's cost
                 slot.drafter.start(job.history)
                 job.draft_started = True
+            if probe:   # not timed: a draft model catches up on the steps since the last
+                d, _ = slot.drafter.propose(job.history, 1, job.sampler)
+                out.append(([], None, d[0] if d else None))
+                continue
             t0 = time.perf_counter()
-            d, q = slot.drafter.propose(job.history, k or 1, job.sampler)
+            d, q = slot.drafter.propose(job.history, k, job.sampler)
             L.observe_draft(len(d), time.perf_counter() - t0)
-            out.append(([], None, d[0] if d else None) if probe else (d, q, None))
+            out.append((d, q, None))
         return out
 
     def _take(self, job: Job, rows: np.ndarray, drafts: list[int], q: np.ndarray | None,
