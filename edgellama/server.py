@@ -1,6 +1,7 @@
 """`edgellama serve`'s application: the OpenAI HTTP API over one loaded model.
 
-    app = create_app(llm, api_key=None, queue_size=16, parallel=None)   # a Starlette (ASGI) app
+    app = create_app(llm, api_key=None, queue_size=16, parallel=None,   # a Starlette (ASGI) app
+                     drafter=None)
 
 One model, `parallel` slots (each a Sequence: its own KV cache), one engine thread:
 requests are validated and tokenized on arrival (so a bad one fails at once, without
@@ -28,6 +29,11 @@ a grammar (edgellama/constrain.py) compiled on arrival (a bad one is a 400 befor
 queueing); sample_token(job, logits, history) is the one per-token step (penalties, the
 job's grammar mask, its sampler, logprobs). Tool calls are read from the finished reply
 (edgellama/tool_calls.py); streamed, a reply that starts like one is held back until then.
+
+Speculative decoding (create_app(drafter=...), `serve --draft/--lookup`): a slot may
+check proposed tokens in the engine's step, where speculative.plan_step says they raise
+the step's expected tokens per second (Engine); usage then counts them in OpenAI's
+completion_tokens_details.
 
 Stop strings are matched on the decoded text across token boundaries. Text that could
 be the start of a stop string is held back until it is known not to be one, so no part

@@ -204,3 +204,17 @@ def test_serve_refuses_a_draft_of_another_vocabulary(files, tmp_path):
     assert r.exit_code == 1, r.output
     assert "does not share the vocabulary" in r.output
     assert len(r.output.strip().splitlines()) == 1 and "Traceback" not in r.output
+
+
+def test_serve_command_with_lookup(files, tmp_path):
+    from test_server import Served
+    s = Served(files[0], "--lookup", "--draft-min", "1", log=tmp_path / "lookup.log")
+    try:
+        assert "speculative decoding: lookup, 1..16 tokens a step" in s.text()
+        r = s.client().completions.create(model="Q8_0-0", prompt=PROMPTS[0], max_tokens=N,
+                                          temperature=0)
+        details = r.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens + details.rejected_prediction_tokens > 0
+    finally:
+        s.stop()
+    assert "Traceback" not in s.text()
