@@ -139,10 +139,10 @@ def serve(model, ctx, threads, activations, cache_type_k, cache_type_v, host, po
                f"{engine.parallel}, queue {queue_size}) on http://{address}:{bound[1]}/v1",
                err=True)
     if drafter is not None:
-        click.echo(f"speculative decoding: {drafter.name}"
-                   f"{' ' + one_line(drafter.model.gguf.path.name) if hasattr(drafter, 'model') else ''}, "
-                   f"{draft_min}..{draft_max} tokens a step where it pays (usage reports "
-                   f"accepted_prediction_tokens)", err=True)
+        name = f" {one_line(drafter.model.gguf.path.name)}" if hasattr(drafter, "model") else ""
+        click.echo(f"speculative decoding: {drafter.name}{name}, {draft_min}..{draft_max} "
+                   f"tokens a step where it pays (usage reports accepted_prediction_tokens)",
+                   err=True)
     shown = ", ".join(f"[{h}]" if ":" in h else h for h in hosts)
     click.echo(f"answering Host {shown}{' and any IP address' if any_ip else ''}"
                f"{'; cross-origin pages: ' + ', '.join(cors) if cors else ''}", err=True)

@@ -18,7 +18,9 @@ min-p/penalty processing (Sampler.distribution), so every token is distributed a
 target's. Prompt lookup's proposals are a point mass (q(d) = 1).
 
 Adaptive length (DraftLength) keeps each step's draft length where the measured
-acceptance and costs say it pays, and drafts nothing when it would not.
+acceptance and costs say it pays, and drafts nothing when it would not. In the server,
+where proposals share a pass with other sequences' tokens, plan_step makes that choice
+for a whole batched step.
 """
 from __future__ import annotations
 
@@ -287,8 +289,8 @@ def plan_step(lengths: list[DraftLength | None], room: list[int], costs: PassCos
     proposals (draft_min..draft_max) that most raise the step's expected tokens per
     second, N + Σ gain(k) over v(N + Σ k) + Σ k·d, and none unless that beats the step
     as it stands: so drafting never lowers the expected throughput, and with several
-    sequences (v grows by whole groups of rows, a group buys fewer tokens than the
-    plain step's average) it rarely pays. A draft_min above 0 is honoured regardless."""
+    sequences decoding (another group of rows must buy more tokens than the step's
+    average) it takes a high acceptance. A draft_min above 0 is honoured regardless."""
     n = len(lengths)
     ks = [0] * n
     if costs.step is None:                # measure a plain step first
@@ -373,7 +375,8 @@ def speculative_decode(model: Transformer, seq: Sequence, logits: np.ndarray, hi
                     choice = sampler(rows[i], history)
                     ok = choice == d
                 else:
-                    ok, choice = rejection_test(sampler, rows[i], history, d, None if q is None else q[i])
+                    ok, choice = rejection_test(sampler, rows[i], history, d,
+                                                None if q is None else q[i])
                 if not ok:
                     pending = choice
                     break

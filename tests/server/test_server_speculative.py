@@ -65,7 +65,8 @@ def test_greedy_replies_equal_the_server_without_speculation(llm, files, which, 
         llm.load_draft(files[1], 2, 4)
     got, usage, rec = _replies(llm, drafter, parallel)
     assert got == plain
-    assert [u["completion_tokens"] for u in usage] == [u["completion_tokens"] for u in plain_usage]
+    assert [u["completion_tokens"] for u in usage] == \
+        [u["completion_tokens"] for u in plain_usage]
     assert sum(u["completion_tokens"] for u in usage) > 2 * N
     assert all("completion_tokens_details" not in u for u in plain_usage)
     details = [u["completion_tokens_details"] for u in usage]
