@@ -250,8 +250,8 @@ class Transformer:
         counts = [1] * len(seqs) if counts is None else list(counts)
         if len(counts) != len(seqs) or not seqs or min(counts) < 1 \
                 or len(tokens) != sum(counts):
-            raise ValueError(f"decode() needs one token (or counts[i] >= 1) per sequence, got "
-                             f"{len(tokens)} for {len(seqs)}")
+            raise ValueError(f"decode() needs one token per sequence (with counts, counts[i] "
+                             f">= 1 for seqs[i]), got {len(tokens)} for {len(seqs)}")
         if len({id(s) for s in seqs}) != len(seqs):
             raise ValueError("decode() got a sequence twice")
         for s, n in zip(seqs, counts):
