@@ -633,10 +633,10 @@ class Engine:
     a step, a slot may also feed proposed tokens, checked in the same pass as the other
     slots' tokens (Transformer.decode's counts); plan_step picks, from the measured pass
     costs and each slot's acceptance, the proposals that raise the step's expected tokens
-    per second, so with several slots decoding it seldom drafts. A slot that is not
-    drafting probes every PROBE_EVERY steps: one proposal, compared with the token its
-    plain step chooses (what its check would accept at temperature 0), which adds no row
-    to the pass."""
+    per second, so with several slots decoding only a high acceptance drafts. A slot
+    that is not drafting probes every PROBE_EVERY steps: one proposal, compared with the
+    token its plain step chooses (what its check would accept at temperature 0), which
+    adds no row to the pass."""
 
     def __init__(self, llm: LLM, capacity: int = DEFAULT_QUEUE, parallel: int | None = None,
                  drafter: Drafter | None = None):
