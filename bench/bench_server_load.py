@@ -24,6 +24,19 @@ they all run); fairness is the slowest client's decode rate over the fastest's. 
 count with the first (one client): the targets of issue 27 are an aggregate of at least
 2.5x and every client's time to first token at most 2x one client's.
 
+Speculative decoding (`--speculative lookup` or `--speculative DRAFT.gguf`): two servers
+run side by side, one plain and one with `--lookup` / `--draft DRAFT.gguf`, and each
+client count runs against the plain one, then the other, in every round (the idle
+server takes no CPU). Meant with `--model` (a real GGUF and its tokenizer) and
+`--summarise` (each request asks, in the chat endpoint, for a summary of the same
+paragraph, edgellama.benchmark.SUMMARISE, behind a line of its own so that no request
+reuses another's cache): a reply that repeats its input, where lookup pays. The table
+compares the aggregate decode rate and the throughput (all tokens over the wall time)
+with and without, and the proposals accepted (usage.completion_tokens_details).
+
+    python bench/bench_server_load.py --model ~/.cache/edgellama/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --summarise --speculative lookup --clients 1,4 --rounds 3 --max-tokens 96
+
 Bounded: `--requests` per client, and no request starts after `--time-limit` seconds.
 """
 from __future__ import annotations
@@ -44,14 +57,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))   # this checkout's edgellama
+from edgellama.benchmark import SUMMARISE  # noqa: E402
 
 
-def start_server(path: str, parallel: int, ctx: int, threads: int | None, log: Path):
+def start_server(path: str, parallel: int, ctx: int, threads: int | None, log: Path,
+                 extra: tuple[str, ...] = ()):
     """The serve command on a free port; (process, host, port) once it listens."""
     # the command line's own entry (cli.main has no __main__ block for `python -m`)
     cmd = [sys.executable, "-c", "from edgellama.cli.main import main; main()", "serve",
            "-m", path, "--port", "0",
-           "--ctx", str(ctx), "--parallel", str(parallel), "--queue", "16"]
+           "--ctx", str(ctx), "--parallel", str(parallel), "--queue", "16", *extra]
     if threads:
         cmd += ["-t", str(threads)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -66,17 +81,23 @@ def start_server(path: str, parallel: int, ctx: int, threads: int | None, log: P
     return proc, m.group(1), int(m.group(2))
 
 
-def stream_completion(host: str, port: int, prompt: str, max_tokens: int) -> dict:
-    """One streamed completion: when it was sent, when its first text came, when it ended,
-    and the tokens it generated."""
-    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+def stream_completion(host: str, port: int, prompt: str, max_tokens: int,
+                      chat: bool = False) -> dict:
+    """One streamed completion (chat: of a user message): when it was sent, when its
+    first text came, when it ended, the tokens it generated and, with speculative
+    decoding, the proposals accepted and rejected."""
+    body = json.dumps({("messages" if chat else "prompt"):
+                       [{"role": "user", "content": prompt}] if chat else prompt,
+                       "max_tokens": max_tokens, "temperature": 0,
                        "stream": True, "stream_options": {"include_usage": True}})
     conn = http.client.HTTPConnection(host, port, timeout=600)
     t0 = time.monotonic()
     first = None
     tokens = 0
+    details = {}
+    text = []
     try:
-        conn.request("POST", "/v1/completions", body=body,
+        conn.request("POST", "/v1/chat/completions" if chat else "/v1/completions", body=body,
                      headers={"Content-Type": "application/json"})
         r = conn.getresponse()
         if r.status != 200:
@@ -87,14 +108,20 @@ def stream_completion(host: str, port: int, prompt: str, max_tokens: int) -> dic
             event = json.loads(line[6:])
             if "error" in event:
                 raise RuntimeError(event["error"]["message"])
-            if event.get("choices") and event["choices"][0].get("text") and first is None:
-                first = time.monotonic()
+            choice = event["choices"][0] if event.get("choices") else {}
+            piece = choice.get("text") or choice.get("delta", {}).get("content")
+            if piece:
+                text.append(piece)
+                first = first or time.monotonic()
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
+                details = event["usage"].get("completion_tokens_details", {})
     finally:
         conn.close()
     end = time.monotonic()
-    return {"sent": t0, "first": first, "end": end, "tokens": tokens,
+    return {"sent": t0, "first": first, "end": end, "tokens": tokens, "text": "".join(text),
+            "accepted": details.get("accepted_prediction_tokens", 0),
+            "rejected": details.get("rejected_prediction_tokens", 0),
             "ttft_s": (first or end) - t0,
             "decode_tok_s": (tokens - 1) / (end - first) if first and tokens > 1 else None}
 
@@ -109,12 +136,16 @@ def run_clients(host: str, port: int, clients: int, a, offset: float, deadline: 
     def client(i: int) -> None:
         rng = random.Random(seed * 1000 + i)
         time.sleep(i * offset)
-        for _ in range(a.requests):
+        for n in range(a.requests):
             if time.monotonic() > deadline:
                 return
-            prompt = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(a.prompt))
+            if a.summarise:
+                prompt = f"Request {seed}.{i}.{n}.\n{SUMMARISE}"
+            else:
+                prompt = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(a.prompt))
             try:
-                results[i].append(stream_completion(host, port, prompt, a.max_tokens))
+                results[i].append(stream_completion(host, port, prompt, a.max_tokens,
+                                                    chat=a.summarise))
             except Exception as e:  # noqa: BLE001 - reported, the run goes on
                 errors.append(f"client {i}: {e}")
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
@@ -140,6 +171,8 @@ def summarize(clients: int, results: list[list[dict]]) -> dict:
     start = min(r["sent"] for reqs in results for r in reqs)
     end = max(r["end"] for reqs in results for r in reqs)
     return {"clients": clients, "per_client": per_client,
+            "accepted": sum(r["accepted"] for reqs in results for r in reqs),
+            "rejected": sum(r["rejected"] for reqs in results for r in reqs),
             "aggregate_decode_tok_s": sum(rates),
             "throughput_tok_s": sum(c["tokens"] for c in per_client) / (end - start),
             "ttft_median_s": statistics.median(c["ttft_s"] for c in per_client),
@@ -159,8 +192,11 @@ def medians(runs: list[dict]) -> list[dict]:
                         r["aggregate_decode_tok_s"] for r in rs),
                     "ttft_median_s": statistics.median(r["ttft_median_s"] for r in rs),
                     "ttft_worst_client_s": statistics.median(r["ttft_worst_client_s"] for r in rs),
+                    "throughput_tok_s": statistics.median(r["throughput_tok_s"] for r in rs),
                     "fairness_min_over_max": min(r["fairness_min_over_max"] for r in rs),
-                    "tokens": sum(c["tokens"] for r in rs for c in r["per_client"])})
+                    "tokens": sum(c["tokens"] for r in rs for c in r["per_client"]),
+                    "accepted": sum(r["accepted"] for r in rs),
+                    "rejected": sum(r["rejected"] for r in rs)})
     base = out[0]
     for m in out:
         m["aggregate_vs_first"] = m["aggregate_decode_tok_s"] / base["aggregate_decode_tok_s"]
@@ -184,10 +220,37 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def speculative_table(res: dict) -> str:
+    """Per client count: plain against speculative, aggregate decode and throughput."""
+    how = res["speculative"]
+    lines = [f"{res['file']}: {res['machine']}, {res['cores']} cores, --parallel "
+             f"{res['parallel']}, {'summarise prompts' if res['summarise'] else 'random prompts'}"
+             f", max_tokens {res['max_tokens']}, {res['requests_per_client']} requests a "
+             f"client, medians of {res['rounds']} rounds; plain vs {how}; replies that "
+             f"differ: {res['replies_differing']}",
+             f"{'clients':>7} {'agg decode plain':>16} {how:>10} {'ratio':>6} "
+             f"{'throughput plain':>16} {how:>10} {'ratio':>6} {'accepted/drafted':>16}"]
+    for p, s in zip(res["modes"]["plain"], res["modes"][how]):
+        drafted = s["accepted"] + s["rejected"]
+        lines.append(
+            f"{p['clients']:>7} {p['aggregate_decode_tok_s']:>16.2f} "
+            f"{s['aggregate_decode_tok_s']:>10.2f} "
+            f"{s['aggregate_decode_tok_s'] / p['aggregate_decode_tok_s']:>5.2f}x "
+            f"{p['throughput_tok_s']:>16.2f} {s['throughput_tok_s']:>10.2f} "
+            f"{s['throughput_tok_s'] / p['throughput_tok_s']:>5.2f}x "
+            f"{s['accepted']:>7}/{drafted:<8}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="llama-3.2-1b")
     ap.add_argument("--type", default="q4_k")
+    ap.add_argument("--model", help="a GGUF with its tokenizer instead of --shape's file")
+    ap.add_argument("--summarise", action="store_true",
+                    help="chat requests to summarise a paragraph, not random letters")
+    ap.add_argument("--speculative", metavar="lookup|DRAFT.gguf",
+                    help="also a server with --lookup (or --draft DRAFT.gguf), compared")
     ap.add_argument("--clients", default="1,4", help="client counts, run in this order")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the counts in turn this many times (drift hits all alike)")
@@ -201,7 +264,8 @@ def main() -> None:
     ap.add_argument("--table", help="print the table of a saved JSON and exit")
     a = ap.parse_args()
     if a.table:
-        print(table(json.loads(Path(a.table).read_text())))
+        res = json.loads(Path(a.table).read_text())
+        print(speculative_table(res) if "speculative" in res else table(res))
         return
 
     sys.path.insert(0, str(ROOT / "bench"))
@@ -211,31 +275,56 @@ def main() -> None:
     from edgellama.machine import cpu_name
 
     counts = [int(v) for v in a.clients.split(",")]
-    path = with_tokenizer(str(shape_file(a.shape, a.type)))
-    log = Path(tempfile.mkdtemp(prefix="bench_server_load_")) / "serve.log"
-    proc, host, port = start_server(path, max(counts), a.ctx, a.threads, log)
+    load_at_start = os.getloadavg()[0]
+    path = a.model or with_tokenizer(str(shape_file(a.shape, a.type)))
+    how = None
+    modes = {"plain": ()}
+    if a.speculative:
+        how = "lookup" if a.speculative == "lookup" else "draft"
+        modes[how] = ("--lookup",) if how == "lookup" else ("--draft", a.speculative)
+    logs = Path(tempfile.mkdtemp(prefix="bench_server_load_"))
+    servers = {}
     deadline = time.monotonic() + a.time_limit
     try:
-        stream_completion(host, port, "warm up", 4)   # kernels loaded, pages touched
-        runs, single = [], None
+        for mode, extra in modes.items():
+            servers[mode] = start_server(path, max(counts), a.ctx, a.threads,
+                                         logs / f"serve-{mode}.log", extra)
+            stream_completion(*servers[mode][1:], "warm up", 4)   # kernels loaded, pages touched
+        runs = {mode: [] for mode in modes}
+        single, differ = None, 0
         for i, c in enumerate(counts * a.rounds):
             offset = single / c if single else 0.0
-            results = run_clients(host, port, c, a, offset, deadline, seed=i)
-            runs.append(summarize(c, results))
-            if single is None:   # one client's mean request time: the stagger of the rest
-                single = statistics.mean(r["end"] - r["sent"] for r in results[0])
-            print(f"{c} client(s): {runs[-1]['aggregate_decode_tok_s']:.2f} decode tok/s, "
-                  f"worst client TTFT {runs[-1]['ttft_worst_client_s']:.2f} s", flush=True)
+            texts = {}
+            for mode, (_, host, port) in servers.items():
+                results = run_clients(host, port, c, a, offset, deadline, seed=i)
+                runs[mode].append(summarize(c, results))
+                texts[mode] = [r["text"] for reqs in results for r in reqs]
+                if single is None:   # one client's mean request time: the stagger of the rest
+                    single = statistics.mean(r["end"] - r["sent"] for r in results[0])
+                print(f"{mode}, {c} client(s): {runs[mode][-1]['aggregate_decode_tok_s']:.2f} "
+                      f"decode tok/s, worst client TTFT "
+                      f"{runs[mode][-1]['ttft_worst_client_s']:.2f} s", flush=True)
+            # greedy: the speculative server's replies are the plain one's
+            differ += sum(x != y for x, y in zip(*texts.values()))
     finally:
-        proc.terminate()
-        proc.wait(30)
-        print(f"server log: {log}")
+        for proc, _, _ in servers.values():
+            proc.terminate()
+            proc.wait(30)
+        print(f"server logs: {logs}")
     res = {"machine": cpu_name(), "cores": os.cpu_count(), "file": Path(path).name,
-           "threads": a.threads, "parallel": max(counts), "prompt_tokens": a.prompt,
+           "threads": a.threads, "parallel": max(counts), "summarise": a.summarise,
+           "prompt_tokens": None if a.summarise else a.prompt,
            "max_tokens": a.max_tokens, "requests_per_client": a.requests,
-           "rounds": a.rounds, "load_average_at_end": os.getloadavg()[0],
-           "summary": medians(runs), "runs": runs}
-    print(table(res))
+           "rounds": a.rounds, "load_average_at_start": load_at_start,
+           "load_average_at_end": os.getloadavg()[0]}
+    if how:
+        res.update(speculative=how, draft=None if how == "lookup" else Path(a.speculative).name,
+                   replies_differing=differ,
+                   modes={mode: medians(r) for mode, r in runs.items()}, runs=runs)
+        print(speculative_table(res))
+    else:
+        res.update(summary=medians(runs["plain"]), runs=runs["plain"])
+        print(table(res))
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
 

@@ -30,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
 import edgellama  # noqa: E402
-from edgellama.benchmark import shape_file  # noqa: E402
+from edgellama.benchmark import SUMMARISE, shape_file  # noqa: E402
 from edgellama.default_model import cache_dir  # noqa: E402
 from edgellama.gguf import GGUFFile  # noqa: E402
 from edgellama.model import Transformer  # noqa: E402
@@ -41,13 +41,6 @@ from quant_quality import cpu_name  # noqa: E402
 KS = (2, 3, 4, 7, 8, 15, 16)    # k + 1 = 4, 8, 16 fill whole groups of the 4-row kernel
 GREEDY = SamplingParams(temperature=0.0)
 
-ARTICLE = (
-    "The city council met on Tuesday to discuss the new bicycle lanes planned for Main "
-    "Street. Supporters said the lanes would make cycling safer and reduce traffic, "
-    "while several shop owners worried that removing parking spaces would hurt their "
-    "business. The council agreed to run a six-month trial of the lanes starting in "
-    "March, after which it will count cyclists, measure traffic and survey the shops "
-    "before making a final decision.")
 CODE = '''def total_price(items):
     total = 0
     for item in items:
@@ -61,7 +54,7 @@ def average_price(items):
     return total_price(items) / len(items)
 '''
 PROMPTS = {
-    "summarise": f"Summarise this text in two sentences, reusing its words:\n\n{ARTICLE}",
+    "summarise": SUMMARISE,
     "edit code": f"Rename the function total_price to order_total everywhere in this code "
                  f"and print the whole code:\n\n{CODE}",
     "open question": "Write a short story about a lighthouse keeper who finds a map.",

@@ -14,7 +14,7 @@ from edgellama.machine import available_memory
 from edgellama.kv_cache import KVCache, fit_advice
 
 from .main import main
-from .options import cache_type_options
+from .options import cache_type_options, speculative_options
 from .progress import StatusLine
 
 
@@ -89,11 +89,13 @@ def _after_run(path: Path, generated: bool, keep: bool | None) -> None:
 @click.option("--clean", is_flag=True, help="Remove the generated bench files, and run nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print every figure as JSON.")
 @cache_type_options
+@speculative_options
 def bench(model, shape, qtype, ctx, full, n_prompt, n_gen, depth, threads, reps, budget, keep,
-          clean, as_json, cache_type_k, cache_type_v):
+          clean, as_json, cache_type_k, cache_type_v, draft, lookup, draft_min, draft_max):
     """Will a model fit in memory, and how fast will it reply? (default: a quick check of
     the Llama 3.2 3B shape at Q4_0 with random weights; --full for the llama-bench style
-    suite)"""
+    suite; with --draft MODEL or --lookup, also speculative decoding's acceptance and
+    speed-up on a summarise-this-text prompt)"""
     if clean:
         files, size = benchmark.remove_bench_files()
         click.echo(f"Removed {files} file(s), {_size(size)}, from {_shown(benchmark.bench_dir())}."
@@ -101,6 +103,21 @@ def bench(model, shape, qtype, ctx, full, n_prompt, n_gen, depth, threads, reps,
         return
     if model and shape:
         raise click.UsageError("give either -m or --shape, not both")
+    speculating = draft is not None or lookup
+    if speculating and model is None:
+        raise click.UsageError(f"{'--draft' if draft else '--lookup'} needs -m MODEL (its "
+                               f"tokenizer reads the prompt; --shape files have random weights)")
+    if draft is not None and lookup:
+        raise click.UsageError("give --draft MODEL or --lookup, not both")
+    if draft_min > draft_max:
+        raise EdgeError(f"--draft-min {draft_min} is more than --draft-max {draft_max}")
+    if draft is not None:   # refused before the run, not after it
+        from edgellama.gguf import GGUFFile
+        from edgellama.speculative import check_same_vocabulary
+
+        from .options import resolve_model
+        draft = resolve_model(draft, None, None)
+        check_same_vocabulary(GGUFFile(model), GGUFFile(draft))
     if not full and (depth is not None or reps is not None):
         raise click.UsageError(f"{'--depth' if depth is not None else '-r'} is for --full "
                                f"(the quick check runs each test once, at depth 0)")
@@ -133,6 +150,11 @@ def bench(model, shape, qtype, ctx, full, n_prompt, n_gen, depth, threads, reps,
         if synthetic:    # no question while failing or interrupted: kept unless --no-keep
             _after_run(model, generated, True if keep is None else keep)
         raise
+    if speculating:   # after the memory figures, which must not count a second model
+        report["speculative"] = benchmark.speculative(
+            model, draft, lookup, ctx=ctx, n_gen=n_gen,
+            threads=threads, draft_min=draft_min, draft_max=draft_max,
+            progress=progress)
     status.clear()
     click.echo(json.dumps(report, indent=2) if as_json else
                benchmark.format_report(report) if full else benchmark.format_quick(report))

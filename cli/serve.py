@@ -7,7 +7,7 @@ import socket
 import click
 
 from .main import main
-from .options import load, model_options, one_line
+from .options import drafter_from, load, model_options, one_line, speculative_options
 
 
 def _listen_socket(host: str, port: int) -> socket.socket:
@@ -95,8 +95,9 @@ def _accepted_hosts(host: str, sock: socket.socket, extra: list[str]) -> tuple[l
               help="Let web pages at ORIGIN (e.g. http://localhost:3000; * = any) call the "
                    "API from a browser, with CORS headers (repeatable). Without it every "
                    "request that a page on another origin sends is refused (403).")
+@speculative_options
 def serve(model, ctx, threads, activations, cache_type_k, cache_type_v, host, port, api_key, parallel, queue_size,
-          allowed_hosts, cors):
+          allowed_hosts, cors, draft, lookup, draft_min, draft_max):
     """Serve the model over OpenAI's HTTP API (chat and completions).
 
     Requests must send JSON bodies with 'Content-Type: application/json' (or none); form
@@ -113,11 +114,15 @@ def serve(model, ctx, threads, activations, cache_type_k, cache_type_v, host, po
     progress = KernelProgress()
     with jit.Compiling(progress) as loading:
         llm = load(model, ctx, threads, activations, cache_type_k, cache_type_v)
-    warm = jit.warm_up(llm.model, progress)
-    progress.done(loading.count + warm.compiled, loading.seconds + warm.compile_seconds)
+        drafter = drafter_from(llm, draft, lookup, draft_min, draft_max)
+    warms = [jit.warm_up(m, progress)
+             for m in [llm.model] + ([drafter.model] if hasattr(drafter, "model") else [])]
+    progress.done(loading.count + sum(w.compiled for w in warms),
+                  loading.seconds + sum(w.compile_seconds for w in warms))
     hosts, any_ip = _accepted_hosts(host, sock, allowed_hosts)
     app = create_app(llm, api_key=api_key or None, queue_size=queue_size,
-                     allowed_hosts=hosts, any_ip_host=any_ip, cors=cors, parallel=parallel)
+                     allowed_hosts=hosts, any_ip_host=any_ip, cors=cors, parallel=parallel,
+                     drafter=drafter)
     server = app.state.server
     if not api_key and not _is_local(sock):
         click.echo(f"warning: listening on {host} without --api-key: anyone who can reach "
@@ -133,6 +138,11 @@ def serve(model, ctx, threads, activations, cache_type_k, cache_type_v, host, po
     click.echo(f"serving {one_line(server.model_id)} (ctx {llm.ctx}, parallel "
                f"{engine.parallel}, queue {queue_size}) on http://{address}:{bound[1]}/v1",
                err=True)
+    if drafter is not None:
+        name = f" {one_line(drafter.model.gguf.path.name)}" if hasattr(drafter, "model") else ""
+        click.echo(f"speculative decoding: {drafter.name}{name}, {draft_min}..{draft_max} "
+                   f"tokens a step where it pays (usage reports accepted_prediction_tokens)",
+                   err=True)
     shown = ", ".join(f"[{h}]" if ":" in h else h for h in hosts)
     click.echo(f"answering Host {shown}{' and any IP address' if any_ip else ''}"
                f"{'; cross-origin pages: ' + ', '.join(cors) if cors else ''}", err=True)

@@ -5,7 +5,9 @@ scratch, process baseline) beside resident memory measured after load, after
 prefill and at peak. Speed: prefill (pp) and decode (tg) tokens/s as mean ± sd,
 decode at depth, achieved read bandwidth beside the ceiling measured in the same
 run, prefill beside NumPy's float32 matmul on the same shapes, JIT compile and load
-time apart.
+time apart. With a drafter (`--draft MODEL`, `--lookup`): speculative decoding's
+acceptance and speed-up over plain decoding on one summarise-this-text prompt
+(speculative()).
 
 Speed and memory do not depend on weight values, so `--shape` benchmarks a GGUF
 with the real Llama 3.2 shapes and random weights, generated once and cached.
@@ -401,6 +403,58 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
     }
 
 
+# a reply that repeats its input: where lookup pays, and a draft model has an easy time
+ARTICLE = (
+    "The city council met on Tuesday to discuss the new bicycle lanes planned for Main "
+    "Street. Supporters said the lanes would make cycling safer and reduce traffic, "
+    "while several shop owners worried that removing parking spaces would hurt their "
+    "business. The council agreed to run a six-month trial of the lanes starting in "
+    "March, after which it will count cyclists, measure traffic and survey the shops "
+    "before making a final decision.")
+SUMMARISE = f"Summarise this text in two sentences, reusing its words:\n\n{ARTICLE}"
+
+
+def speculative(path: Path, draft: Path | None, lookup: bool, ctx: int = 2048, n_gen: int = 64,
+                threads: int | None = None, draft_min: int = 0, draft_max: int = 16,
+                progress=lambda msg: None) -> dict:
+    """Speculative decoding against plain decoding on the same prompt (SUMMARISE, as a
+    chat message), greedy, up to n_gen tokens each way: tokens/s of each, the speed-up,
+    the tokens drafted and accepted, and whether the replies are the same token for
+    token (they must be). The model needs its tokenizer."""
+    from .llm import load
+    from .sampling import SamplingParams
+    from .speculative import PromptLookup
+    llm = load(path, ctx=ctx, threads=threads)
+    drafter = PromptLookup(draft_min=draft_min, draft_max=draft_max) if lookup else \
+        llm.load_draft(draft, draft_min, draft_max)
+    progress("speculative decoding: compiling kernels (first run only)")
+    for m in [llm.model] + ([drafter.model] if hasattr(drafter, "model") else []):
+        warm_up(m)
+    ids = llm.chat.encode_messages([{"role": "user", "content": SUMMARISE}])
+    out = {"drafter": "lookup" if lookup else Path(draft).name, "prompt": "summarise",
+           "prompt_tokens": len(ids), "draft_min": draft_min, "draft_max": draft_max}
+    replies = {}
+    for how, d in (("plain", None), ("speculative", drafter)):
+        progress(f"speculative decoding: {how}, {n_gen} tokens")
+        llm.reset()
+        replies[how] = list(llm.generate(ids, max_tokens=n_gen,
+                                         sampling=SamplingParams(temperature=0.0), drafter=d))
+        out[f"{how}_tok_s"] = llm.stats.gen_tps
+    out.update(tokens=len(replies["plain"]), drafted=llm.stats.drafted,
+               accepted=llm.stats.accepted, speedup=out["speculative_tok_s"] / out["plain_tok_s"],
+               same_tokens=replies["plain"] == replies["speculative"])
+    return out
+
+
+def speculative_line(r: dict) -> str:
+    s = r["speculative"]
+    rate = f" ({100 * s['accepted'] / s['drafted']:.0f}%)" if s["drafted"] else ""
+    return (f"speculative ({s['drafter']}, a summarise-this-text prompt, {s['tokens']} tokens): "
+            f"{s['speculative_tok_s']:.1f} tokens/s vs plain {s['plain_tok_s']:.1f}, "
+            f"{s['speedup']:.2f}x; drafted {s['drafted']}, accepted {s['accepted']}{rate}"
+            + ("" if s["same_tokens"] else "; the replies DIFFER (a bug: please report it)"))
+
+
 def _needed(m: dict) -> int:
     """Memory the run needs: the peak measured (the KV cache was made resident), or the
     prediction if that is higher."""
@@ -456,6 +510,7 @@ def format_quick(r: dict) -> str:
     if r["synthetic"]:
         lines.append("        (random weights with the real shapes: speed and memory do not "
                      "depend on the values)")
+    lines += [speculative_line(r)] if "speculative" in r else []
     return "\n".join(lines + cache_type_lines(r) + [summary(r)])
 
 
@@ -508,5 +563,6 @@ def format_report(r: dict) -> str:
     if r["synthetic"]:
         lines.append("(random weights with the real shapes: speed and memory do not depend on values; "
                      "decode at depth uses synthetic K/V)")
+    lines += [speculative_line(r)] if "speculative" in r else []
     return "\n".join(lines + [summary(r)])
 

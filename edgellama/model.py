@@ -236,26 +236,31 @@ class Transformer:
             last = self._run(chunk, [seq], [len(chunk)], seq.scratch, False, out)
         return all_out if all_logits else last[0]
 
-    def decode(self, seqs: list[Sequence], tokens, scratch: Scratch | None = None) -> np.ndarray:
+    def decode(self, seqs: list[Sequence], tokens, scratch: Scratch | None = None,
+               counts: list[int] | None = None) -> np.ndarray:
         """One token for each of several sequences (at their own positions and lengths)
-        in one pass over the weights; attention reads each sequence's own cache.
+        in one pass over the weights; attention reads each sequence's own cache. With
+        `counts`, counts[i] tokens for seqs[i] (tokens in that order): the server's step
+        where some sequences verify proposals (verify()'s rows, beside the others').
 
-        Returns logits (N, V), row i for seqs[i]: a buffer of `scratch` (default
-        seqs[0].scratch) reused by the next call.
+        Returns logits (sum(counts), V), a row per token in `tokens`' order: a buffer of
+        `scratch` (default seqs[0].scratch) reused by the next call.
         """
         tokens = self._check(tokens)
-        if len(tokens) != len(seqs) or not seqs:
-            raise ValueError(f"decode() needs one token per sequence, got {len(tokens)} "
-                             f"for {len(seqs)}")
+        counts = [1] * len(seqs) if counts is None else list(counts)
+        if len(counts) != len(seqs) or not seqs or min(counts) < 1 \
+                or len(tokens) != sum(counts):
+            raise ValueError(f"decode() needs one token per sequence (with counts, counts[i] "
+                             f">= 1 for seqs[i]), got {len(tokens)} for {len(seqs)}")
         if len({id(s) for s in seqs}) != len(seqs):
             raise ValueError("decode() got a sequence twice")
-        for s in seqs:
-            if s.pos >= s.ctx:
+        for s, n in zip(seqs, counts):
+            if s.pos + n > s.ctx:
                 raise EdgeError(f"a sequence is full ({s.ctx} tokens)")
         sc = scratch or seqs[0].scratch
         self.threads.apply()
-        return self._run(tokens, seqs, [1] * len(seqs), sc, True,
-                         sc.get("logits_n", (len(seqs), self.args.vocab_size)))
+        return self._run(tokens, seqs, counts, sc, True,
+                         sc.get("logits_n", (len(tokens), self.args.vocab_size)))
 
     def verify(self, tokens, seq: Sequence) -> np.ndarray:
         """Logits (T, V) of a few tokens at the sequence's next positions, extending it

@@ -1,6 +1,7 @@
 """`edgellama serve`'s application: the OpenAI HTTP API over one loaded model.
 
-    app = create_app(llm, api_key=None, queue_size=16, parallel=None)   # a Starlette (ASGI) app
+    app = create_app(llm, api_key=None, queue_size=16, parallel=None,   # a Starlette (ASGI) app
+                     drafter=None)
 
 One model, `parallel` slots (each a Sequence: its own KV cache), one engine thread:
 requests are validated and tokenized on arrival (so a bad one fails at once, without
@@ -28,6 +29,11 @@ a grammar (edgellama/constrain.py) compiled on arrival (a bad one is a 400 befor
 queueing); sample_token(job, logits, history) is the one per-token step (penalties, the
 job's grammar mask, its sampler, logprobs). Tool calls are read from the finished reply
 (edgellama/tool_calls.py); streamed, a reply that starts like one is held back until then.
+
+Speculative decoding (create_app(drafter=...), `serve --draft/--lookup`): a slot may
+check proposed tokens in the engine's step, where speculative.plan_step says they raise
+the step's expected tokens per second (Engine); usage then counts them in OpenAI's
+completion_tokens_details.
 
 Stop strings are matched on the decoded text across token boundaries. Text that could
 be the start of a stop string is held back until it is known not to be one, so no part
@@ -68,6 +74,7 @@ from .machine import available_memory
 from .sampling import Sampler, SamplingParams, log_probs
 from .scratch import Scratch
 from .sequence import Sequence
+from .speculative import DraftLength, DraftModel, Drafter, PassCost, plan_step, rejection_test
 from .tokenizer import StreamDecoder
 from .tool_calls import may_be_tool_call, parse_tool_calls, tool_call_schema
 
@@ -501,6 +508,15 @@ class Job:
                                        # then each sampled one
         self.decoder: StreamDecoder | None = None
         self.matcher = StopMatcher(params.stops)
+        self.drafted = self.accepted = 0   # speculative decoding: tokens proposed, kept
+        self.draft_started = False     # the slot's drafter has read the prompt
+
+    @property
+    def may_draft(self) -> bool:
+        """Whether proposals can be checked for this reply: at temperature 0 any reply
+        (each check is sample_token's own choice, grammar and logprobs included); with
+        sampling not under a grammar (rejection sampling knows no mask)."""
+        return self.constraint is None or self.params.sampling.temperature == 0
 
     @property
     def reading(self) -> bool:
@@ -526,13 +542,17 @@ def sample_token(job: Job, logits: np.ndarray, history: list[int]) -> int:
     token's logprobs if asked (from these adjusted logits, before temperature: see
     sampling.log_probs) and advances the grammar past the token."""
     tok, adjusted = sample(job.sampler, logits, history, job.constraint)
+    _record_logprobs(job, tok, adjusted)
+    return tok
+
+
+def _record_logprobs(job: Job, tok: int, adjusted: np.ndarray) -> None:
     top = job.params.top_logprobs
     if top is not None:
         lp = log_probs(adjusted)
         best = np.argsort(-lp, kind="stable")[:top] if top else []
         job.logprobs.append((tok, float(lp[tok]), [(int(i), float(lp[i])) for i in best
                                                    if np.isfinite(lp[i])]))
-    return tok
 
 
 def _logprob_entry(tokenizer, tok: int, lp: float, top: list[tuple[int, float]]) -> dict:
@@ -552,6 +572,9 @@ class Slot:
     seq: Sequence
     job: Job | None = None
     last_used: int = 0    # admission count when it last took a job
+    drafter: Drafter | None = None       # speculative decoding: its own (a draft model's
+    length: DraftLength | None = None    # KV cache), with its acceptance measured
+    off_steps: int = 0    # steps since it last drafted or probed
 
 
 def shared_prefix(cached: list[int], ids: list[int]) -> int:
@@ -604,16 +627,32 @@ class Engine:
     steps, so none waits for another to finish, and each decoding request gets one token
     a step. A request goes to the free slot whose cache its prompt continues furthest
     (_reusable), else to the least recently used one, so interleaved conversations keep
-    their caches. All slots share one Scratch: one pass runs at a time."""
+    their caches. All slots share one Scratch: one pass runs at a time.
 
-    def __init__(self, llm: LLM, capacity: int = DEFAULT_QUEUE, parallel: int | None = None):
+    Speculative decoding (`drafter`: a draft model or prompt lookup, one copy a slot): in
+    a step, a slot may also feed proposed tokens, checked in the same pass as the other
+    slots' tokens (Transformer.decode's counts); plan_step picks, from the measured pass
+    costs and each slot's acceptance, the proposals that raise the step's expected tokens
+    per second, so with several slots decoding only a high acceptance drafts. A slot
+    that is not drafting probes every PROBE_EVERY steps: one proposal, compared with the
+    token its plain step chooses (what its check would accept at temperature 0), which
+    adds no row to the pass."""
+
+    def __init__(self, llm: LLM, capacity: int = DEFAULT_QUEUE, parallel: int | None = None,
+                 drafter: Drafter | None = None):
         self.llm, self.capacity = llm, capacity
         model = llm.model
         self.scratch = Scratch()
         first = model.new_sequence(scratch=self.scratch)
-        self.parallel = choose_parallel(parallel, first.cache.nbytes, llm.ctx)
+        draft_bytes = drafter.seq.cache.nbytes if isinstance(drafter, DraftModel) else 0
+        self.parallel = choose_parallel(parallel, first.cache.nbytes + draft_bytes, llm.ctx)
         self.slots = [Slot(0, first)] + [Slot(i, model.new_sequence(scratch=self.scratch))
                                          for i in range(1, self.parallel)]
+        self.costs = PassCost(model.one_pass_verify) if drafter else None
+        if drafter:
+            for slot in self.slots:
+                slot.drafter = drafter if slot.index == 0 else drafter.copy()
+                slot.length = DraftLength(drafter.draft_min, drafter.draft_max, costs=self.costs)
         self._stop_ids = llm.tokenizer.stop_ids
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
@@ -741,22 +780,90 @@ class Engine:
         self.llm.model.forward(job.ids[seq.pos:end], seq)
 
     def _decode(self, jobs: list[Job]) -> None:
-        """One token for each job, all in one pass over the weights."""
-        logits = self.llm.model.decode([j.slot.seq for j in jobs],
-                                       [j.next_token for j in jobs], self.scratch)
-        for job, row in zip(jobs, logits):
+        """One token for each job, all in one pass over the weights; with a drafter, a
+        job may also check proposals in that pass, and take each one accepted."""
+        drafts = self._drafts(jobs) if self.costs else [([], None, None)] * len(jobs)
+        counts = [1 + len(d) for d, _, _ in drafts]
+        t0 = time.perf_counter()
+        logits = self.llm.model.decode(
+            [j.slot.seq for j in jobs],
+            [t for j, (d, _, _) in zip(jobs, drafts) for t in [j.next_token, *d]],
+            self.scratch, counts)
+        if self.costs:
+            self.costs.observe(sum(counts), time.perf_counter() - t0)
+        start = 0
+        for job, (d, q, probe), n in zip(jobs, drafts, counts):
+            rows, start = logits[start:start + n], start + n
             try:
-                tok = sample_token(job, row, job.history)
+                self._take(job, rows, d, q, probe)
             except GrammarError as e:   # its grammar gave up mid-reply: this request
                 # fails, not the others of the step
                 job.emit("error", ApiError(400, str(e), job.params.grammar_param,
                                            "invalid_grammar"))
                 self._release(job, None)
-                continue
-            self._advance(job, tok)
 
-    def _advance(self, job: Job, tok: int) -> None:
-        """Take the sampled token: stream its text, or end the reply."""
+    def _drafts(self, jobs: list[Job]) -> list[tuple[list[int], np.ndarray | None, int | None]]:
+        """Each job's proposals for this step (plan_step's lengths), the distributions
+        they were drawn from (None: a point mass), and a probe (a proposal to compare
+        with the plain step's token, not fed) or None."""
+        lengths = [j.slot.length if j.may_draft else None for j in jobs]
+        room = [min(j.max_tokens - j.count, j.slot.seq.ctx - j.slot.seq.pos) - 1 for j in jobs]
+        out = []
+        for job, L, k in zip(jobs, lengths, plan_step(lengths, room, self.costs)):
+            slot = job.slot
+            slot.off_steps = 0 if k else slot.off_steps + 1
+            probe = L is not None and not k and slot.off_steps % DraftLength.PROBE_EVERY == 0
+            if not (k or probe):
+                out.append(([], None, None))
+                continue
+            if not job.draft_started:   # a draft model reads the prompt: not a draft's cost
+                slot.drafter.start(job.history)
+                job.draft_started = True
+            if probe:   # not timed: a draft model catches up on the steps since the last
+                d, _ = slot.drafter.propose(job.history, 1, job.sampler)
+                out.append(([], None, d[0] if d else None))
+                continue
+            t0 = time.perf_counter()
+            d, q = slot.drafter.propose(job.history, k, job.sampler)
+            L.observe_draft(len(d), time.perf_counter() - t0)
+            out.append((d, q, None))
+        return out
+
+    def _take(self, job: Job, rows: np.ndarray, drafts: list[int], q: np.ndarray | None,
+              probe: int | None) -> None:
+        """The job's tokens from its rows of the step: each row's token as plain decoding
+        would choose it (at temperature 0, sample_token's own choice; with sampling, a
+        proposal passes speculative.rejection_test), as long as the proposals fed after
+        it are the tokens chosen; the cache is cut back to the last one kept."""
+        seq, slot = job.slot.seq, job.slot
+        base = seq.pos - len(rows)      # where next_token went
+        accepted = 0
+        job.drafted += len(drafts)      # counted before a token ends the reply (usage)
+        for i, row in enumerate(rows):
+            d = drafts[i] if i < len(drafts) else None
+            if d is not None and job.params.sampling.temperature > 0:
+                ok, tok = rejection_test(job.sampler, row, job.history, d,
+                                         None if q is None else q[i])
+                tok = d if ok else tok
+                if job.params.top_logprobs is not None:
+                    _record_logprobs(job, tok, job.sampler.adjusted(row, job.history))
+            else:
+                tok = sample_token(job, row, job.history)
+                ok = tok == d
+            accepted += ok
+            job.accepted += ok
+            self._advance(job, tok, base + 1 + i)
+            if not ok or slot.job is not job:   # rejected, or the reply ended
+                break
+        seq.truncate(base + 1 + accepted)   # the rows after the last token kept
+        if drafts:
+            slot.length.observe_acceptance(len(drafts), accepted)
+        elif probe is not None:
+            slot.length.observe_acceptance(1, int(tok == probe))
+
+    def _advance(self, job: Job, tok: int, cached: int) -> None:
+        """Take the sampled token (`cached`: the positions its slot's cache holds before
+        it): stream its text, or end the reply."""
         if tok in self._stop_ids:
             self._finish(job, "stop")
             return
@@ -765,10 +872,9 @@ class Engine:
         text, hit = job.matcher.push(job.decoder.push(tok))
         if text:
             job.emit("text", text, job.take_logprobs(job.count, self.llm.tokenizer))
-        seq = job.slot.seq
         if hit:
             self._finish(job, "stop", flush=False)
-        elif job.count >= job.max_tokens or seq.pos >= seq.ctx:
+        elif job.count >= job.max_tokens or cached >= job.slot.seq.ctx:
             self._finish(job, "length")
         else:
             job.next_token = tok
@@ -782,10 +888,14 @@ class Engine:
                 job.emit("text", text, rest)
             finish = "stop" if hit else finish
         prompt = len(job.ids)
-        job.emit("done", finish, {
-            "prompt_tokens": prompt, "completion_tokens": job.count,
-            "total_tokens": prompt + job.count,
-            "prompt_tokens_details": {"cached_tokens": job.reused}})
+        usage = {"prompt_tokens": prompt, "completion_tokens": job.count,
+                 "total_tokens": prompt + job.count,
+                 "prompt_tokens_details": {"cached_tokens": job.reused}}
+        if self.costs:   # speculative decoding: proposals kept and not (OpenAI's names)
+            usage["completion_tokens_details"] = {
+                "accepted_prediction_tokens": job.accepted,
+                "rejected_prediction_tokens": job.drafted - job.accepted}
+        job.emit("done", finish, usage)
         self._release(job, None)
 
     def _release(self, job: Job, event: str | None) -> None:
@@ -879,9 +989,10 @@ def _sse(data: Any) -> str:
 
 
 class Server:
-    def __init__(self, llm: LLM, model_id: str, queue_size: int, parallel: int | None = None):
+    def __init__(self, llm: LLM, model_id: str, queue_size: int, parallel: int | None = None,
+                 drafter: Drafter | None = None):
         self.llm, self.model_id = llm, model_id
-        self.engine = Engine(llm, queue_size, parallel)
+        self.engine = Engine(llm, queue_size, parallel, drafter)
         self.defaults = llm.default_sampling()
         self.created = int(time.time())
         self._tools_ok: bool | None = None   # the chat template shows tools (asked once)
@@ -1261,15 +1372,17 @@ class _RequireKey:
 def create_app(llm: LLM, *, model_id: str | None = None, api_key: str | None = None,
                queue_size: int = DEFAULT_QUEUE, allowed_hosts: Iterable[str] = LOOPBACK_HOSTS,
                any_ip_host: bool = False, cors: Iterable[str] = (),
-               parallel: int | None = None) -> Starlette:
+               parallel: int | None = None, drafter: Drafter | None = None) -> Starlette:
     """The ASGI app serving `llm`; its id is the file name without .gguf unless given.
     The engine thread starts now and stops when the app's lifespan ends. `parallel`
-    requests run at once (None: choose_parallel's default from memory).
+    requests run at once (None: choose_parallel's default from memory). `drafter`
+    (llm.load_draft(path) or speculative.PromptLookup()): speculative decoding, where
+    it pays (Engine).
 
     Only requests whose Host names one of `allowed_hosts` ("*": any; `any_ip_host`: any
     IP address too) are answered, and requests from web pages only from the same origin
     or one of the `cors` origins ("*": any); see _Guard. normalize_origin checks `cors`."""
-    server = Server(llm, model_id or llm.path.stem, queue_size, parallel)
+    server = Server(llm, model_id or llm.path.stem, queue_size, parallel, drafter)
     guard = Middleware(_Guard, hosts=list(allowed_hosts), any_ip=any_ip_host, cors=list(cors))
 
     async def api_error(request: Request, exc: ApiError):

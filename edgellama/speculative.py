@@ -18,7 +18,9 @@ min-p/penalty processing (Sampler.distribution), so every token is distributed a
 target's. Prompt lookup's proposals are a point mass (q(d) = 1).
 
 Adaptive length (DraftLength) keeps each step's draft length where the measured
-acceptance and costs say it pays, and drafts nothing when it would not.
+acceptance and costs say it pays, and drafts nothing when it would not. In the server,
+where proposals share a pass with other sequences' tokens, plan_step makes that choice
+for a whole batched step.
 """
 from __future__ import annotations
 
@@ -58,6 +60,11 @@ class Drafter:
             self.length = DraftLength(self.draft_min, self.draft_max, target.one_pass_verify)
         return self.length
 
+    def copy(self) -> Drafter:
+        """A drafter of the same settings for another sequence (a server slot): its own
+        state (a draft model's KV cache) and measurements."""
+        raise NotImplementedError
+
     def start(self, prompt: list[int]) -> None:
         """Read the prompt ahead of the reply (generate counts it as prompt time)."""
 
@@ -82,6 +89,9 @@ class PromptLookup(Drafter):
             raise EdgeError(f"lookup n-gram sizes must satisfy 1 <= min <= max, got "
                             f"{ngram_min}..{ngram_max}")
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
+
+    def copy(self):
+        return PromptLookup(self.ngram_max, self.ngram_min, self.draft_min, self.draft_max)
 
     def propose(self, history, k, sampler):
         h = np.asarray(history, dtype=np.int64)
@@ -110,6 +120,9 @@ class DraftModel(Drafter):
         super().__init__(draft_min, draft_max)
         self.model = model
         self.seq: Sequence = model.new_sequence()
+
+    def copy(self):
+        return DraftModel(self.model, self.draft_min, self.draft_max)
 
     def start(self, prompt):
         n = self.seq.reuse_prefix(prompt)
@@ -163,72 +176,98 @@ def check_same_vocabulary(target: GGUFFile, draft: GGUFFile) -> None:
                         f"{target.path.name} ({problem}); use a draft from the same model family")
 
 
-class DraftLength:
-    """Chooses each step's draft length from measured costs and acceptance.
+class PassCost:
+    """Measured seconds of the target's decode passes over T tokens (one sequence's
+    check, or several sequences' batched step): v(T) = c1 + s·(rows(T) - 1), c1 a
+    one-token pass, s each further row, each a moving average of measured passes, T
+    counted in whole groups of verify_rows (the record formats' kernel multiplies 4 rows
+    at a time: 8 tokens cost what 5 do)."""
 
-    A step that verifies k proposals costs v(k+1) + k·d (v: the target's pass over k+1
-    tokens, d: drafting one token) and yields 1 + a + ... + a^k tokens on average, for
-    a per-token acceptance a. The length with the most tokens per second wins; with
-    draft_min 0, none (a plain step) unless it beats plain decoding. While drafting
-    is off, every PROBE_EVERY-th step drafts draft_min or 1 token, to notice when
-    proposals start to be accepted. v(T) = c1 + s·(T - 1), each term a moving average
-    of measured passes, T counted in whole groups of verify_rows (the record formats'
-    kernel multiplies 4 rows at a time: 8 tokens cost what 5 do)."""
-
-    PROBE_EVERY = 16
     DECAY = 0.9           # weight of the past in the moving averages
 
-    def __init__(self, draft_min: int = DRAFT_MIN, draft_max: int = DRAFT_MAX,
-                 one_pass_verify: bool = True):
-        self.draft_min, self.draft_max = draft_min, draft_max
+    def __init__(self, one_pass_verify: bool = True):
         self.step = None                  # c1: seconds of a one-token pass
         # s / c1 before any measurement: what a record format's verify costs per extra
         # token, about; a matvec per token costs a whole step
         self._prior_slope = 0.1 if one_pass_verify else 1.0
         self.verify_rows = TOKENS if one_pass_verify else 1
-        self.slope = None                 # s: seconds per extra verified token
+        self.slope = None                 # s: seconds per extra row
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens == 1:
+            self.step = _ema(self.step, seconds, self.DECAY)
+        elif self.step is not None:
+            self.slope = _ema(self.slope, max(0.0, seconds - self.step) / (self.rows(tokens) - 1),
+                              self.DECAY)
+
+    def rows(self, tokens: int) -> int:
+        """The rows a pass over `tokens` costs: padded to whole groups."""
+        return -(-tokens // self.verify_rows) * self.verify_rows if tokens > 1 else 1
+
+    def seconds(self, tokens: int) -> float:
+        """v(tokens); needs one measured one-token pass (step)."""
+        s = self.slope if self.slope is not None else self._prior_slope * self.step
+        return self.step + s * (self.rows(tokens) - 1)
+
+
+def _ema(old, new, decay):
+    return new if old is None else decay * old + (1 - decay) * new
+
+
+class DraftLength:
+    """Chooses each step's draft length from measured costs and acceptance.
+
+    A step that verifies k proposals costs v(k+1) + k·d (v: the target's pass over k+1
+    tokens, PassCost; d: drafting one token) and yields 1 + a + ... + a^k tokens on
+    average, for a per-token acceptance a. The length with the most tokens per second
+    wins; with draft_min 0, none (a plain step) unless it beats plain decoding. While
+    drafting is off, every PROBE_EVERY-th step drafts draft_min or 1 token, to notice
+    when proposals start to be accepted. `costs` may be shared (the server's slots
+    measure the same passes)."""
+
+    PROBE_EVERY = 16
+    DECAY = PassCost.DECAY
+
+    def __init__(self, draft_min: int = DRAFT_MIN, draft_max: int = DRAFT_MAX,
+                 one_pass_verify: bool = True, costs: PassCost | None = None):
+        self.draft_min, self.draft_max = draft_min, draft_max
+        self.costs = costs or PassCost(one_pass_verify)
         self.draft_cost = 0.0             # d: seconds per drafted token
         self.accepted = self.trials = 0.0
         self._off_steps = 0
+
+    @property
+    def verify_rows(self) -> int:
+        return self.costs.verify_rows
 
     @property
     def acceptance(self) -> float:
         # the chance a proposal is accepted given the ones before it were (a Beta(1, 1) prior)
         return (self.accepted + 1) / (self.trials + 2)
 
-    def _ema(self, old, new):
-        return new if old is None else self.DECAY * old + (1 - self.DECAY) * new
-
     def observe_verify(self, tokens: int, seconds: float) -> None:
-        if tokens == 1:
-            self.step = self._ema(self.step, seconds)
-        elif self.step is not None:
-            rows = self._rows(tokens)
-            self.slope = self._ema(self.slope, max(0.0, seconds - self.step) / (rows - 1))
-
-    def _rows(self, tokens: int) -> int:
-        # the rows a verify of `tokens` costs: padded to whole groups
-        return -(-tokens // self.verify_rows) * self.verify_rows if tokens > 1 else 1
+        self.costs.observe(tokens, seconds)
 
     def observe_draft(self, tokens: int, seconds: float) -> None:
         if tokens:
-            self.draft_cost = self._ema(self.draft_cost or None, seconds / tokens)
+            self.draft_cost = _ema(self.draft_cost or None, seconds / tokens, self.DECAY)
 
     def observe_acceptance(self, proposed: int, accepted: int) -> None:
         # a truncated geometric: `accepted` successes, then a failure unless all passed
         self.accepted = self.DECAY * self.accepted + accepted
         self.trials = self.DECAY * self.trials + accepted + (accepted < proposed)
 
+    def gain(self, k: int) -> float:
+        """Tokens that k proposals add to a step on average: a + a^2 + ... + a^k."""
+        a = self.acceptance
+        return sum(a ** i for i in range(1, k + 1))
+
     def expected_speed(self, k: int) -> float:
         """Tokens per second of steps drafting k tokens, as measured so far."""
-        c1 = self.step
-        s = self.slope if self.slope is not None else self._prior_slope * c1
-        a = self.acceptance
-        tokens = sum(a ** i for i in range(k + 1))
-        return tokens / (c1 + s * (self._rows(k + 1) - 1) + self.draft_cost * k)
+        return (1 + self.gain(k)) / (self.costs.seconds(k + 1) + self.draft_cost * k)
 
     def choose(self) -> int:
-        if self.step is None:             # measure a plain step first
+        if self.costs.step is None:       # measure a plain step first
             return self.draft_min
         best = max(range(max(1, self.draft_min), self.draft_max + 1), key=self.expected_speed)
         if self.draft_min == 0 and self.expected_speed(best) <= self.expected_speed(0):
@@ -240,6 +279,38 @@ class DraftLength:
         return best
 
 
+def plan_step(lengths: list[DraftLength | None], room: list[int], costs: PassCost) -> list[int]:
+    """Draft lengths for one batched step of len(lengths) sequences (the server's), None
+    where a sequence has no drafter; room[i] caps sequence i's (tokens it may still
+    generate, less one).
+
+    Drafts compete with the other sequences' tokens for the same pass: a plain step
+    yields N tokens in v(N) seconds. Sequences are taken in turn, each adding the k
+    proposals (draft_min..draft_max) that most raise the step's expected tokens per
+    second, N + Σ gain(k) over v(N + Σ k) + Σ k·d, and none unless that beats the step
+    as it stands: so drafting never lowers the expected throughput, and with several
+    sequences decoding (another group of rows must buy more tokens than the step's
+    average) it takes a high acceptance. A draft_min above 0 is honoured regardless."""
+    n = len(lengths)
+    ks = [0] * n
+    if costs.step is None:                # measure a plain step first
+        return [min(L.draft_min, r) if L else 0 for L, r in zip(lengths, room)]
+    tokens, rows, draft_seconds = float(n), n, 0.0
+
+    def speed(L: DraftLength, k: int) -> float:
+        return (tokens + L.gain(k)) / (costs.seconds(rows + k) + draft_seconds + L.draft_cost * k)
+    for i, (L, r) in enumerate(zip(lengths, room)):
+        if L is None or r <= 0:
+            continue
+        lo, hi = min(max(1, L.draft_min), r), min(L.draft_max, r)
+        best = max(range(lo, hi + 1), key=lambda k: speed(L, k))
+        if L.draft_min or speed(L, best) > speed(L, 0):
+            ks[i] = best
+            tokens, rows = tokens + L.gain(best), rows + best
+            draft_seconds += L.draft_cost * best
+    return ks
+
+
 @dataclass
 class DraftCounts:
     drafted: int = 0      # tokens proposed and checked
@@ -248,6 +319,22 @@ class DraftCounts:
     @property
     def acceptance(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
+
+
+def rejection_test(sampler: Sampler, logits: np.ndarray, history: list[int], d: int,
+                   q: np.ndarray | None) -> tuple[bool, int | None]:
+    """Whether proposal d, drawn from q (V,) (None: a point mass), is accepted where the
+    target's logits are `logits`: with probability min(1, p(d)/q(d)); if not, the token
+    drawn instead from max(0, p - q), renormalised (p: the sampler's distribution)."""
+    p = sampler.distribution(logits, history)
+    if sampler.rng.random() < p[d] / (1.0 if q is None else q[d]):
+        return True, None
+    if q is None:
+        residual = p.copy()
+        residual[d] = 0.0
+    else:
+        residual = np.maximum(p - q, 0.0)
+    return False, sampler.draw(residual / residual.sum())
 
 
 def speculative_decode(model: Transformer, seq: Sequence, logits: np.ndarray, history: list[int],
@@ -288,16 +375,8 @@ def speculative_decode(model: Transformer, seq: Sequence, logits: np.ndarray, hi
                     choice = sampler(rows[i], history)
                     ok = choice == d
                 else:
-                    p = sampler.distribution(rows[i], history)
-                    qd = 1.0 if q is None else q[i][d]
-                    ok = sampler.rng.random() < p[d] / qd
-                    if not ok:       # draw from max(0, p - q), renormalised
-                        residual = p.copy()
-                        if q is None:
-                            residual[d] = 0.0
-                        else:
-                            residual = np.maximum(p - q[i], 0.0)
-                        choice = sampler.draw(residual / residual.sum())
+                    ok, choice = rejection_test(sampler, rows[i], history, d,
+                                                None if q is None else q[i])
                 if not ok:
                     pending = choice
                     break

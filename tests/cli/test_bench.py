@@ -154,3 +154,32 @@ def test_on_a_terminal_time_left_is_shown_and_a_new_file_is_offered_for_removal(
     assert f"Removed {path}" in bench("n") and not path.exists()
     assert f"Kept {path}" in bench("") and path.exists()
     assert f"Kept {path}" in bench(None)                   # not new: no question
+
+
+def test_bench_speculative_reports_acceptance_and_speedup(tmp_path):
+    from tiny_gguf import TINY_VOCAB
+    kw = {"dim": 64, "ffn": 96, "vocab": TINY_VOCAB, "ctx": 1024, "tokenizer": True}
+    target = write_tiny_gguf(tmp_path / "target.gguf", "Q8_0", **kw)
+    draft = write_tiny_gguf(tmp_path / "draft.gguf", "Q4_0", **kw)   # the same weights
+    base = ["bench", "-m", str(target), "--ctx", "1024", "-p", "16", "-n", "24"]
+    for extra, name in ((["--lookup"], "lookup"), (["--draft", str(draft)], "draft.gguf")):
+        res = CliRunner().invoke(main, base + extra + ["--json"])
+        assert res.exit_code == 0, res.output
+        s = json.loads(res.stdout)["speculative"]
+        assert s["drafter"] == name and s["same_tokens"] is True
+        assert 0 < s["tokens"] <= 24 and s["prompt_tokens"] > 100
+        assert s["speedup"] == s["speculative_tok_s"] / s["plain_tok_s"]
+        assert 0 <= s["accepted"] <= s["drafted"]
+    assert s["accepted"] > 0   # a Q4_0 copy of the target agrees with it
+    res = CliRunner().invoke(main, base + ["--draft", str(draft)])
+    assert res.exit_code == 0, res.output
+    line = next(x for x in res.stdout.splitlines() if x.startswith("speculative "))
+    assert re.search(r"tokens/s vs plain [\d.]+, [\d.]+x; drafted \d+, accepted \d+", line), line
+    assert "DIFFER" not in line
+    # refused in one line: no tokenizer to read the prompt with, another vocabulary
+    res = CliRunner().invoke(main, ["bench", "--shape", "llama-3.2-1b", "--lookup"])
+    assert res.exit_code == 2 and "--lookup needs -m MODEL" in res.output
+    other = write_tiny_gguf(tmp_path / "other.gguf", "Q4_0", **{**kw, "vocab": TINY_VOCAB + 16})
+    res = CliRunner().invoke(main, base + ["--draft", str(other)])
+    assert res.exit_code == 1 and "does not share the vocabulary" in res.output
+    assert "Traceback" not in res.output

@@ -106,6 +106,12 @@ def test_decode_refuses_what_it_cannot_do(model):
         model.decode([b, b], [1, 2])
     with pytest.raises(ValueError, match="one token per sequence"):
         model.decode([b], [1, 2])
+    with pytest.raises(ValueError, match="one token per sequence"):
+        model.decode([b], [1, 2], counts=[3])
+    c = model.new_sequence(ctx=2)
+    model.forward([1], c)
+    with pytest.raises(edgellama.EdgeError, match="full"):   # 2 tokens where 1 fits
+        model.decode([b, c], [1, 3, 4], counts=[1, 2])
     with pytest.raises(edgellama.EdgeError, match="out of range"):
         model.decode([b], [model.args.vocab_size])
     assert b.pos == 0

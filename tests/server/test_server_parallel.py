@@ -39,20 +39,23 @@ def llm(tmp_path_factory):
 
 
 class Recorder:
-    """Wraps the model's decode: the slot indexes of every step, in order, and each
-    slot's logits rows."""
+    """Wraps the model's decode: the slot indexes of every step, in order, the tokens
+    each fed (1, or more with proposals: speculative decoding), and each slot's logits
+    row of its first token."""
 
     def __init__(self, engine: Engine):
         self.steps: list[tuple[int, ...]] = []
+        self.counts: list[tuple[int, ...]] = []
         self.logits: dict[int, list[np.ndarray]] = {s.index: [] for s in engine.slots}
         model, decode = engine.llm.model, engine.llm.model.decode
         index = {id(s.seq): s.index for s in engine.slots}
 
-        def recorded(seqs, tokens, scratch=None):
+        def recorded(seqs, tokens, scratch=None, counts=None):
             self.steps.append(tuple(index[id(s)] for s in seqs))
-            out = decode(seqs, tokens, scratch)
-            for s, row in zip(self.steps[-1], out):
-                self.logits[s].append(row.copy())
+            self.counts.append(tuple(counts or [1] * len(seqs)))
+            out = decode(seqs, tokens, scratch, counts)
+            for s, r in zip(self.steps[-1], np.cumsum((0,) + self.counts[-1][:-1])):
+                self.logits[s].append(out[r].copy())
             return out
         model.decode = recorded
         self.undo = lambda: vars(model).pop("decode")
@@ -76,11 +79,11 @@ def encode(llm, prompt: str) -> list[int]:
     return llm.chat.encode_messages([{"role": "user", "content": prompt}])
 
 
-def run(llm, work, parallel: int = 4, capacity: int = 16):
+def run(llm, work, parallel: int = 4, capacity: int = 16, drafter=None):
     """work(engine) -> coroutine, run in a new event loop against a new engine whose
     decode steps are recorded; returns (its result, the recorder, the engine)."""
     async def main():
-        engine = Engine(llm, capacity, parallel)
+        engine = Engine(llm, capacity, parallel, drafter)
         rec = Recorder(engine)
         try:
             return await asyncio.wait_for(work(engine), 120), rec, engine
