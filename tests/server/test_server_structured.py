@@ -20,9 +20,9 @@ from edgellama.constrain import Constraint, gbnf_grammar, json_object_grammar, j
 from edgellama.errors import EdgeError
 from edgellama.gguf import GGUFFile
 from edgellama.perplexity import log_softmax
-from edgellama.server import _messages
+from edgellama.server import _messages, _one_call_per_message
 from edgellama.tokenizer import Tokenizer
-from edgellama.tool_calls import ToolCall, parse_tool_calls, tool_call_schema
+from edgellama.tool_calls import ToolCall, ToolCallStream, parse_tool_calls, tool_call_schema
 from server_asgi import ServerUnderTest
 from test_chat_template import LLAMA32_TEMPLATE
 from tiny_gguf import TINY_VOCAB, write_tiny_gguf
@@ -69,6 +69,36 @@ def tiny(tmp_path_factory):
     path = write_tiny_gguf(tmp_path_factory.mktemp("structured") / "tiny-tools.gguf", "F32",
                            vocab=TINY_VOCAB, ctx=4096, tokenizer=True, tied=False, seed=4,
                            chat_template=LLAMA32_TEMPLATE)
+    app = ServerUnderTest(path, ctx=4096)
+    yield app
+    app.close()
+
+
+# Llama 3.2's template changed to show several calls in one assistant message, as a list
+# (the original refuses them): forced calls may then be a list.
+LLAMA32_SEVERAL_CALLS = LLAMA32_TEMPLATE.replace("""        {%- if not message.tool_calls|length == 1 %}
+            {{- raise_exception("This model only supports single tool-calls at once!") }}
+        {%- endif %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
+        {{- '{"name": "' + tool_call.name + '", ' }}
+        {{- '"parameters": ' }}
+        {{- tool_call.arguments | tojson }}
+        {{- "}" }}""", """        {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n[' -}}
+        {%- for call in message.tool_calls %}
+            {{- '{"name": "' + call.function.name + '", "parameters": ' }}
+            {{- call.function.arguments | tojson + '}' + ('' if loop.last else ', ') }}
+        {%- endfor %}
+        {{- ']' }}""")
+
+
+@pytest.fixture(scope="module")
+def tiny_several(tmp_path_factory):
+    """The tiny model with LLAMA32_SEVERAL_CALLS."""
+    assert LLAMA32_SEVERAL_CALLS != LLAMA32_TEMPLATE
+    path = write_tiny_gguf(tmp_path_factory.mktemp("structured") / "tiny-several.gguf", "F32",
+                           vocab=TINY_VOCAB, ctx=4096, tokenizer=True, tied=False, seed=4,
+                           chat_template=LLAMA32_SEVERAL_CALLS)
     app = ServerUnderTest(path, ctx=4096)
     yield app
     app.close()
@@ -192,6 +222,119 @@ def test_tool_calls_parse_json_and_pythonic_forms():
 ])
 def test_text_that_is_not_a_call_stays_text(text):
     assert parse_tool_calls(text, {"get_weather", "get_time"}) is None
+
+
+# Replies that are calls, in every form the reader takes; the JSON form's arguments are the
+# model's own text (an escape, a number's spelling, its spaces), the pythonic form's are
+# JSON written by the reader.
+CALL_TEXTS = [
+    ('{"name": "get_weather", "parameters": {"city": "Z\\u00fcrich",  "unit": "celsius"}}',
+     ['{"city": "Z\\u00fcrich",  "unit": "celsius"}']),
+    ('<|python_tag|>{"parameters": {"zone": "CET", "n": 1E2}, "name": "get_time"}\n',
+     ['{"zone": "CET", "n": 1E2}']),
+    ('{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}', ['{"zone": "UTC"}']),
+    ('[get_weather(city="Oslo", unit=\'celsius\'), get_time(zone=("a", None, True))]',
+     ['{"city": "Oslo", "unit": "celsius"}', '{"zone": ["a", null, true]}']),
+    ('[{"name": "get_time", "parameters": {}}, {"name": "get_time", "parameters": {"zone": ""}}]',
+     ['{}', '{"zone": ""}']),
+    ('{"name": "get_time", "parameters": {"zone": "A"}};\n{"name": "get_time", "parameters": {}}',
+     ['{"zone": "A"}', '{}']),
+    ("[get_time()]", ["{}"]),
+]
+
+
+def _read_in_pieces(text: str, sizes, names=("get_weather", "get_time"), parallel=True):
+    """The deltas a ToolCallStream reports for `text` pushed in pieces of `sizes` (cycled),
+    each with how much of the text had been pushed; and the final calls."""
+    reader, deltas, at, k = ToolCallStream(set(names), parallel), [], 0, 0
+    while at < len(text):
+        piece = text[at:at + sizes[k % len(sizes)]]
+        at, k = at + len(piece), k + 1
+        deltas += [(d, at) for d in reader.push(piece)]
+    return deltas, reader.finish()
+
+
+@pytest.mark.parametrize("text, arguments", CALL_TEXTS)
+def test_streamed_call_fragments_join_to_the_arguments(text, arguments):
+    whole = parse_tool_calls(text, {"get_weather", "get_time"})
+    assert [c.arguments_text for c in whole] == arguments
+    assert [c.arguments for c in whole] == [json.loads(a) for a in arguments]
+    for sizes in ([1], [3, 1, 7], [len(text)]):
+        deltas, calls = _read_in_pieces(text, sizes)
+        assert [c.arguments_text for c in calls] == arguments and calls == whole
+        for i, call in enumerate(calls):
+            mine = [d for d, _ in deltas if d["index"] == i]
+            assert mine[0] == {"index": i, "id": call.id, "type": "function",
+                               "function": {"name": call.name, "arguments": ""}}
+            assert all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+                       for d in mine[1:])
+            assert "".join(d["function"]["arguments"] for d in mine) == call.arguments_text
+        assert len({c.id for c in calls}) == len(calls)
+
+
+def test_calls_are_announced_as_soon_as_their_name_is_read():
+    text = '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}'
+    deltas, _ = _read_in_pieces(text, [1])
+    header, *fragments = deltas
+    assert header[1] == len('{"name": "get_weather",')   # the name's end is read
+    # the JSON form's arguments arrive as they are generated, a character at a time
+    assert len(fragments) == len('{"city": "Oslo", "unit": "celsius"}')
+    text = '[get_weather(city="Oslo", unit="celsius"), get_time(zone="CET")]'
+    deltas, _ = _read_in_pieces(text, [1])
+    at = [(d["index"], d["function"].get("name") or d["function"]["arguments"], n)
+          for d, n in deltas]
+    # pythonic: each argument once its value ends; the list's second call once its "(" is read
+    assert at == [(0, "get_weather", len("[get_weather(")),
+                  (0, '{"city": "Oslo"', len('[get_weather(city="Oslo",')),
+                  (0, ', "unit": "celsius"}', len('[get_weather(city="Oslo", unit="celsius")')),
+                  (1, "get_time", len(text) - len('zone="CET")]')),
+                  (1, '{"zone": "CET"}', len(text) - 1)]
+
+
+def test_parallel_false_keeps_the_first_call():
+    text = '[get_weather(city="Oslo", unit="celsius"), get_time(zone="CET")]'
+    deltas, calls = _read_in_pieces(text, [2], parallel=False)
+    assert [c.name for c in calls] == ["get_weather"] and {d["index"] for d, _ in deltas} == {0}
+    assert parse_tool_calls(text, None, parallel=False) == calls
+
+
+def test_text_that_is_not_a_call_is_known_early():
+    for text in ("Hello there", '  "quoted"', "[1, 2]", "[get_weather city]", '{"text": 1}',
+                 '{"name": "not_offered", "parameters": {}}'):
+        reader = ToolCallStream({"get_weather"})
+        pushed = ""
+        for ch in text:
+            assert reader.push(ch) == []
+            pushed += ch
+            if reader.is_text:
+                break
+        assert reader.is_text and reader.finish() is None, text
+        assert len(pushed) <= len('{"name": "not_offered",'), (text, pushed)
+    # a call that breaks off after it was announced: no more deltas, and not a call
+    reader = ToolCallStream({"get_weather"})
+    assert reader.push('{"name": "get_weather", "parameters": {"city": "Oslo"}')
+    assert reader.push(' and then some') == [] and reader.finish() is None
+    assert not reader.is_text   # its first deltas were sent: it does not become content
+
+
+def test_forced_call_schema_allows_a_list_only_when_asked(smol_tokenizer):
+    tok = smol_tokenizer
+    two = ('[{"name": "get_time", "parameters": {"zone": "CET"}}, '
+           '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}]')
+    c = Constraint(tok, json_schema_grammar(tool_call_schema([WEATHER, TIME], several=True)))
+    for i in tok.encode(two):
+        assert c.allowed()[i], tok.token_bytes(i)
+        c.advance(i)
+    assert c.complete
+    assert [x.name for x in parse_tool_calls(two, {"get_time", "get_weather"})] == \
+        ["get_time", "get_weather"]
+    for several, text in ((True, '{"name": "get_time", "parameters": {"zone": "CET"}}'),
+                          (False, '{"name": "get_time", "parameters": {"zone": "CET"}}')):
+        c = Constraint(tok, json_schema_grammar(tool_call_schema([WEATHER, TIME], several=several)))
+        assert c.allowed()[tok.encode("[")[0]] == several
+        for i in tok.encode(text):
+            c.advance(i)
+        assert c.complete
 
 
 def test_tool_call_schema_forces_the_named_function():
@@ -343,6 +486,103 @@ def test_forced_tool_calls(tiny, choice):
         tool = {"get_weather": WEATHER, "get_time": TIME}[f["name"]]
         assert choice == "required" or f["name"] == "get_weather"
         jsonschema.validate(json.loads(f["arguments"]), tool["function"]["parameters"])
+
+
+def _forcing(text: str) -> str:
+    """A GBNF grammar whose only sentence is `text`: drives the random model into it."""
+    return "root ::= " + json.dumps(text, ensure_ascii=False)
+
+
+def _streamed_calls(evs: list[dict]) -> list[dict]:
+    """The tool calls of a stream's chunks, per index: the first delta and the fragments."""
+    calls = {}
+    for e in evs:
+        for d in e["choices"][0]["delta"].get("tool_calls") or [] if e["choices"] else []:
+            if d["index"] not in calls:
+                calls[d["index"]] = {"first": d, "fragments": []}
+            else:
+                calls[d["index"]]["fragments"].append(d["function"]["arguments"])
+    return [calls[i] for i in range(len(calls))]
+
+
+@pytest.mark.parametrize("k", [0, 3])   # JSON form, a pythonic list of two calls
+def test_tool_calls_stream_as_they_are_generated(tiny, k):
+    text, arguments = CALL_TEXTS[k]
+    kw = dict(tools=[WEATHER, TIME], grammar=_forcing(text), max_tokens=200)
+    whole = chat(tiny, **kw).json()["choices"][0]
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] is None
+    calls = whole["message"]["tool_calls"]
+    assert [c["function"]["arguments"] for c in calls] == arguments
+    assert len({c["id"] for c in calls}) == len(calls)
+    evs = events(chat(tiny, stream=True, **kw))
+    assert evs[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert not any(e["choices"] and e["choices"][0]["delta"].get("content") for e in evs)
+    streamed = _streamed_calls(evs)
+    assert [s["first"]["function"] for s in streamed] == \
+        [{"name": c["function"]["name"], "arguments": ""} for c in calls]
+    assert [s["first"]["type"] for s in streamed] == ["function"] * len(calls)
+    assert len({s["first"]["id"] for s in streamed}) == len(calls)
+    assert ["".join(s["fragments"]) for s in streamed] == arguments
+    # the arguments came as they were generated: the JSON form's token by token (the
+    # tiny vocabulary's tokens are mostly single characters), the pythonic per argument
+    if k == 0:
+        assert len(streamed[0]["fragments"]) > len(arguments[0]) // 2
+    else:
+        assert [len(s["fragments"]) for s in streamed] == [2, 1]
+
+    for stream in (False, True):   # parallel_tool_calls false: only the first
+        r = chat(tiny, stream=stream, parallel_tool_calls=False, **kw)
+        got = [s["first"]["function"]["name"] for s in _streamed_calls(events(r))] if stream \
+            else [c["function"]["name"] for c in r.json()["choices"][0]["message"]["tool_calls"]]
+        assert got == [calls[0]["function"]["name"]]
+
+
+def test_forced_calls_are_a_list_only_if_the_template_shows_several(tiny, tiny_several):
+    """tool_choice required: the first token may open a list of calls when the template
+    shows several calls per message and parallel_tool_calls allows; else only "{"."""
+    for app, parallel, several in ((tiny_several, True, True), (tiny_several, False, False),
+                                   (tiny, True, False)):
+        r = chat(app, tools=[WEATHER, TIME], tool_choice="required", max_tokens=1,
+                 parallel_tool_calls=parallel, logprobs=True, top_logprobs=20, temperature=0)
+        first = [t["token"] for t in r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]]
+        assert any(t.startswith("{") for t in first)
+        assert any(t.startswith("[") for t in first) == several, (parallel, first)
+    replies = [chat(tiny_several, tools=[WEATHER, TIME], tool_choice="required", seed=seed,
+                    temperature=1.0, max_tokens=300).json()["choices"][0] for seed in range(4)]
+    calls = [call for c in replies if c["finish_reason"] == "tool_calls"
+             for call in c["message"]["tool_calls"]]
+    assert calls
+    for call in calls:
+        tool = {"get_weather": WEATHER, "get_time": TIME}[call["function"]["name"]]
+        jsonschema.validate(json.loads(call["function"]["arguments"]),
+                            tool["function"]["parameters"])
+
+
+def test_several_calls_are_accepted_back(tiny, tiny_several):
+    """An assistant message with two calls: one list for a template that shows several,
+    two consecutive assistant messages for Llama 3.2's, which refuses more than one."""
+    messages = [
+        {"role": "user", "content": "Weather and time in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'}},
+            {"id": "call_2", "type": "function", "function": {
+                "name": "get_time", "arguments": '{"zone": "CET"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3 C"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "10:00"}]
+    for app in (tiny, tiny_several):
+        r = app.request("POST", "/v1/chat/completions", {
+            "messages": messages, "tools": [WEATHER, TIME], "max_tokens": 2}, timeout=60)
+        assert r.status == 200, r.body
+    with pytest.raises(EdgeError, match="single tool-calls"):
+        tiny.llm.chat.render(_messages({"messages": messages}))
+    split = tiny.llm.chat.render(_one_call_per_message(_messages({"messages": messages})),
+                                 add_generation_prompt=False)
+    assert split.count("<|start_header_id|>assistant") == 2
+    assert '{"name": "get_time", "parameters": {"zone": "CET"}}' in split
+    listed = tiny_several.llm.chat.render(_messages({"messages": messages}))
+    assert '[{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}, ' \
+           '{"name": "get_time", "parameters": {"zone": "CET"}}]' in listed
 
 
 def test_streamed_tool_call_deltas(tiny):
