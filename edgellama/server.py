@@ -1163,13 +1163,16 @@ class Server:
         extra = {"usage": None} if job.params.include_usage else {}
 
         params = job.params
+        role_sent = False
 
         def chunk(text: str | None, finish: str | None = None, logprobs: list | None = None,
                   delta: dict | None = None) -> str:
+            nonlocal role_sent
             if chat:
                 delta = delta or ({} if text is None else {"content": text})
-                if text == "" and finish is None and not logprobs:
-                    delta["role"] = "assistant"
+                if not role_sent:   # OpenAI's first delta: the role (content null for calls)
+                    role_sent = True
+                    delta = {"role": "assistant", "content": None, **delta}
                 choice = {"index": 0, "delta": delta}
             else:
                 choice = {"index": 0, "text": text or ""}
@@ -1178,12 +1181,13 @@ class Server:
             choice.update({"logprobs": shown, "finish_reason": finish})
             return _sse({**head, "choices": [choice], **extra})
         # With tools offered, the reply is read as calls while it can be one: held back
-        # until a call's name is read (then streamed as tool_calls deltas) or until it
-        # cannot be a call (then sent as content, and the rest streams as it comes).
+        # until a call's name is read (then streamed as tool_calls deltas, the first with
+        # the role) or until it cannot be a call (then sent as content, and the rest
+        # streams as it comes).
         reader = _call_reader(params) if chat else None
         held, held_logprobs = "", []
         try:
-            if chat:
+            if chat and reader is None:
                 yield chunk("")   # OpenAI's first chunk: the role
             while True:
                 event = await job.events.get()

@@ -518,6 +518,9 @@ def test_tool_calls_stream_as_they_are_generated(tiny, k):
     assert evs[-1]["choices"][0]["finish_reason"] == "tool_calls"
     assert not any(e["choices"] and e["choices"][0]["delta"].get("content") for e in evs)
     streamed = _streamed_calls(evs)
+    # as OpenAI's: the role comes with the first call, content null
+    assert evs[0]["choices"][0]["delta"] == {"role": "assistant", "content": None,
+                                             "tool_calls": [streamed[0]["first"]]}
     assert [s["first"]["function"] for s in streamed] == \
         [{"name": c["function"]["name"], "arguments": ""} for c in calls]
     assert [s["first"]["type"] for s in streamed] == ["function"] * len(calls)
@@ -729,6 +732,29 @@ def test_openai_client(url):
     assert all(len(t.top_logprobs) <= 3 for t in lp)
 
 
+def test_openai_client_accumulates_streamed_calls(url):
+    """The client's own stream accumulator (chat.completions.stream) builds from our chunks
+    the calls the unstreamed reply has, two of them with their own ids."""
+    import openai
+    client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
+    for text, arguments in (CALL_TEXTS[0], CALL_TEXTS[3]):
+        kw = dict(model="tiny-tools", messages=[{"role": "user", "content": "Oslo?"}],
+                  tools=[WEATHER, TIME], max_tokens=200, extra_body={"grammar": _forcing(text)})
+        whole = client.chat.completions.create(**kw).choices[0]
+        with client.chat.completions.stream(**kw) as stream:
+            pieces = [e.arguments_delta for e in stream
+                      if e.type == "tool_calls.function.arguments.delta"]
+            final = stream.get_final_completion().choices[0]
+        assert final.finish_reason == whole.finish_reason == "tool_calls"
+        assert final.message.content is None
+        calls = final.message.tool_calls
+        assert [(c.function.name, c.function.arguments) for c in calls] == \
+            [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+        assert [c.function.arguments for c in calls] == arguments and "".join(pieces) == \
+            "".join(arguments) and len(pieces) > len(calls)
+        assert len({c.id for c in calls}) == len(calls) and all(c.type == "function" for c in calls)
+
+
 def test_langchain_bind_tools_and_structured_output(url):
     lc = pytest.importorskip("langchain_openai")
     llm = lc.ChatOpenAI(base_url=url, api_key="none", model="tiny-tools", max_retries=0,
@@ -737,6 +763,13 @@ def test_langchain_bind_tools_and_structured_output(url):
     (call,) = msg.tool_calls
     assert call["name"] == "get_weather"
     jsonschema.validate(call["args"], WEATHER["function"]["parameters"])
+    # streamed: langchain adds up the chunks' tool_call_chunks by index
+    chunks = list(llm.bind_tools([WEATHER], tool_choice="get_weather").stream("Weather?"))
+    msg = sum(chunks[1:], chunks[0])
+    (call,) = msg.tool_calls
+    assert call["name"] == "get_weather" and call["id"].startswith("call_")
+    jsonschema.validate(call["args"], WEATHER["function"]["parameters"])
+    assert sum(bool(c.tool_call_chunks) for c in chunks) > 2   # the arguments in pieces
 
     schema = {"title": "Person", "description": "A person", **SCHEMAS[0]}
     out = llm.with_structured_output(schema, method="json_schema").invoke("A person, please.")
@@ -767,6 +800,7 @@ def test_auto_tool_choice_streams_plain_answers_as_content(tiny):
     unstreamed = chat(tiny, "hi", tools=[WEATHER], temperature=0, max_tokens=8).json()
     assert text == unstreamed["choices"][0]["message"]["content"]
     assert text.strip()[:1] not in ("{", "[")   # the greedy reply is not call-shaped
+    assert deltas[0]["role"] == "assistant" and deltas[0]["content"]
     assert not any(d.get("tool_calls") for d in deltas)
     assert evs[-1]["choices"][0]["finish_reason"] == "length"
 
