@@ -362,19 +362,38 @@ def parse_tool_calls(text: str, names: Collection[str] | None = None,
     return reader.finish()
 
 
+_LITERALS = ("enum", "const", "default", "examples")   # values, not schemas: kept as they are
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` with its local references ("#", "#/$defs/X", ...) pointing into the copy of
+    it at `base`: a tool's parameter schema, moved under the call's schema, keeps its own
+    $defs (Pydantic writes nested models so)."""
+    if isinstance(schema, list):
+        return [_rebased(v, base) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {k: (base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                else v if k in _LITERALS else _rebased(v, base)) for k, v in schema.items()}
+
+
 def tool_call_schema(tools: Sequence[dict], only: str | None = None,
                      several: bool = False) -> dict:
     """JSON schema of a call in Llama 3.2's JSON form, {"name": ..., "parameters": {...}},
     to one of `tools` (OpenAI's [{"type": "function", "function": {name, parameters}}]),
-    or to the one named `only`; `several`: one call, or a JSON list of one or more."""
-    options = []
+    or to the one named `only`; `several`: one call, or a JSON list of one or more.
+    Each tool's parameter schema is written once, under $defs."""
+    defs, options = {}, []
     for t in tools:
         f = t["function"]
         if only is not None and f["name"] != only:
             continue
+        key = f"tool_{f['name']}"   # function names are [A-Za-z0-9_-]: a JSON pointer as is
+        defs[key] = _rebased(f.get("parameters") or {"type": "object"}, f"#/$defs/{key}")
         options.append({"type": "object", "properties": {
-            "name": {"const": f["name"]},
-            "parameters": f.get("parameters") or {"type": "object"}},
+            "name": {"const": f["name"]}, "parameters": {"$ref": f"#/$defs/{key}"}},
             "required": ["name", "parameters"], "additionalProperties": False})
-    one = options[0] if len(options) == 1 else {"anyOf": options}
-    return {"anyOf": [one, {"type": "array", "items": one, "minItems": 1}]} if several else one
+    defs["call"] = options[0] if len(options) == 1 else {"anyOf": options}
+    call = {"$ref": "#/$defs/call"}
+    return {"$defs": defs, **({"anyOf": [call, {"type": "array", "items": call, "minItems": 1}]}
+                              if several else call)}

@@ -588,6 +588,24 @@ def test_several_calls_are_accepted_back(tiny, tiny_several):
            '{"name": "get_time", "parameters": {"zone": "CET"}}]' in listed
 
 
+def test_forced_call_to_a_tool_with_its_own_refs(tiny):
+    """Parameters as Pydantic writes nested models ($defs and $ref "#/$defs/..."): the
+    forced call's schema keeps them resolvable."""
+    params = {"type": "object", "properties": {
+        "home": {"$ref": "#/$defs/Place"}, "trip": {"type": "array", "items": {"$ref": "#/$defs/Place"},
+                                                    "maxItems": 2}},
+        "required": ["home", "trip"], "additionalProperties": False,
+        "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                            "required": ["city"], "additionalProperties": False}}}
+    tool = {"type": "function", "function": {"name": "plan", "parameters": params}}
+    for seed, parallel in ((0, True), (1, False)):
+        r = chat(tiny, tools=[tool, TIME], tool_choice={"type": "function", "function": {"name": "plan"}},
+                 seed=seed, temperature=1.0, max_tokens=200, parallel_tool_calls=parallel)
+        assert r.status == 200, r.body
+        (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+        jsonschema.validate(json.loads(call["function"]["arguments"]), params)
+
+
 def test_streamed_tool_call_deltas(tiny):
     r = chat(tiny, tools=[WEATHER], tool_choice="required", stream=True, seed=5, max_tokens=150)
     evs = events(r)
