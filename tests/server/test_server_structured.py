@@ -8,6 +8,7 @@ uvicorn on a free local port.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -696,6 +697,51 @@ def test_schema_nested_10000_deep_is_a_400(tiny):
                      {"content-type": "application/json"}, timeout=60)
     assert r.status == 400 and time.monotonic() - t0 < 15
     assert chat(tiny, max_tokens=2).status == 200
+
+
+def test_bad_structure_requests_while_another_reply_streams(tiny):
+    """The hostile requests of issue 27 (a schema the engine cannot compile, 10,000 tools,
+    a schema nested 10,000 deep, a grammar that matches nothing, a forced call whose
+    parameters match nothing) sent while another reply is being generated: each a 400
+    with one line, in bounded time and memory, and the other reply runs to its end."""
+    import resource
+    messages = [{"role": "user", "content": "x"}]
+    many = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(10_000)]
+    nothing = {"type": "function", "function": {"name": "f", "parameters": {
+        "allOf": [{"type": "string"}, {"type": "integer"}]}}}
+    hostile = [json.dumps({"messages": messages, **body}) for body in (
+        {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "string", "pattern": "[a-"}}}},
+        {"tools": many, "tool_choice": "required"},
+        {"grammar": 'root ::= "a" root'},
+        {"tools": [nothing], "tool_choice": "required"},
+    )] + ['{"messages": [{"role": "user", "content": "x"}], "json_schema": '
+          + _deep_schema(10_000) + "}"]
+    # the other reply: 3000 tokens, which its grammar keeps from stopping sooner
+    other = json.dumps({"messages": messages, "max_tokens": 3000, "temperature": 0,
+                        "grammar": "root ::= [a-z]{3000,}", "stream": True,
+                        "stream_options": {"include_usage": True}})
+    headers = [(b"host", b"127.0.0.1:8080"), (b"content-type", b"application/json")]
+
+    async def run():
+        streaming = asyncio.ensure_future(
+            tiny._call("POST", "/v1/chat/completions", other.encode(), headers, 120))
+        await asyncio.sleep(0.05)   # the other reply is being generated
+        refused = [await tiny._call("POST", "/v1/chat/completions", body.encode(), headers, 30)
+                   for body in hostile]
+        return refused, not streaming.done(), await streaming
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    refused, other_still_running, streamed = tiny.loop.run_until_complete(run())
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) / 1024
+    for r in refused:
+        assert r.status == 400 and r.seconds < 15, (r.status, r.body[:300])
+        assert "\n" not in r.error()["message"]
+    assert grown_mb < 200, grown_mb
+    assert other_still_running   # the refusals did not wait for it
+    evs = events(streamed)
+    assert streamed.status == 200 and evs[-1]["usage"]["completion_tokens"] == 3000
+    assert evs[-2]["choices"][0]["finish_reason"] == "length"
 
 
 # -- real clients: the openai package and langchain-openai, over HTTP ---------------------------
