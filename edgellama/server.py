@@ -27,10 +27,10 @@ Host and Origin headers are checked against DNS rebinding and cross-site request
 Structured output: response_format / json_schema / grammar and a forced tool_choice become
 a grammar (edgellama/constrain.py) compiled on arrival (a bad one is a 400 before
 queueing); sample_token(job, logits, history) is the one per-token step (penalties, the
-job's grammar mask, its sampler, logprobs). Tool calls are read from the finished reply
-(edgellama/tool_calls.py), streamed as OpenAI streams them: a reply that starts like a call
-is held back until its function's name is read, then the call is announced and its
-arguments follow as they are generated.
+job's grammar mask, its sampler, logprobs). Tool calls are read from the reply as it is
+generated (edgellama/tool_calls.py) and streamed as OpenAI streams them: a reply that
+starts like a call is held back until its function's name is read, then the call is
+announced and its arguments follow as they are generated.
 
 Speculative decoding (create_app(drafter=...), `serve --draft/--lookup`): a slot may
 check proposed tokens in the engine's step, where speculative.plan_step says they raise
@@ -78,7 +78,7 @@ from .scratch import Scratch
 from .sequence import Sequence
 from .speculative import DraftLength, DraftModel, Drafter, PassCost, plan_step, rejection_test
 from .tokenizer import StreamDecoder
-from .tool_calls import ToolCallStream, parse_tool_calls, tool_call_schema
+from .tool_calls import ToolCallStream, tool_call_schema
 
 log = logging.getLogger("edgellama.server")
 
@@ -1156,7 +1156,10 @@ class Server:
     def _tool_calls(self, text: str, params: Params):
         """The reply's tool calls, if tools were offered and the reply is only calls."""
         reader = _call_reader(params)
-        return None if reader is None else parse_tool_calls(text, reader.names, reader.parallel)
+        if reader is None:
+            return None
+        reader.push(text)
+        return reader.finish()
 
     async def _stream(self, job: Job, watcher: asyncio.Task, head: dict, chat: bool):
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}

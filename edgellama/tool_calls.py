@@ -102,13 +102,14 @@ class ToolCallStream:
         next(self._reader)
 
     @property
-    def is_text(self) -> bool:
-        """The reply is not calls, and no call was announced: send it as content."""
-        return self.failed and not any(c.announced for c in self.calls)
+    def announced(self) -> bool:
+        """A call's first delta has been reported: the reply is taken for calls."""
+        return any(c.announced for c in self.calls)
 
     @property
-    def announced(self) -> bool:
-        return any(c.announced for c in self.calls)
+    def is_text(self) -> bool:
+        """The reply is not calls, and no call was announced: send it as content."""
+        return self.failed and not self.announced
 
     def push(self, text: str) -> list[dict]:
         """Read more of the reply; the tool_calls deltas it completes."""
@@ -142,7 +143,7 @@ class ToolCallStream:
     def _deltas(self) -> list[dict]:
         out = []
         for i, call in enumerate(self.calls if self.parallel else self.calls[:1]):
-            if call.name is None or self.failed and not call.announced:
+            if call.name is None:
                 continue
             if not call.announced:
                 call.announced = True

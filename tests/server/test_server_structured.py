@@ -548,7 +548,8 @@ def test_forced_calls_are_a_list_only_if_the_template_shows_several(tiny, tiny_s
                                    (tiny, True, False)):
         r = chat(app, tools=[WEATHER, TIME], tool_choice="required", max_tokens=1,
                  parallel_tool_calls=parallel, logprobs=True, top_logprobs=20, temperature=0)
-        first = [t["token"] for t in r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]]
+        lp = r.json()["choices"][0]["logprobs"]["content"][0]
+        first = [t["token"] for t in lp["top_logprobs"]]
         assert any(t.startswith("{") for t in first)
         assert any(t.startswith("[") for t in first) == several, (parallel, first)
     replies = [chat(tiny_several, tools=[WEATHER, TIME], tool_choice="required", seed=seed,
@@ -592,16 +593,17 @@ def test_several_calls_are_accepted_back(tiny, tiny_several):
 def test_forced_call_to_a_tool_with_its_own_refs(tiny):
     """Parameters as Pydantic writes nested models ($defs and $ref "#/$defs/..."): the
     forced call's schema keeps them resolvable."""
+    place = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+             "required": ["city"], "additionalProperties": False}
     params = {"type": "object", "properties": {
-        "home": {"$ref": "#/$defs/Place"}, "trip": {"type": "array", "items": {"$ref": "#/$defs/Place"},
-                                                    "maxItems": 2}},
-        "required": ["home", "trip"], "additionalProperties": False,
-        "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
-                            "required": ["city"], "additionalProperties": False}}}
+        "home": {"$ref": "#/$defs/Place"},
+        "trip": {"type": "array", "items": {"$ref": "#/$defs/Place"}, "maxItems": 2}},
+        "required": ["home", "trip"], "additionalProperties": False, "$defs": {"Place": place}}
     tool = {"type": "function", "function": {"name": "plan", "parameters": params}}
     for seed, parallel in ((0, True), (1, False)):
-        r = chat(tiny, tools=[tool, TIME], tool_choice={"type": "function", "function": {"name": "plan"}},
-                 seed=seed, temperature=1.0, max_tokens=200, parallel_tool_calls=parallel)
+        r = chat(tiny, tools=[tool, TIME], seed=seed, temperature=1.0, max_tokens=200,
+                 tool_choice={"type": "function", "function": {"name": "plan"}},
+                 parallel_tool_calls=parallel)
         assert r.status == 200, r.body
         (call,) = r.json()["choices"][0]["message"]["tool_calls"]
         jsonschema.validate(json.loads(call["function"]["arguments"]), params)
