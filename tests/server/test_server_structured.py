@@ -676,6 +676,8 @@ def _deep_schema(depth: int) -> str:
      "tools[0].function.name"),
     ("unknown named tool", {"tools": [WEATHER], "tool_choice": {
         "type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ("parallel_tool_calls not a flag", {"tools": [WEATHER], "parallel_tool_calls": "no"},
+     "parallel_tool_calls"),
     ("bad tool parameters", {"tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "blah"}}}}}],
         "tool_choice": "required"}, "tools"),
