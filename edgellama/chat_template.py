@@ -427,6 +427,20 @@ class ChatFormat:
         except EdgeError:
             return False
 
+    def supports_parallel_tool_calls(self) -> bool:
+        """Whether the template renders an assistant message holding two tool calls (Llama
+        3.x's refuses: "This model only supports single tool-calls at once!")."""
+        names = ("edgellama_probe_call_a", "edgellama_probe_call_b")
+        calls = [{"id": str(i), "type": "function", "function": {"name": n, "arguments": {}}}
+                 for i, n in enumerate(names)]
+        messages = [{"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "", "tool_calls": calls}]
+        try:
+            text = self.render(messages)
+        except EdgeError:
+            return False
+        return all(n in text for n in names)
+
     def encode_messages(self, messages: Sequence[Mapping[str, Any]],
                         add_generation_prompt: bool = True,
                         tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:

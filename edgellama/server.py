@@ -27,8 +27,10 @@ Host and Origin headers are checked against DNS rebinding and cross-site request
 Structured output: response_format / json_schema / grammar and a forced tool_choice become
 a grammar (edgellama/constrain.py) compiled on arrival (a bad one is a 400 before
 queueing); sample_token(job, logits, history) is the one per-token step (penalties, the
-job's grammar mask, its sampler, logprobs). Tool calls are read from the finished reply
-(edgellama/tool_calls.py); streamed, a reply that starts like one is held back until then.
+job's grammar mask, its sampler, logprobs). Tool calls are read from the reply as it is
+generated (edgellama/tool_calls.py) and streamed as OpenAI streams them: a reply that
+starts like a call is held back until its function's name is read, then the call is
+announced and its arguments follow as they are generated.
 
 Speculative decoding (create_app(drafter=...), `serve --draft/--lookup`): a slot may
 check proposed tokens in the engine's step, where speculative.plan_step says they raise
@@ -76,7 +78,7 @@ from .scratch import Scratch
 from .sequence import Sequence
 from .speculative import DraftLength, DraftModel, Drafter, PassCost, plan_step, rejection_test
 from .tokenizer import StreamDecoder
-from .tool_calls import may_be_tool_call, parse_tool_calls, tool_call_schema
+from .tool_calls import ToolCallStream, tool_call_schema
 
 log = logging.getLogger("edgellama.server")
 
@@ -393,9 +395,13 @@ class Params:
     grammar_param: str | None = None
     tools: list[dict] | None = None        # validated OpenAI tool list, as the template gets it
     tool_choice: str = "none"              # none, auto, required, or one function's name
+    parallel_tool_calls: bool = True       # False: at most one call per reply
 
 
-def _params(body: dict, defaults: SamplingParams, chat: bool) -> Params:
+def _params(body: dict, defaults: SamplingParams, chat: bool,
+            several_calls: bool = False) -> Params:
+    """`several_calls`: the chat template can show several tool calls in one message, so
+    a forced call may be a list of them (when parallel_tool_calls allows)."""
     for name, harmless in UNSUPPORTED.items():
         v = body.get(name)
         if v is not None and not any(type(v) is type(h) and v == h for h in harmless):
@@ -432,18 +438,19 @@ def _params(body: dict, defaults: SamplingParams, chat: bool) -> Params:
     grammar, grammar_param = _grammar(body)
     tools = _tools(body) if chat else None
     choice = _tool_choice(body, tools) if chat else "none"
+    parallel = body.get("parallel_tool_calls") is None or _flag(body, "parallel_tool_calls")
     if choice not in ("none", "auto"):
         if grammar is not None:
             raise _bad(f"tool_choice {choice!r} forces a tool call; it cannot be combined "
                        f"with {grammar_param}", "tool_choice")
         try:   # required and named calls are enforced by a grammar, not hoped for
-            grammar = json_schema_grammar(tool_call_schema(tools, None if choice == "required"
-                                                           else choice))
+            grammar = json_schema_grammar(tool_call_schema(
+                tools, None if choice == "required" else choice, several_calls and parallel))
         except EdgeError as e:
             raise _bad(f"cannot constrain a call to these tools: {e}", "tools") from None
         grammar_param = "tools"
     return Params(stream, include_usage, max_tokens, sampling, _stops(body), max_param,
-                  _logprobs(body, chat), grammar, grammar_param, tools, choice)
+                  _logprobs(body, chat), grammar, grammar_param, tools, choice, parallel)
 
 
 # -- the engine ---------------------------------------------------------------------------------
@@ -984,6 +991,27 @@ def _completion_logprobs(entries: list[dict]) -> dict:
             "top_logprobs": tops, "text_offset": offsets}
 
 
+def _call_reader(params: Params) -> ToolCallStream | None:
+    """A reader of the reply's tool calls, if tools were offered."""
+    if params.tool_choice == "none" or not params.tools:
+        return None
+    return ToolCallStream({t["function"]["name"] for t in params.tools},
+                          params.parallel_tool_calls)
+
+
+def _one_call_per_message(messages: list[dict]) -> list[dict]:
+    """Assistant messages holding several tool calls as consecutive messages of one call
+    each, for a template that shows one call per message (Llama 3.x's refuses more): a
+    client sends parallel calls back as they were answered."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") or []
+        out += [m] if len(calls) < 2 else [
+            {**m, "content": m["content"] if i == 0 else "", "tool_calls": [call]}
+            for i, call in enumerate(calls)]
+    return out
+
+
 def _sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -995,7 +1023,8 @@ class Server:
         self.engine = Engine(llm, queue_size, parallel, drafter)
         self.defaults = llm.default_sampling()
         self.created = int(time.time())
-        self._tools_ok: bool | None = None   # the chat template shows tools (asked once)
+        # the chat template shows tools, and several calls in one message (asked once)
+        self._template_tools: tuple[bool, bool] | None = None
 
     def _check_model(self, body: dict) -> None:
         model = body.get("model")
@@ -1031,9 +1060,12 @@ class Server:
         body = await _read_json(request)
         self._check_model(body)
         messages = _messages(body)
-        params = _params(body, self.defaults, chat=True)
+        shows_tools, several_calls = await self._template_tool_support()
+        params = _params(body, self.defaults, chat=True, several_calls=several_calls)
+        if not several_calls:
+            messages = _one_call_per_message(messages)
         tools = params.tools if params.tool_choice != "none" else None
-        if tools is not None and not await self._template_has_tools():
+        if tools is not None and not shows_tools:
             raise _bad("this model's chat template has no tool calling (it does not show the "
                        "model a tool list); send the request without tools", "tools",
                        "tools_not_supported")
@@ -1045,10 +1077,12 @@ class Server:
                        "messages") from None
         return await self._run(request, ids, params, "messages", chat=True)
 
-    async def _template_has_tools(self) -> bool:
-        if self._tools_ok is None:
-            self._tools_ok = await run_in_threadpool(self.llm.chat.supports_tools)
-        return self._tools_ok
+    async def _template_tool_support(self) -> tuple[bool, bool]:
+        if self._template_tools is None:
+            chat = self.llm.chat
+            self._template_tools = await run_in_threadpool(
+                lambda: (chat.supports_tools(), chat.supports_parallel_tool_calls()))
+        return self._template_tools
 
     async def _constraint(self, params: Params) -> Constraint | None:
         """The request's grammar compiled against the vocabulary (off the event loop:
@@ -1121,22 +1155,27 @@ class Server:
 
     def _tool_calls(self, text: str, params: Params):
         """The reply's tool calls, if tools were offered and the reply is only calls."""
-        if params.tool_choice == "none" or not params.tools:
+        reader = _call_reader(params)
+        if reader is None:
             return None
-        return parse_tool_calls(text, {t["function"]["name"] for t in params.tools})
+        reader.push(text)
+        return reader.finish()
 
     async def _stream(self, job: Job, watcher: asyncio.Task, head: dict, chat: bool):
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         extra = {"usage": None} if job.params.include_usage else {}
 
         params = job.params
+        role_sent = False
 
         def chunk(text: str | None, finish: str | None = None, logprobs: list | None = None,
                   delta: dict | None = None) -> str:
+            nonlocal role_sent
             if chat:
                 delta = delta or ({} if text is None else {"content": text})
-                if text == "" and finish is None and not logprobs:
-                    delta["role"] = "assistant"
+                if not role_sent:   # OpenAI's first delta: the role (content null for calls)
+                    role_sent = True
+                    delta = {"role": "assistant", "content": None, **delta}
                 choice = {"index": 0, "delta": delta}
             else:
                 choice = {"index": 0, "text": text or ""}
@@ -1144,39 +1183,34 @@ class Server:
                 {"content": logprobs or []} if chat else _completion_logprobs(logprobs or [])
             choice.update({"logprobs": shown, "finish_reason": finish})
             return _sse({**head, "choices": [choice], **extra})
-        # With tools offered, a reply that starts like a call ("{", "[") is held back to
-        # the end and sent as tool_calls deltas if it parses as calls; any other reply
-        # streams as content from its first visible character.
-        holding = chat and params.tool_choice != "none" and bool(params.tools)
+        # With tools offered, the reply is read as calls while it can be one: held back
+        # until a call's name is read (then streamed as tool_calls deltas, the first with
+        # the role) or until it cannot be a call (then sent as content, and the rest
+        # streams as it comes).
+        reader = _call_reader(params) if chat else None
         held, held_logprobs = "", []
         try:
-            if chat:
+            if chat and reader is None:
                 yield chunk("")   # OpenAI's first chunk: the role
             while True:
                 event = await job.events.get()
                 if event[0] == "text":
-                    if holding:
-                        held += event[1]
-                        held_logprobs += event[2]
-                        decided = may_be_tool_call(held)
-                        if decided is False:
-                            holding = False
+                    if reader is not None:
+                        for delta in reader.push(event[1]):
+                            yield chunk(None, delta={"tool_calls": [delta]})
+                        if not reader.announced:
+                            held += event[1]
+                            held_logprobs += event[2]
+                        if reader.is_text:
+                            reader = None
                             yield chunk(held, logprobs=held_logprobs)
                         continue
                     yield chunk(event[1], logprobs=event[2])
                 elif event[0] == "done":
                     finish = event[1]
-                    calls = self._tool_calls(held, params) if holding else None
-                    if calls:
-                        for i, call in enumerate(calls):
-                            whole = call.openai(i)
-                            args = whole["function"].pop("arguments")
-                            whole["function"]["arguments"] = ""
-                            yield chunk(None, delta={"tool_calls": [whole]})
-                            yield chunk(None, delta={"tool_calls": [
-                                {"index": i, "function": {"arguments": args}}]})
+                    if reader is not None and reader.finish():
                         finish = "tool_calls"
-                    elif holding and (held or held_logprobs):
+                    elif reader is not None and reader.is_text and (held or held_logprobs):
                         yield chunk(held, logprobs=held_logprobs)
                     yield chunk(None, finish)
                     if job.params.include_usage:

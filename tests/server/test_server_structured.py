@@ -8,6 +8,7 @@ uvicorn on a free local port.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -20,9 +21,9 @@ from edgellama.constrain import Constraint, gbnf_grammar, json_object_grammar, j
 from edgellama.errors import EdgeError
 from edgellama.gguf import GGUFFile
 from edgellama.perplexity import log_softmax
-from edgellama.server import _messages
+from edgellama.server import _messages, _one_call_per_message
 from edgellama.tokenizer import Tokenizer
-from edgellama.tool_calls import ToolCall, parse_tool_calls, tool_call_schema
+from edgellama.tool_calls import ToolCall, ToolCallStream, parse_tool_calls, tool_call_schema
 from server_asgi import ServerUnderTest
 from test_chat_template import LLAMA32_TEMPLATE
 from tiny_gguf import TINY_VOCAB, write_tiny_gguf
@@ -69,6 +70,36 @@ def tiny(tmp_path_factory):
     path = write_tiny_gguf(tmp_path_factory.mktemp("structured") / "tiny-tools.gguf", "F32",
                            vocab=TINY_VOCAB, ctx=4096, tokenizer=True, tied=False, seed=4,
                            chat_template=LLAMA32_TEMPLATE)
+    app = ServerUnderTest(path, ctx=4096)
+    yield app
+    app.close()
+
+
+# Llama 3.2's template changed to show several calls in one assistant message, as a list
+# (the original refuses them): forced calls may then be a list.
+LLAMA32_SEVERAL_CALLS = LLAMA32_TEMPLATE.replace("""        {%- if not message.tool_calls|length == 1 %}
+            {{- raise_exception("This model only supports single tool-calls at once!") }}
+        {%- endif %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
+        {{- '{"name": "' + tool_call.name + '", ' }}
+        {{- '"parameters": ' }}
+        {{- tool_call.arguments | tojson }}
+        {{- "}" }}""", """        {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n[' -}}
+        {%- for call in message.tool_calls %}
+            {{- '{"name": "' + call.function.name + '", "parameters": ' }}
+            {{- call.function.arguments | tojson + '}' + ('' if loop.last else ', ') }}
+        {%- endfor %}
+        {{- ']' }}""")
+
+
+@pytest.fixture(scope="module")
+def tiny_several(tmp_path_factory):
+    """The tiny model with LLAMA32_SEVERAL_CALLS."""
+    assert LLAMA32_SEVERAL_CALLS != LLAMA32_TEMPLATE
+    path = write_tiny_gguf(tmp_path_factory.mktemp("structured") / "tiny-several.gguf", "F32",
+                           vocab=TINY_VOCAB, ctx=4096, tokenizer=True, tied=False, seed=4,
+                           chat_template=LLAMA32_SEVERAL_CALLS)
     app = ServerUnderTest(path, ctx=4096)
     yield app
     app.close()
@@ -192,6 +223,119 @@ def test_tool_calls_parse_json_and_pythonic_forms():
 ])
 def test_text_that_is_not_a_call_stays_text(text):
     assert parse_tool_calls(text, {"get_weather", "get_time"}) is None
+
+
+# Replies that are calls, in every form the reader takes; the JSON form's arguments are the
+# model's own text (an escape, a number's spelling, its spaces), the pythonic form's are
+# JSON written by the reader.
+CALL_TEXTS = [
+    ('{"name": "get_weather", "parameters": {"city": "Z\\u00fcrich",  "unit": "celsius"}}',
+     ['{"city": "Z\\u00fcrich",  "unit": "celsius"}']),
+    ('<|python_tag|>{"parameters": {"zone": "CET", "n": 1E2}, "name": "get_time"}\n',
+     ['{"zone": "CET", "n": 1E2}']),
+    ('{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}', ['{"zone": "UTC"}']),
+    ('[get_weather(city="Oslo", unit=\'celsius\'), get_time(zone=("a", None, True))]',
+     ['{"city": "Oslo", "unit": "celsius"}', '{"zone": ["a", null, true]}']),
+    ('[{"name": "get_time", "parameters": {}}, {"name": "get_time", "parameters": {"zone": ""}}]',
+     ['{}', '{"zone": ""}']),
+    ('{"name": "get_time", "parameters": {"zone": "A"}};\n{"name": "get_time", "parameters": {}}',
+     ['{"zone": "A"}', '{}']),
+    ("[get_time()]", ["{}"]),
+]
+
+
+def _read_in_pieces(text: str, sizes, names=("get_weather", "get_time"), parallel=True):
+    """The deltas a ToolCallStream reports for `text` pushed in pieces of `sizes` (cycled),
+    each with how much of the text had been pushed; and the final calls."""
+    reader, deltas, at, k = ToolCallStream(set(names), parallel), [], 0, 0
+    while at < len(text):
+        piece = text[at:at + sizes[k % len(sizes)]]
+        at, k = at + len(piece), k + 1
+        deltas += [(d, at) for d in reader.push(piece)]
+    return deltas, reader.finish()
+
+
+@pytest.mark.parametrize("text, arguments", CALL_TEXTS)
+def test_streamed_call_fragments_join_to_the_arguments(text, arguments):
+    whole = parse_tool_calls(text, {"get_weather", "get_time"})
+    assert [c.arguments_text for c in whole] == arguments
+    assert [c.arguments for c in whole] == [json.loads(a) for a in arguments]
+    for sizes in ([1], [3, 1, 7], [len(text)]):
+        deltas, calls = _read_in_pieces(text, sizes)
+        assert [c.arguments_text for c in calls] == arguments and calls == whole
+        for i, call in enumerate(calls):
+            mine = [d for d, _ in deltas if d["index"] == i]
+            assert mine[0] == {"index": i, "id": call.id, "type": "function",
+                               "function": {"name": call.name, "arguments": ""}}
+            assert all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+                       for d in mine[1:])
+            assert "".join(d["function"]["arguments"] for d in mine) == call.arguments_text
+        assert len({c.id for c in calls}) == len(calls)
+
+
+def test_calls_are_announced_as_soon_as_their_name_is_read():
+    text = '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}'
+    deltas, _ = _read_in_pieces(text, [1])
+    header, *fragments = deltas
+    assert header[1] == len('{"name": "get_weather",')   # the name's end is read
+    # the JSON form's arguments arrive as they are generated, a character at a time
+    assert len(fragments) == len('{"city": "Oslo", "unit": "celsius"}')
+    text = '[get_weather(city="Oslo", unit="celsius"), get_time(zone="CET")]'
+    deltas, _ = _read_in_pieces(text, [1])
+    at = [(d["index"], d["function"].get("name") or d["function"]["arguments"], n)
+          for d, n in deltas]
+    # pythonic: each argument once its value ends; the list's second call once its "(" is read
+    assert at == [(0, "get_weather", len("[get_weather(")),
+                  (0, '{"city": "Oslo"', len('[get_weather(city="Oslo",')),
+                  (0, ', "unit": "celsius"}', len('[get_weather(city="Oslo", unit="celsius")')),
+                  (1, "get_time", len(text) - len('zone="CET")]')),
+                  (1, '{"zone": "CET"}', len(text) - 1)]
+
+
+def test_parallel_false_keeps_the_first_call():
+    text = '[get_weather(city="Oslo", unit="celsius"), get_time(zone="CET")]'
+    deltas, calls = _read_in_pieces(text, [2], parallel=False)
+    assert [c.name for c in calls] == ["get_weather"] and {d["index"] for d, _ in deltas} == {0}
+    assert parse_tool_calls(text, None, parallel=False) == calls
+
+
+def test_text_that_is_not_a_call_is_known_early():
+    for text in ("Hello there", '  "quoted"', "[1, 2]", "[get_weather city]", '{"text": 1}',
+                 '{"name": "not_offered", "parameters": {}}'):
+        reader = ToolCallStream({"get_weather"})
+        pushed = ""
+        for ch in text:
+            assert reader.push(ch) == []
+            pushed += ch
+            if reader.is_text:
+                break
+        assert reader.is_text and reader.finish() is None, text
+        assert len(pushed) <= len('{"name": "not_offered",'), (text, pushed)
+    # a call that breaks off after it was announced: no more deltas, and not a call
+    reader = ToolCallStream({"get_weather"})
+    assert reader.push('{"name": "get_weather", "parameters": {"city": "Oslo"}')
+    assert reader.push(' and then some') == [] and reader.finish() is None
+    assert not reader.is_text   # its first deltas were sent: it does not become content
+
+
+def test_forced_call_schema_allows_a_list_only_when_asked(smol_tokenizer):
+    tok = smol_tokenizer
+    two = ('[{"name": "get_time", "parameters": {"zone": "CET"}}, '
+           '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}]')
+    c = Constraint(tok, json_schema_grammar(tool_call_schema([WEATHER, TIME], several=True)))
+    for i in tok.encode(two):
+        assert c.allowed()[i], tok.token_bytes(i)
+        c.advance(i)
+    assert c.complete
+    assert [x.name for x in parse_tool_calls(two, {"get_time", "get_weather"})] == \
+        ["get_time", "get_weather"]
+    for several, text in ((True, '{"name": "get_time", "parameters": {"zone": "CET"}}'),
+                          (False, '{"name": "get_time", "parameters": {"zone": "CET"}}')):
+        c = Constraint(tok, json_schema_grammar(tool_call_schema([WEATHER, TIME], several=several)))
+        assert c.allowed()[tok.encode("[")[0]] == several
+        for i in tok.encode(text):
+            c.advance(i)
+        assert c.complete
 
 
 def test_tool_call_schema_forces_the_named_function():
@@ -345,6 +489,126 @@ def test_forced_tool_calls(tiny, choice):
         jsonschema.validate(json.loads(f["arguments"]), tool["function"]["parameters"])
 
 
+def _forcing(text: str) -> str:
+    """A GBNF grammar whose only sentence is `text`: drives the random model into it."""
+    return "root ::= " + json.dumps(text, ensure_ascii=False)
+
+
+def _streamed_calls(evs: list[dict]) -> list[dict]:
+    """The tool calls of a stream's chunks, per index: the first delta and the fragments."""
+    calls = {}
+    for e in evs:
+        for d in e["choices"][0]["delta"].get("tool_calls") or [] if e["choices"] else []:
+            if d["index"] not in calls:
+                calls[d["index"]] = {"first": d, "fragments": []}
+            else:
+                calls[d["index"]]["fragments"].append(d["function"]["arguments"])
+    return [calls[i] for i in range(len(calls))]
+
+
+@pytest.mark.parametrize("k", [0, 3])   # JSON form, a pythonic list of two calls
+def test_tool_calls_stream_as_they_are_generated(tiny, k):
+    text, arguments = CALL_TEXTS[k]
+    kw = dict(tools=[WEATHER, TIME], grammar=_forcing(text), max_tokens=200)
+    whole = chat(tiny, **kw).json()["choices"][0]
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] is None
+    calls = whole["message"]["tool_calls"]
+    assert [c["function"]["arguments"] for c in calls] == arguments
+    assert len({c["id"] for c in calls}) == len(calls)
+    evs = events(chat(tiny, stream=True, **kw))
+    assert evs[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert not any(e["choices"] and e["choices"][0]["delta"].get("content") for e in evs)
+    streamed = _streamed_calls(evs)
+    # as OpenAI's: the role comes with the first call, content null
+    assert evs[0]["choices"][0]["delta"] == {"role": "assistant", "content": None,
+                                             "tool_calls": [streamed[0]["first"]]}
+    assert [s["first"]["function"] for s in streamed] == \
+        [{"name": c["function"]["name"], "arguments": ""} for c in calls]
+    assert [s["first"]["type"] for s in streamed] == ["function"] * len(calls)
+    assert len({s["first"]["id"] for s in streamed}) == len(calls)
+    assert ["".join(s["fragments"]) for s in streamed] == arguments
+    # the arguments came as they were generated: the JSON form's token by token (the
+    # tiny vocabulary's tokens are mostly single characters), the pythonic per argument
+    if k == 0:
+        assert len(streamed[0]["fragments"]) > len(arguments[0]) // 2
+    else:
+        assert [len(s["fragments"]) for s in streamed] == [2, 1]
+
+    for stream in (False, True):   # parallel_tool_calls false: only the first
+        r = chat(tiny, stream=stream, parallel_tool_calls=False, **kw)
+        got = [s["first"]["function"]["name"] for s in _streamed_calls(events(r))] if stream \
+            else [c["function"]["name"] for c in r.json()["choices"][0]["message"]["tool_calls"]]
+        assert got == [calls[0]["function"]["name"]]
+
+
+def test_forced_calls_are_a_list_only_if_the_template_shows_several(tiny, tiny_several):
+    """tool_choice required: the first token may open a list of calls when the template
+    shows several calls per message and parallel_tool_calls allows; else only "{"."""
+    for app, parallel, several in ((tiny_several, True, True), (tiny_several, False, False),
+                                   (tiny, True, False)):
+        r = chat(app, tools=[WEATHER, TIME], tool_choice="required", max_tokens=1,
+                 parallel_tool_calls=parallel, logprobs=True, top_logprobs=20, temperature=0)
+        lp = r.json()["choices"][0]["logprobs"]["content"][0]
+        first = [t["token"] for t in lp["top_logprobs"]]
+        assert any(t.startswith("{") for t in first)
+        assert any(t.startswith("[") for t in first) == several, (parallel, first)
+    replies = [chat(tiny_several, tools=[WEATHER, TIME], tool_choice="required", seed=seed,
+                    temperature=1.0, max_tokens=300).json()["choices"][0] for seed in range(4)]
+    calls = [call for c in replies if c["finish_reason"] == "tool_calls"
+             for call in c["message"]["tool_calls"]]
+    assert calls
+    for call in calls:
+        tool = {"get_weather": WEATHER, "get_time": TIME}[call["function"]["name"]]
+        jsonschema.validate(json.loads(call["function"]["arguments"]),
+                            tool["function"]["parameters"])
+
+
+def test_several_calls_are_accepted_back(tiny, tiny_several):
+    """An assistant message with two calls: one list for a template that shows several,
+    two consecutive assistant messages for Llama 3.2's, which refuses more than one."""
+    messages = [
+        {"role": "user", "content": "Weather and time in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'}},
+            {"id": "call_2", "type": "function", "function": {
+                "name": "get_time", "arguments": '{"zone": "CET"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3 C"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "10:00"}]
+    for app in (tiny, tiny_several):
+        r = app.request("POST", "/v1/chat/completions", {
+            "messages": messages, "tools": [WEATHER, TIME], "max_tokens": 2}, timeout=60)
+        assert r.status == 200, r.body
+    with pytest.raises(EdgeError, match="single tool-calls"):
+        tiny.llm.chat.render(_messages({"messages": messages}))
+    split = tiny.llm.chat.render(_one_call_per_message(_messages({"messages": messages})),
+                                 add_generation_prompt=False)
+    assert split.count("<|start_header_id|>assistant") == 2
+    assert '{"name": "get_time", "parameters": {"zone": "CET"}}' in split
+    listed = tiny_several.llm.chat.render(_messages({"messages": messages}))
+    assert '[{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}, ' \
+           '{"name": "get_time", "parameters": {"zone": "CET"}}]' in listed
+
+
+def test_forced_call_to_a_tool_with_its_own_refs(tiny):
+    """Parameters as Pydantic writes nested models ($defs and $ref "#/$defs/..."): the
+    forced call's schema keeps them resolvable."""
+    place = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+             "required": ["city"], "additionalProperties": False}
+    params = {"type": "object", "properties": {
+        "home": {"$ref": "#/$defs/Place"},
+        "trip": {"type": "array", "items": {"$ref": "#/$defs/Place"}, "maxItems": 2}},
+        "required": ["home", "trip"], "additionalProperties": False, "$defs": {"Place": place}}
+    tool = {"type": "function", "function": {"name": "plan", "parameters": params}}
+    for seed, parallel in ((0, True), (1, False)):
+        r = chat(tiny, tools=[tool, TIME], seed=seed, temperature=1.0, max_tokens=200,
+                 tool_choice={"type": "function", "function": {"name": "plan"}},
+                 parallel_tool_calls=parallel)
+        assert r.status == 200, r.body
+        (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+        jsonschema.validate(json.loads(call["function"]["arguments"]), params)
+
+
 def test_streamed_tool_call_deltas(tiny):
     r = chat(tiny, tools=[WEATHER], tool_choice="required", stream=True, seed=5, max_tokens=150)
     evs = events(r)
@@ -412,6 +676,8 @@ def _deep_schema(depth: int) -> str:
      "tools[0].function.name"),
     ("unknown named tool", {"tools": [WEATHER], "tool_choice": {
         "type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ("parallel_tool_calls not a flag", {"tools": [WEATHER], "parallel_tool_calls": "no"},
+     "parallel_tool_calls"),
     ("bad tool parameters", {"tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "blah"}}}}}],
         "tool_choice": "required"}, "tools"),
@@ -435,6 +701,51 @@ def test_schema_nested_10000_deep_is_a_400(tiny):
                      {"content-type": "application/json"}, timeout=60)
     assert r.status == 400 and time.monotonic() - t0 < 15
     assert chat(tiny, max_tokens=2).status == 200
+
+
+def test_bad_structure_requests_while_another_reply_streams(tiny):
+    """The hostile requests of issue 27 (a schema the engine cannot compile, 10,000 tools,
+    a schema nested 10,000 deep, a grammar that matches nothing, a forced call whose
+    parameters match nothing) sent while another reply is being generated: each a 400
+    with one line, in bounded time and memory, and the other reply runs to its end."""
+    import resource
+    messages = [{"role": "user", "content": "x"}]
+    many = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(10_000)]
+    nothing = {"type": "function", "function": {"name": "f", "parameters": {
+        "allOf": [{"type": "string"}, {"type": "integer"}]}}}
+    hostile = [json.dumps({"messages": messages, **body}) for body in (
+        {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "string", "pattern": "[a-"}}}},
+        {"tools": many, "tool_choice": "required"},
+        {"grammar": 'root ::= "a" root'},
+        {"tools": [nothing], "tool_choice": "required"},
+    )] + ['{"messages": [{"role": "user", "content": "x"}], "json_schema": '
+          + _deep_schema(10_000) + "}"]
+    # the other reply: 3000 tokens, which its grammar keeps from stopping sooner
+    other = json.dumps({"messages": messages, "max_tokens": 3000, "temperature": 0,
+                        "grammar": "root ::= [a-z]{3000,}", "stream": True,
+                        "stream_options": {"include_usage": True}})
+    headers = [(b"host", b"127.0.0.1:8080"), (b"content-type", b"application/json")]
+
+    async def run():
+        streaming = asyncio.ensure_future(
+            tiny._call("POST", "/v1/chat/completions", other.encode(), headers, 120))
+        await asyncio.sleep(0.05)   # the other reply is being generated
+        refused = [await tiny._call("POST", "/v1/chat/completions", body.encode(), headers, 30)
+                   for body in hostile]
+        return refused, not streaming.done(), await streaming
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    refused, other_still_running, streamed = tiny.loop.run_until_complete(run())
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) / 1024
+    for r in refused:
+        assert r.status == 400 and r.seconds < 15, (r.status, r.body[:300])
+        assert "\n" not in r.error()["message"]
+    assert grown_mb < 200, grown_mb
+    assert other_still_running   # the refusals did not wait for it
+    evs = events(streamed)
+    assert streamed.status == 200 and evs[-1]["usage"]["completion_tokens"] == 3000
+    assert evs[-2]["choices"][0]["finish_reason"] == "length"
 
 
 # -- real clients: the openai package and langchain-openai, over HTTP ---------------------------
@@ -489,6 +800,29 @@ def test_openai_client(url):
     assert all(len(t.top_logprobs) <= 3 for t in lp)
 
 
+def test_openai_client_accumulates_streamed_calls(url):
+    """The client's own stream accumulator (chat.completions.stream) builds from our chunks
+    the calls the unstreamed reply has, two of them with their own ids."""
+    import openai
+    client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
+    for text, arguments in (CALL_TEXTS[0], CALL_TEXTS[3]):
+        kw = dict(model="tiny-tools", messages=[{"role": "user", "content": "Oslo?"}],
+                  tools=[WEATHER, TIME], max_tokens=200, extra_body={"grammar": _forcing(text)})
+        whole = client.chat.completions.create(**kw).choices[0]
+        with client.chat.completions.stream(**kw) as stream:
+            pieces = [e.arguments_delta for e in stream
+                      if e.type == "tool_calls.function.arguments.delta"]
+            final = stream.get_final_completion().choices[0]
+        assert final.finish_reason == whole.finish_reason == "tool_calls"
+        assert final.message.content is None
+        calls = final.message.tool_calls
+        assert [(c.function.name, c.function.arguments) for c in calls] == \
+            [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+        assert [c.function.arguments for c in calls] == arguments and "".join(pieces) == \
+            "".join(arguments) and len(pieces) > len(calls)
+        assert len({c.id for c in calls}) == len(calls) and all(c.type == "function" for c in calls)
+
+
 def test_langchain_bind_tools_and_structured_output(url):
     lc = pytest.importorskip("langchain_openai")
     llm = lc.ChatOpenAI(base_url=url, api_key="none", model="tiny-tools", max_retries=0,
@@ -497,6 +831,13 @@ def test_langchain_bind_tools_and_structured_output(url):
     (call,) = msg.tool_calls
     assert call["name"] == "get_weather"
     jsonschema.validate(call["args"], WEATHER["function"]["parameters"])
+    # streamed: langchain adds up the chunks' tool_call_chunks by index
+    chunks = list(llm.bind_tools([WEATHER], tool_choice="get_weather").stream("Weather?"))
+    msg = sum(chunks[1:], chunks[0])
+    (call,) = msg.tool_calls
+    assert call["name"] == "get_weather" and call["id"].startswith("call_")
+    jsonschema.validate(call["args"], WEATHER["function"]["parameters"])
+    assert sum(bool(c.tool_call_chunks) for c in chunks) > 2   # the arguments in pieces
 
     schema = {"title": "Person", "description": "A person", **SCHEMAS[0]}
     out = llm.with_structured_output(schema, method="json_schema").invoke("A person, please.")
@@ -527,6 +868,7 @@ def test_auto_tool_choice_streams_plain_answers_as_content(tiny):
     unstreamed = chat(tiny, "hi", tools=[WEATHER], temperature=0, max_tokens=8).json()
     assert text == unstreamed["choices"][0]["message"]["content"]
     assert text.strip()[:1] not in ("{", "[")   # the greedy reply is not call-shaped
+    assert deltas[0]["role"] == "assistant" and deltas[0]["content"]
     assert not any(d.get("tool_calls") for d in deltas)
     assert evs[-1]["choices"][0]["finish_reason"] == "length"
 

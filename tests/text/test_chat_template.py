@@ -173,6 +173,21 @@ def test_fallback_template_selection(llama3, smol):
         "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_tool_support_probes(llama3, smol, smol_template):
+    """Whether a template shows tools, and several calls in one assistant message: Llama
+    3.2's shows tools and refuses a second call; ChatML shows neither; one that loops over
+    the calls shows several, and one that shows only the first call does not."""
+    loop = "{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.name }} " \
+           "{% endfor %}{% endfor %}{{ tools }}"
+    first = "{% for m in messages %}{% if m.tool_calls %}{{ m.tool_calls[0].function.name }}" \
+            "{% endif %}{% endfor %}"
+    for fmt, tools, several in ((ChatFormat(llama3, LLAMA32_TEMPLATE, now=NOW), True, False),
+                                (ChatFormat(smol, smol_template, now=NOW), False, False),
+                                (ChatFormat(llama3, loop, now=NOW), True, True),
+                                (ChatFormat(llama3, first, now=NOW), False, False)):
+        assert (fmt.supports_tools(), fmt.supports_parallel_tool_calls()) == (tools, several)
+
+
 def test_strftime_now_is_fixed_per_format(llama3):
     fmt = ChatFormat(llama3, "{{ strftime_now('%Y-%m-%d %H:%M') }}", now=NOW)
     assert fmt.render([]) == "2024-07-26 09:30" == fmt.render([])
