@@ -18,6 +18,12 @@ only from the first token that differs; so a client that re-sends its conversati
 only for what is new, even while other conversations come and go. `usage.prompt_tokens_details.
 cached_tokens` says how much was reused.
 
+Slot files (create_app(slot_save_path=DIR), `serve --slot-save-path`): llama.cpp's POST
+/slots/{id}?action=save|restore|erase writes a slot's cache to DIR/filename or reads one
+back (prompt_cache's format, names checked by slot_files.SlotFiles), on the engine thread
+between steps (Engine.run); and an evicted conversation's cache is spilled to DIR and
+restored when the conversation comes back (Engine._prepare).
+
 Hostile input (tests/server/test_server_hostile.py, tests/server/test_fuzz_server.py): every field's JSON
 type and range is checked, a wrong one answered 400 naming it; bodies must be JSON (415);
 Host and Origin headers are checked against DNS rebinding and cross-site requests
