@@ -76,7 +76,8 @@ class SlotFiles:
         try:
             given.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise EdgeError(f"--slot-save-path {given}: cannot create it: {e.strerror or e}") from None
+            raise EdgeError(f"--slot-save-path {given}: cannot create it: "
+                            f"{e.strerror or e}") from None
         if not given.is_dir():
             raise EdgeError(f"--slot-save-path {given} is not a folder")
         self.folder = Path(os.path.realpath(given))
@@ -123,7 +124,8 @@ class SlotFiles:
         spill files it continues (they are the same conversation, shorter), then the
         least recently used ones beyond the bound."""
         tokens = np.asarray(seq.tokens, np.int32)
-        name = f"{SPILL_PREFIX}{hashlib.sha256(tokens.tobytes()).hexdigest()[:32]}{prompt_cache.SUFFIX}"
+        digest = hashlib.sha256(tokens.tobytes()).hexdigest()[:32]
+        name = f"{SPILL_PREFIX}{digest}{prompt_cache.SUFFIX}"
         if name in self._spilled:
             self._spilled[name] = (tokens, self._spilled[name][1])
             self._spilled.move_to_end(name)
