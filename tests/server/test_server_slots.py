@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import edgellama
 from edgellama import prompt_cache
 from edgellama import server as srv
 from edgellama.slot_files import SlotFiles
@@ -281,7 +282,6 @@ def _filled(llm, ids: list[int]):
 
 
 def test_the_spill_bound_removes_the_oldest_and_only_spill_files(model, tmp_path):
-    import edgellama
     llm = edgellama.load(str(model), ctx=256, threads=1)
     folder = tmp_path / "slots"
     folder.mkdir()
