@@ -739,8 +739,9 @@ class Engine:
             calls, self._calls = self._calls, []
             self._cond.notify_all()
         for future, _ in calls:
-            future.set_exception(ApiError(503, "the server is shutting down",
-                                          code="shutting_down"))
+            if future.set_running_or_notify_cancel():   # not cancelled: its client waits
+                future.set_exception(ApiError(503, "the server is shutting down",
+                                              code="shutting_down"))
         for job in jobs:
             job.cancelled.set()
             job.emit("error", ApiError(503, "the server is shutting down; the request was "
@@ -771,6 +772,8 @@ class Engine:
                     return
                 calls, self._calls = self._calls, []
             for future, fn in calls:   # outside the lock: file work must not block submit()
+                if not future.set_running_or_notify_cancel():   # its client left
+                    continue
                 try:
                     future.set_result(fn())
                 except Exception as e:  # noqa: BLE001 - that request fails, the server stays up

@@ -314,3 +314,17 @@ def test_the_spill_bound_removes_the_oldest_and_only_spill_files(model, tmp_path
     assert again.spilled() == names[-1:] and not (folder / names[-2]).exists()
     assert prompt_cache.load(folder / names[-1], llm.model.new_sequence(), llm.model).tokens \
         == seqs[3].tokens
+
+
+def test_an_action_whose_client_left_is_skipped_and_the_engine_goes_on(model):
+    llm = edgellama.load(str(model), ctx=256, threads=1)
+    engine = srv.Engine(llm, 4, 1)
+    try:
+        ran = []
+        busy = engine.run(lambda: time.sleep(0.3))          # holds the engine thread
+        gone = engine.run(lambda: ran.append("gone"))
+        assert gone.cancel()                                  # as wrap_future does on a disconnect
+        assert engine.run(lambda: ran.append("next")).result(10) is None
+        assert busy.done() and ran == ["next"]
+    finally:
+        engine.close()
