@@ -95,9 +95,18 @@ def _accepted_hosts(host: str, sock: socket.socket, extra: list[str]) -> tuple[l
               help="Let web pages at ORIGIN (e.g. http://localhost:3000; * = any) call the "
                    "API from a browser, with CORS headers (repeatable). Without it every "
                    "request that a page on another origin sends is refused (403).")
+@click.option("--slot-save-path", type=click.Path(file_okay=False), default=None, metavar="DIR",
+              help="A folder for slots' caches: POST /slots/ID?action=save|restore with "
+                   "{\"filename\": NAME} writes or reads slot ID's KV cache as DIR/NAME "
+                   "(action=erase clears it), and a conversation evicted from a slot is "
+                   "spilled there and restored when it comes back (see --slot-spill-max).")
+@click.option("--slot-spill-max", type=click.IntRange(min=0), default=2048, show_default=True,
+              metavar="MIB", help="With --slot-save-path: the most the spilled caches of "
+              "evicted conversations take in DIR, least recently used removed first; 0: "
+              "no spill.")
 @speculative_options
 def serve(model, ctx, threads, activations, cache_type_k, cache_type_v, host, port, api_key, parallel, queue_size,
-          allowed_hosts, cors, draft, lookup, draft_min, draft_max):
+          allowed_hosts, cors, slot_save_path, slot_spill_max, draft, lookup, draft_min, draft_max):
     """Serve the model over OpenAI's HTTP API (chat and completions).
 
     Requests must send JSON bodies with 'Content-Type: application/json' (or none); form
@@ -122,7 +131,8 @@ def serve(model, ctx, threads, activations, cache_type_k, cache_type_v, host, po
     hosts, any_ip = _accepted_hosts(host, sock, allowed_hosts)
     app = create_app(llm, api_key=api_key or None, queue_size=queue_size,
                      allowed_hosts=hosts, any_ip_host=any_ip, cors=cors, parallel=parallel,
-                     drafter=drafter)
+                     drafter=drafter, slot_save_path=slot_save_path,
+                     slot_spill_max=slot_spill_max << 20)
     server = app.state.server
     if not api_key and not _is_local(sock):
         click.echo(f"warning: listening on {host} without --api-key: anyone who can reach "
@@ -143,6 +153,11 @@ def serve(model, ctx, threads, activations, cache_type_k, cache_type_v, host, po
         click.echo(f"speculative decoding: {drafter.name}{name}, {draft_min}..{draft_max} "
                    f"tokens a step where it pays (usage reports accepted_prediction_tokens)",
                    err=True)
+    if engine.files is not None:
+        spill = f"; evicted conversations spilled there, up to {slot_spill_max} MiB" \
+            if slot_spill_max else ""
+        click.echo(f"slot files: {one_line(str(engine.files.folder))} (POST /slots/ID)"
+                   f"{spill}", err=True)
     shown = ", ".join(f"[{h}]" if ":" in h else h for h in hosts)
     click.echo(f"answering Host {shown}{' and any IP address' if any_ip else ''}"
                f"{'; cross-origin pages: ' + ', '.join(cors) if cors else ''}", err=True)

@@ -18,6 +18,12 @@ only from the first token that differs; so a client that re-sends its conversati
 only for what is new, even while other conversations come and go. `usage.prompt_tokens_details.
 cached_tokens` says how much was reused.
 
+Slot files (create_app(slot_save_path=DIR), `serve --slot-save-path`): llama.cpp's POST
+/slots/{id}?action=save|restore|erase writes a slot's cache to DIR/filename or reads one
+back (prompt_cache's format, names checked by slot_files.SlotFiles), on the engine thread
+between steps (Engine.run); and an evicted conversation's cache is spilled to DIR and
+restored when the conversation comes back (Engine._prepare).
+
 Hostile input (tests/server/test_server_hostile.py, tests/server/test_fuzz_server.py): every field's JSON
 type and range is checked, a wrong one answered 400 naming it; bodies must be JSON (415);
 Host and Origin headers are checked against DNS rebinding and cross-site requests
@@ -54,7 +60,8 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -68,6 +75,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from . import prompt_cache
 from .errors import EdgeError
 from .constrain import (Constraint, GrammarError, gbnf_grammar, json_object_grammar,
                         json_schema_grammar, sample)
@@ -76,6 +84,7 @@ from .machine import available_memory
 from .sampling import Sampler, SamplingParams, log_probs
 from .scratch import Scratch
 from .sequence import Sequence
+from .slot_files import SPILL_MIN, BadFileName, NoSuchFile, SlotFiles
 from .speculative import DraftLength, DraftModel, Drafter, PassCost, plan_step, rejection_test
 from .tokenizer import StreamDecoder
 from .tool_calls import ToolCallStream, tool_call_schema
@@ -646,8 +655,8 @@ class Engine:
     adds no row to the pass."""
 
     def __init__(self, llm: LLM, capacity: int = DEFAULT_QUEUE, parallel: int | None = None,
-                 drafter: Drafter | None = None):
-        self.llm, self.capacity = llm, capacity
+                 drafter: Drafter | None = None, files: SlotFiles | None = None):
+        self.llm, self.capacity, self.files = llm, capacity, files
         model = llm.model
         self.scratch = Scratch()
         first = model.new_sequence(scratch=self.scratch)
@@ -664,6 +673,7 @@ class Engine:
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._active: list[Job] = []     # in admission order
+        self._calls: list[tuple[Future, Callable]] = []   # run() between steps
         self._admitted = 0
         self._closed = False
         self._thread = threading.Thread(target=self._work, name="edgellama-engine", daemon=True)
@@ -711,6 +721,13 @@ class Engine:
                     "kv_cache_bytes_per_slot": self.slots[0].seq.cache.nbytes,
                     "kv_cache_bytes": self.kv_cache_bytes}
 
+    def slot_list(self) -> list[dict]:
+        """GET /slots (llama.cpp's names): each slot's id, whether it is busy, its
+        context and the tokens its cache holds."""
+        with self._cond:
+            return [{"id": s.index, "is_processing": s.job is not None, "n_ctx": s.seq.ctx,
+                     "n_cached": s.seq.pos} for s in self.slots]
+
     def shutdown(self) -> None:
         """Take no more requests, and end the waiting and running ones now: each is told
         503 shutting_down (the running ones stop before the next step). Returns at once;
@@ -719,7 +736,12 @@ class Engine:
             self._closed = True
             jobs = list(self._waiting) + self._active
             self._waiting.clear()
+            calls, self._calls = self._calls, []
             self._cond.notify_all()
+        for future, _ in calls:
+            if future.set_running_or_notify_cancel():   # not cancelled: its client waits
+                future.set_exception(ApiError(503, "the server is shutting down",
+                                              code="shutting_down"))
         for job in jobs:
             job.cancelled.set()
             job.emit("error", ApiError(503, "the server is shutting down; the request was "
@@ -730,15 +752,40 @@ class Engine:
         self.shutdown()
         self._thread.join(timeout)
 
+    def run(self, fn: Callable[[], Any]) -> Future:
+        """fn() on the engine thread between steps (where no pass uses a slot's cache and
+        no request is admitted), its result or exception in the future."""
+        future: Future = Future()
+        with self._cond:
+            if self._closed:
+                raise ApiError(503, "the server is shutting down", code="shutting_down")
+            self._calls.append((future, fn))
+            self._cond.notify()
+        return future
+
     def _work(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self._active and not self._closed:
+                while not (self._waiting or self._active or self._calls or self._closed):
                     self._cond.wait()
                 if self._closed:
                     return
-                self._admit()
+                calls, self._calls = self._calls, []
+            for future, fn in calls:   # outside the lock: file work must not block submit()
+                if not future.set_running_or_notify_cancel():   # its client left
+                    continue
+                try:
+                    future.set_result(fn())
+                except Exception as e:  # noqa: BLE001 - that request fails, the server stays up
+                    if not isinstance(e, ApiError):
+                        log.exception("a slot action failed")
+                        e = ApiError(500, "internal error; the server log has the details")
+                    future.set_exception(e)
+            with self._cond:
+                admitted = self._admit()
                 jobs = list(self._active)
+            for job in admitted:
+                self._prepare(job)
             for job in jobs:
                 if job.cancelled.is_set():   # the client left: its slot is free now
                     self._release(job, "cancelled")
@@ -750,18 +797,86 @@ class Engine:
             if ready:
                 self._guarded(ready, self._decode, ready)
 
-    def _admit(self) -> None:
-        """Waiting jobs into free slots, first come first served (holding the lock)."""
+    def _admit(self) -> list[Job]:
+        """Waiting jobs into free slots, first come first served (holding the lock); the
+        jobs admitted, for _prepare."""
         free = [s for s in self.slots if s.job is None]
+        admitted = []
         while self._waiting and free:
             job = self._waiting.popleft()
             slot = max(free, key=lambda s: (_reusable(s.seq.tokens, job.ids), -s.last_used))
             free.remove(slot)
             self._admitted += 1
             slot.job, slot.last_used, job.slot = job, self._admitted, slot
-            job.reused = slot.seq.reuse_prefix(job.ids)
             job.decoder = StreamDecoder(self.llm.tokenizer)
             self._active.append(job)
+            admitted.append(job)
+        return admitted
+
+    def _prepare(self, job: Job) -> None:
+        """The job's slot cut to what its prompt reuses. With --slot-save-path, a
+        conversation of at least SPILL_MIN tokens that the job evicts is spilled to a file
+        first, and a spilled one the prompt continues further than the slot's cache is
+        restored into the slot (SlotFiles). A failed spill or restore costs only time: it
+        is logged, and the prompt is read."""
+        seq, files = job.slot.seq, self.files
+        if files is not None and files.spill_max > 0:
+            keep = _reusable(seq.tokens, job.ids)
+            spilled = files.best(job.ids)
+            restore = spilled is not None and spilled[1] > keep
+            if (restore or not keep) and seq.pos >= SPILL_MIN:
+                try:
+                    files.spill(seq, self.llm.model)
+                except EdgeError as e:
+                    log.warning("slot %d: not spilled: %s", job.slot.index, e)
+            if restore:
+                try:
+                    files.restore(spilled[0], seq, self.llm.model)
+                except EdgeError as e:
+                    log.warning("slot %d: spilled cache not restored: %s", job.slot.index, e)
+        job.reused = seq.reuse_prefix(job.ids)
+
+    # -- POST /slots/{id}: on the engine thread (run()), so no request is admitted to the
+    # slot, and no pass reads its cache, while its file is written or read
+    def _idle_slot(self, index: int) -> Slot:
+        slot = self.slots[index]
+        if slot.job is not None:
+            raise ApiError(409, f"slot {index} is busy with a request; retry when it is done",
+                           code="slot_busy")
+        return slot
+
+    def save_slot(self, index: int, filename: Any) -> dict:
+        slot = self._idle_slot(index)
+        path = _slot_file(self.files, filename, saving=True)
+        n = slot.seq.pos
+        if n == 0:
+            raise _bad(f"slot {index} holds no cache to save", code="slot_empty")
+        t0 = time.perf_counter()
+        try:
+            prompt_cache.save(path, slot.seq, self.llm.model)
+            written = path.stat().st_size
+        except (EdgeError, OSError) as e:
+            raise ApiError(500, _local(e, path, filename), code="save_failed") from None
+        return {"id_slot": index, "filename": filename, "n_saved": n, "n_written": written,
+                "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}}
+
+    def restore_slot(self, index: int, filename: Any) -> dict:
+        slot = self._idle_slot(index)
+        path = _slot_file(self.files, filename, saving=False)
+        t0 = time.perf_counter()
+        try:
+            read = path.stat().st_size
+            prompt_cache.load(path, slot.seq, self.llm.model)
+        except (EdgeError, OSError) as e:
+            raise _bad(_local(e, path, filename), code="restore_failed") from None
+        return {"id_slot": index, "filename": filename, "n_restored": slot.seq.pos,
+                "n_read": read, "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3}}
+
+    def erase_slot(self, index: int) -> dict:
+        slot = self._idle_slot(index)
+        n = slot.seq.pos
+        slot.seq.reset()
+        return {"id_slot": index, "n_erased": n}
 
     def _guarded(self, jobs: list[Job], step, *args) -> None:
         """Run one step for `jobs`; if it fails, they fail (500) and the server goes on."""
@@ -915,6 +1030,21 @@ class Engine:
                 job.slot.job = None
 
 
+def _slot_file(files: SlotFiles, filename: Any, saving: bool):
+    try:
+        return files.path(filename, saving)
+    except NoSuchFile as e:
+        raise ApiError(404, str(e), "filename", "file_not_found") from None
+    except BadFileName as e:
+        raise _bad(str(e), "filename", "invalid_filename") from None
+
+
+def _local(e: Exception, path, filename: str) -> str:
+    """An error about a slot file, naming it as the client did (not the server's folder)."""
+    text = str(e) if isinstance(e, EdgeError) else f"{path}: {e.strerror or e}"
+    return text.replace(str(path), filename)
+
+
 # -- the HTTP side ------------------------------------------------------------------------------
 
 def _check_json_type(headers: Headers) -> None:
@@ -1018,9 +1148,9 @@ def _sse(data: Any) -> str:
 
 class Server:
     def __init__(self, llm: LLM, model_id: str, queue_size: int, parallel: int | None = None,
-                 drafter: Drafter | None = None):
+                 drafter: Drafter | None = None, files: SlotFiles | None = None):
         self.llm, self.model_id = llm, model_id
-        self.engine = Engine(llm, queue_size, parallel, drafter)
+        self.engine = Engine(llm, queue_size, parallel, drafter, files)
         self.defaults = llm.default_sampling()
         self.created = int(time.time())
         # the chat template shows tools, and several calls in one message (asked once)
@@ -1240,6 +1370,32 @@ class Server:
         return {"id": self.model_id, "object": "model", "created": self.created,
                 "owned_by": "edgellama"}
 
+    async def slots(self, request: Request):
+        """llama.cpp's GET /slots: each slot, whether it is busy and the tokens it holds."""
+        return JSONResponse(self.engine.slot_list())
+
+    async def slot_action(self, request: Request):
+        """llama.cpp's POST /slots/{id}?action=save|restore|erase, body {"filename": ...}
+        for save and restore: a slot's cache to or from a file of --slot-save-path."""
+        engine = self.engine
+        if engine.files is None:
+            raise ApiError(501, "saving and restoring slots is off: start the server with "
+                                "--slot-save-path DIR", code="not_supported",
+                           kind="not_supported_error")
+        given = request.path_params["id"]
+        if not (given.isascii() and given.isdigit() and int(given) < engine.parallel):
+            raise _bad(f"no slot {_show(given)}: slots are 0 to {engine.parallel - 1}", "id_slot")
+        index, action = int(given), request.query_params.get("action")
+        if action == "erase":
+            call = lambda: engine.erase_slot(index)  # noqa: E731
+        elif action in ("save", "restore"):
+            filename = (await _read_json(request)).get("filename")
+            method = engine.save_slot if action == "save" else engine.restore_slot
+            call = lambda: method(index, filename)  # noqa: E731
+        else:
+            raise _bad(f"action must be save, restore or erase, got {_show(action)}", "action")
+        return JSONResponse(await asyncio.wrap_future(engine.run(call)))
+
     async def health(self, request: Request):
         # kv_cache_tokens: what the slots' caches hold for the next requests to reuse (and
         # how far the running ones got); slots: each one's, and their memory
@@ -1386,13 +1542,14 @@ class _Guard:
 
 
 class _RequireKey:
-    """ASGI middleware: /v1/... needs `Authorization: Bearer KEY` (/health does not)."""
+    """ASGI middleware: /v1/... and /slots need `Authorization: Bearer KEY` (/health does
+    not)."""
 
     def __init__(self, app, key: str):
         self.app, self.key = app, key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(("/v1", "/slots")):
             given = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")
             if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.key):
@@ -1406,17 +1563,21 @@ class _RequireKey:
 def create_app(llm: LLM, *, model_id: str | None = None, api_key: str | None = None,
                queue_size: int = DEFAULT_QUEUE, allowed_hosts: Iterable[str] = LOOPBACK_HOSTS,
                any_ip_host: bool = False, cors: Iterable[str] = (),
-               parallel: int | None = None, drafter: Drafter | None = None) -> Starlette:
+               parallel: int | None = None, drafter: Drafter | None = None,
+               slot_save_path: str | None = None, slot_spill_max: int = 0) -> Starlette:
     """The ASGI app serving `llm`; its id is the file name without .gguf unless given.
     The engine thread starts now and stops when the app's lifespan ends. `parallel`
     requests run at once (None: choose_parallel's default from memory). `drafter`
     (llm.load_draft(path) or speculative.PromptLookup()): speculative decoding, where
-    it pays (Engine).
+    it pays (Engine). `slot_save_path`: a folder for POST /slots/{id} (save, restore,
+    erase a slot's cache) and, if `slot_spill_max` (bytes) > 0, evicted conversations'
+    caches (SlotFiles).
 
     Only requests whose Host names one of `allowed_hosts` ("*": any; `any_ip_host`: any
     IP address too) are answered, and requests from web pages only from the same origin
     or one of the `cors` origins ("*": any); see _Guard. normalize_origin checks `cors`."""
-    server = Server(llm, model_id or llm.path.stem, queue_size, parallel, drafter)
+    files = None if slot_save_path is None else SlotFiles(slot_save_path, slot_spill_max)
+    server = Server(llm, model_id or llm.path.stem, queue_size, parallel, drafter, files)
     guard = Middleware(_Guard, hosts=list(allowed_hosts), any_ip=any_ip_host, cors=list(cors))
 
     async def api_error(request: Request, exc: ApiError):
@@ -1443,6 +1604,8 @@ def create_app(llm: LLM, *, model_id: str | None = None, api_key: str | None = N
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/models/{name:path}", server.model, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
+        Route("/slots", server.slots, methods=["GET"]),
+        Route("/slots/{id}", server.slot_action, methods=["POST"]),
     ], exception_handlers={ApiError: api_error, HTTPException: http_error,
                            ClientDisconnect: client_gone, Exception: internal_error},
         lifespan=lifespan,
