@@ -32,7 +32,7 @@ from numba.extending import intrinsic, overload
 
 from .formats.records import prep_q8_x
 from .fp import f16_to_f32, f32_to_f16, half_to_float_ir
-from .kernels import _MIN_LOGIT, _PREFETCH, _TB, _exp_neg, _fma, _scores, _weighted
+from .kernels import _AVX512, _MIN_LOGIT, _PREFETCH, _exp_neg, _fma, _scores, _weighted
 from .simd import ISA, _dot, ir_ptr, prefetch_ir, splat
 
 F32 = np.float32
@@ -41,7 +41,16 @@ QBLOCK = 32          # values per quantized block (ggml's QK8_0, QK4_0)
 _CHUNK = 256         # positions per chunk of the online softmax (K and V stay in L2)
 _NO_MAX = F32(-1e30)  # the running max before the first chunk
 KIND_Q8, KIND_Q4 = 0, 1
-_GMAX = 8            # query heads per call of a register kernel (more go in groups)
+_TB = 16             # query tokens per work item of prefill: they share each K/V chunk
+                     # while it is in L2, so at depth the cache is read from memory T/_TB times
+_GMAX = 8             # query rows per call of a register kernel (1.._GMAX; more go in
+                     # groups): one token's g heads, all in one call
+# A token block's rows over a whole chunk go in groups of _BATCH_F16 (f16 K or V) or
+# _BATCH_Q (quantized) rows a call: their sums stay in registers (a 16-float vector is 2 of
+# AVX2's 16 ymm), beside a block's K words or V values for the quantized types; on AVX2,
+# 512 tokens at depth 8192 were fastest with 3 (bench/results/design_measurements.json).
+_BATCH_F16 = 8 if _AVX512 else 4
+_BATCH_Q = 8 if _AVX512 else 3
 
 
 def kv_capacity(ctx: int) -> int:
@@ -260,28 +269,28 @@ def _weighted_q(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, g, k
 # Chosen by the cache arrays' dtypes when the kernel compiles (uint16: f16 bits, int8:
 # q8_0, uint8: q4_0), so each type pair compiles only its own code.
 
-def _chunk_scores(kq, ks, hd, cap, kvh, c0, n, q32, q8, qd, qs8, r, s, soff, g):
+def _chunk_scores(kq, ks, hd, cap, kvh, c0, n, q32, q8, qd, qs8, r, s, soff, g, gm):
     """Scores of query rows r.. over n positions from c0 (njit only: see the overload)."""
     raise NotImplementedError
 
 
-def _chunk_weighted(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g):
+def _chunk_weighted(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g, gm):
     """V's weighted sum over n positions from c0 (njit only: see the overload)."""
     raise NotImplementedError
 
 
 @overload(_chunk_scores, inline="always")
-def _ov_chunk_scores(kq, ks, hd, cap, kvh, c0, n, q32, q8, qd, qs8, r, s, soff, g):
+def _ov_chunk_scores(kq, ks, hd, cap, kvh, c0, n, q32, q8, qd, qs8, r, s, soff, g, gm):
     # scores s[soff + j _CHUNK + p] = q_{r+j} . k_{c0+p}, p < n rounded up to 16, j < g
     # (q32 f32 rows pre-scaled for f16 K; q8/qd/qs8 their int8 quantization otherwise)
     if kq.dtype == types.uint16:
-        def f16(kq, ks, hd, cap, kvh, c0, n, q32, q8, qd, qs8, r, s, soff, g):
+        def f16(kq, ks, hd, cap, kvh, c0, n, q32, q8, qd, qs8, r, s, soff, g, gm):
             nblk = -(-n // KV_BLOCK)
             base = kvh * cap * hd + c0 * hd
             if hd % 16 == 0:
-                for j0 in range(0, g, _GMAX):
+                for j0 in range(0, g, gm):
                     _scores(kq, base, q32[(r + j0) * hd:], hd, s, soff + j0 * _CHUNK, _CHUNK,
-                            nblk, min(_GMAX, g - j0))
+                            nblk, min(gm, g - j0))
             else:
                 for blk in range(nblk):
                     for j in range(g):
@@ -294,27 +303,27 @@ def _ov_chunk_scores(kq, ks, hd, cap, kvh, c0, n, q32, q8, qd, qs8, r, s, soff, 
         return f16
     kind = KIND_Q8 if kq.dtype == types.int8 else KIND_Q4
 
-    def quant(kq, ks, hd, cap, kvh, c0, n, q32, q8, qd, qs8, r, s, soff, g):
+    def quant(kq, ks, hd, cap, kvh, c0, n, q32, q8, qd, qs8, r, s, soff, g, gm):
         nbk = hd // QBLOCK
         per = hd * 16 if kind == KIND_Q8 else hd * 8           # bytes per 16 positions
         kb = kvh * (cap // KV_BLOCK) * per + (c0 // KV_BLOCK) * per
         sb = kvh * cap * nbk + c0 * nbk
-        for j0 in range(0, g, _GMAX):
+        for j0 in range(0, g, gm):
             _scores_q(kq, kb, ks, sb, q8, qd, qs8, (r + j0) * hd, hd, s, soff + j0 * _CHUNK,
-                      _CHUNK, -(-n // KV_BLOCK), min(_GMAX, g - j0), kind)
+                      _CHUNK, -(-n // KV_BLOCK), min(gm, g - j0), kind)
     return quant
 
 
 @overload(_chunk_weighted, inline="always")
-def _ov_chunk_weighted(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g):
+def _ov_chunk_weighted(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g, gm):
     # out[ooff + j hd + c] += sum_{p<n} w[woff + j _CHUNK + p] v_{c0+p, c}, j < g
     if vq.dtype == types.uint16:
-        def f16(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g):
+        def f16(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g, gm):
             base = kvh * cap * hd + c0 * hd
             if hd % 16 == 0:
-                for j0 in range(0, g, _GMAX):
+                for j0 in range(0, g, gm):
                     _weighted(vq, base, hd, w[woff + j0 * _CHUNK:], _CHUNK, n, out,
-                              ooff + j0 * hd, hd, min(_GMAX, g - j0))
+                              ooff + j0 * hd, hd, min(gm, g - j0))
             else:
                 for p in range(n):
                     for j in range(g):
@@ -324,13 +333,13 @@ def _ov_chunk_weighted(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g):
         return f16
     kind = KIND_Q8 if vq.dtype == types.int8 else KIND_Q4
 
-    def quant(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g):
+    def quant(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g, gm):
         nbk = hd // QBLOCK
         row = hd if kind == KIND_Q8 else hd // 2
-        for j0 in range(0, g, _GMAX):
+        for j0 in range(0, g, gm):
             _weighted_q(vq, (kvh * cap + c0) * row, vs, (kvh * cap + c0) * nbk, hd,
                         w[woff + j0 * _CHUNK:], _CHUNK, n, out, ooff + j0 * hd, hd,
-                        min(_GMAX, g - j0), kind)
+                        min(gm, g - j0), kind)
     return quant
 
 
@@ -344,14 +353,19 @@ def attention(q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si):
     # hd/32) int32, G = TB g: one row per thread.
     # GQA: the g query heads of a KV head share every K and V vector read; a work item is
     # one KV head and a block of up to TB tokens (rows tt g + j), which read K and V a
-    # chunk at a time, then from L2. Token blocks are handed out first, last, second,
-    # second to last...: even shares of the items are even shares of the causal work.
+    # chunk at a time, then from L2. A chunk every token of the block sees whole (all but
+    # the causal diagonal's) is scored and summed for all the block's rows in one call of
+    # the register kernels, so each K/V vector is widened once per group of rows, not per g.
+    # Token blocks are handed out first, last, second, second to last...: even shares of
+    # the items are even shares of the causal work.
     T, H, hd = q.shape
     g = H // KV
     G = _TB * g
     nbk = hd // QBLOCK
     quant_k = ks.size > 0
     nblocks = -(-T // _TB)
+    gk = min(g, _GMAX) if T == 1 else (_BATCH_Q if quant_k else _BATCH_F16)   # rows a call
+    gv = min(g, _GMAX) if T == 1 else (_BATCH_Q if vs.size > 0 else _BATCH_F16)
     for item in prange(nblocks * KV):
         tb, kvh = item // KV, item % KV
         tb = tb // 2 if tb % 2 == 0 else nblocks - 1 - tb // 2
@@ -364,6 +378,7 @@ def attention(q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si):
         lrow = buf[G * (_CHUNK + hd + 1):G * (_CHUNK + hd + 2)]
         qd = buf[G * (_CHUNK + hd + 2):G * (_CHUNK + hd + 2) + G * nbk]
         xsum = buf[G * (_CHUNK + hd + 2) + G * nbk:G * (_CHUNK + hd + 2) + 2 * G * nbk]
+        o32 = buf[G * (_CHUNK + hd + 2) + 2 * G * nbk:G * (_CHUNK + 2 * hd + 2) + 2 * G * nbk]
         q8, qs8 = s8[nb.get_thread_id()], si[nb.get_thread_id()]
         for tt in range(nt):
             for j in range(g):
@@ -376,17 +391,22 @@ def attention(q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si):
                               xsum[r * nbk:(r + 1) * nbk])
                 mrow[r] = _NO_MAX
                 lrow[r] = F32(0.0)
-                out[t0 + tt, kvh * g + j] = 0
-        oflat = out.reshape(-1)
+                for i in range(hd):
+                    o32[r * hd + i] = F32(0.0)
         end = pos0 + t0 + nt                          # positions the last token sees
         for c0 in range(0, end, _CHUNK):
+            whole = c0 + _CHUNK <= pos0 + t0 + 1      # every token sees the whole chunk
             # scores, 16 positions at a time: a token's last block also scores positions
             # past its own, which the softmax never reads
-            for tt in range(nt):
-                n = min(pos0 + t0 + tt + 1, c0 + _CHUNK) - c0
-                if n > 0:
-                    _chunk_scores(kq, ks, hd, cap, kvh, c0, n, q32, q8, qd, qs8, tt * g, s,
-                                  tt * g * _CHUNK, g)
+            if whole:
+                _chunk_scores(kq, ks, hd, cap, kvh, c0, _CHUNK, q32, q8, qd, qs8, 0, s, 0,
+                              nt * g, gk)
+            else:
+                for tt in range(nt):
+                    n = min(pos0 + t0 + tt + 1, c0 + _CHUNK) - c0
+                    if n > 0:
+                        _chunk_scores(kq, ks, hd, cap, kvh, c0, n, q32, q8, qd, qs8, tt * g,
+                                      s, tt * g * _CHUNK, g, gk)
             # the running max and sum; weights e^(s - max) below e^-30 of it are zero
             # (1e-13, far under f32 resolution next to the max's 1): tiny weights make
             # subnormal products, ~100x slower on x86
@@ -405,7 +425,7 @@ def attention(q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si):
                         f = _exp_neg(max(d, _MIN_LOGIT)) if d > _MIN_LOGIT else F32(0.0)
                         lrow[r] *= f
                         for i in range(hd):
-                            out[t0 + tt, kvh * g + j, i] *= f
+                            o32[r * hd + i] *= f
                         mrow[r] = mx
                     m = mrow[r]
                     tot = F32(0.0)
@@ -416,25 +436,30 @@ def attention(q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si):
                         sj[p] = e
                         tot += e
                     lrow[r] += tot
-            for tt in range(nt):
-                n = min(pos0 + t0 + tt + 1, c0 + _CHUNK) - c0
-                if n > 0:
-                    _chunk_weighted(vq, vs, hd, cap, kvh, c0, n, s, tt * g * _CHUNK, oflat,
-                                    ((t0 + tt) * H + kvh * g) * hd, g)
+            if whole:
+                _chunk_weighted(vq, vs, hd, cap, kvh, c0, _CHUNK, s, 0, o32, 0, nt * g, gv)
+            else:
+                for tt in range(nt):
+                    n = min(pos0 + t0 + tt + 1, c0 + _CHUNK) - c0
+                    if n > 0:
+                        _chunk_weighted(vq, vs, hd, cap, kvh, c0, n, s, tt * g * _CHUNK, o32,
+                                        tt * g * hd, g, gv)
         for tt in range(nt):
             for j in range(g):
-                inv = F32(1.0) / lrow[tt * g + j]
+                r = tt * g + j
+                inv = F32(1.0) / lrow[r]
                 for i in range(hd):
-                    out[t0 + tt, kvh * g + j, i] *= inv
+                    out[t0 + tt, kvh * g + j, i] = o32[r * hd + i] * inv
 
 
 def attention_scratch_shapes(n_threads: int, n_heads: int, n_kv_heads: int,
                              head_dim: int) -> list[tuple[tuple[int, int], type]]:
     """Shapes and dtypes of attention's three scratch arrays (sf, s8, si): a chunk of
-    scores and the query rows of one work item per thread, whatever the context."""
+    scores and the query and output rows of one work item per thread, whatever the
+    context."""
     G = _TB * (n_heads // n_kv_heads)
     nbk = head_dim // QBLOCK
-    return [((n_threads, G * (_CHUNK + head_dim + 2) + 2 * G * nbk), np.float32),
+    return [((n_threads, G * (_CHUNK + 2 * head_dim + 2) + 2 * G * nbk), np.float32),
             ((n_threads, max(1, G * head_dim)), np.int8),
             ((n_threads, max(1, G * nbk)), np.int32)]
 

@@ -20,8 +20,6 @@ from .simd import call_llvm, ir_ptr, prefetch_ir, splat
 from .target import FEATURES
 
 F32 = np.float32
-_TB = 4             # query tokens per work item of prefill attention (attention.py): they
-                    # share every K/V chunk while it is in L2
 _MIN_LOGIT = F32(-30.0)   # softmax weights below e^-30 of the max count as zero
 _PREFETCH = 4096    # f16 elements (8 KiB) ahead that attention prefetches K and V (the
                     # gain: "attention prefetch", bench/results/design_measurements.json)

@@ -110,10 +110,13 @@ SHAPES = [
     (2, 1100, 24, 8, 128, 1), (1, 1199, 32, 8, 64, 1),   # 3B and 1B shapes, to the end
     (3, 500, 8, 2, 64, 30),   # scores spanning hundreds: most weights underflow to zero
     (1, 200, 7, 1, 32, 1),
-    (2, 100, 20, 2, 32, 1),   # 10 heads a group: register kernels in groups of 8 and 2
-    (9, 250, 6, 2, 64, 1),    # token blocks of 4, 4, 1 across a 256-position chunk edge
+    (2, 100, 20, 2, 32, 1),   # 10 heads a group: register kernels in groups of 8 (4) and 2
+    (9, 250, 6, 2, 64, 1),    # a token block across a 256-position chunk edge
     (13, 3, 24, 8, 128, 1),   # a block whose first tokens end before the last's full 16s
-    (37, 11, 8, 2, 32, 1),    # more token blocks than threads, handed out from both ends
+    (37, 11, 8, 2, 32, 1),    # more token blocks (16, 16, 5) than threads, from both ends
+    (20, 600, 24, 8, 128, 1),  # whole chunks scored for a block's 48 rows at once, then
+                               # the diagonal token by token; a second, short block
+    (18, 700, 10, 2, 32, 1),  # 80 rows of a whole chunk in groups, 5 heads a group
 ]
 F16_ONLY = [
     (70, 0, 4, 4, 8, 1), (2, 50, 10, 2, 16, 1), (2, 60, 8, 1, 8, 1),
