@@ -265,6 +265,31 @@ def _weighted_q(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, g, k
             _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 7, 1)
 
 
+# -- f16 with a head dim not a multiple of 16: plain loops (functions of their own: inlined
+# at each of attention's call sites, their loop variables trip Numba's SSA check)
+
+@nb.njit(cache=True, fastmath=True)
+def _scores_plain(kq, base, q32, r, hd, s, soff, nblk, g):
+    # s[soff + j _CHUNK + 16 blk + l] = q_{r+j} . K(blk, l), K f16 bits (nblk, hd, 16) from base
+    for blk in range(nblk):
+        for j in range(g):
+            for lane in range(KV_BLOCK):
+                acc = F32(0.0)
+                for i in range(hd):
+                    acc += q32[(r + j) * hd + i] * f16_to_f32(kq[base + (blk * hd + i) * KV_BLOCK + lane])
+                s[soff + j * _CHUNK + blk * KV_BLOCK + lane] = acc
+
+
+@nb.njit(cache=True, fastmath=True)
+def _weighted_plain(vq, base, hd, w, woff, n, out, ooff, g):
+    # out[ooff + j hd + i] += sum_p w[woff + j _CHUNK + p] V(p, i), V f16 bits (n, hd) from base
+    for p in range(n):
+        for j in range(g):
+            wp = w[woff + j * _CHUNK + p]
+            for i in range(hd):
+                out[ooff + j * hd + i] += wp * f16_to_f32(vq[base + p * hd + i])
+
+
 # -- per cache type: scores of one token's g heads over a chunk, V's weighted sum ---------
 # Chosen by the cache arrays' dtypes when the kernel compiles (uint16: f16 bits, int8:
 # q8_0, uint8: q4_0), so each type pair compiles only its own code.
@@ -292,14 +317,7 @@ def _ov_chunk_scores(kq, ks, hd, cap, kvh, c0, n, q32, q8, qd, qs8, r, s, soff, 
                     _scores(kq, base, q32[(r + j0) * hd:], hd, s, soff + j0 * _CHUNK, _CHUNK,
                             nblk, min(gm, g - j0))
             else:
-                for blk in range(nblk):
-                    for j in range(g):
-                        for lane in range(KV_BLOCK):
-                            acc = F32(0.0)
-                            for i in range(hd):
-                                acc += q32[(r + j) * hd + i] * f16_to_f32(
-                                    kq[base + (blk * hd + i) * KV_BLOCK + lane])
-                            s[soff + j * _CHUNK + blk * KV_BLOCK + lane] = acc
+                _scores_plain(kq, base, q32, r, hd, s, soff, nblk, g)
         return f16
     kind = KIND_Q8 if kq.dtype == types.int8 else KIND_Q4
 
@@ -325,11 +343,7 @@ def _ov_chunk_weighted(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g, gm):
                     _weighted(vq, base, hd, w[woff + j0 * _CHUNK:], _CHUNK, n, out,
                               ooff + j0 * hd, hd, min(gm, g - j0))
             else:
-                for p in range(n):
-                    for j in range(g):
-                        wp = w[woff + j * _CHUNK + p]
-                        for i in range(hd):
-                            out[ooff + j * hd + i] += wp * f16_to_f32(vq[base + p * hd + i])
+                _weighted_plain(vq, base, hd, w, woff, n, out, ooff, g)
         return f16
     kind = KIND_Q8 if vq.dtype == types.int8 else KIND_Q4
 
