@@ -650,7 +650,7 @@ class Engine:
     slots' tokens (Transformer.decode's counts); plan_step picks, from the measured pass
     costs and each slot's acceptance, the proposals that raise the step's expected tokens
     per second, so with several slots decoding only a high acceptance drafts. A slot
-    that is not drafting probes every PROBE_EVERY steps: one proposal, compared with the
+    that is not drafting probes every probe_interval steps: one proposal, compared with the
     token its plain step chooses (what its check would accept at temperature 0), which
     adds no row to the pass."""
 
@@ -934,7 +934,7 @@ class Engine:
         for job, L, k in zip(jobs, lengths, plan_step(lengths, room, self.costs)):
             slot = job.slot
             slot.off_steps = 0 if k else slot.off_steps + 1
-            probe = L is not None and not k and slot.off_steps % DraftLength.PROBE_EVERY == 0
+            probe = L is not None and not k and slot.off_steps % L.probe_interval == 0
             if not (k or probe):
                 out.append(([], None, None))
                 continue

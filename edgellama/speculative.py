@@ -221,11 +221,12 @@ class DraftLength:
     tokens, PassCost; d: drafting one token) and yields 1 + a + ... + a^k tokens on
     average, for a per-token acceptance a. The length with the most tokens per second
     wins; with draft_min 0, none (a plain step) unless it beats plain decoding. While
-    drafting is off, every PROBE_EVERY-th step drafts draft_min or 1 token, to notice
+    drafting is off, every probe_interval-th step drafts draft_min or 1 token, to notice
     when proposals start to be accepted. `costs` may be shared (the server's slots
     measure the same passes)."""
 
     PROBE_EVERY = 16
+    PROBE_RARE = 256      # steps between probes when not even accepting all would pay
     DECAY = PassCost.DECAY
 
     def __init__(self, draft_min: int = DRAFT_MIN, draft_max: int = DRAFT_MAX,
@@ -266,13 +267,26 @@ class DraftLength:
         """Tokens per second of steps drafting k tokens, as measured so far."""
         return (1 + self.gain(k)) / (self.costs.seconds(k + 1) + self.draft_cost * k)
 
+    @property
+    def probe_interval(self) -> int:
+        """Steps between probes while drafting is off: PROBE_RARE when the measured costs
+        say that even proposals all accepted would not beat a plain step (a draft about
+        as slow as the target), since a probe costs a draft model its catch-up on the
+        steps since the last; PROBE_EVERY otherwise."""
+        c = self.costs
+        if c.step is None or not self.draft_cost:
+            return self.PROBE_EVERY
+        best = max(((k + 1) / (c.seconds(k + 1) + self.draft_cost * k)
+                    for k in range(1, self.draft_max + 1)), default=0.0)
+        return self.PROBE_EVERY if best > 1 / c.step else self.PROBE_RARE
+
     def choose(self) -> int:
         if self.costs.step is None:       # measure a plain step first
             return self.draft_min
         best = max(range(max(1, self.draft_min), self.draft_max + 1), key=self.expected_speed)
         if self.draft_min == 0 and self.expected_speed(best) <= self.expected_speed(0):
             self._off_steps += 1
-            if self._off_steps % self.PROBE_EVERY:
+            if self._off_steps % self.probe_interval:
                 return 0
             return 1
         self._off_steps = 0

@@ -138,6 +138,23 @@ def test_draft_length_turns_drafting_off_when_nothing_is_accepted():
     assert DraftLength(0, 8, one_pass_verify=False).verify_rows == 1
 
 
+@pytest.mark.parametrize("draft_seconds,interval", [(0.004, DraftLength.PROBE_EVERY),
+                                                    (0.012, DraftLength.PROBE_RARE)])
+def test_draft_length_probes_rarely_when_even_full_acceptance_would_not_pay(draft_seconds,
+                                                                          interval):
+    # a step of 10 ms, 9 tokens verified in 20 ms: drafts of 4 ms a token pay if accepted
+    # (9 tokens in 52 ms), of 12 ms never (2 tokens in 25 ms, 9 in 116, against 1 in 10)
+    length = DraftLength(0, 8)
+    length.observe_verify(1, 0.010)
+    for _ in range(40):
+        length.observe_verify(9, 0.020)
+        length.observe_draft(8, 8 * draft_seconds)
+        length.observe_acceptance(8, 0)
+    assert length.probe_interval == interval
+    picks = [length.choose() for _ in range(2 * DraftLength.PROBE_RARE)]
+    assert picks.count(1) == 2 * DraftLength.PROBE_RARE // interval
+
+
 def _first_tokens_chi2(llm, drafter, sampling, prompt, draws, n=3):
     """p-value of the hypothesis that the first n sampled tokens are distributed as the
     target's own sampling distribution (its exact probabilities, from plain forward())."""
