@@ -11,6 +11,9 @@ from edgellama import attention as A
 from edgellama.kv_cache import CACHE_TYPES, KVCache
 
 rng = np.random.default_rng(0)
+# compiling the kernels (a clean clone) must not trip Numba's pedantic IR checks: their
+# warnings would reach users' terminals on first start
+pytestmark = pytest.mark.filterwarnings("error::numba.core.errors.NumbaIRAssumptionWarning")
 
 
 class Args:
