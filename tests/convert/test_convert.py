@@ -77,7 +77,14 @@ def llama3_tokenizer_json(llama3_tokenizer_dir):
     return json.loads((llama3_tokenizer_dir / "tokenizer.json").read_text())
 
 
-@pytest.mark.parametrize("qtype", list(FORMAT_OF))
+# Reading a converted file back (gguf-py's reader, its 128256 tokens and merges one by
+# one) costs most of each case. By default: bf16 (no other test writes it) and q4_0 (a
+# Q8_0 embedding under 4-bit layers); under -m slow the others, each written and
+# checked elsewhere: q4_1 (test_smollm2_roundtrip: the original file's types), q8_0
+# (test_input_dtypes_sharded_untied), f16 (test_embed_type_option), f32
+# (test_permutation_is_the_documented_row_order: values exact).
+@pytest.mark.parametrize("qtype", [q if q in ("bf16", "q4_0") else pytest.param(q, marks=pytest.mark.slow)
+                                   for q in FORMAT_OF])
 def test_convert_every_type(tiny, tiny_weights, llama3_tokenizer_json, tmp_path, qtype):
     out = tmp_path / "m.gguf"
     s = convert(tiny, out, qtype=qtype)
@@ -192,7 +199,10 @@ def test_permutation_is_the_documented_row_order(tiny, tiny_weights, tmp_path):
     np.testing.assert_array_equal(v, tiny_weights["model.layers.1.self_attn.v_proj.weight"])
 
 
-@pytest.mark.parametrize("dtype,shards,tied", [("f16", 1, False), ("f32", 3, True), ("bf16", 2, False)])
+# bf16 input, untied, in shards: what the other two and test_convert_every_type (bf16
+# checkpoints) take by default; under -m slow
+@pytest.mark.parametrize("dtype,shards,tied", [("f16", 1, False), ("f32", 3, True),
+                                               pytest.param("bf16", 2, False, marks=pytest.mark.slow)])
 def test_input_dtypes_sharded_untied(tmp_path, llama3_tokenizer_dir, dtype, shards, tied):
     hf = write_tiny_llama(tmp_path / "hf", tokenizer_dir=llama3_tokenizer_dir, dtype=dtype, shards=shards,
                           tied=tied, instruct=False, rope_scaling=None, hidden=32, heads=2, kv_heads=1,
@@ -375,7 +385,9 @@ def smol_hf(smollm2_gguf, tmp_path_factory):
     return gguf_to_hf_checkpoint(smollm2_gguf, tmp_path_factory.mktemp("smol") / "SmolLM2-135M-Instruct")
 
 
-@pytest.mark.parametrize("qtype", ["q8_0", "q4_1"])
+# q8_0 under -m slow: the same checks as q4_1's on the real weights, and Q8_0's error
+# bound is checked by test_input_dtypes_sharded_untied
+@pytest.mark.parametrize("qtype", [pytest.param("q8_0", marks=pytest.mark.slow), "q4_1"])
 def test_smollm2_roundtrip(smollm2_gguf, smol_hf, tmp_path, qtype):
     out = tmp_path / "m.gguf"
     convert(smol_hf, out, qtype=qtype)

@@ -21,6 +21,7 @@ reference run through the model of our rounding, perturbed by float32 ulps, as a
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import numpy as np
 import pytest
@@ -120,6 +121,7 @@ def quantized_file(f32_path, fmt: str, tmp_path):
     return dst
 
 
+@functools.lru_cache(maxsize=1)   # a file's tests run one after another: read it once
 def read(path):
     """meta, {name: W float64}, {name: type name} of a file, with gguf-py's reader."""
     r = GGUFReader(str(path))
@@ -147,6 +149,17 @@ def rounding(types: dict[str, str], phase: int, mode: str, rng):
 def mean_kl(ref_lp, logits) -> float:
     lp = log_softmax(np.asarray(logits, np.float64))
     return float((np.exp(ref_lp) * (ref_lp - lp)).sum(-1).mean())
+
+
+@pytest.fixture(scope="module")
+def quantized(f32_file, tmp_path_factory):
+    """fmt -> the file of that type, quantized once for every test that reads it."""
+    out_dir = tmp_path_factory.mktemp("quantized")
+
+    @functools.cache
+    def path(fmt):
+        return quantized_file(f32_file, fmt, out_dir)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -219,12 +232,17 @@ def cases(default: set[str], modes=("",)):
     return out
 
 
-# int8 on every type; the residual (fine) where it is made: the record formats
-@pytest.mark.parametrize("fmt,mode", cases({f"{f}-int8" for f in LLAMA_FTYPES}
-                                           | {"Q8_0-fine", "Q4_K-fine"}, ("int8", "fine")))
-def test_every_product_is_exact_given_the_rounded_x(fmt, mode, f32_file, reference, tmp_path):
+# int8 on every type; the residual (fine) where it is made: the record formats. Each
+# file holds several types (llama.cpp's mixes and fallbacks for rows of 576, and Q8_0
+# embeddings in all): the default run takes the files that hold, between them, every type
+# any of them holds (Q2_K's file: Q4_0 and Q3_K; Q4_K's: Q5_0, Q4_K, Q6_K, Q8_0; Q5_K's:
+# Q5_1, Q5_K, Q6_K, Q8_0; IQ4_XS's: IQ4_NL, IQ4_XS), and Q4_K's in fine mode (the
+# residual of the Q4_K, Q6_K and Q8_0 records); -m slow adds every other file and mode.
+@pytest.mark.parametrize("fmt,mode", cases({"Q4_1-int8", "Q2_K-int8", "Q4_K-int8", "Q5_K-int8",
+                                            "IQ4_XS-int8", "Q4_K-fine"}, ("int8", "fine")))
+def test_every_product_is_exact_given_the_rounded_x(fmt, mode, quantized, reference):
     ids, _ = reference
-    path = quantized_file(f32_file, fmt, tmp_path)
+    path = quantized(fmt)
     meta, W, types = read(path)
     m = edgellama.load(path, ctx=64, activations=mode).model
     names = tensor_names(m)
@@ -250,9 +268,9 @@ def test_every_product_is_exact_given_the_rounded_x(fmt, mode, f32_file, referen
 
 
 @pytest.mark.parametrize("fmt", cases({"Q4_1", "Q8_0"}))
-def test_kl_is_within_the_rounding_noise(fmt, f32_file, reference, tmp_path):
+def test_kl_is_within_the_rounding_noise(fmt, quantized, reference):
     ids, ref_lp = reference
-    path = quantized_file(f32_file, fmt, tmp_path)
+    path = quantized(fmt)
     meta, W, types = read(path)
     for phase, logits in enumerate(our_logits(path, ids, "int8")):
         band = [mean_kl(ref_lp, reference_forward(meta, W, ids, rounding(
@@ -261,10 +279,10 @@ def test_kl_is_within_the_rounding_noise(fmt, f32_file, reference, tmp_path):
         assert mean_kl(ref_lp, logits) <= 1.5 * max(band), (phase, mean_kl(ref_lp, logits), band)
 
 
-def test_fine_activations_are_closer_on_a_high_bit_file(f32_file, reference, tmp_path):
+def test_fine_activations_are_closer_on_a_high_bit_file(quantized, reference):
     """Q8_0: the int8 rounding of x is most of what separates it from full precision."""
     ids, ref_lp = reference
-    path = quantized_file(f32_file, "Q8_0", tmp_path)
+    path = quantized("Q8_0")
     int8, fine = (our_logits(path, ids, mode) for mode in ("int8", "fine"))
     for a, b in zip(int8, fine):
         assert mean_kl(ref_lp, b) < 0.5 * mean_kl(ref_lp, a)

@@ -20,6 +20,16 @@ from edgellama.target import FEATURES as _F
 RUNS = {GENERIC: True, AVX2: "avx2" in _F, VNNI512: {"avx512vnni", "avx512bw"} <= _F}
 
 
+def isa_cases(variants: dict, generic: set):
+    """(variant, isa) parameters, ids as separate parametrize would give them. Each
+    combination compiles a kernel of its own (the test's njit wrapper, every run): the
+    generic instructions of a variant outside `generic` run under -m slow, where the
+    generic code they take is that of a variant kept (the caller says which)."""
+    return [pytest.param(v, isa, id=f"{name}-{isa}",
+                         marks=pytest.mark.slow if isa == GENERIC and v not in generic else ())
+            for name, v in variants.items() for isa in (GENERIC, AVX2, VNNI512)]
+
+
 def test_isa_is_the_best_the_target_has():
     assert RUNS[ISA] and all(not RUNS[i] for i in (GENERIC, AVX2, VNNI512) if i > ISA)
     assert target_isa(set()) == GENERIC
@@ -47,7 +57,10 @@ print(ISA_NAMES[ISA], "|", float(np.abs(got - ref @ x).max() / np.abs(ref @ x).m
 """
 
 
-@pytest.mark.parametrize("env", [{"NUMBA_CPU_NAME": "generic"}, {"NUMBA_ENABLE_AVX": "0"}])
+# Each a process compiling afresh; NUMBA_ENABLE_AVX=0 reaches target_isa as the same
+# feature set without AVX2 (test_isa_is_the_best_the_target_has), so runs under -m slow.
+@pytest.mark.parametrize("env", [{"NUMBA_CPU_NAME": "generic"},
+                                 pytest.param({"NUMBA_ENABLE_AVX": "0"}, marks=pytest.mark.slow)])
 def test_kernels_follow_numba_target_not_host(tmp_path, env):
     """NUMBA_CPU_NAME=generic (a cache shared between machines) compiles for no vector
     extension: a kernel with the host's VNNI or AVX2 intrinsics would abort the process
@@ -133,8 +146,10 @@ def blocks_case(isa, kind, R, group, tokens, case):
     return acc.reshape(tokens, R), want
 
 
-@pytest.mark.parametrize("isa", [GENERIC, AVX2, VNNI512])
-@pytest.mark.parametrize("kind", [KIND_Q4_0, KIND_Q4_1, KIND_Q8_0], ids=["Q4_0", "Q4_1", "Q8_0"])
+# generic Q4_0: Q4_1's unsigned nibble dot (Q4_1 adds the min); its -8 offset is the
+# same code on every instruction set (AVX2's Q4_0 cases). Q8_0's signed dot stays.
+@pytest.mark.parametrize("kind,isa", isa_cases({"Q4_0": KIND_Q4_0, "Q4_1": KIND_Q4_1, "Q8_0": KIND_Q8_0},
+                                               {KIND_Q4_1, KIND_Q8_0}))
 @pytest.mark.parametrize("R,group", [(16, 8), (32, 1), (256, 2)])
 @pytest.mark.parametrize("tokens", [1, TOKENS])
 @pytest.mark.parametrize("case", ["bounds", "random"])
@@ -307,10 +322,10 @@ def gemm4k_case(isa, R, tokens, bits, case):
     return acc.reshape(tokens, R), want
 
 
-@pytest.mark.parametrize("isa", [GENERIC, AVX2, VNNI512])
+# generic bits 4: the nibble dot that bits 5 takes too, before its fifth bits
+@pytest.mark.parametrize("bits,isa", isa_cases({"4": 4, "5": 5}, {5}))
 @pytest.mark.parametrize("R", [16, 32, 256])
 @pytest.mark.parametrize("tokens", [1, TOKENS])
-@pytest.mark.parametrize("bits", [4, 5])
 @pytest.mark.parametrize("case", ["exact", "bounds", "random"])
 def test_q4k_gemm_matches_twin(isa, R, tokens, bits, case):
     if not RUNS[isa]:

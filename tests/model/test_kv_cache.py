@@ -19,7 +19,7 @@ from edgellama.errors import EdgeError
 from edgellama.gguf import GGUFFile
 from edgellama.kernels import rope
 from edgellama.kv_cache import CACHE_TYPES, KVCache, fit_advice, longest_context
-from test_attention import Args
+from test_attention import DEFAULT_PAIRS, Args
 
 rng = np.random.default_rng(1)
 PAIRS = [(k, v) for k in CACHE_TYPES for v in CACHE_TYPES]
@@ -70,7 +70,10 @@ def _attend(c, layer, q):
     return out
 
 
-@pytest.mark.parametrize("type_k,type_v", PAIRS)
+# Its attention compiles a kernel per type pair, as test_attention's: the pairs it keeps
+# by default save and load every K type and every V type; the others under -m slow.
+@pytest.mark.parametrize("type_k,type_v", [p if p in DEFAULT_PAIRS else pytest.param(*p, marks=pytest.mark.slow)
+                                           for p in PAIRS])
 def test_state_round_trip(type_k, type_v):
     c, _, _ = _filled(type_k, type_v, 37)
     lay, st = c.layout(), c.state(37)
