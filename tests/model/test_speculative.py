@@ -77,7 +77,12 @@ def test_greedy_equals_plain_decoding(tiny_pair, which):
         accepted += target.stats.accepted
     # the prompts include near ties, and the check ran on both accepted and rejected tokens
     assert min(gaps) < 0.02
-    assert 0 < accepted < drafted
+    assert 0 < accepted <= drafted
+    if which != "draft":
+        # how much the adaptive draft model drafts follows measured timings (where the
+        # tiny draft costs what a target step does, it stops after a few drafts and
+        # probes rarely); the same drafter with a fixed length always has rejections
+        assert accepted < drafted
 
 
 def test_rollback_leaves_the_cache_of_plain_decoding(tiny_pair):
