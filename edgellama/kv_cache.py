@@ -109,7 +109,10 @@ class KVCache:
     # -- the model's use -------------------------------------------------------
     def write(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store k, v (T, KV, hd) f32 at positions pos..pos+T-1 in the cache's types.
-        A rotated type's input is rotated in place."""
+        A rotated type's input is rotated in place (or a contiguous copy of it: the
+        kernels take C-contiguous arrays only, one compiled form each, whether a test or
+        the model's column slices call them)."""
+        k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
         self._write_k(layer, pos, k)
         if self.rot_v:
             A.hadamard(v, self.rot_v)
@@ -132,6 +135,7 @@ class KVCache:
                scratch: tuple) -> None:
         """out (T, H, hd) = attention of q (T, H, hd, roped; rotated in place if K is)
         at positions pos.. over positions 0..pos+t of `layer` (written first)."""
+        q = np.ascontiguousarray(q)          # as write()'s k and v
         if self.rot_k:
             A.hadamard(q, self.rot_k)
         A.attention(q, self._k[layer].reshape(-1), self._ks[layer].reshape(-1),
