@@ -227,11 +227,16 @@ def test_slots_need_the_api_key(model, tmp_path):
 
 # -- spill ------------------------------------------------------------------------------------
 
-def test_an_evicted_conversation_is_spilled_and_restored(model, tmp_path, monkeypatch):
+def _spilling_server(model, folder, monkeypatch) -> ServerUnderTest:
+    """One slot, spilling into `folder` every evicted cache of 16 tokens or more."""
     monkeypatch.setattr(srv, "SPILL_MIN", 16)
+    return ServerUnderTest(model, {"parallel": 1, "slot_save_path": str(folder),
+                                   "slot_spill_max": 1 << 30})
+
+
+def test_an_evicted_conversation_is_spilled_and_restored(model, tmp_path, monkeypatch):
     folder = tmp_path / "slots"
-    app = ServerUnderTest(model, {"parallel": 1, "slot_save_path": str(folder),
-                                  "slot_spill_max": 1 << 30})
+    app = _spilling_server(model, folder, monkeypatch)
     fresh = ServerUnderTest(model, {"parallel": 1})
     try:
         files = app.server.engine.files
@@ -256,10 +261,8 @@ def test_an_evicted_conversation_is_spilled_and_restored(model, tmp_path, monkey
 
 
 def test_a_damaged_spill_file_costs_only_a_read(model, tmp_path, monkeypatch):
-    monkeypatch.setattr(srv, "SPILL_MIN", 16)
     folder = tmp_path / "slots"
-    app = ServerUnderTest(model, {"parallel": 1, "slot_save_path": str(folder),
-                                  "slot_spill_max": 1 << 30})
+    app = _spilling_server(model, folder, monkeypatch)
     try:
         first = complete(app, A)
         complete(app, B)

@@ -64,13 +64,17 @@ SCHEMAS = [
 ]
 
 
+def _tiny_server(tmp_path_factory, name: str, chat_template: str) -> ServerUnderTest:
+    path = write_tiny_gguf(tmp_path_factory.mktemp("structured") / name, "F32",
+                           vocab=TINY_VOCAB, ctx=4096, tokenizer=True, tied=False, seed=4,
+                           chat_template=chat_template)
+    return ServerUnderTest(path, ctx=4096)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """The tiny F32 model with Llama 3.2's chat template (tool calling)."""
-    path = write_tiny_gguf(tmp_path_factory.mktemp("structured") / "tiny-tools.gguf", "F32",
-                           vocab=TINY_VOCAB, ctx=4096, tokenizer=True, tied=False, seed=4,
-                           chat_template=LLAMA32_TEMPLATE)
-    app = ServerUnderTest(path, ctx=4096)
+    app = _tiny_server(tmp_path_factory, "tiny-tools.gguf", LLAMA32_TEMPLATE)
     yield app
     app.close()
 
@@ -97,10 +101,7 @@ LLAMA32_SEVERAL_CALLS = LLAMA32_TEMPLATE.replace("""        {%- if not message.t
 def tiny_several(tmp_path_factory):
     """The tiny model with LLAMA32_SEVERAL_CALLS."""
     assert LLAMA32_SEVERAL_CALLS != LLAMA32_TEMPLATE
-    path = write_tiny_gguf(tmp_path_factory.mktemp("structured") / "tiny-several.gguf", "F32",
-                           vocab=TINY_VOCAB, ctx=4096, tokenizer=True, tied=False, seed=4,
-                           chat_template=LLAMA32_SEVERAL_CALLS)
-    app = ServerUnderTest(path, ctx=4096)
+    app = _tiny_server(tmp_path_factory, "tiny-several.gguf", LLAMA32_SEVERAL_CALLS)
     yield app
     app.close()
 
