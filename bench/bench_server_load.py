@@ -69,7 +69,7 @@ def start_server(path: str, parallel: int, ctx: int, threads: int | None, log: P
            "--ctx", str(ctx), "--parallel", str(parallel), "--queue", "16", *extra]
     if threads:
         cmd += ["-t", str(threads)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     err = open(log, "wb")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
     deadline = time.monotonic() + 900   # a first run compiles kernels and writes tiles
