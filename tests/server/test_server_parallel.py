@@ -5,7 +5,7 @@ this test, its model's decode wrapped to record every step's batch: which slots 
 decoded together. The model is test_server's tiny F32 chat model: with F32 weights every
 Linear's several-row decode is a matvec per row, so a reply decoded beside others is
 exactly the reply decoded alone (the quantized formats' batched decode, within their
-rounding of the single one, is tests/test_sequences.py's). The real command with the
+rounding of the single one, is tests/model/test_sequences.py's). The real command with the
 official openai client: 8 concurrent clients.
 """
 from __future__ import annotations
