@@ -505,9 +505,14 @@ def _q8_block(x, base, vals):
 
 @nb.njit(cache=True)
 def _q4_block(x, base, vals):
-    # x[base:base+32] f32 -> vals (32,) uint8 nibbles and the f32 scale d (ggml's
-    # quantize_row_q4_0_ref: d = (the value of largest |x|) / -8, q = min(15,
-    # trunc(x / d + 8.5)))
+    # x[base:base+32] f32 -> vals (32,) uint8 nibbles (level + 8) and the f32 scale d whose
+    # f16 the cache stores: ggml's q4_0 layout, with the scale of least squared error
+    # Σ (x - f16(d) level)² among (a) ggml's quantize_row_q4_0_ref (d = the value of
+    # largest |x| / -8, level = min(15, trunc(x / d + 8.5)) - 8) and (b) as ggml's
+    # make_qx_quants searches, for each of 19 scales -(8 + 0.1 i) / that value
+    # (i = -9..9), the levels clamp(rint(x s), -8, 7) and their least-squares d. ggml's
+    # own is a candidate, so no block is further from x than ggml's rounding leaves it.
+    # Sums are f64 in index order (tests/model/test_attention.py's NumPy twin).
     mx = F32(0.0)
     amax = F32(0.0)
     for j in range(QBLOCK):
@@ -519,7 +524,41 @@ def _q4_block(x, base, vals):
     idv = F32(1.0) / d if d != 0 else F32(0.0)
     for j in range(QBLOCK):
         vals[j] = min(np.uint8(np.int64(np.trunc(x[base + j] * idv + F32(8.5))) & 0xFF), np.uint8(15))
+    if mx == 0:
+        return d
+    best = _q4_error(x, base, vals, d)
+    levels = np.empty(QBLOCK, np.float64)
+    for i in range(-9, 10):
+        s = -(8.0 + 0.1 * i) / np.float64(mx)
+        sumlx = 0.0
+        suml2 = 0.0
+        for j in range(QBLOCK):
+            lv = min(max(np.rint(np.float64(x[base + j]) * s), -8.0), 7.0)
+            levels[j] = lv
+            sumlx += np.float64(x[base + j]) * lv
+            suml2 += lv * lv
+        dc = F32(sumlx / suml2)
+        d16 = np.float64(f16_to_f32(f32_to_f16(dc)))
+        err = 0.0
+        for j in range(QBLOCK):
+            e = np.float64(x[base + j]) - d16 * levels[j]
+            err += e * e
+        if err < best:
+            best, d = err, dc
+            for j in range(QBLOCK):
+                vals[j] = np.uint8(np.int64(levels[j]) + 8)
     return d
+
+
+@nb.njit(cache=True)
+def _q4_error(x, base, vals, d):
+    # Σ (x - f16(d) (vals - 8))² in f64, index order
+    d16 = np.float64(f16_to_f32(f32_to_f16(d)))
+    err = 0.0
+    for j in range(QBLOCK):
+        e = np.float64(x[base + j]) - d16 * (np.float64(vals[j]) - 8.0)
+        err += e * e
+    return err
 
 
 @nb.njit(cache=True, parallel=True)
