@@ -504,15 +504,51 @@ def _q8_block(x, base, vals):
 
 
 @nb.njit(cache=True)
+def _q4_error(x, base, vals, d):
+    # Σ (x - f16(d) (vals - 8))² over x[base:base+32], f64, in index order
+    d16 = np.float64(f16_to_f32(f32_to_f16(d)))
+    err = 0.0
+    for j in range(QBLOCK):
+        e = np.float64(x[base + j]) - d16 * (np.float64(vals[j]) - 8.0)
+        err += e * e
+    return err
+
+
+@nb.njit(cache=True, inline="always")
+def _q4_level(v, s):
+    # the q4_0 level (-8..7) of the value v at the inverse scale s
+    return min(max(np.rint(np.float64(v) * s), -8.0), 7.0)
+
+
+@nb.njit(cache=True, fastmath={"reassoc"})
+def _q4_sums(x, base, s):
+    # levels l = clamp(rint(x s), -8, 7) of x[base:base+32] -> (Σ x l, Σ l²) in f64. Both
+    # are exact in any order (a nonzero l needs |x| > x_max / 18, so every x l is a 28-bit
+    # significand within 2^8 of the largest), so the sums may be vectorised (reassoc).
+    sumlx = 0.0
+    suml2 = 0.0
+    for j in range(QBLOCK):
+        lv = _q4_level(x[base + j], s)
+        sumlx += np.float64(x[base + j]) * lv
+        suml2 += lv * lv
+    return sumlx, suml2
+
+
+_Q4_SEARCH = (-9, -6, -3, 0, 3, 6, 9)   # scales -(8 + 0.1 i) / x_max tried by _q4_block: on
+                                       # near-Gaussian blocks all of i = -9..9 gain no more
+
+
+@nb.njit(cache=True)
 def _q4_block(x, base, vals):
     # x[base:base+32] f32 -> vals (32,) uint8 nibbles (level + 8) and the f32 scale d whose
-    # f16 the cache stores: ggml's q4_0 layout, with the scale of least squared error
-    # Σ (x - f16(d) level)² among (a) ggml's quantize_row_q4_0_ref (d = the value of
-    # largest |x| / -8, level = min(15, trunc(x / d + 8.5)) - 8) and (b) as ggml's
-    # make_qx_quants searches, for each of 19 scales -(8 + 0.1 i) / that value
-    # (i = -9..9), the levels clamp(rint(x s), -8, 7) and their least-squares d. ggml's
-    # own is a candidate, so no block is further from x than ggml's rounding leaves it.
-    # Sums are f64 in index order (tests/model/test_attention.py's NumPy twin).
+    # f16 the cache stores: ggml's q4_0 layout, with whichever scale leaves the smaller
+    # squared error Σ (x - f16(d) level)²: ggml's quantize_row_q4_0_ref's (d = the value
+    # of largest |x| / -8, level = min(15, trunc(x / d + 8.5)) - 8), or the best of a
+    # search as ggml's make_qx_quants does for weights: for each scale s of _Q4_SEARCH,
+    # the levels clamp(rint(x s), -8, 7) and their least-squares d, ranked by the error's
+    # closed form d16 (d16 Σl² - 2 Σxl) (Σx² left out). The winner's error and ggml's are
+    # summed directly (f64, index order), so no block is further from x than ggml's
+    # rounding leaves it (tests/model/test_attention.py has the NumPy twin).
     mx = F32(0.0)
     amax = F32(0.0)
     for j in range(QBLOCK):
@@ -526,39 +562,25 @@ def _q4_block(x, base, vals):
         vals[j] = min(np.uint8(np.int64(np.trunc(x[base + j] * idv + F32(8.5))) & 0xFF), np.uint8(15))
     if mx == 0:
         return d
-    best = _q4_error(x, base, vals, d)
-    levels = np.empty(QBLOCK, np.float64)
-    for i in range(-9, 10):
+    rank, best_s, best_d = np.inf, 0.0, F32(0.0)
+    for i in _Q4_SEARCH:
         s = -(8.0 + 0.1 * i) / np.float64(mx)
-        sumlx = 0.0
-        suml2 = 0.0
-        for j in range(QBLOCK):
-            lv = min(max(np.rint(np.float64(x[base + j]) * s), -8.0), 7.0)
-            levels[j] = lv
-            sumlx += np.float64(x[base + j]) * lv
-            suml2 += lv * lv
+        sumlx, suml2 = _q4_sums(x, base, s)
         dc = F32(sumlx / suml2)
         d16 = np.float64(f16_to_f32(f32_to_f16(dc)))
-        err = 0.0
-        for j in range(QBLOCK):
-            e = np.float64(x[base + j]) - d16 * levels[j]
-            err += e * e
-        if err < best:
-            best, d = err, dc
-            for j in range(QBLOCK):
-                vals[j] = np.uint8(np.int64(levels[j]) + 8)
-    return d
-
-
-@nb.njit(cache=True)
-def _q4_error(x, base, vals, d):
-    # Σ (x - f16(d) (vals - 8))² in f64, index order
-    d16 = np.float64(f16_to_f32(f32_to_f16(d)))
+        r = d16 * (d16 * suml2 - 2.0 * sumlx)
+        if r < rank:
+            rank, best_s, best_d = r, s, dc
+    d16 = np.float64(f16_to_f32(f32_to_f16(best_d)))
     err = 0.0
     for j in range(QBLOCK):
-        e = np.float64(x[base + j]) - d16 * (np.float64(vals[j]) - 8.0)
+        e = np.float64(x[base + j]) - d16 * _q4_level(x[base + j], best_s)
         err += e * e
-    return err
+    if err < _q4_error(x, base, vals, d):
+        d = best_d
+        for j in range(QBLOCK):
+            vals[j] = np.uint8(np.int64(_q4_level(x[base + j], best_s)) + 8)
+    return d
 
 
 @nb.njit(cache=True, parallel=True)

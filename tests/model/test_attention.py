@@ -37,29 +37,31 @@ def ggml_round_trip(x, cache_type):
 
 def cache_round_trip(x, cache_type):
     """x (..., 32k) f32 as the cache stores it: ggml's q8_0; for q4_0 ggml's layout with
-    the scale of least squared error among ggml's own and the least-squares scales of 19
-    searched level sets (attention._q4_block), computed here block by block in NumPy."""
+    attention._q4_block's scale (the search's winner by the closed form of its error, then
+    that or ggml's own, whichever leaves the smaller error), in NumPy block by block."""
     if cache_type != "q4_0":
         return ggml_round_trip(x, cache_type)
     b = x.reshape(-1, 32)
-    ref = ggml_round_trip(b, "q4_0").astype(np.float64)
-    best, err = ref, _sq_error(b, ref)
+    b64 = b.astype(np.float64)
     mx = b[np.arange(len(b)), np.abs(b).argmax(1)].astype(np.float64)
-    live = mx != 0
+    rank, best_s = np.full(len(b), np.inf), np.zeros(len(b))
+    best_d = np.zeros(len(b), np.float32)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        for i in range(-9, 10):
+        for i in A._Q4_SEARCH:
             s = -(8.0 + 0.1 * i) / mx
-            levels = np.clip(np.rint(b.astype(np.float64) * s[:, None]), -8.0, 7.0)
-            sumlx, suml2 = np.zeros(len(b)), np.zeros(len(b))
-            for j in range(32):               # index order, as the kernel sums
-                sumlx += b[:, j].astype(np.float64) * levels[:, j]
-                suml2 += levels[:, j] * levels[:, j]
-            d16 = (sumlx / suml2).astype(np.float32).astype(np.float16).astype(np.float64)
-            y = d16[:, None] * levels
-            e = _sq_error(b, y)
-            better = live & (e < err)
-            best, err = np.where(better[:, None], y, best), np.where(better, e, err)
-    return best.astype(np.float32).reshape(x.shape)
+            levels = np.clip(np.rint(b64 * s[:, None]), -8.0, 7.0)
+            sumlx, suml2 = (b64 * levels).sum(1), (levels * levels).sum(1)   # exact sums
+            d = (sumlx / suml2).astype(np.float32)
+            d16 = d.astype(np.float16).astype(np.float64)
+            r = d16 * (d16 * suml2 - 2.0 * sumlx)
+            better = r < rank
+            rank, best_s, best_d = (np.where(better, r, rank), np.where(better, s, best_s),
+                                    np.where(better, d, best_d))
+        levels = np.clip(np.rint(b64 * best_s[:, None]), -8.0, 7.0)
+        searched = best_d.astype(np.float16).astype(np.float64)[:, None] * levels
+    ref = ggml_round_trip(b, "q4_0").astype(np.float64)
+    take = (mx != 0) & (_sq_error(b, searched) < _sq_error(b, ref))
+    return np.where(take[:, None], searched, ref).astype(np.float32).reshape(x.shape)
 
 
 def _sq_error(b, y):
