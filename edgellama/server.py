@@ -1017,8 +1017,8 @@ class Engine:
             usage["completion_tokens_details"] = {
                 "accepted_prediction_tokens": job.accepted,
                 "rejected_prediction_tokens": job.drafted - job.accepted}
+        self._release(job, None)   # first: a client that has its reply finds the slot free
         job.emit("done", finish, usage)
-        self._release(job, None)
 
     def _release(self, job: Job, event: str | None) -> None:
         """Free the job's slot (its cache stays, for prefix reuse); tell the client `event`."""

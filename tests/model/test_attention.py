@@ -133,7 +133,7 @@ def test_q4_0_scale_search_is_never_worse_than_ggml():
     e_ours, e_ggml = _sq_error(b, ours), _sq_error(b, ggml)
     assert (e_ours <= e_ggml).all()
     assert e_ours.sum() < 0.92 * e_ggml.sum()
-    np.testing.assert_array_equal(ours[[0, 4]], ggml[[0, 4]])    # blocks (t, h, b) (0, 0, 0), (1, 0, 0)
+    np.testing.assert_array_equal(ours[[0, 4]], ggml[[0, 4]])   # (t, h, b) = (0, 0, 0), (1, 0, 0)
     np.testing.assert_array_equal(c.v_values(0, 0, 4096), c.k_values(0, 0, 4096))
 
 
