@@ -69,7 +69,10 @@ def start_server(path: str, parallel: int, ctx: int, threads: int | None, log: P
            "--ctx", str(ctx), "--parallel", str(parallel), "--queue", "16", *extra]
     if threads:
         cmd += ["-t", str(threads)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # this checkout first, then the caller's own path (none added if it has none: an empty
+    # entry would put the current directory on the server's path)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
     err = open(log, "wb")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
     deadline = time.monotonic() + 900   # a first run compiles kernels and writes tiles

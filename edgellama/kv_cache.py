@@ -9,11 +9,11 @@ Blocks are ggml's encodings (its dequantization reads them). q8_0 rounds as ggml
 quantize_row_q8_0_ref; q4_0 takes a searched least-squares scale where it leaves less
 squared error than quantize_row_q4_0_ref's (attention._q4_block), so no block is further
 from its values than ggml's rounding leaves it. The arrangement in memory is attention's
-(attention.py's docstring): K in blocks of 16 positions, scales in arrays of their own. A quantized K or V is stored rotated by an
-orthonormal Walsh-Hadamard transform over the head dim (runs of the largest power of 2
-dividing it): Q gets the same rotation, so Q.K is unchanged, and attention's output is
-rotated back for V. The rotation spreads the few large channels RoPE'd keys have over
-the block, so one scale no longer has to span them.
+(attention.py's docstring): K in blocks of 16 positions, scales in arrays of their own.
+A quantized K or V is stored rotated by an orthonormal Walsh-Hadamard transform over the
+head dim (runs of the largest power of 2 dividing it): Q gets the same rotation, so Q.K
+is unchanged, and attention's output is rotated back for V. The rotation spreads the few
+large channels RoPE'd keys have over the block, so one scale no longer has to span them.
 """
 from __future__ import annotations
 
