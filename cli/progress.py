@@ -32,7 +32,7 @@ class StatusLine:
 
 class KernelProgress:
     """The `show` callback of jit.warm_up / jit.Compiling. On a terminal one line,
-    "Compiling kernels (first run only): 5/13 attention, 12 s", whose seconds keep
+    "Compiling kernels (once; cached for later runs): 5/13 attention, 12 s", whose seconds keep
     counting while a kernel compiles; elsewhere one line when compiling starts.
     `done(count, seconds)` ends it with what was compiled."""
 
@@ -45,8 +45,10 @@ class KernelProgress:
         self._ticker: threading.Thread | None = None
 
     def __call__(self, n: int, total: int | None, name: str) -> None:
+        # not "first run only": a later run compiles what it is the first to use (another
+        # cache type, a draft model's formats)
         what = ("Compiling kernels (no kernel cache: every run)" if jit.cache_note
-                else "Compiling kernels (first run only)")
+                else "Compiling kernels (once; cached for later runs)")
         if self.t0 is None:
             self.t0 = time.perf_counter()
             if self.line.tty:

@@ -155,7 +155,7 @@ def test_first_compile_shows_which_kernel_of_how_many(smollm2_gguf, tmp_path):
     t0 = time.time()
     c = pexpect.spawn(EXE, ["chat", "-m", str(smollm2_gguf), "--no-history"], env=env,
                       encoding="utf-8", timeout=240, dimensions=(50, 250))
-    c.expect(r"Compiling kernels \(first run only\): 1/(\d+) ")
+    c.expect(r"Compiling kernels \(once; cached for later runs\): 1/(\d+) ")
     total = int(c.match.group(1))
     c.expect_exact(f"{total}/{total} ")
     c.expect(r"Compiled (\d+) kernels in (\d+) s; cached for next time")

@@ -39,7 +39,7 @@ def test_kernel_progress_off_a_terminal_is_two_lines():
     p(1, 3, "rope")
     p(2, 3, "attention")
     p.done(3, 12.4)
-    assert err.getvalue() == ("Compiling kernels (first run only)...\n"
+    assert err.getvalue() == ("Compiling kernels (once; cached for later runs)...\n"
                               "Compiled 3 kernels in 12 s; cached for next time\n")
     quiet = io.StringIO()
     KernelProgress(quiet).done(0, 0.0)            # all from the cache: nothing said
