@@ -11,6 +11,7 @@ from edgellama import hub
 from edgellama.quant.convert import QTYPES, SINGLE_TYPES, convert
 
 from .main import main
+from .options import FilePath
 
 
 class _Bar:
@@ -37,8 +38,9 @@ class _Bar:
 
 
 @main.command("convert")
-@click.argument("hf_dir", metavar="HF_DIR|REPO", type=click.Path(file_okay=False, path_type=str))
-@click.option("-o", "--output", "out", required=True, type=click.Path(dir_okay=False), help="Output .gguf path.")
+@click.argument("hf_dir", metavar="HF_DIR|REPO", type=FilePath(file_okay=False, path_type=str))
+@click.option("-o", "--output", "out", required=True, type=FilePath(dir_okay=False),
+              help="Output .gguf path.")
 @click.option("--type", "qtype", type=click.Choice(QTYPES, case_sensitive=False), default="q8_0",
               show_default=True,
               help="Format of the 2-D weight matrices (1-D norms stay f32), or a llama.cpp K-quant "

@@ -2,15 +2,16 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
 from edgellama.errors import EdgeError
 
 from .main import main
-from .options import (Output, draft_summary, drafter_from, load, model_flags,
-                      positional_is_model, resolve_model, sampling_from, sampling_options,
-                      speculative_options, stdin_problem)
+from .options import (FILE_NAME, FilePath, Output, draft_summary, drafter_from, load,
+                      model_flags, positional_is_model, resolve_model, sampling_from,
+                      sampling_options, speculative_options, stdin_problem)
 
 # More than any context holds (8192 tokens of a few bytes each), small enough to read.
 MAX_PROMPT_BYTES = 64 << 20
@@ -40,8 +41,11 @@ def _prompt(model_arg, prompt_arg, prompt, prompt_file) -> tuple[str | None, str
         raise EdgeError(f"no prompt: {why}; give it with --prompt TEXT, -f FILE or as an "
                         f"argument, or pipe it in")
     if prompt_file is not None:
-        with click.open_file(prompt_file, "rb") as f:
-            return model_arg, _read(f, prompt_file)
+        try:
+            with click.open_file(prompt_file, "rb") as f:
+                return model_arg, _read(f, prompt_file)
+        except OSError as e:
+            raise EdgeError(f"{prompt_file}: cannot read: {e.strerror or e}") from None
     if prompt == "-" or not sources:
         if not sources and sys.stdin.isatty():
             raise click.UsageError("no prompt: give PROMPT, -p TEXT, -f FILE, or pipe it in")
@@ -56,13 +60,14 @@ def _prompt(model_arg, prompt_arg, prompt, prompt_file) -> tuple[str | None, str
 @click.argument("model_arg", metavar="[MODEL]", required=False)
 @click.argument("prompt_arg", metavar="[PROMPT]", required=False)
 @click.option("-p", "--prompt", default=None, help="The prompt text; - reads it from stdin.")
-@click.option("-f", "--file", "prompt_file", type=click.Path(dir_okay=False, allow_dash=True),
+@click.option("-f", "--file", "prompt_file", type=FilePath(dir_okay=False, allow_dash=True),
               default=None, help="Read the prompt from FILE (- for stdin).")
 @click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
               help="Most tokens to generate.")
 @click.option("--raw", is_flag=True, help="Use the prompt as is, without the chat template.")
 @click.option("--system", default=None, help="System prompt (chat template only).")
-@click.option("--prompt-cache", "prompt_cache", metavar="NAME|PATH", default=None,
+@click.option("--prompt-cache", "prompt_cache", metavar="NAME|PATH", type=FILE_NAME,
+              default=None,
               help="Keep the prompt's KV cache in a file: made on the first run, then its "
                    "longest common start with the prompt is not read again (a long document "
                    "asked new questions). A NAME (no slash) is kept in edgellama's cache "
@@ -87,6 +92,11 @@ def generate(model, hf_repo, ctx, threads, activations, cache_type_k, cache_type
     from .progress import KernelProgress
 
     model_arg, prompt = _prompt(model_arg, prompt_arg, prompt, prompt_file)
+    cache_path = None
+    if prompt_cache is not None:        # refused before the model loads
+        from edgellama import prompt_cache as saved
+        cache_path = saved.resolve(prompt_cache)
+        saved.check_target(cache_path)
     progress = KernelProgress()
     with jit.Compiling(progress) as loading:
         llm = load(resolve_model(model_arg, model, hf_repo), ctx, threads, activations,
@@ -100,8 +110,8 @@ def generate(model, hf_repo, ctx, threads, activations, cache_type_k, cache_type
     progress.done(loading.count + sum(w.compiled for w in warms) + shifting.count,
                   loading.seconds + sum(w.compile_seconds for w in warms) + shifting.seconds)
     params = sampling_from(llm.default_sampling(), sampling)
-    if prompt_cache is not None:
-        _adopt_saved_date(llm, prompt_cache)
+    if cache_path is not None:
+        _adopt_saved_date(llm, cache_path)
     if raw:
         ids = llm.tokenizer.encode(prompt)
         if llm.tokenizer.add_bos:
@@ -114,8 +124,8 @@ def generate(model, hf_repo, ctx, threads, activations, cache_type_k, cache_type
         raise EdgeError(f"the prompt is {len(ids)} tokens, longer than the context of "
                         f"{llm.ctx} tokens; use a larger --ctx or a shorter prompt")
     save, notes = None, []
-    if prompt_cache is not None:
-        save = _prompt_cache(llm, prompt_cache, ids, None if raw else {
+    if cache_path is not None:
+        save = _prompt_cache(llm, cache_path, ids, None if raw else {
             "system": system, "messages": [{"role": "user", "content": prompt}],
             "date": llm.chat.date}, notes)
     out = Output(sys.stdout)
@@ -137,22 +147,18 @@ def generate(model, hf_repo, ctx, threads, activations, cache_type_k, cache_type
                err=True)
 
 
-def _adopt_saved_date(llm, name_or_path: str) -> None:
+def _adopt_saved_date(llm, path: Path) -> None:
     """A saved prompt's chat template date (a template that prints today's date would
     otherwise change the prompt, before the document, on another day)."""
     from edgellama import prompt_cache
-    path = prompt_cache.resolve(name_or_path)
     if path.exists() and (chat := prompt_cache.saved_chat(path)) is not None:
         llm.chat.date = chat["date"]
 
 
-def _prompt_cache(llm, name_or_path: str, ids: list[int], chat: dict | None, notes: list[str]):
+def _prompt_cache(llm, path: Path, ids: list[int], chat: dict | None, notes: list[str]):
     """Load the saved prompt if there is one (refused if another model or cache kind
     made it); returns what saves the prompt's cache once it is read, unless the file
     holds exactly this prompt already. `notes` gets what to tell the user at the end."""
-    from edgellama import prompt_cache
-    path = prompt_cache.resolve(name_or_path)
-    prompt_cache.check_target(path)
     if path.exists():
         saved = llm.load_prompt(path).tokens
         same = next((i for i, (a, b) in enumerate(zip(saved, ids)) if a != b),

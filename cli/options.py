@@ -44,21 +44,74 @@ def cache_type_options(f):
     return f
 
 
+def _blank(value) -> bool:
+    return isinstance(value, str) and not value.strip()
+
+
+def _refuse_blank(kind: click.ParamType, what: str, value, param, ctx) -> None:
+    # '' would name the current folder (os.path.join, Path('')): never what was meant
+    if _blank(value):
+        kind.fail(f"{'an empty' if not value else 'a blank'} {what} names nothing; give a "
+                  f"file name (./NAME for one in this folder)", param, ctx)
+
+
+class FilePath(click.Path):
+    """click.Path, refusing an empty or blank value (a usage error)."""
+
+    def convert(self, value, param, ctx):
+        _refuse_blank(self, "path", value, param, ctx)
+        return super().convert(value, param, ctx)
+
+
+class FileName(click.types.StringParamType):
+    """A file name or reference as text (a NAME, a PATH, a Hugging Face reference), not
+    empty nor blank."""
+    name = "text"
+
+    def convert(self, value, param, ctx):
+        _refuse_blank(self, "name", value, param, ctx)
+        return super().convert(value, param, ctx)
+
+
+FILE_NAME = FileName()
+
+
+class Threads(click.IntRange):
+    """--threads: at least 1, at most the threads Numba started with (known once numba is
+    imported, as it is before any command that runs kernels parses its options)."""
+
+    def __init__(self):
+        super().__init__(min=1)
+
+    def convert(self, value, param, ctx):
+        n = super().convert(value, param, ctx)
+        numba = sys.modules.get("numba")
+        if numba is not None and n > numba.config.NUMBA_NUM_THREADS:
+            self.fail(f"{n} is more than the {numba.config.NUMBA_NUM_THREADS} threads Numba "
+                      f"started with (set NUMBA_NUM_THREADS to raise it)", param, ctx)
+        return n
+
+
+def threads_option(f):
+    return click.option("-t", "--threads", type=Threads(), default=None,
+                        help="Worker threads (default: automatic, the cores other "
+                             "processes leave free, at most the physical cores).")(f)
+
+
 def model_flags(f):
     """-m/--model FILE, -hf/--hf-repo REPO[:QUANT], -c/--ctx, -t/--threads, --activations,
     -ctk/-ctv."""
     f = cache_type_options(f)
     f = activations_option(f)
-    f = click.option("-t", "--threads", type=int, default=None,
-                     help="Worker threads (default: automatic, the cores other "
-                          "processes leave free, at most the physical cores).")(f)
-    f = click.option("-c", "--ctx", type=int, default=None,
+    f = threads_option(f)
+    f = click.option("-c", "--ctx", type=click.IntRange(min=1), default=None,
                      help="Context length in tokens (default: the model's, at most 8192).")(f)
-    f = click.option("-hf", "--hf-repo", "hf_repo", metavar="REPO[:QUANT]", default=None,
+    f = click.option("-hf", "--hf-repo", "hf_repo", metavar="REPO[:QUANT]", type=FILE_NAME,
+                     default=None,
                      help="A GGUF from Hugging Face, downloaded once: OWNER/REPO[:QUANT] as in "
                           "llama.cpp (default quant Q4_K_M), or a short name such as "
                           "llama3.2:1b.")(f)
-    return click.option("-m", "--model", "model", type=click.Path(dir_okay=False, path_type=str),
+    return click.option("-m", "--model", "model", type=FilePath(dir_okay=False, path_type=str),
                         default=None,
                         help="GGUF file (default: SmolLM2-135M-Instruct, fetched once).")(f)
 
@@ -70,7 +123,8 @@ def model_options(f):
     def run(*args, model_arg=None, hf_repo=None, **kwargs):
         kwargs["model"] = resolve_model(model_arg, kwargs.pop("model"), hf_repo)
         return f(*args, **kwargs)
-    return model_flags(click.argument("model_arg", metavar="[MODEL]", required=False)(run))
+    return model_flags(click.argument("model_arg", metavar="[MODEL]", type=FILE_NAME,
+                                      required=False)(run))
 
 
 def stdin_problem() -> str | None:
@@ -222,36 +276,49 @@ class Output:
 
 
 def speculative_options(f):
-    """--draft MODEL, --lookup, --draft-max, --draft-min: speculative decoding."""
-    f = click.option("--draft-min", type=click.IntRange(min=0), default=0, show_default=True,
+    """--draft MODEL, --lookup, --draft-max, --draft-min: speculative decoding. Options
+    that contradict each other are usage errors, refused before anything loads."""
+    @functools.wraps(f)
+    def run(*args, **kwargs):
+        if kwargs["draft"] is not None and kwargs["lookup"]:
+            raise click.UsageError("give --draft MODEL or --lookup, not both")
+        if kwargs["draft_min"] > kwargs["draft_max"]:
+            raise click.UsageError(f"--draft-min {kwargs['draft_min']} is more than "
+                                   f"--draft-max {kwargs['draft_max']}")
+        return f(*args, **kwargs)
+    g = click.option("--draft-min", type=click.IntRange(min=0), default=0, show_default=True,
                      help="Fewest tokens to draft per step; 0 lets a step draft none when "
-                          "drafting does not pay.")(f)
-    f = click.option("--draft-max", type=click.IntRange(min=1), default=16, show_default=True,
+                          "drafting does not pay.")(run)
+    g = click.option("--draft-max", type=click.IntRange(min=1), default=16, show_default=True,
                      help="Most tokens to draft per step (the length adapts to how many "
-                          "are accepted).")(f)
-    f = click.option("--lookup", is_flag=True,
+                          "are accepted; at most 256, and fewer than the context).")(g)
+    g = click.option("--lookup", is_flag=True,
                      help="Speculative decoding without a draft model: propose tokens copied "
                           "from the prompt and the reply where their last words recur "
-                          "(llama.cpp's lookup decoding; for summaries, edits and code).")(f)
-    return click.option("--draft", "draft", metavar="MODEL", default=None,
+                          "(llama.cpp's lookup decoding; for summaries, edits and code).")(g)
+    return click.option("--draft", "draft", metavar="MODEL", type=FILE_NAME, default=None,
                         help="Speculative decoding with a smaller draft model of the same "
                              "vocabulary (a GGUF file or a Hugging Face reference): the same "
-                             "replies, sooner.")(f)
+                             "replies, sooner.")(g)
 
 
 def drafter_from(llm: edgellama.LLM, draft: str | None, lookup: bool, draft_min: int,
                  draft_max: int):
-    """The drafter the speculative options ask for, or None."""
-    if draft is not None and lookup:
-        raise click.UsageError("give --draft MODEL or --lookup, not both")
-    if draft_min > draft_max:
-        raise EdgeError(f"--draft-min {draft_min} is more than --draft-max {draft_max}")
+    """The drafter the speculative options ask for, or None. Draft lengths a step cannot
+    check (speculative.draft_limit: the context, MAX_DRAFT) are lowered, with a note."""
+    if draft is None and not lookup:
+        return None
+    from edgellama.speculative import MAX_DRAFT, PromptLookup, draft_limit
+    limit = draft_limit(llm.ctx)
+    for flag, value in (("--draft-max", draft_max), ("--draft-min", draft_min)):
+        if value > limit:
+            why = (f"at most {MAX_DRAFT}" if limit == MAX_DRAFT else
+                   f"a step checks at most {limit} drafted tokens in a context of {llm.ctx}")
+            click.echo(f"note: {flag} {value} lowered to {limit} ({why})", err=True)
+    draft_min, draft_max = min(draft_min, limit), min(draft_max, limit)
     if lookup:
-        from edgellama.speculative import PromptLookup
         return PromptLookup(draft_min=draft_min, draft_max=draft_max)
-    if draft is not None:
-        return llm.load_draft(resolve_model(draft, None, None), draft_min, draft_max)
-    return None
+    return llm.load_draft(resolve_model(draft, None, None), draft_min, draft_max)
 
 
 def draft_summary(stats) -> str:

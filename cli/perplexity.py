@@ -12,7 +12,8 @@ import click
 from edgellama.errors import EdgeError
 
 from .main import main
-from .options import activations_option, cache_type_options, load, one_line, resolve_model
+from .options import (FILE_NAME, FilePath, activations_option, cache_type_options, load,
+                      one_line, resolve_model, threads_option)
 
 
 def _checkpoint_type(hf_dir: Path) -> str:
@@ -89,23 +90,23 @@ def _summary(model, ref, ref_name, text, n_tokens, whole, r, seconds) -> list[st
 
 
 @main.command()
-@click.argument("model_arg", metavar="[MODEL]", required=False)
-@click.option("-m", "--model", "model", type=click.Path(dir_okay=False, path_type=str),
+@click.argument("model_arg", metavar="[MODEL]", type=FILE_NAME, required=False)
+@click.option("-m", "--model", "model", type=FilePath(dir_okay=False, path_type=str),
               default=None, help="GGUF file (default: SmolLM2-135M-Instruct, fetched once).")
-@click.option("-hf", "--hf-repo", "hf_repo", metavar="REPO[:QUANT]", default=None,
+@click.option("-hf", "--hf-repo", "hf_repo", metavar="REPO[:QUANT]", type=FILE_NAME,
+              default=None,
               help="A GGUF from Hugging Face, downloaded once (as for generate).")
-@click.option("-f", "--file", "text_file", required=True, type=click.Path(path_type=str),
+@click.option("-f", "--file", "text_file", required=True, type=FilePath(path_type=str),
               help="The text to score (UTF-8).")
 @click.option("-c", "--ctx", type=click.IntRange(min=4), default=512, show_default=True,
               help="Tokens per chunk; the second half of each chunk is scored.")
 @click.option("--chunks", type=click.IntRange(min=1), default=None,
               help="Score at most this many chunks (default: all the text holds).")
-@click.option("--ref", default=None, metavar="GGUF|HF_DIR",
+@click.option("--ref", default=None, metavar="GGUF|HF_DIR", type=FILE_NAME,
               help="Reference model, GGUF file or Hugging Face checkpoint directory: adds KL "
                    "divergence, top-token agreement and the perplexity ratio.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
-@click.option("-t", "--threads", type=int, default=None,
-              help="Worker threads (default: automatic, as for generate).")
+@threads_option
 @activations_option
 @cache_type_options
 def perplexity(model_arg, model, hf_repo, text_file, ctx, chunks, ref, as_json, threads, activations,

@@ -7,7 +7,8 @@ import socket
 import click
 
 from .main import main
-from .options import drafter_from, load, model_options, one_line, speculative_options
+from .options import (FilePath, drafter_from, load, model_options, one_line,
+                      speculative_options)
 
 
 def _listen_socket(host: str, port: int) -> socket.socket:
@@ -95,7 +96,7 @@ def _accepted_hosts(host: str, sock: socket.socket, extra: list[str]) -> tuple[l
               help="Let web pages at ORIGIN (e.g. http://localhost:3000; * = any) call the "
                    "API from a browser, with CORS headers (repeatable). Without it every "
                    "request that a page on another origin sends is refused (403).")
-@click.option("--slot-save-path", type=click.Path(file_okay=False), default=None, metavar="DIR",
+@click.option("--slot-save-path", type=FilePath(file_okay=False), default=None, metavar="DIR",
               help="A folder for slots' caches: POST /slots/ID?action=save|restore with "
                    "{\"filename\": NAME} writes or reads slot ID's KV cache as DIR/NAME "
                    "(action=erase clears it), and a conversation evicted from a slot is "
@@ -150,7 +151,7 @@ def serve(model, ctx, threads, activations, cache_type_k, cache_type_v, host, po
                err=True)
     if drafter is not None:
         name = f" {one_line(drafter.model.gguf.path.name)}" if hasattr(drafter, "model") else ""
-        click.echo(f"speculative decoding: {drafter.name}{name}, {draft_min}..{draft_max} "
+        click.echo(f"speculative decoding: {drafter.name}{name}, {drafter.draft_min}..{drafter.draft_max} "
                    f"tokens a step where it pays (usage reports accepted_prediction_tokens)",
                    err=True)
     if engine.files is not None:

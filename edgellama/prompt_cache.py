@@ -192,6 +192,7 @@ def save(path: str | Path, seq: Sequence, model: Transformer, chat: dict | None 
             assert len(final) == len(blob)
             f.seek(0)
             f.write(_HEAD.pack(MAGIC, VERSION, len(final)) + final)
+        check_target(path)          # nothing of the user's put there while it was written
         os.replace(tmp, path)
         if named:
             _remove_stale_temporaries(path.parent)
@@ -213,10 +214,42 @@ def _remove_stale_temporaries(folder: Path) -> None:
                 p.unlink()
 
 
+def is_saved_prompt(path: str | Path) -> bool:
+    """Whether path is a regular file (not a link) that starts as a saved prompt: the
+    only kind of file a save may replace. Read without following a link or waiting on
+    a FIFO."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and os.read(fd, len(MAGIC)) == MAGIC
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def check_target(path: Path) -> None:
-    """EdgeError if a prompt cannot be saved to path (before the work of reading it)."""
-    if path.is_dir():
-        raise EdgeError(f"{path} is a directory; give a file name to save the prompt to")
+    """EdgeError unless a prompt can be saved to path without losing anything of the
+    user's: nothing there yet, or a saved prompt, which the save replaces. A link (to
+    anything), a folder, a FIFO, a device or any other file is never replaced nor
+    followed. Checked before the work of reading the prompt, and again before the
+    saved file takes its place."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise EdgeError(f"{path}: cannot save the prompt there: {e.strerror or e}") from None
+    if st is not None:
+        what = ("is a link" if stat.S_ISLNK(st.st_mode) else
+                "is a directory" if stat.S_ISDIR(st.st_mode) else
+                "is not a regular file" if not stat.S_ISREG(st.st_mode) else
+                None if is_saved_prompt(path) else "exists and is not a saved prompt")
+        if what:
+            raise EdgeError(f"{path} {what}; a save replaces only a saved prompt, so it is "
+                            f"left as it is: give another name, or remove it first")
     if path.parent != prompts_dir() and not path.parent.is_dir():
         raise EdgeError(f"cannot save the prompt to {path}: the folder {path.parent} does not exist")
 
@@ -323,6 +356,8 @@ def saved_chat(path: Path) -> dict | None:
             return _read_header(f, os.fstat(f.fileno()).st_size).get("chat")
         except _Damaged as e:
             raise EdgeError(f"{path}: {e}; save it again") from None
+        except OSError as e:        # /proc/self/mem, a failing disk
+            raise EdgeError(f"{path}: cannot read: {e.strerror or e}") from None
 
 
 def _refuse_other_run(path: Path, h: dict, ident: dict, ctx: int) -> None:

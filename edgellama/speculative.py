@@ -39,6 +39,16 @@ from .sequence import Sequence
 
 DRAFT_MAX = 16        # llama.cpp's --draft-max default
 DRAFT_MIN = 0         # 0: a step may draft nothing when drafting does not pay
+# The most a step drafts, whatever is asked: the step's check computes a row of logits per
+# token (257 rows of a 128K vocabulary: 130 MiB) and choosing the length weighs every
+# length up to it; proposals that long are all accepted too rarely to pay.
+MAX_DRAFT = 256
+
+
+def draft_limit(ctx: int) -> int:
+    """The most tokens a step can draft in a context of ctx tokens: its check (the
+    drafts and the token before them) must fit the context, and MAX_DRAFT."""
+    return max(1, min(MAX_DRAFT, ctx - 1))
 
 
 class Drafter:
@@ -55,9 +65,12 @@ class Drafter:
         self.length: DraftLength | None = None
 
     def length_for(self, target: Transformer) -> DraftLength:
-        """The draft-length chooser of this drafter checking for `target`."""
+        """The draft-length chooser of this drafter checking for `target`, its lengths
+        bounded by draft_limit(target's context)."""
         if self.length is None:
-            self.length = DraftLength(self.draft_min, self.draft_max, target.one_pass_verify)
+            limit = draft_limit(target.ctx)
+            self.length = DraftLength(min(self.draft_min, limit), min(self.draft_max, limit),
+                                      target.one_pass_verify)
         return self.length
 
     def copy(self) -> Drafter:
