@@ -21,6 +21,7 @@ output is complete, only a stop token can follow.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from typing import Any
 
@@ -37,6 +38,14 @@ from .tokenizer import BYTE, NORMAL, USER_DEFINED, Tokenizer
 # pad with newlines until max_tokens).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_GRAMMAR_CHARS = 1 << 20   # a request's schema or grammar, as text
+# Levels of nesting of a schema (objects and lists) and of a GBNF grammar (parentheses):
+# deeper ones are refused before anything walks them (llguidance's own JSON reader stops
+# at 128 levels, and the GBNF converter recurses once per level).
+MAX_DEPTH = 100
+# Rules of a GBNF grammar: the converter's work grows with their square (a chain of 4,000
+# rules takes seconds); llama.cpp's own grammars have a few dozen.
+MAX_GBNF_RULES = 500
+_GBNF_RULE = re.compile(r"^[ \t]*[A-Za-z0-9_-]+[ \t]*::=", re.MULTILINE)
 # llguidance's own bounds on a grammar's size and on the work of one mask (its defaults
 # are in LLParserLimits' docstring); a hostile grammar fails to compile or stops, it
 # does not hang the server.
@@ -84,14 +93,29 @@ def _checked_size(text: str, what: str) -> str:
     return text
 
 
+def nests_deeper(value: Any, limit: int) -> bool:
+    """Whether `value` (dicts, lists and scalars, as json.loads gives) nests its dicts and
+    lists more than `limit` levels deep; found without recursion."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return False
+
+
 def json_schema_grammar(schema: Any) -> str:
     """The grammar of JSON texts valid under `schema` (a JSON schema as a dict)."""
     if not isinstance(schema, dict):
         raise EdgeError("a JSON schema must be an object")
+    if nests_deeper(schema, MAX_DEPTH):
+        raise EdgeError(f"the JSON schema nests more than {MAX_DEPTH} levels deep")
     try:
         text = json.dumps(schema)
-    except (ValueError, RecursionError):
-        raise EdgeError("the JSON schema nests too deeply") from None
+    except (TypeError, ValueError) as e:   # from Python: a set, a cycle
+        raise EdgeError(f"a JSON schema must be JSON: {e}") from None
     _checked_size(text, "JSON schema")
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
@@ -107,6 +131,11 @@ def json_object_grammar() -> str:
 def gbnf_grammar(text: str) -> str:
     """A llama.cpp GBNF grammar (`root ::= ...`) as llguidance's Lark grammar."""
     _checked_size(text, "grammar")
+    if _gbnf_depth(text) > MAX_DEPTH:
+        raise EdgeError(f"the grammar nests more than {MAX_DEPTH} levels of parentheses")
+    rules = len(_GBNF_RULE.findall(text))
+    if rules > MAX_GBNF_RULES:
+        raise EdgeError(f"the grammar has {rules} rules; at most {MAX_GBNF_RULES} are accepted")
     try:
         lark = gbnf_to_lark(text)
     except RecursionError:
@@ -114,6 +143,30 @@ def gbnf_grammar(text: str) -> str:
     except Exception as e:  # noqa: BLE001 - the converter's parse errors have no common base
         raise EdgeError(f"cannot read this GBNF grammar: {str(e).splitlines()[0][:300]}") from None
     return llguidance.grammar_from("lark", lark)
+
+
+def _gbnf_depth(text: str) -> int:
+    """The deepest nesting of parentheses in a GBNF grammar, outside its string literals,
+    character classes and comments."""
+    depth = deepest = 0
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c in "\"[":   # a literal or a class: skip to its end, past escapes
+            end = '"' if c == '"' else "]"
+            i += 1
+            while i < n and text[i] != end:
+                i += 2 if text[i] == "\\" else 1
+        elif c == "#":
+            while i < n and text[i] != "\n":
+                i += 1
+        elif c == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c == ")":
+            depth -= 1
+        i += 1
+    return deepest
 
 
 def sample(sampler: Sampler, logits: np.ndarray, history: list[int],

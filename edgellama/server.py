@@ -77,8 +77,8 @@ from starlette.routing import Route
 
 from . import prompt_cache
 from .errors import EdgeError
-from .constrain import (Constraint, GrammarError, gbnf_grammar, json_object_grammar,
-                        json_schema_grammar, sample)
+from .constrain import (MAX_DEPTH, Constraint, GrammarError, gbnf_grammar,
+                        json_object_grammar, json_schema_grammar, nests_deeper, sample)
 from .llm import LLM
 from .machine import available_memory
 from .sampling import Sampler, SamplingParams, log_probs
@@ -99,6 +99,8 @@ PREFILL_CHUNK = 64          # prompt tokens read per step while other requests d
                             # decode step costs what a few prompt tokens do, so a long prompt
                             # is read nearly as fast as alone, and the others stall one chunk
 MAX_BODY = 8 << 20          # bytes of a request body: a 128k-token context is ~0.5 MB of text
+MAX_BODY_DEPTH = 128        # levels of nesting of a body: every walk over it stays shallow
+                            # (a schema's own limit, MAX_DEPTH, is below it)
 MAX_STOPS = 16              # stop strings per request (OpenAI allows 4)
 MAX_STOP_CHARS = 500        # characters of one stop string
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
@@ -274,11 +276,15 @@ def _message_tool_calls(calls: Any, i: int) -> list[dict]:
                 or not isinstance(f.get("arguments", ""), str):
             raise _bad("each tool call needs a function with a string name and arguments "
                        "(JSON text)", param)
+        if not isinstance(call.get("id", ""), str):
+            raise _bad("a tool call's id must be a string", param)
         try:
             args = json.loads(f.get("arguments") or "{}")
         except (ValueError, RecursionError):
             raise _bad("a tool call's arguments must be JSON text", param) from None
-        out.append({"id": str(call.get("id", "")), "type": "function",
+        if nests_deeper(args, MAX_DEPTH):
+            raise _bad(f"a tool call's arguments nest more than {MAX_DEPTH} levels deep", param)
+        out.append({"id": call.get("id", ""), "type": "function",
                     "function": {"name": _clean(f["name"]), "arguments": args}})
     return out
 
@@ -308,6 +314,9 @@ def _tools(body: dict) -> list[dict] | None:
             raise _bad("description must be a string", f"{param}.function.description")
         if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
             raise _bad("parameters must be a JSON schema object", f"{param}.function.parameters")
+        if nests_deeper(f.get("parameters"), MAX_DEPTH):
+            raise _bad(f"parameters nests more than {MAX_DEPTH} levels deep",
+                       f"{param}.function.parameters")
         function = {"name": name, "description": _clean(f.get("description") or ""),
                     "parameters": f.get("parameters") or {"type": "object", "properties": {}}}
         out.append({"type": "function", "function": function})
@@ -1082,6 +1091,10 @@ async def _read_json(request: Request) -> dict:
         raise _bad(f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
+    for name, v in body.items():
+        if nests_deeper(v, MAX_BODY_DEPTH - 1):
+            raise _bad(f"{_show(name)} nests more than {MAX_BODY_DEPTH} levels deep (with the "
+                       f"body around it)", name)
     return body
 
 
@@ -1383,7 +1396,8 @@ class Server:
                                 "--slot-save-path DIR", code="not_supported",
                            kind="not_supported_error")
         given = request.path_params["id"]
-        if not (given.isascii() and given.isdigit() and int(given) < engine.parallel):
+        if not (given.isascii() and given.isdigit() and len(given) <= 9
+                and int(given) < engine.parallel):
             raise _bad(f"no slot {_show(given)}: slots are 0 to {engine.parallel - 1}", "id_slot")
         index, action = int(given), request.query_params.get("action")
         if action == "erase":
