@@ -84,7 +84,7 @@ from .machine import available_memory
 from .sampling import Sampler, SamplingParams, log_probs
 from .scratch import Scratch
 from .sequence import Sequence
-from .slot_files import SPILL_MIN, BadFileName, NoSuchFile, SlotFiles
+from .slot_files import SPILL_MIN, BadFileName, NoSuchFile, SlotFiles, StorageError
 from .speculative import DraftLength, DraftModel, Drafter, PassCost, plan_step, rejection_test
 from .tokenizer import StreamDecoder
 from .tool_calls import ToolCallStream, tool_call_schema
@@ -685,6 +685,7 @@ class Engine:
         self._calls: list[tuple[Future, Callable]] = []   # run() between steps
         self._admitted = 0
         self._closed = False
+        self._storage_problem: str | None = None   # the slot files' failure last logged
         self._thread = threading.Thread(target=self._work, name="edgellama-engine", daemon=True)
         self._thread.start()
 
@@ -837,7 +838,7 @@ class Engine:
                 try:
                     files.spill(seq, self.llm.model)
                 except EdgeError as e:
-                    log.warning("slot %d: not spilled: %s", job.slot.index, e)
+                    self._log_storage(f"a conversation was not spilled: {e}")
             if restore:
                 try:
                     files.restore(spilled[0], seq, self.llm.model)
@@ -856,7 +857,7 @@ class Engine:
 
     def save_slot(self, index: int, filename: Any) -> dict:
         slot = self._idle_slot(index)
-        path = _slot_file(self.files, filename, saving=True)
+        path = self._slot_file(filename, saving=True)
         n = slot.seq.pos
         if n == 0:
             raise _bad(f"slot {index} holds no cache to save", code="slot_empty")
@@ -865,21 +866,68 @@ class Engine:
             prompt_cache.save(path, slot.seq, self.llm.model)
             written = path.stat().st_size
         except (EdgeError, OSError) as e:
-            raise ApiError(500, _local(e, path, filename), code="save_failed") from None
+            raise self._file_failed(e, path, filename, saving=True) from None
+        self._storage_problem = None
         return {"id_slot": index, "filename": filename, "n_saved": n, "n_written": written,
                 "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}}
 
     def restore_slot(self, index: int, filename: Any) -> dict:
         slot = self._idle_slot(index)
-        path = _slot_file(self.files, filename, saving=False)
+        path = self._slot_file(filename, saving=False)
         t0 = time.perf_counter()
         try:
             read = path.stat().st_size
             prompt_cache.load(path, slot.seq, self.llm.model)
         except (EdgeError, OSError) as e:
-            raise _bad(_local(e, path, filename), code="restore_failed") from None
+            raise self._file_failed(e, path, filename, saving=False) from None
+        self._storage_problem = None
         return {"id_slot": index, "filename": filename, "n_restored": slot.seq.pos,
                 "n_read": read, "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3}}
+
+    def _slot_file(self, filename: Any, saving: bool):
+        try:
+            return self.files.path(filename, saving)
+        except NoSuchFile as e:
+            raise ApiError(404, str(e), "filename", "file_not_found") from None
+        except BadFileName as e:
+            raise _bad(str(e), "filename", "invalid_filename") from None
+        except StorageError as e:
+            raise self._storage_failed(e, filename, saving) from None
+
+    def _file_failed(self, e: Exception, path, filename: str, saving: bool) -> ApiError:
+        """What a failed save or restore answers. The server's storage failing (the
+        folder gone or replaced, unwritable, a full disk, a read error) is not the
+        client's doing: 507 for a save (RFC 4918: the server cannot store what the
+        request needs), 503 for a restore. A file that is not a usable saved prompt
+        (damaged, another model's) is the client's: 400."""
+        cause = e if isinstance(e, OSError) else e.__context__
+        if isinstance(cause, FileNotFoundError) and not saving:
+            return ApiError(404, _local(e, path, filename), "filename", "file_not_found")
+        try:
+            self.files.check(writing=saving)
+        except StorageError as broken:
+            return self._storage_failed(broken, filename, saving)
+        if isinstance(cause, OSError):
+            return self._storage_failed(e, filename, saving, path)
+        return _bad(_local(e, path, filename), "filename",
+                    "save_failed" if saving else "restore_failed")
+
+    def _log_storage(self, detail: str) -> None:
+        """One line for a failure of the slot files' storage, the first time (not again
+        until a save or restore succeeds, or another problem comes)."""
+        if detail != self._storage_problem:
+            self._storage_problem = detail
+            log.error("slot files: %s", detail)
+
+    def _storage_failed(self, e: Exception, filename: str, saving: bool,
+                        path=None) -> ApiError:
+        """The answer to a save or restore that the server's storage failed."""
+        self._log_storage(str(e) if isinstance(e, EdgeError) else f"{path}: {e.strerror or e}")
+        where = _local(e, path, filename).replace(str(self.files.folder), "the slot folder")
+        action = "save to" if saving else "restore from"
+        return ApiError(507 if saving else 503, f"cannot {action} {filename}: the server's "
+                        f"storage failed: {where}", "filename",
+                        "storage_failed")
 
     def erase_slot(self, index: int) -> dict:
         slot = self._idle_slot(index)
@@ -1039,19 +1087,10 @@ class Engine:
                 job.slot.job = None
 
 
-def _slot_file(files: SlotFiles, filename: Any, saving: bool):
-    try:
-        return files.path(filename, saving)
-    except NoSuchFile as e:
-        raise ApiError(404, str(e), "filename", "file_not_found") from None
-    except BadFileName as e:
-        raise _bad(str(e), "filename", "invalid_filename") from None
-
-
 def _local(e: Exception, path, filename: str) -> str:
     """An error about a slot file, naming it as the client did (not the server's folder)."""
     text = str(e) if isinstance(e, EdgeError) else f"{path}: {e.strerror or e}"
-    return text.replace(str(path), filename)
+    return text if path is None else text.replace(str(path), filename)
 
 
 # -- the HTTP side ------------------------------------------------------------------------------

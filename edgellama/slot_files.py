@@ -55,6 +55,11 @@ class NoSuchFile(EdgeError):
     """No saved prompt of that name in the folder (404)."""
 
 
+class StorageError(EdgeError):
+    """The folder itself fails (removed, replaced by a file, not writable): the server's
+    storage, not the client's request."""
+
+
 def _is_saved_prompt(path: Path) -> bool:
     """A regular file (not a link) that starts as a saved prompt."""
     try:
@@ -91,10 +96,24 @@ class SlotFiles:
             self._spilled[p.name] = (None, p.stat().st_size)
         self._bound()
 
+    def check(self, writing: bool) -> None:
+        """StorageError if the folder is gone, is no longer a folder, or (`writing`) can
+        no longer be written: it may change under a running server."""
+        try:
+            st = os.stat(self.folder)
+        except OSError as e:
+            raise StorageError(f"{self.folder} (--slot-save-path) cannot be reached: "
+                               f"{e.strerror or e}") from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise StorageError(f"{self.folder} (--slot-save-path) is not a folder any more")
+        if writing and not os.access(self.folder, os.W_OK | os.X_OK):
+            raise StorageError(f"{self.folder} (--slot-save-path) cannot be written")
+
     # -- client names ---------------------------------------------------------------
     def path(self, name, saving: bool) -> Path:
         """DIR/name for a client's file name; BadFileName if the name or what it names is
-        not one a client may use, NoSuchFile if there is nothing to restore."""
+        not one a client may use, NoSuchFile if there is nothing to restore, StorageError
+        if the folder fails."""
         if not isinstance(name, str) or not name:
             raise BadFileName("filename must be a non-empty string")
         shown = prompt_cache._printable(name, 60)
@@ -105,6 +124,7 @@ class SlotFiles:
         if saving and name.startswith(SPILL_PREFIX):
             raise BadFileName(f"filename {shown!r}: names starting with {SPILL_PREFIX!r} are "
                               f"the server's own spilled caches")
+        self.check(writing=saving)
         path = self.folder / name
         if path.is_symlink():
             if saving:
@@ -122,7 +142,8 @@ class SlotFiles:
     def spill(self, seq: Sequence, model: Transformer) -> None:
         """Write seq's cache to a spill file (unless one holds these tokens), dropping
         spill files it continues (they are the same conversation, shorter), then the
-        least recently used ones beyond the bound."""
+        least recently used ones beyond the bound. StorageError if the folder fails."""
+        self.check(writing=True)
         tokens = np.asarray(seq.tokens, np.int32)
         digest = hashlib.sha256(tokens.tobytes()).hexdigest()[:32]
         name = f"{SPILL_PREFIX}{digest}{prompt_cache.SUFFIX}"
