@@ -97,8 +97,9 @@ class _Group(click.Group):
                 raise
             if isinstance(e, EdgeError):
                 message = str(e)
-            elif isinstance(e, OSError):
-                message = f"{e.strerror or e}: {e.filename or ''}".rstrip(": ")
+            elif isinstance(e, OSError):    # one a command did not word: PATH: reason
+                message = f"{e.filename}: {e.strerror or e}" if e.filename else \
+                    f"{e.strerror or e} (run with --debug for where)"
             else:
                 message = (f"internal error {type(e).__name__}: {e} "
                            f"(run with --debug for the traceback)")

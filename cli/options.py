@@ -60,6 +60,9 @@ class FilePath(click.Path):
 
     def convert(self, value, param, ctx):
         _refuse_blank(self, "path", value, param, ctx)
+        if not self.file_okay and isinstance(value, str) and os.path.lexists(value) \
+                and not os.path.isdir(value):     # click lets a FIFO or a dangling link by
+            self.fail(f"{value!r} is not a directory", param, ctx)
         return super().convert(value, param, ctx)
 
 
@@ -209,11 +212,23 @@ _SAMPLING = {
 }
 
 
+def _check_sampling(ctx, param, value):
+    """A sampling value out of its range (on any model) is a usage error: the one range
+    check of every sampling value, sampling.sampling_problem."""
+    if value is None or (param.name == "seed" and value == -1):
+        return value
+    from edgellama.sampling import SamplingParams, sampling_problem
+    if problem := sampling_problem({**vars(SamplingParams()), param.name: value}):
+        raise click.BadParameter(problem, ctx, param)
+    return value
+
+
 def sampling_options(f):
     """Adds the sampling flags; each left unset keeps the model's default."""
     for name, (flag, alias, typ, help_) in reversed(_SAMPLING.items()):
         decls = [flag] + ([alias] if alias else []) + [name]
-        f = click.option(*decls, type=typ, default=None, help=help_)(f)
+        f = click.option(*decls, type=typ, default=None, callback=_check_sampling,
+                         help=help_)(f)
     return f
 
 

@@ -11,6 +11,11 @@ from .options import (FilePath, drafter_from, load, model_options, one_line,
                       speculative_options)
 
 
+# More slots than this decode no faster on a CPU (each step reads the weights for all),
+# and their caches' memory maps would run into the kernel's limit on maps (65530).
+MAX_PARALLEL = 256
+
+
 def _listen_socket(host: str, port: int) -> socket.socket:
     """A bound socket, made before the model loads: a taken port fails in a second, not
     after the load. Connections wait in its backlog until the server runs."""
@@ -79,10 +84,11 @@ def _accepted_hosts(host: str, sock: socket.socket, extra: list[str]) -> tuple[l
 @click.option("--api-key", envvar="EDGELLAMA_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' on /v1 (or set EDGELLAMA_API_KEY, "
                    "which other users cannot read from the process list).")
-@click.option("--parallel", type=click.IntRange(min=1), default=None,
+@click.option("--parallel", type=click.IntRange(min=1, max=MAX_PARALLEL), default=None,
               help="Requests that run at once, each in a slot with its own KV cache, decoded "
                    "together in one pass over the weights. Default: 4, fewer if the "
-                   "available memory does not hold that many full-context KV caches.")
+                   "available memory does not hold that many full-context KV caches; at "
+                   f"most {MAX_PARALLEL}.")
 @click.option("--queue", "queue_size", type=click.IntRange(min=0), default=16, show_default=True,
               help="Requests that may wait while all slots are busy; more are answered 503.")
 @click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",

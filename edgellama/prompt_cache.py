@@ -287,7 +287,7 @@ def _open_regular(path: Path):
         raise EdgeError(f"{path}: cannot read: {e.strerror or e}") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise EdgeError(f"{path}: not a regular file, so not a saved prompt")
+        raise EdgeError(f"{path}: cannot read: not a regular file, so not a saved prompt")
     return open(fd, "rb")
 
 

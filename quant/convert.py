@@ -546,6 +546,20 @@ def _refuse_input_as_output(hf_dir: Path, out_path: Path) -> None:
                         f"choose another output path (--force does not allow this)")
 
 
+def _refuse_special_output(out_path: Path) -> None:
+    """--force replaces a regular file only: never a link (nor what it points to), a
+    folder, a FIFO or a device (as root, /dev/null itself would go)."""
+    try:
+        mode = os.lstat(out_path).st_mode
+    except OSError:
+        return
+    if not stat.S_ISREG(mode):
+        what = "a link" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode) \
+            else "not a regular file"
+        raise EdgeError(f"{out_path}: is {what}; --force replaces only a regular file, so it "
+                        f"is left as it is: choose another output path")
+
+
 _RENAME_NOREPLACE = 1
 
 
@@ -566,6 +580,7 @@ def _publish(tmp: Path, out_path: Path, force: bool) -> None:
     file that appeared meanwhile (a second convert to the same output): rename with
     RENAME_NOREPLACE, or hard link + unlink where that is missing."""
     if force:
+        _refuse_special_output(out_path)
         os.replace(tmp, out_path)
         return
     exists = EdgeError(f"{out_path}: appeared while converting (another convert?); "
@@ -622,6 +637,7 @@ def convert(hf_dir, out_path, qtype: str = "q8_0", embed_type: str | None = None
     if not out_path.parent.is_dir():
         raise EdgeError(f"{out_path.parent}: output directory does not exist")
     _refuse_input_as_output(hf_dir, out_path)
+    _refuse_special_output(out_path)
 
     hp = read_hparams(hf_dir)
     tensors, shards = open_checkpoint(hf_dir)
