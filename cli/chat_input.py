@@ -1,7 +1,8 @@
 """What `edgellama chat` reads from the user: one message per Enter, multi-line messages
 as ollama takes them (a block opened by a line starting with \"\"\" and closed by a line
 ending with \"\"\"), a pasted block as one message (bracketed paste), and keys typed
-while a reply streams neither echoed into it nor lost."""
+while a reply streams neither echoed into it nor lost: a line finished with Enter runs at
+the next prompt as if typed there, an unfinished one waits there."""
 from __future__ import annotations
 
 import os
@@ -24,6 +25,7 @@ PASTE_ON, PASTE_OFF = "\x1b[?2004h", "\x1b[?2004l"
 PASTE_START, PASTE_END = "\x1b[200~", "\x1b[201~"
 MAX_HISTORY_BYTES = 16 << 20    # 1000 lines of chat; far more is not a history of ours
 _ESCAPES = re.compile(r"\x1b(\[[0-9;?]*[ -/]*[@-~]|O.|.)?")   # CSI, SS3, other ESC pairs
+_PASTED = re.compile(re.escape(PASTE_START) + ".*?(?:" + re.escape(PASTE_END) + "|$)", re.S)
 
 
 def clean(text: str) -> str:
@@ -32,6 +34,24 @@ def clean(text: str) -> str:
     text = text.encode("utf-8", "replace").decode("utf-8")   # lone surrogates from bad bytes
     text = _ESCAPES.sub("", text.replace("\r\n", "\n").replace("\r", "\n"))
     return "".join(c for c in text if c in "\t\n" or (ord(c) >= 32 and ord(c) != 127)).strip()
+
+
+def typed_lines(text: str) -> tuple[list[str], str]:
+    """Keys typed ahead, as (the lines finished with Enter, the unfinished rest). Enter is
+    CR or LF (a terminal's ICRNL makes CR LF); a bracketed paste keeps its line breaks,
+    as at the prompt, where a pasted block is one message."""
+    lines, current, at = [], "", 0
+    for paste in [*_PASTED.finditer(text), None]:
+        typed = text[at:paste.start() if paste else len(text)]
+        parts = typed.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+        current += parts[0]
+        for part in parts[1:]:
+            lines.append(current)
+            current = part
+        if paste:
+            current += paste.group()
+            at = paste.end()
+    return lines, current
 
 
 class Assembler:
@@ -117,7 +137,8 @@ class Reader:
         self.readline = _gnu_readline() if self.tty else None
         self.history = history if self.readline else None   # only readline keeps one
         self.assembler = Assembler()
-        self.typed_ahead = ""
+        self.queued: list[str] = []     # lines typed ahead with their Enter, to run in turn
+        self.typed_ahead = ""           # an unfinished line typed ahead, for the next prompt
         self.notes: list[str] = []      # things to tell the user after a reply
         self.history_warning: str | None = None   # why the history file is left alone
         if self.readline:
@@ -151,6 +172,15 @@ class Reader:
                 return message
 
     def _read_chunk(self, prompt: str) -> str:
+        while self.queued:
+            line = clean(self.queued.pop(0))
+            if not line and not self.assembler.open:
+                continue                # an Enter alone: at the prompt it would do nothing
+            sys.stdout.write(f"{prompt}{line}\n")     # shown as if typed at this prompt
+            sys.stdout.flush()
+            if self.readline and line:
+                self.readline.add_history(line)
+            return line
         if self.readline or not self.tty:
             return input(prompt)
         sys.stdout.write(PASTE_ON)
@@ -204,13 +234,15 @@ class Reader:
         return data
 
     def _keep(self, typed: bytes) -> None:
-        text = " ".join(clean(typed.decode("utf-8", "replace")).split("\n")).strip()
-        if not text:
-            return
-        if self.readline:
-            self.typed_ahead = text
-        else:
-            self.notes.append(f"dropped {len(text)} characters typed during the reply")
+        """Lines finished with Enter run in turn at the next prompts; the unfinished rest
+        (continuing one left from an earlier reply) waits, editable, at the prompt after
+        them with readline; without, it is dropped with a note."""
+        lines, rest = typed_lines(self.typed_ahead + typed.decode("utf-8", "replace"))
+        self.queued += lines
+        rest = " ".join(clean(rest).split("\n")).strip()
+        self.typed_ahead = rest if self.readline else ""
+        if rest and not self.readline:
+            self.notes.append(f"dropped {len(rest)} characters typed during the reply")
 
     def save_history(self, note: Callable[[str], None]) -> None:
         if self.readline and self.history:

@@ -8,7 +8,7 @@ import time
 
 import pexpect
 import pytest
-from edgellama.cli.chat_input import Assembler, clean
+from edgellama.cli.chat_input import Assembler, clean, typed_lines
 from test_chat_cli import EXE, PROMPT, _say, _spawn
 
 from edgellama.jit import kernel_cache_dir
@@ -187,6 +187,39 @@ def test_without_readline_paste_markers_are_handled_here(smollm2_gguf):
     c.expect_exact("(dropped 4 characters typed during the reply)")
     assert "zqxj" not in c.before
     c.sendeof()
+    c.expect(pexpect.EOF)
+    c.close()
+    assert c.exitstatus == 0
+
+
+def test_typed_lines_end_at_enter_and_keep_a_paste_whole():
+    assert typed_lines("one\rtwo\r\nthree\nfour") == (["one", "two", "three"], "four")
+    assert typed_lines("/exit\r") == (["/exit"], "")
+    assert typed_lines("no enter yet") == ([], "no enter yet")
+    pasted = PASTE.format("a\nb")
+    assert typed_lines(f"{pasted}\rnext") == ([pasted], "next")     # one message, then more
+    assert typed_lines(f"x{pasted[:-6]}") == ([], f"x{pasted[:-6]}")  # a paste still arriving
+
+
+def test_lines_typed_ahead_run_as_if_typed_at_the_prompt(tiny_chat):
+    # everything written at once, as `script` or a fast typist does: the first line is
+    # read at the prompt, the rest arrives while its reply streams
+    c = _spawn(tiny_chat, "-n", "4", "--no-history", timeout=60)
+    c.send("hi\r/stats\r/exit\r")
+    c.expect_exact(f"{PROMPT}/stats")      # shown at its prompt, then run
+    c.expect_exact("context: ")
+    c.expect_exact(f"{PROMPT}/exit")
+    c.expect(pexpect.EOF)                  # not waiting for another Enter
+    c.close()
+    assert c.exitstatus == 0
+
+
+def test_an_unfinished_line_typed_ahead_waits_after_the_finished_ones(tiny_chat):
+    c = _spawn(tiny_chat, "-n", "4", "--no-history", timeout=60)
+    c.send("hi\r/stats\rzqxj")
+    c.expect_exact("context: ")            # the finished line ran
+    c.expect_exact(f"{PROMPT}zqxj")        # the unfinished one waits, editable
+    c.send("\x15/exit\r")                  # Ctrl-U erases it
     c.expect(pexpect.EOF)
     c.close()
     assert c.exitstatus == 0
