@@ -1,5 +1,6 @@
-"""`edgellama list` and `edgellama rm`: the models in the Hugging Face cache and in
-edgellama's own cache."""
+"""`edgellama list` and `edgellama rm`: the models in the Hugging Face cache, and every
+file edgellama keeps in its own cache (models, tiles, saved prompts, bench's models,
+compiled kernels, the chat history)."""
 from __future__ import annotations
 
 import os
@@ -30,10 +31,14 @@ def _where() -> str:
 
 @main.command("list")
 def list_cmd():
-    """Models in the caches, with their sizes."""
+    """Models and every other file edgellama keeps in the caches, with their sizes."""
     models = hub.cached_models()
+    others, other_bytes = hub.unlisted_files(models)
+    # files not ours in the cache folder: counted, so the total says what is there
+    also = (f"; {cache_dir()} also holds {others} file(s) of {_size(other_bytes)} not made by "
+            f"edgellama, left alone" if others else "")
     if not models:
-        click.echo(f"no models yet. {_where()}")
+        click.echo(f"no models yet{also}. {_where()}")
         return
     width = max(len(m.name) for m in models)
     click.echo(f"{'NAME':<{width}}  {'SIZE':>9}  KIND")
@@ -42,14 +47,14 @@ def list_cmd():
         if m.size is None and m.path.is_symlink() and not m.path.exists():
             kind += " (a link to a file that is gone; rm removes the link)"
         click.echo(f"{m.name:<{width}}  {_size(m.size):>9}  {kind}")
-    click.echo(f"total {_size(sum(m.size or 0 for m in models))}. {_where()}", err=True)
+    click.echo(f"total {_size(sum(m.size or 0 for m in models))}{also}. {_where()}", err=True)
 
 
 @main.command("rm")
 @click.argument("names", nargs=-1, required=True)
 @click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation.")
 def rm(names, yes):
-    """Remove models from the caches (NAME as `edgellama list` shows it)."""
+    """Remove models and other files from the caches (NAME as `edgellama list` shows it)."""
     models = {m.name: m for m in hub.cached_models()}
     unknown = [n for n in names if n not in models]
     if unknown:

@@ -334,7 +334,9 @@ def _hub_repos() -> list[tuple[str, Path]]:
 def cached_models() -> list[CachedModel]:
     """The GGUF files and checkpoints in the Hugging Face cache, then the GGUF files in
     edgellama's own cache (the default model among them), then the tiles kept for fast
-    starts (tile_cache.py), then the saved prompts (prompt_cache.py). Removal is by
+    starts (tile_cache.py), then the saved prompts (prompt_cache.py), then the rest of
+    what edgellama keeps there (_other_own_files: bench's models, compiled kernels, the
+    chat history, leftovers of killed runs). Removal is by
     repository and file: never by commit hash (a mirror shares those), never through a
     link to its target."""
     from .default_model import cache_dir
@@ -374,4 +376,98 @@ def cached_models() -> list[CachedModel]:
     from .prompt_cache import saved_prompts
     for name, p, what in saved_prompts():       # a link goes as a link
         found.append(CachedModel(f"prompts/{name}", _size(p), p, what, p.unlink))
+    if own.is_dir() and not own.is_symlink():
+        found += _other_own_files(own, found)
     return found
+
+
+# Names of what edgellama keeps in its cache besides models, tiles and saved prompts,
+# written out here: `list` imports neither numba nor the modules that make them.
+_BENCH_FILE = re.compile(r"[a-z0-9][a-z0-9.-]*-random-[a-z0-9_]+\.(gguf|tmp)")   # benchmark.shape_path
+_KERNEL_FOLDER = re.compile(r"[0-9a-f]{16}")            # jit.kernel_cache_dir: a source digest
+_KERNEL_FILE = re.compile(r".+\.(nbi|nbc)")             # Numba's index and data files
+_TEMPORARY = re.compile(r"\.edgellama-(prompt|tiles)-.+\.tmp")   # a killed save's leftover
+
+
+def _regular(p: Path) -> bool:
+    return p.is_file() and not p.is_symlink()
+
+
+def _kernel_files(folder: Path) -> list[Path]:
+    """Numba's cache files under folder; links (to files or folders) never followed."""
+    return [Path(top) / f for top, _, files in os.walk(folder) for f in sorted(files)
+            if _KERNEL_FILE.fullmatch(f) and _regular(Path(top) / f)]
+
+
+def _remove_kernels(folder: Path) -> None:
+    """The kernel files under folder, then the folders left empty; nothing else."""
+    for p in _kernel_files(folder):
+        p.unlink(missing_ok=True)
+    for top, _, _ in sorted(os.walk(folder), key=lambda w: -len(w[0])):
+        with contextlib.suppress(OSError):
+            os.rmdir(top)                             # only if nothing else is left in it
+
+
+def _other_own_files(own: Path, listed: list[CachedModel]) -> list[CachedModel]:
+    """What else edgellama keeps in its cache folder: bench's random-weight models,
+    compiled kernels, the chat history, and files a killed run left (temporaries,
+    unreadable tiles): each by a name `rm` takes."""
+    found = []
+    bench = own / "bench"
+    if bench.is_dir() and not bench.is_symlink():
+        for p in sorted(bench.iterdir()):
+            if _BENCH_FILE.fullmatch(p.name) and _regular(p):
+                kind = ("random-weight model of `edgellama bench`" if p.suffix == ".gguf"
+                        else "unfinished file of an interrupted `edgellama bench`")
+                found.append(CachedModel(f"bench/{p.name}", _size(p), p, kind, p.unlink))
+    kernels = own / "numba"
+    if kernels.is_dir() and not kernels.is_symlink():
+        for d in sorted(kernels.iterdir()):
+            files = _kernel_files(d) if _KERNEL_FOLDER.fullmatch(d.name) and d.is_dir() \
+                and not d.is_symlink() else []
+            if files:                     # an empty one is made by any run: nothing to show
+                found.append(CachedModel(f"kernels/{d.name}", sum(f.stat().st_size for f in files),
+                                         d, f"compiled kernels: {len(files)} files (compiled "
+                                         f"again when needed)", lambda d=d: _remove_kernels(d)))
+    history = own / "chat_history"
+    if _regular(history):
+        found.append(CachedModel("chat_history", _size(history), history,
+                                 "what you typed in `edgellama chat` (Up recalls it)",
+                                 history.unlink))
+    listed_paths = {m.path for m in listed}
+    for folder, what in (("tiles", "start-up tiles"), ("prompts", "saved prompt")):
+        d = own / folder
+        if not d.is_dir() or d.is_symlink():
+            continue
+        for p in sorted(d.iterdir()):
+            if p in listed_paths or not _regular(p):
+                continue
+            if _TEMPORARY.fullmatch(p.name):
+                kind = f"{what}, unfinished (its run was stopped)"
+            elif folder == "tiles" and p.suffix == ".tiles":
+                kind = "start-up tiles, unreadable (made again when needed)"
+            else:
+                continue                              # not ours: never listed, never removed
+            found.append(CachedModel(f"{folder}/{p.name}", _size(p), p, kind, p.unlink))
+    return found
+
+
+def unlisted_files(listed: list[CachedModel]) -> tuple[int, int]:
+    """(files, bytes) in edgellama's cache folder that `listed` does not account for:
+    not made by edgellama (EDGELLAMA_CACHE may name a folder of the user's), left alone."""
+    from .default_model import cache_dir
+    own = cache_dir()
+    if not own.is_dir() or own.is_symlink():
+        return 0, 0
+    claimed = set()
+    for m in listed:
+        claimed.update(_kernel_files(m.path) if m.name.startswith("kernels/") else [m.path])
+    n = size = 0
+    for top, _, files in os.walk(own):
+        for f in files:
+            p = Path(top) / f
+            if p not in claimed:
+                with contextlib.suppress(OSError):
+                    size += p.lstat().st_size
+                    n += 1
+    return n, size
