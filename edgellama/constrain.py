@@ -52,8 +52,22 @@ _GBNF_RULE = re.compile(r"^[ \t]*[A-Za-z0-9_-]+[ \t]*::=", re.MULTILINE)
 LIMITS = dict(max_grammar_size=200_000, max_lexer_states=50_000, initial_lexer_fuel=1_000_000,
               step_lexer_fuel=200_000, step_max_items=50_000)
 
+# A reply steers to its shortest end once its token budget is within CLOSE_MARGIN tokens
+# of that end's length (a token taken freely may lengthen the end a little); the end is
+# looked for only while the budget is within CLOSE_WINDOW tokens of the longest end seen
+# (or of 64), and up to CLOSE_MAX bytes.
+CLOSE_MARGIN = 4
+CLOSE_WINDOW = 64
+CLOSE_MAX = 512
+_CLOSE_RETRY = 16     # tokens before looking again for an end that was not found
+# The bytes tried first at each step of the search for a short end: outside a string
+# the closers, a separator, then the shortest values; inside one, its end.
+_OUTSIDE = b'}],"0ntf-123456789[{ :' + bytes(range(ord("a"), ord("z") + 1))
+_INSIDE = b'"a0 '
+
 _tokenizers: dict[int, tuple[Tokenizer, llguidance.LLTokenizer]] = {}
 _tokenizers_lock = threading.Lock()
+_tables: dict[int, tuple[Tokenizer, np.ndarray, dict[bytes, list[int]]]] = {}
 
 
 class GrammarError(EdgeError):
@@ -86,6 +100,40 @@ def grammar_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
         return hit[1]
 
 
+def _token_tables(tokenizer: Tokenizer) -> tuple[np.ndarray, dict[bytes, list[int]]]:
+    """The text token of each single byte (-1 where none is), and the text tokens of
+    each byte string: what steering toward a reply's end needs. Built once per
+    tokenizer."""
+    with _tokenizers_lock:
+        hit = _tables.get(id(tokenizer))
+        if hit is None or hit[0] is not tokenizer:
+            single = np.full(256, -1, np.int64)
+            by_bytes: dict[bytes, list[int]] = {}
+            text = np.isin(tokenizer.token_types, (NORMAL, BYTE, USER_DEFINED))
+            for i in np.flatnonzero(text).tolist():
+                b = tokenizer.token_bytes(i)
+                if b:
+                    by_bytes.setdefault(b, []).append(i)
+                    if len(b) == 1 and single[b[0]] < 0:
+                        single[b[0]] = i
+            hit = (tokenizer, single, by_bytes)
+            _tables[id(tokenizer)] = hit
+        return hit[1], hit[2]
+
+
+def _in_string(state: tuple[bool, bool], data: bytes) -> tuple[bool, bool]:
+    """(inside a JSON string, after its backslash) once `data` follows `state`."""
+    inside, escaped = state
+    for c in data:
+        if escaped:
+            escaped = False
+        elif inside and c == 0x5C:
+            escaped = True
+        elif c == 0x22:
+            inside = not inside
+    return inside, escaped
+
+
 def _checked_size(text: str, what: str) -> str:
     if len(text) > MAX_GRAMMAR_CHARS:
         raise EdgeError(f"the {what} is {len(text)} characters long; at most "
@@ -106,14 +154,82 @@ def nests_deeper(value: Any, limit: int) -> bool:
     return False
 
 
+# Bounds a schema's numbers, strings and arrays get where it sets none, so that a reply
+# ends well within its budget (a small model otherwise writes digits until max_tokens):
+# integers of at most 16 digits (llama.cpp's json-schema-to-grammar bounds them so),
+# numbers below 10^16 in magnitude with at most 10 decimals and no exponent, strings of
+# at most 2048 characters, arrays of at most 256 items.
+INTEGER_BOUND = 10**16 - 1
+NUMBER_BOUND = 1e16
+NUMBER_STEP = 1e-10     # llguidance takes no finer multipleOf
+STRING_BOUND = 2048
+ARRAY_BOUND = 256
+_LITERALS = ("enum", "const", "default", "examples")   # values in a schema, not schemas
+
+
+def _number_or_none(v: Any) -> float | None:
+    return None if isinstance(v, bool) or not isinstance(v, (int, float)) else v
+
+
+def _bound(schema: dict) -> None:
+    """Add the default bounds to one schema object, in place, where it sets none and
+    they leave some value valid."""
+    kind = schema.get("type")   # a map of properties may have one named "type"
+    kinds = {k for k in (kind if isinstance(kind, list) else [kind]) if isinstance(k, str)}
+    lo = _number_or_none(schema.get("minimum", schema.get("exclusiveMinimum")))
+    hi = _number_or_none(schema.get("maximum", schema.get("exclusiveMaximum")))
+    open_lo = "minimum" not in schema and "exclusiveMinimum" not in schema
+    open_hi = "maximum" not in schema and "exclusiveMaximum" not in schema
+    if kinds & {"integer", "number"}:
+        whole = "number" not in kinds
+        if open_hi and (lo is None or lo < INTEGER_BOUND):
+            schema["maximum" if whole else "exclusiveMaximum"] = \
+                INTEGER_BOUND if whole else NUMBER_BOUND
+        if open_lo and (hi is None or hi > -INTEGER_BOUND):
+            schema["minimum" if whole else "exclusiveMinimum"] = \
+                -INTEGER_BOUND if whole else -NUMBER_BOUND
+        if not whole and "multipleOf" not in schema and (lo is None or hi is None
+                                                          or hi - lo > 2 * NUMBER_STEP):
+            schema["multipleOf"] = NUMBER_STEP
+    if "string" in kinds and "maxLength" not in schema and not \
+            {"pattern", "format", "enum", "const"} & schema.keys():
+        least = _number_or_none(schema.get("minLength")) or 0
+        if least <= STRING_BOUND:
+            schema["maxLength"] = STRING_BOUND
+    if "array" in kinds and "maxItems" not in schema:
+        least = _number_or_none(schema.get("minItems")) or 0
+        if least <= ARRAY_BOUND:
+            schema["maxItems"] = ARRAY_BOUND
+
+
+def bounded_schema(schema: Any) -> Any:
+    """A copy of `schema` with the default bounds (_bound) on every schema in it, made
+    without recursion."""
+    top = [schema]
+    stack = [(top, 0)]   # (container, key): its value is copied in place
+    while stack:
+        into, key = stack.pop()
+        v = into[key]
+        if isinstance(v, list):
+            into[key] = copy = list(v)
+            stack.extend((copy, i) for i in range(len(copy)))
+        elif isinstance(v, dict):
+            into[key] = copy = dict(v)
+            stack.extend((copy, k) for k in v if k not in _LITERALS)
+            if "type" in copy:
+                _bound(copy)
+    return top[0]
+
+
 def json_schema_grammar(schema: Any) -> str:
-    """The grammar of JSON texts valid under `schema` (a JSON schema as a dict)."""
+    """The grammar of JSON texts valid under `schema` (a JSON schema as a dict), with
+    the default bounds (bounded_schema) where it sets none."""
     if not isinstance(schema, dict):
         raise EdgeError("a JSON schema must be an object")
     if nests_deeper(schema, MAX_DEPTH):
         raise EdgeError(f"the JSON schema nests more than {MAX_DEPTH} levels deep")
     try:
-        text = json.dumps(schema)
+        text = json.dumps(bounded_schema(schema))
     except (TypeError, ValueError) as e:   # from Python: a set, a cycle
         raise EdgeError(f"a JSON schema must be JSON: {e}") from None
     _checked_size(text, "JSON schema")
@@ -170,12 +286,15 @@ def _gbnf_depth(text: str) -> int:
 
 
 def sample(sampler: Sampler, logits: np.ndarray, history: list[int],
-           constraint: Constraint | None = None) -> tuple[int, np.ndarray]:
+           constraint: Constraint | None = None, left: int | None = None
+           ) -> tuple[int, np.ndarray]:
     """One token: the sampler's penalties, the constraint's mask, the sampler's draw, the
-    constraint moved past the token. Returns the token and the logits it was drawn from."""
+    constraint moved past the token. `left`: the tokens the reply may still take, this
+    one included (the constraint steers to its end when they run short). Returns the
+    token and the logits it was drawn from."""
     adjusted = sampler.adjusted(logits, history)
     if constraint is not None:
-        constraint.mask(adjusted)
+        constraint.mask(adjusted, left)
     tok = sampler.pick(adjusted)
     if constraint is not None:
         constraint.advance(tok)
@@ -183,9 +302,23 @@ def sample(sampler: Sampler, logits: np.ndarray, history: list[int],
 
 
 class Constraint:
-    """One reply's position in a grammar: which tokens may come next."""
+    """One reply's position in a grammar: which tokens may come next.
+
+    With a token budget (mask's `left`), a reply steers to its end before the budget
+    runs out: the shortest way to end it found from here (closing() below: the bytes
+    the grammar forces, else the first allowed of a few closing bytes, a string's end
+    inside one) is followed once the budget is within CLOSE_MARGIN tokens of the tokens
+    it takes, only tokens whose bytes begin it allowed, and only a stop token once the
+    output is complete. So a JSON reply closes, and parses, where the budget can hold
+    its end; one whose budget cannot is not steered (it ends cut, "length")."""
 
     def __init__(self, tokenizer: Tokenizer, grammar: str):
+        self.tokenizer = tokenizer
+        self._string = (False, False)      # the output's JSON string state (_in_string)
+        self._end: bytes | None = None     # a way to end from here, while steering
+        self._longest_end: int | None = None   # the longest end found: look for one
+                                               # within CLOSE_WINDOW tokens of it
+        self._retry_at: int | None = None  # no end was found: look again at this budget
         lltok = grammar_tokenizer(tokenizer)
         self.vocab_size = lltok.vocab_size
         self.matcher = llguidance.LLMatcher(lltok, grammar, log_level=0,
@@ -210,11 +343,17 @@ class Constraint:
         self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         return np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.vocab_size].view(bool)
 
-    def mask(self, logits: np.ndarray) -> None:
+    def mask(self, logits: np.ndarray, left: int | None = None) -> None:
         """Set the logits (V,) of forbidden tokens to -inf, in place (V may exceed the
-        tokenizer's vocabulary: the padding rows are forbidden too)."""
+        tokenizer's vocabulary: the padding rows are forbidden too). `left`: the tokens
+        the reply may still take, this one included (None: no bound)."""
         allowed = self.allowed()
         self._check("the grammar failed while generating", GrammarError)
+        end = None if left is None else self._steer(left)
+        if end is not None:
+            steered = allowed & self._beginning(end)
+            if steered.any():   # else the grammar asks for a token the end does not begin
+                allowed = steered
         logits[self.vocab_size:] = -np.inf
         np.putmask(logits[:self.vocab_size], ~allowed, -np.inf)
 
@@ -224,8 +363,83 @@ class Constraint:
             self._check("the grammar failed while generating (it may match only endless "
                         "text)", GrammarError)
             raise GrammarError(f"the grammar refused the sampled token {token}")
+        data = self.tokenizer.token_bytes(token)
+        self._string = _in_string(self._string, data)
+        # the rest of the end being followed, if the token began it
+        self._end = self._end[len(data):] if self._end and self._end.startswith(data) \
+            else None
+
+    def _steer(self, left: int) -> bytes | None:
+        """The end to steer to now (b"": only a stop token), or None to sample freely."""
+        if self._end is None:
+            if (self._longest_end is not None and left > self._longest_end + CLOSE_WINDOW) \
+                    or (self._retry_at is not None and left > self._retry_at):
+                return None
+            end = self.closing()
+            if end is None:
+                self._retry_at = left - _CLOSE_RETRY
+                return None
+            self._longest_end = max(self._longest_end or 0, len(end))
+            need = self._tokens_for(end)
+            if need > left:   # too late to end it: the reply is cut by its budget either way
+                self._retry_at = left - _CLOSE_RETRY
+                return None
+            self._retry_at = None
+            if need + CLOSE_MARGIN < left:
+                return None
+            self._end = end
+        return self._end
+
+    def _tokens_for(self, end: bytes) -> int:
+        """The fewest text tokens that spell `end` (tokens of at most 32 bytes)."""
+        _, by_bytes = _token_tables(self.tokenizer)
+        fewest = [0] + [len(end) + 1] * len(end)
+        for i in range(len(end)):
+            for j in range(i + 1, min(len(end), i + 32) + 1):
+                if fewest[i] + 1 < fewest[j] and end[i:j] in by_bytes:
+                    fewest[j] = fewest[i] + 1
+        return fewest[-1]
+
+    def _beginning(self, end: bytes) -> np.ndarray:
+        """(vocab_size,) bool: the tokens whose bytes begin `end`; the stop tokens if it
+        is empty."""
+        out = np.zeros(self.vocab_size, bool)
+        if not end:
+            out[[t for t in self.tokenizer.stop_ids if t < self.vocab_size]] = True
+            return out
+        _, by_bytes = _token_tables(self.tokenizer)
+        for k in range(1, len(end) + 1):
+            out[by_bytes.get(end[:k], [])] = True
+        return out
+
+    def closing(self) -> bytes | None:
+        """A short way to complete the output from here (b"" if it is complete), as
+        bytes, or None if none was found within CLOSE_MAX bytes. Greedy: the bytes the
+        grammar forces, else the first allowed of _INSIDE inside a JSON string and of
+        _OUTSIDE out of one (a closer before a separator before the shortest values),
+        else the lowest allowed byte."""
+        single, _ = _token_tables(self.tokenizer)
+        m = self.matcher.deep_copy()
+        state, out = self._string, bytearray()
+        while not m.is_accepting():
+            step = m.compute_ff_bytes()
+            if not step:
+                tried = _INSIDE if state[0] else _OUTSIDE
+                step = next((bytes([b]) for b in (*tried, *range(256))
+                             if single[b] >= 0 and m.validate_tokens([int(single[b])])), b"")
+            if not step or len(out) + len(step) > CLOSE_MAX or \
+                    not all(single[b] >= 0 and m.consume_token(int(single[b])) for b in step):
+                return None
+            state = _in_string(state, step)
+            out += step
+        return bytes(out)
 
     @property
     def complete(self) -> bool:
         """The output so far is a whole sentence of the grammar."""
         return self.matcher.is_accepting()
+
+    @property
+    def finished(self) -> bool:
+        """The output is complete and nothing can follow it but a stop token."""
+        return self.matcher.is_stopped() and not self.matcher.is_error()

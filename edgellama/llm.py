@@ -153,7 +153,8 @@ class LLM:
             constraint = None if grammar is None else Constraint(self.tokenizer, grammar)
 
             def pick(logits: np.ndarray, history: list[int]) -> int:
-                return sample(sampler, logits, history, constraint)[0]
+                left = max_tokens - (len(history) - len(ids))   # a grammar steers to its end
+                return sample(sampler, logits, history, constraint, left)[0]
         stops = self.tokenizer.stop_ids if stop_ids is None else stop_ids
         logits = self._prefill(list(ids), shifted)
         if prompt_read is not None:

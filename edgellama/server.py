@@ -566,7 +566,8 @@ def sample_token(job: Job, logits: np.ndarray, history: list[int]) -> int:
     the job's grammar mask (-inf on what the grammar forbids), its sampler; records the
     token's logprobs if asked (from these adjusted logits, before temperature: see
     sampling.log_probs) and advances the grammar past the token."""
-    tok, adjusted = sample(job.sampler, logits, history, job.constraint)
+    tok, adjusted = sample(job.sampler, logits, history, job.constraint,
+                           job.max_tokens - job.count)
     _record_logprobs(job, tok, adjusted)
     return tok
 
@@ -1053,6 +1054,8 @@ class Engine:
             job.emit("text", text, job.take_logprobs(job.count, self.llm.tokenizer))
         if hit:
             self._finish(job, "stop", flush=False)
+        elif job.constraint is not None and job.constraint.finished:
+            self._finish(job, "stop")   # its end: no step for the stop token, whatever the budget
         elif job.count >= job.max_tokens or cached >= job.slot.seq.ctx:
             self._finish(job, "length")
         else:
