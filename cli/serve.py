@@ -14,6 +14,8 @@ from .options import (FilePath, drafter_from, load, model_options, one_line,
 # More slots than this decode no faster on a CPU (each step reads the weights for all),
 # and their caches' memory maps would run into the kernel's limit on maps (65530).
 MAX_PARALLEL = 256
+# Each waiting request holds a connection: more than this many never wait at once.
+MAX_QUEUE = 65536
 
 
 def _listen_socket(host: str, port: int) -> socket.socket:
@@ -89,8 +91,10 @@ def _accepted_hosts(host: str, sock: socket.socket, extra: list[str]) -> tuple[l
                    "together in one pass over the weights. Default: 4, fewer if the "
                    "available memory does not hold that many full-context KV caches; at "
                    f"most {MAX_PARALLEL}.")
-@click.option("--queue", "queue_size", type=click.IntRange(min=0), default=16, show_default=True,
-              help="Requests that may wait while all slots are busy; more are answered 503.")
+@click.option("--queue", "queue_size", type=click.IntRange(0, MAX_QUEUE), default=16,
+              show_default=True,
+              help="Requests that may wait while all slots are busy; more are answered 503 "
+                   f"(at most {MAX_QUEUE}).")
 @click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
               callback=_host_names,
               help="Also answer requests whose Host header is NAME (repeatable; * = any "

@@ -152,19 +152,29 @@ class SafetensorsFile:
         self.tensors: dict[str, TensorRef] = {}
         self._mm: mmap.mmap | None = None
         self._fd: int | None = None
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
-                raise EdgeError(f"{path}: truncated safetensors file ({size} bytes, no header)")
-            (n,) = struct.unpack("<Q", raw)
-            if n < 2 or n > _MAX_HEADER or 8 + n > size:
-                raise EdgeError(f"{path}: invalid safetensors header length {n} "
-                                f"(file is {size} bytes)")
+        try:        # without waiting on a FIFO, which open() would do for its writer
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        except OSError as e:
+            raise EdgeError(f"{path}: cannot read: {e.strerror or e}") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise EdgeError(f"{path}: not a regular file (safetensors shard)")
+        size = st.st_size
+        with open(fd, "rb") as f:
             try:
+                raw = f.read(8)
+                if len(raw) < 8:
+                    raise EdgeError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+                (n,) = struct.unpack("<Q", raw)
+                if n < 2 or n > _MAX_HEADER or 8 + n > size:
+                    raise EdgeError(f"{path}: invalid safetensors header length {n} "
+                                    f"(file is {size} bytes)")
                 header = json.loads(f.read(n).decode("utf-8"))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise EdgeError(f"{path}: invalid safetensors header ({e})") from None
+            except OSError as e:         # /proc/self/mem, a failing disk
+                raise EdgeError(f"{path}: cannot read: {e.strerror or e}") from None
         if not isinstance(header, dict):
             raise EdgeError(f"{path}: invalid safetensors header (not a JSON object)")
         data_start = 8 + n

@@ -98,7 +98,8 @@ def test_a_file_put_in_the_way_while_saving_is_not_replaced(tiny_chat, tmp_path,
 def test_chat_save_onto_a_document_or_fifo_leaves_it(tiny_chat, tmp_path):
     victims = _not_ours(tmp_path)
     before = {k: _state(p) for k, p in victims.items()}
-    lines = ["hi"] + [f"/save {p}" for p in victims.values()] + [f"/save {tmp_path}/ok.prompt"]
+    lines = ["hi"] + [f"/save {p}" for p in victims.values()] + [f"/save {tmp_path}/ok.prompt",
+                                                                 "/load /proc/self/mem"]
     res = subprocess.run([EXE, "chat", "-m", tiny_chat, "--no-history", "-n", "2"],
                          input="\n".join(lines).encode() + b"\n", capture_output=True,
                          timeout=120, env=ENV)
@@ -108,6 +109,8 @@ def test_chat_save_onto_a_document_or_fifo_leaves_it(tiny_chat, tmp_path):
         assert f"error: {p} " in err, (p, err)
     assert {k: _state(p) for k, p in victims.items()} == before
     assert prompt_cache.is_saved_prompt(tmp_path / "ok.prompt")
+    if os.path.exists("/proc/self/mem"):        # a load that fails names the file (class 3)
+        assert "error: /proc/self/mem: cannot read: Input/output error" in err
 
 
 @pytest.mark.parametrize("kind", ["document", "fifo", "folder", "link", "dangling link"])
@@ -186,6 +189,7 @@ def test_drafter_bounds_its_lengths_by_the_context(tiny_chat):
     ["serve", "--parallel", "0"],
     ["serve", "--parallel", "100000"],
     ["serve", "--queue", "-1"],
+    ["serve", "--queue", str(10**30)],
     ["serve", "--slot-spill-max", "-1"],
     ["serve", "-t", "0"],
     ["serve", "-c", "0"],
@@ -215,6 +219,22 @@ def test_an_unreadable_file_is_named_in_the_error(tiny_chat, args):
     res = invoke(args[0], "-m", tiny_chat, *args[1:])
     assert_user_error(res, "/proc/self/mem")
     assert "error: Input/output error" not in res.stderr
+
+
+@needs_proc
+def test_convert_names_a_shard_it_cannot_read(tmp_path):
+    from hf_fixtures import write_tiny_llama
+    checkpoint = write_tiny_llama(tmp_path / "hf", tokenizer=None, vocab=256)
+    shard = checkpoint / "model.safetensors"
+    shard.unlink()
+    shard.symlink_to("/proc/self/mem")
+    assert_user_error(invoke("convert", checkpoint, "-o", tmp_path / "out.gguf"),
+                      f"{shard}: cannot read: Input/output error")
+    shard.unlink()
+    os.mkfifo(shard)                   # refused at once, not waited on
+    res = invoke("convert", checkpoint, "-o", tmp_path / "out.gguf")
+    assert res.exit_code == 1 and "Traceback" not in res.output
+    assert not (tmp_path / "out.gguf").exists()
 
 
 def test_a_path_through_a_file_is_named(tiny_chat, tmp_path):
