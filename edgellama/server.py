@@ -85,7 +85,8 @@ from .sampling import Sampler, SamplingParams, log_probs
 from .scratch import Scratch
 from .sequence import Sequence
 from .slot_files import SPILL_MIN, BadFileName, NoSuchFile, SlotFiles, StorageError
-from .speculative import DraftLength, DraftModel, Drafter, PassCost, plan_step, rejection_test
+from .speculative import (DraftLength, DraftModel, Drafter, PassCost, draft_limit, plan_step,
+                          rejection_test)
 from .tokenizer import StreamDecoder
 from .tool_calls import ToolCallStream, tool_call_schema
 
@@ -414,6 +415,7 @@ class Params:
     tools: list[dict] | None = None        # validated OpenAI tool list, as the template gets it
     tool_choice: str = "none"              # none, auto, required, or one function's name
     parallel_tool_calls: bool = True       # False: at most one call per reply
+    draft_max: int | None = None           # speculative.n_max: proposals a step, at most
 
 
 def _params(body: dict, defaults: SamplingParams, chat: bool,
@@ -444,6 +446,12 @@ def _params(body: dict, defaults: SamplingParams, chat: bool,
         "min_p": _number(body, "min_p", 0, 1),
         "repeat_penalty": _number(body, "repeat_penalty", 0, 100, lo_open=True),
     }.items() if v is not None}
+    # llama.cpp's speculative options: n_max caps this reply's proposals a step (the
+    # server's --draft-max and the context cap it in turn; 0: none); n_min and p_min
+    # are checked and leave the choice to the engine, which drafts only where it pays
+    draft_max = _integer(body, "speculative.n_max", 0)
+    _integer(body, "speculative.n_min", 0)
+    _number(body, "speculative.p_min", 0, 1)
     seed = _integer(body, "seed")
     if seed is not None:
         given["seed"] = seed % 2**64   # OpenAI takes any int64; NumPy wants one >= 0
@@ -468,7 +476,8 @@ def _params(body: dict, defaults: SamplingParams, chat: bool,
             raise _bad(f"cannot constrain a call to these tools: {e}", "tools") from None
         grammar_param = "tools"
     return Params(stream, include_usage, max_tokens, sampling, _stops(body), max_param,
-                  _logprobs(body, chat), grammar, grammar_param, tools, choice, parallel)
+                  _logprobs(body, chat), grammar, grammar_param, tools, choice, parallel,
+                  draft_max)
 
 
 # -- the engine ---------------------------------------------------------------------------------
@@ -540,8 +549,10 @@ class Job:
     def may_draft(self) -> bool:
         """Whether proposals can be checked for this reply: at temperature 0 any reply
         (each check is sample_token's own choice, grammar and logprobs included); with
-        sampling not under a grammar (rejection sampling knows no mask)."""
-        return self.constraint is None or self.params.sampling.temperature == 0
+        sampling not under a grammar (rejection sampling knows no mask); not when the
+        request asked for none (speculative.n_max 0)."""
+        return (self.constraint is None or self.params.sampling.temperature == 0) \
+            and self.params.draft_max != 0
 
     @property
     def reading(self) -> bool:
@@ -678,7 +689,9 @@ class Engine:
         if drafter:
             for slot in self.slots:
                 slot.drafter = drafter if slot.index == 0 else drafter.copy()
-                slot.length = DraftLength(drafter.draft_min, drafter.draft_max, costs=self.costs)
+                limit = draft_limit(llm.ctx)   # a step's check must fit the context
+                slot.length = DraftLength(min(drafter.draft_min, limit),
+                                          min(drafter.draft_max, limit), costs=self.costs)
         self._stop_ids = llm.tokenizer.stop_ids
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
@@ -988,6 +1001,8 @@ class Engine:
         with the plain step's token, not fed) or None."""
         lengths = [j.slot.length if j.may_draft else None for j in jobs]
         room = [min(j.max_tokens - j.count, j.slot.seq.ctx - j.slot.seq.pos) - 1 for j in jobs]
+        room = [r if j.params.draft_max is None else min(r, j.params.draft_max)
+                for j, r in zip(jobs, room)]
         out = []
         for job, L, k in zip(jobs, lengths, plan_step(lengths, room, self.costs)):
             slot = job.slot
