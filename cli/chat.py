@@ -41,7 +41,8 @@ HELP = """commands:
 input:
   Enter sends the line. For several lines, paste them (one message), or type
   \"\"\" to open a block and end its last line with \"\"\".
-  Keys typed while a reply streams wait at the next prompt."""
+  A line typed while a reply streams runs after it, as if typed at the prompt;
+  an unfinished one waits there."""
 
 
 def _history_path(keep: bool) -> Path | None:

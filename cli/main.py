@@ -1,7 +1,8 @@
 """The `edgellama` command: a click group; each command lives in its own module.
 
 Exit codes: 0 success, 1 a problem with the user's input or environment (one line on
-stderr), 2 usage errors (click). `--debug` shows tracebacks.
+stderr), 2 usage errors (click: a value out of its range on any model, an empty path,
+options that contradict each other). `--debug` shows tracebacks.
 """
 from __future__ import annotations
 
