@@ -13,7 +13,6 @@ from pathlib import Path
 
 import click
 import pytest
-from click.testing import CliRunner
 
 import edgellama
 from edgellama import prompt_cache
