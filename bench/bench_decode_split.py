@@ -1,81 +1,255 @@
-"""Where a decoded token's time goes, beside the read ceiling, in one process.
+"""Where a decoded token's (or a prefill's) time goes, per thread count, beside the read ceiling.
 
-    python bench/bench_decode_split.py [--shape llama-3.2-1b] [--type q4_0] [--threads 2]
-                                       [--reps 15] [--json OUT]
+    python bench/bench_decode_split.py [-m FILE | --shape llama-3.2-1b --type q4_0]
+                                       [-t 1,2,4,8,16] [--depth 0] [--prefill T]
+                                       [--reps 7] [--json OUT]
 
-Per round, in turn: the read ceiling (a parallel sum over 2 GiB), 8 decoded tokens, and
-8 tokens' matrix products alone (every layer's and the output's matvec, in forward
-order, nothing between them). Decode can be no faster than its bytes
-over the ceiling; the products' share of the token says what the rest (norms, RoPE, the
-KV write, attention, Python between kernels) costs. Medians of --reps short rounds: the
-machine's speed drifts by more than the effect within seconds.
+For each thread count, in one process, medians of --reps rounds of 8 decode steps (or
+one prefill of T tokens), per token:
+
+  token        the whole pass (forward at --depth cached positions)
+  products     every layer's matrix products alone (q/k/v, output projection, gate/up,
+               down), with the pass's input sizes
+  output       the output (vocabulary) matrix alone (prefill: the last token's row)
+  attention    every layer's K/V write and cache attention at the same depth
+  elementwise  RMSNorm, RoPE, SwiGLU and the residual adds of every layer
+  rest         token minus the above: Python between kernels and what no part names
+
+and the parallel regions a pass opens (counted by wrapping every parallel kernel for one
+pass) with what one costs here: an empty region (one trivial item per thread) against a
+serial kernel call of the same signature, so `regions x cost` is the launch-and-join time
+a pass spends at that thread count. The ceiling is a parallel sum over 2 GiB at the same
+thread count; decode can be no faster than its bytes over the ceiling. Parts measured
+alone may find their weights in a large L3 cache (the output matrix of a 1B model fits
+some server L3s) where the whole pass does not: `rest` then absorbs the difference.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 N_TOKENS = 8
 
 
+def _median_time(fn, reps: int, inner: int = 1) -> float:
+    """Median seconds of one call of fn (each round: `inner` calls)."""
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        out.append((time.perf_counter() - t0) / inner)
+    return statistics.median(out)
+
+
+def count_regions(run_one_token) -> tuple[int, dict[str, int]]:
+    """How many parallel kernels (each one region: start the workers, join them) one call
+    of run_one_token launches from Python, by kernel name: every module of the package's
+    parallel dispatchers are wrapped with a counter for the call."""
+    from numba.core.registry import CPUDispatcher
+    import edgellama
+    counts: dict[str, int] = {}
+    patched = []
+    for name, mod in list(sys.modules.items()):
+        if not (name == "edgellama" or name.startswith("edgellama.")) or mod is None:
+            continue
+        for attr, obj in list(vars(mod).items()):
+            if isinstance(obj, CPUDispatcher) and obj.targetoptions.get("parallel"):
+                def wrap(*args, _f=obj, _n=f"{obj.py_func.__module__.split('.')[-1]}.{attr}"):
+                    counts[_n] = counts.get(_n, 0) + 1
+                    return _f(*args)
+                patched.append((mod, attr, obj))
+                setattr(mod, attr, wrap)
+    try:
+        run_one_token()
+    finally:
+        for mod, attr, obj in patched:
+            setattr(mod, attr, obj)
+    del edgellama
+    return sum(counts.values()), counts
+
+
+def region_cost(reps: int) -> tuple[float, float]:
+    """(seconds of an empty parallel region at the current thread count, seconds of a
+    serial kernel call with the same arguments): the first minus the second is what
+    starting and joining the workers costs."""
+    import numba
+    import numpy as np
+    from numba import njit, prange
+
+    @njit(parallel=True)
+    def par(a):
+        for i in prange(a.size):
+            a[i] += 1.0
+
+    @njit
+    def ser(a):
+        for i in range(a.size):
+            a[i] += 1.0
+
+    a = np.zeros(numba.get_num_threads(), np.float32)
+    par(a), ser(a)
+    return _median_time(lambda: par(a), reps, 200), _median_time(lambda: ser(a), reps, 200)
+
+
+def split(m, depth: int, reps: int, T: int = 1) -> dict:
+    """The parts of a pass of T tokens (1: a decode step) of Transformer m at `depth`,
+    seconds per token each (medians)."""
+    import numpy as np
+    from edgellama import kernels as K
+    from edgellama import attention as A
+    import numba
+
+    a = m.args
+    seq = m.new_sequence()
+    rng = np.random.default_rng(0)
+    if depth:
+        seq.fill_random(depth, rng)
+    sc = seq.scratch
+    steps = N_TOKENS if T == 1 else 1          # passes a round
+    ids = rng.integers(0, a.vocab_size, T)
+
+    def token():
+        seq.truncate(depth)
+        for i in range(steps):
+            m.forward(ids if T > 1 else [1000 + i], seq)
+
+    # inputs of each product, at the sizes a pass gives them
+    xs = {n: rng.standard_normal((T, n)).astype(np.float32) for n in
+          {w.in_features for w in m.linears()}}
+    per_layer = [(w, np.empty((T, w.out_features), np.float32))
+                 for layer in m.layers for w in m.layer_linears(layer)]
+    out_buf = np.empty((1, m.output.out_features), np.float32)
+
+    def product(w, x, o):
+        if T == 1:
+            w.matvec(x[0], o[0], sc)
+        else:
+            w.matmul(x, o, sc)
+
+    def products():
+        for _ in range(steps):
+            for w, o in per_layer:
+                product(w, xs[w.in_features], o)
+
+    def output():                              # prefill: the last token's logits only
+        for _ in range(steps):
+            m.output.matvec(xs[m.output.in_features][-1], out_buf[0], sc)
+
+    hd, H, KV = a.head_dim, a.n_heads, a.n_kv_heads
+    q = rng.standard_normal((T, H, hd)).astype(np.float32)
+    k = rng.standard_normal((T, KV, hd)).astype(np.float32)
+    v = rng.standard_normal((T, KV, hd)).astype(np.float32)
+    att = np.empty((T, H, hd), np.float32)
+    att_scratch = tuple(sc.get(f"attention_{i}", shape, dt) for i, (shape, dt) in enumerate(
+        A.attention_scratch_shapes(numba.config.NUMBA_NUM_THREADS, H, KV, hd)))
+    scale = np.float32(hd ** -0.5)
+
+    def attention():
+        for i in range(steps):
+            for li in range(a.n_layers):
+                p = depth + i * T
+                seq.cache.write(li, p, k, v)
+                seq.cache.attend(li, p, q.copy(), scale, att, att_scratch)
+
+    x = rng.standard_normal((T, a.dim)).astype(np.float32)
+    h = np.empty_like(x)
+    gate_up = rng.standard_normal((T, 2 * a.ffn_dim)).astype(np.float32)
+    act = np.empty((T, a.ffn_dim), np.float32)
+    cos = np.ones((T, hd // 2), np.float32)
+    sin = np.zeros((T, hd // 2), np.float32)
+    norm = m.layers[0].attn_norm
+    E = K.elementwise(T)
+
+    def elementwise():
+        for _ in range(steps):
+            for _ in range(a.n_layers):
+                E.rmsnorm(x, norm, a.norm_eps, h)
+                E.rope(q, cos, sin)
+                E.rope(k, cos, sin)
+                E.add(x, h)
+                E.rmsnorm(x, norm, a.norm_eps, h)
+                E.swiglu(gate_up, act)
+                E.add(x, h)
+            K.rmsnorm(x[-1:], norm, a.norm_eps, h[:1])
+
+    parts = {"token": token, "products": products, "output": output,
+             "attention": attention, "elementwise": elementwise}
+    for f in parts.values():
+        f()                                   # compiled, pages touched
+    # rounds interleave the parts, so a drift in the machine's speed hits them alike
+    times = {k: [] for k in parts}
+    for _ in range(reps):
+        for key, f in parts.items():
+            times[key].append(_median_time(f, 1) / (steps * T))
+    res = {key: statistics.median(v) for key, v in times.items()}
+    res["rest"] = res["token"] - sum(res[k] for k in parts if k != "token")
+    n, by_kernel = count_regions(lambda: (seq.truncate(depth), m.forward(ids if T > 1 else [7], seq)))
+    res["regions"], res["regions_by_kernel"] = n, by_kernel
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("-m", "--model", help="a GGUF file (default: --shape's random-weight file)")
     ap.add_argument("--shape", default="llama-3.2-1b")
     ap.add_argument("--type", default="q4_0")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("-t", "--threads", default=None,
+                    help="thread counts, comma-separated (default: 1 and every power of 2 up to the cores)")
+    ap.add_argument("--depth", type=int, default=0, help="cached positions a token attends to")
+    ap.add_argument("--prefill", type=int, default=0, metavar="T",
+                    help="split a prefill of T tokens instead of a decode step (times per token)")
+    ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--json", help="write the results here")
-    a = ap.parse_args()
+    args = ap.parse_args()
 
-    import numpy as np
+    import numba
     from edgellama.benchmark import decode_bytes, shape_file
     from edgellama.gguf import GGUFFile
-    from edgellama.machine import ThreadPolicy, cpu_name
+    from edgellama.machine import ThreadPolicy, cpu_name, default_threads
     from edgellama.membw import measure_read_bandwidth
     from edgellama.model import Transformer
     from edgellama.simd import ISA, ISA_NAMES
 
-    path = shape_file(a.shape, a.type)
-    m = Transformer(GGUFFile(path), ctx=(a.reps + 2) * N_TOKENS + 8, threads=ThreadPolicy(a.threads))
+    cores = default_threads()
+    if args.threads:
+        counts = [int(t) for t in args.threads.split(",")]
+    else:
+        counts = sorted({1, cores} | {2 ** i for i in range(8) if 2 ** i <= cores})
+    path = Path(args.model) if args.model else shape_file(args.shape, args.type)
+    T = max(1, args.prefill)
+    m = Transformer(GGUFFile(path), ctx=args.depth + max(4 * N_TOKENS, T),
+                    threads=ThreadPolicy(max(counts)))
     m.wait_for_tiles()
-    linears = m.linears()
-    x = np.random.default_rng(0).standard_normal(max(w.in_features for w in linears)).astype(np.float32)
-    outs = [np.empty(w.out_features, np.float32) for w in linears]
-    seq = m.new_sequence()
-
-    def decode() -> float:
-        t0 = time.perf_counter()
-        for i in range(N_TOKENS):
-            m.forward([1000 + i], seq)
-        return (time.perf_counter() - t0) / N_TOKENS
-
-    def products() -> float:
-        t0 = time.perf_counter()
-        for _ in range(N_TOKENS):
-            for w, o in zip(linears, outs):
-                w.matvec(x[:w.in_features], o, seq.scratch)
-        return (time.perf_counter() - t0) / N_TOKENS
-
-    m.forward([1], seq)
-    decode(), products()                       # kernels loaded, pages touched
-    rounds = [(measure_read_bandwidth(keep=True), decode(), products()) for _ in range(a.reps)]
-    ceiling, token, prod = (statistics.median(r[i] for r in rounds) for i in range(3))
-    nbytes = decode_bytes(m, seq.pos // 2)    # K/V at the mean depth decoded over
-    res = {"machine": cpu_name(), "file": str(path), "threads": a.threads,
-           "kernels": ISA_NAMES[ISA], "reps": a.reps, "decode bytes": nbytes,
-           "ceiling GB/s": ceiling, "token ms": token * 1e3, "products ms": prod * 1e3,
-           "rounds": [{"ceiling GB/s": c, "token ms": t * 1e3, "products ms": p * 1e3}
-                      for c, t, p in rounds]}
-    print(f"{path.name}, {a.threads} threads, {ISA_NAMES[ISA]} kernels, median of {a.reps}:\n"
-          f"  ceiling {ceiling:.1f} GB/s: a token's {nbytes / 1e6:.0f} MB no faster than "
-          f"{nbytes / ceiling / 1e6:.2f} ms\n"
-          f"  decode  {token * 1e3:.2f} ms a token ({nbytes / token / 1e9 / ceiling:.0%} of the ceiling)\n"
-          f"  matrix products alone {prod * 1e3:.2f} ms ({prod / token:.0%} of the token; "
-          f"{nbytes / prod / 1e9 / ceiling:.0%} of the ceiling)")
-    if a.json:
-        with open(a.json, "w") as f:
+    nbytes = decode_bytes(m, args.depth)
+    rows = []
+    for t in counts:
+        m.threads = ThreadPolicy(t)
+        m.threads.apply()
+        ceiling = statistics.median(measure_read_bandwidth(keep=True) for _ in range(3))
+        r = split(m, args.depth, args.reps, T)
+        r["region_s"], r["serial_call_s"] = region_cost(args.reps)
+        r.update(threads=t, ceiling_gbs=ceiling, gbs=nbytes / r["token"] / 1e9)
+        rows.append(r)
+        ms = {k: r[k] * 1e3 for k in ("token", "products", "output", "attention", "elementwise", "rest")}
+        launch = r["regions"] * max(0.0, r["region_s"] - r["serial_call_s"]) * 1e3
+        print(f"{t:>2} threads{f', prefill {T}' if T > 1 else ''}: token {ms['token']:.3f} ms ({r['gbs']:.1f} GB/s, "
+              f"{r['gbs'] / ceiling:.0%} of {ceiling:.1f}) | products {ms['products']:.2f}, "
+              f"output {ms['output']:.2f}, attention {ms['attention']:.2f}, elementwise "
+              f"{ms['elementwise']:.2f}, rest {ms['rest']:.2f} | {r['regions']} regions x "
+              f"{(r['region_s'] - r['serial_call_s']) * 1e6:.1f} us = {launch:.2f} ms "
+              f"(a serial call {r['serial_call_s'] * 1e6:.1f} us)", flush=True)
+    res = {"machine": cpu_name(), "file": str(path), "kernels": ISA_NAMES[ISA],
+           "threading_layer": numba.threading_layer(), "depth": args.depth, "prefill": args.prefill,
+           "decode_bytes": nbytes, "rows": rows}
+    print(f"{path.name}, depth {args.depth}, {ISA_NAMES[ISA]} kernels, threading layer "
+          f"{res['threading_layer']}; regions a token opens: {rows[0]['regions_by_kernel']}")
+    if args.json:
+        with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
 
 
