@@ -20,6 +20,7 @@ from numba.core import event as numba_event
 from numba.core.dispatcher import Dispatcher
 from numba.core.event import Listener
 
+from . import threading_layer
 from .default_model import cache_dir
 
 # Why kernels compile in memory, when the cache cannot be written (the CLI says so once).
@@ -201,6 +202,7 @@ def prepare_numba() -> None:
     any module with kernels defines them (the package's __init__ arranges it)."""
     use_user_cache()
     _import_arraymath_without_scipy()
+    threading_layer.configure()
 
 
 def _import_arraymath_without_scipy() -> None:
