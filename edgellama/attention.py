@@ -40,6 +40,8 @@ KV_BLOCK = 16        # positions per block of K (one vector lane each)
 QBLOCK = 32          # values per quantized block (ggml's QK8_0, QK4_0)
 _CHUNK = 256         # positions per chunk of the online softmax (K and V stay in L2)
 _NO_MAX = F32(-1e30)  # the running max before the first chunk
+_SPLIT_CHUNKS = 4    # chunks of positions a decoded token's work item covers at depth
+_MAX_SPLITS = 32     # splits of a decoded token's positions at most (longer ones cover more)
 KIND_Q8, KIND_Q4 = 0, 1
 _TB = 16             # query tokens per work item of prefill: they share each K/V chunk
                      # while it is in L2, so at depth the cache is read from memory T/_TB times
@@ -358,20 +360,25 @@ def _ov_chunk_weighted(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g, gm):
 
 
 @nb.njit(cache=True, error_model="numpy", fastmath=True, parallel=True)
-def attention(q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si):
+def attention(q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si, sp):
     # q (T, H, hd) roped queries at positions pos0..pos0+T-1; one layer's cache, flat:
     # kq, ks (K and its scales), vq, vs (V and its scales), KV heads of `cap` positions, in the
     # layouts of the module docstring (f16: ks, vs unused), filled up to pos0+T.
     # out (T, H, hd). Causal: token t sees positions 0..pos0+t.
     # sf (threads, attention_scratch_shape) f32, s8 (threads, G hd) int8, si (threads, G
-    # hd/32) int32, G = TB g: one row per thread.
+    # hd/32) int32, G = TB g: one row per thread. sp (KV _MAX_SPLITS, g (hd + 2)) f32: a
+    # decoded token's partial outputs, maxima and sums per split.
     # GQA: the g query heads of a KV head share every K and V vector read; a work item is
     # one KV head and a block of up to TB tokens (rows tt g + j), which read K and V a
     # chunk at a time, then from L2. A chunk every token of the block sees whole (all but
     # the causal diagonal's) is scored and summed for all the block's rows in one call of
     # the register kernels, so each K/V vector is widened once per group of rows, not per g.
     # Token blocks are handed out first, last, second, second to last...: even shares of
-    # the items are even shares of the causal work.
+    # the items are even shares of the causal work. A decoded token (T = 1) at depth has
+    # one token block but KV heads x splits of its positions (runs of _SPLIT_CHUNKS chunks,
+    # at most _MAX_SPLITS) as items, so more threads than KV heads have work; the splits'
+    # partial softmaxes are merged after (flash decoding). The splits follow the depth
+    # alone, so the sums' order, and the result, is the same at every thread count.
     T, H, hd = q.shape
     g = H // KV
     G = _TB * g
@@ -380,8 +387,15 @@ def attention(q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si):
     nblocks = -(-T // _TB)
     gk = min(g, _GMAX) if T == 1 else (_BATCH_Q if quant_k else _BATCH_F16)   # rows a call
     gv = min(g, _GMAX) if T == 1 else (_BATCH_Q if vs.size > 0 else _BATCH_F16)
-    for item in prange(nblocks * KV):
-        tb, kvh = item // KV, item % KV
+    nsplit, per = 1, 0
+    if T == 1:
+        nchunks = -(-(pos0 + 1) // _CHUNK)
+        nsplit = min(-(-nchunks // _SPLIT_CHUNKS), sp.shape[0] // KV)
+        per = -(-nchunks // nsplit)                 # chunks a split
+        nsplit = -(-nchunks // per)                 # none empty
+    for item in prange(nblocks * KV * nsplit):
+        split, rest = item % nsplit, item // nsplit
+        tb, kvh = rest // KV, rest % KV
         tb = tb // 2 if tb % 2 == 0 else nblocks - 1 - tb // 2
         t0 = tb * _TB
         nt = min(T, t0 + _TB) - t0
@@ -408,7 +422,11 @@ def attention(q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si):
                 for i in range(hd):
                     o32[r * hd + i] = F32(0.0)
         end = pos0 + t0 + nt                          # positions the last token sees
-        for c0 in range(0, end, _CHUNK):
+        c_lo, c_hi = 0, end
+        if nsplit > 1:
+            c_lo = split * per * _CHUNK
+            c_hi = min(end, c_lo + per * _CHUNK)
+        for c0 in range(c_lo, c_hi, _CHUNK):
             whole = c0 + _CHUNK <= pos0 + t0 + 1      # every token sees the whole chunk
             # scores, 16 positions at a time: a token's last block also scores positions
             # past its own, which the softmax never reads
@@ -458,24 +476,61 @@ def attention(q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si):
                     if n > 0:
                         _chunk_weighted(vq, vs, hd, cap, kvh, c0, n, s, tt * g * _CHUNK, o32,
                                         tt * g * hd, g, gv)
-        for tt in range(nt):
+        if nsplit > 1:                               # the split's part, merged below
+            part = sp[kvh * nsplit + split]
             for j in range(g):
-                r = tt * g + j
-                inv = F32(1.0) / lrow[r]
                 for i in range(hd):
-                    out[t0 + tt, kvh * g + j, i] = o32[r * hd + i] * inv
+                    part[j * hd + i] = o32[j * hd + i]
+                part[g * hd + j] = mrow[j]
+                part[g * hd + g + j] = lrow[j]
+        else:
+            for tt in range(nt):
+                for j in range(g):
+                    r = tt * g + j
+                    inv = F32(1.0) / lrow[r]
+                    for i in range(hd):
+                        out[t0 + tt, kvh * g + j, i] = o32[r * hd + i] * inv
+    if nsplit > 1:
+        _merge_splits(sp, KV, nsplit, g, hd, out)
+
+
+@nb.njit(cache=True, error_model="numpy", fastmath=True)
+def _merge_splits(sp, KV, nsplit, g, hd, out):
+    # sp (KV nsplit, g (hd + 2)): per KV head and split, the g rows' unnormalised outputs,
+    # their running maxima and sums -> out (1, H, hd): each row's softmax over all splits
+    for kvh in range(KV):
+        for j in range(g):
+            mx = _NO_MAX
+            for s in range(nsplit):
+                mx = max(mx, sp[kvh * nsplit + s, g * hd + j])
+            tot = F32(0.0)
+            o = out[0, kvh * g + j]
+            for i in range(hd):
+                o[i] = F32(0.0)
+            for s in range(nsplit):
+                part = sp[kvh * nsplit + s]
+                d = part[g * hd + j] - mx
+                f = _exp_neg(max(d, _MIN_LOGIT)) if d > _MIN_LOGIT else F32(0.0)
+                tot += part[g * hd + g + j] * f
+                for i in range(hd):
+                    o[i] += part[j * hd + i] * f
+            inv = F32(1.0) / tot
+            for i in range(hd):
+                o[i] *= inv
 
 
 def attention_scratch_shapes(n_threads: int, n_heads: int, n_kv_heads: int,
                              head_dim: int) -> list[tuple[tuple[int, int], type]]:
-    """Shapes and dtypes of attention's three scratch arrays (sf, s8, si): a chunk of
+    """Shapes and dtypes of attention's scratch arrays (sf, s8, si, sp): a chunk of
     scores and the query and output rows of one work item per thread, whatever the
-    context."""
-    G = _TB * (n_heads // n_kv_heads)
+    context, and a decoded token's partial results per split."""
+    g = n_heads // n_kv_heads
+    G = _TB * g
     nbk = head_dim // QBLOCK
     return [((n_threads, G * (_CHUNK + 2 * head_dim + 2) + 2 * G * nbk), np.float32),
             ((n_threads, max(1, G * head_dim)), np.int8),
-            ((n_threads, max(1, G * nbk)), np.int32)]
+            ((n_threads, max(1, G * nbk)), np.int32),
+            ((n_kv_heads * _MAX_SPLITS, g * (head_dim + 2)), np.float32)]
 
 
 # -- storing K and V ---------------------------------------------------------------------
@@ -583,11 +638,15 @@ def _q4_block(x, base, vals):
     return d
 
 
-@nb.njit(cache=True, parallel=True)
-def store_f16_k(kc, cap, pos, k):
-    # k (T, KV, hd) f32 -> kc flat f16 bits (KV, cap/16, hd, 16) at positions pos..
+# Each store is a serial kernel over a range of KV heads, and a parallel one over all heads
+# for prefill's many positions. A decoded token's K or V (KV x hd values) goes through the
+# serial one: a parallel region costs more than the work (bench/bench_decode_split.py).
+
+@nb.njit(cache=True)
+def store_f16_k_heads(kc, cap, pos, k, h0, h1):
+    # k (T, KV, hd) f32 -> kc flat f16 bits (KV, cap/16, hd, 16) at positions pos.., heads h0..h1
     T, KV, hd = k.shape
-    for h in prange(KV):
+    for h in range(h0, h1):
         for t in range(T):
             p = pos + t
             base = h * cap * hd + (p // KV_BLOCK) * hd * KV_BLOCK + p % KV_BLOCK
@@ -595,27 +654,27 @@ def store_f16_k(kc, cap, pos, k):
                 kc[base + i * KV_BLOCK] = f32_to_f16(k[t, h, i])
 
 
-@nb.njit(cache=True, parallel=True)
-def store_f16_v(vc, cap, pos, v):
-    # v (T, KV, hd) f32 -> vc flat f16 bits (KV, cap, hd) at positions pos..
+@nb.njit(cache=True)
+def store_f16_v_heads(vc, cap, pos, v, h0, h1):
+    # v (T, KV, hd) f32 -> vc flat f16 bits (KV, cap, hd) at positions pos.., heads h0..h1
     T, KV, hd = v.shape
-    for h in prange(KV):
+    for h in range(h0, h1):
         for t in range(T):
             base = (h * cap + pos + t) * hd
             for i in range(hd):
                 vc[base + i] = f32_to_f16(v[t, h, i])
 
 
-@nb.njit(cache=True, parallel=True)
-def store_q_k(kq, ks, cap, pos, k, q4):
-    # k (T, KV, hd) f32 -> q8_0 (kq int8) or q4_0 (q4, kq uint8) K at positions pos.., in the
-    # quads of the module docstring; ks f16 bits (KV, cap/16, hd/32, 16)
+@nb.njit(cache=True)
+def store_q_k_heads(kq, ks, cap, pos, k, q4, h0, h1):
+    # k (T, KV, hd) f32 -> q8_0 (kq int8) or q4_0 (q4, kq uint8) K at positions pos.., heads
+    # h0..h1, in the quads of the module docstring; ks f16 bits (KV, cap/16, hd/32, 16)
     T, KV, hd = k.shape
     nbk = hd // QBLOCK
     per = hd * 8 if q4 else hd * 16
-    for h in prange(KV):
-        vals = np.empty(QBLOCK, kq.dtype)
-        x = np.empty(QBLOCK, F32)
+    vals = np.empty(QBLOCK, kq.dtype)
+    x = np.empty(QBLOCK, F32)
+    for h in range(h0, h1):
         for t in range(T):
             p = pos + t
             blk, lane = p // KV_BLOCK, p % KV_BLOCK
@@ -636,16 +695,16 @@ def store_q_k(kq, ks, cap, pos, k, q4):
                 ks[((h * (cap // KV_BLOCK) + blk) * nbk + b) * KV_BLOCK + lane] = f32_to_f16(d)
 
 
-@nb.njit(cache=True, parallel=True)
-def store_q_v(vq, vs, cap, pos, v, q4):
+@nb.njit(cache=True)
+def store_q_v_heads(vq, vs, cap, pos, v, q4, h0, h1):
     # v (T, KV, hd) f32 -> q8_0 (vq int8 rows of hd) or q4_0 (q4, vq uint8 rows of hd/2, ggml's
-    # nibble bytes) V at positions pos..; vs f16 bits (KV, cap, hd/32)
+    # nibble bytes) V at positions pos.., heads h0..h1; vs f16 bits (KV, cap, hd/32)
     T, KV, hd = v.shape
     nbk = hd // QBLOCK
     row = hd // 2 if q4 else hd
-    for h in prange(KV):
-        vals = np.empty(QBLOCK, vq.dtype)
-        x = np.empty(QBLOCK, F32)
+    vals = np.empty(QBLOCK, vq.dtype)
+    x = np.empty(QBLOCK, F32)
+    for h in range(h0, h1):
         for t in range(T):
             p = h * cap + pos + t
             for b in range(nbk):
@@ -660,6 +719,30 @@ def store_q_v(vq, vs, cap, pos, v, q4):
                     for j in range(QBLOCK):
                         vq[p * row + QBLOCK * b + j] = vals[j]
                 vs[p * nbk + b] = f32_to_f16(d)
+
+
+@nb.njit(cache=True, parallel=True)
+def store_f16_k(kc, cap, pos, k):
+    for h in prange(k.shape[1]):
+        store_f16_k_heads(kc, cap, pos, k, h, h + 1)
+
+
+@nb.njit(cache=True, parallel=True)
+def store_f16_v(vc, cap, pos, v):
+    for h in prange(v.shape[1]):
+        store_f16_v_heads(vc, cap, pos, v, h, h + 1)
+
+
+@nb.njit(cache=True, parallel=True)
+def store_q_k(kq, ks, cap, pos, k, q4):
+    for h in prange(k.shape[1]):
+        store_q_k_heads(kq, ks, cap, pos, k, q4, h, h + 1)
+
+
+@nb.njit(cache=True, parallel=True)
+def store_q_v(vq, vs, cap, pos, v, q4):
+    for h in prange(v.shape[1]):
+        store_q_v_heads(vq, vs, cap, pos, v, q4, h, h + 1)
 
 
 @nb.njit(cache=True, fastmath=True)

@@ -8,6 +8,8 @@ float16 type, so kernels see an f16 cache's raw uint16 bits.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numba as nb
 import numpy as np
 from llvmlite import ir
@@ -25,33 +27,48 @@ _PREFETCH = 4096    # f16 elements (8 KiB) ahead that attention prefetches K and
                     # gain: "attention prefetch", bench/results/design_measurements.json)
 
 
+# The elementwise kernels are row kernels (_*_row) run over a batch's rows: one after
+# another (rmsnorm, rope, swiglu, add_inplace), or in parallel for prefill (the *_rows
+# kernels below). Both run the same row kernel, so a row's result is the same bits
+# whichever runs it (speculative verification relies on that).
+
+@nb.njit(cache=True, error_model="numpy", fastmath=True)
+def _rmsnorm_row(x, w, eps, out):
+    # x (E,), w (E,) -> out (E,) = x / sqrt(mean(x²) + eps) * w
+    E = x.size
+    ss = F32(0.0)
+    for i in range(E):
+        ss += x[i] * x[i]
+    inv = F32(1.0) / np.sqrt(ss / F32(E) + F32(eps))
+    for i in range(E):
+        out[i] = x[i] * inv * w[i]
+
+
 @nb.njit(cache=True, error_model="numpy", fastmath=True)
 def rmsnorm(x, w, eps, out):
-    # x (T, E), w (E,) -> out (T, E) = x / sqrt(mean(x²) + eps) * w
-    T, E = x.shape
-    for t in range(T):
-        ss = F32(0.0)
-        for i in range(E):
-            ss += x[t, i] * x[t, i]
-        inv = F32(1.0) / np.sqrt(ss / F32(E) + F32(eps))
-        for i in range(E):
-            out[t, i] = x[t, i] * inv * w[i]
+    # x (T, E), w (E,) -> out (T, E), row by row
+    for t in range(x.shape[0]):
+        _rmsnorm_row(x[t], w, eps, out[t])
+
+
+@nb.njit(cache=True, error_model="numpy", fastmath=True)
+def _rope_row(x, cos, sin):
+    # x (nh, hd) in place; cos, sin (hd/2,). Rotates adjacent pairs (2i, 2i+1), the GGUF
+    # llama layout (the converter permuted HF's rotate-half rows into it).
+    nh, hd = x.shape
+    for h in range(nh):
+        for i in range(hd // 2):
+            a, b = x[h, 2 * i], x[h, 2 * i + 1]
+            c, s = cos[i], sin[i]
+            x[h, 2 * i] = a * c - b * s
+            x[h, 2 * i + 1] = a * s + b * c
 
 
 @nb.njit(cache=True, error_model="numpy", fastmath=True)
 def rope(x, cos, sin):
-    # x (T, nh, hd) in place; cos, sin (T, hd/2). Rotates adjacent pairs (2i, 2i+1),
-    # the GGUF llama layout (the converter permuted HF's rotate-half rows into it).
-    T, nh, hd = x.shape
-    for t in range(T):
-        for h in range(nh):
-            for i in range(hd // 2):
-                a, b = x[t, h, 2 * i], x[t, h, 2 * i + 1]
-                c, s = cos[t, i], sin[t, i]
-                x[t, h, 2 * i] = a * c - b * s
-                x[t, h, 2 * i + 1] = a * s + b * c
-
-
+    # x (T, nh, hd) in place; cos, sin (T, hd/2), row by row
+    for t in range(x.shape[0]):
+        _rope_row(x[t], cos[t], sin[t])
 
 
 @intrinsic
@@ -83,19 +100,25 @@ def _exp_neg(x):
 
 
 @nb.njit(cache=True, error_model="numpy", fastmath=True)
-def swiglu(gate_up, out):
-    # gate_up (T, 2F) = [gate | up] -> out (T, F) = silu(gate) * up, silu(g) = g sigmoid(g)
+def _swiglu_row(gate_up, out):
+    # gate_up (2F,) = [gate | up] -> out (F,) = silu(gate) * up, silu(g) = g sigmoid(g)
     # with sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below, e = e^-|g| <= 1:
     # _exp_neg's range, and SIMD (np.exp is a libm call per element: 4% of a 1B prefill).
     # One C-contiguous array, not two column slices of it: Numba vectorises only loops
     # over arrays it knows are contiguous (the slices took 12% of a 1B prefill).
-    T, F = out.shape
-    for t in range(T):
-        for i in range(F):
-            g = gate_up[t, i]
-            e = _exp_neg(-abs(g))
-            sig = (F32(1.0) if g >= F32(0.0) else e) / (F32(1.0) + e)
-            out[t, i] = g * sig * gate_up[t, F + i]
+    F = out.size
+    for i in range(F):
+        g = gate_up[i]
+        e = _exp_neg(-abs(g))
+        sig = (F32(1.0) if g >= F32(0.0) else e) / (F32(1.0) + e)
+        out[i] = g * sig * gate_up[F + i]
+
+
+@nb.njit(cache=True, error_model="numpy", fastmath=True)
+def swiglu(gate_up, out):
+    # gate_up (T, 2F) -> out (T, F), row by row
+    for t in range(out.shape[0]):
+        _swiglu_row(gate_up[t], out[t])
 
 
 def _f16x16(builder, p):
@@ -285,9 +308,60 @@ def _weighted(v, voff, hd, w, wstride, n, out, ooff, ostride, g):
 
 
 @nb.njit(cache=True, error_model="numpy")
+def _add_row(x, y):
+    # x (E,) += y (E,)
+    for i in range(x.size):
+        x[i] += y[i]
+
+
+@nb.njit(cache=True, error_model="numpy")
 def add_inplace(x, y):
-    # x (T, E) += y (T, E): the residual connection
-    T, E = x.shape
-    for t in range(T):
-        for i in range(E):
-            x[t, i] += y[t, i]
+    # x (T, E) += y (T, E): the residual connection, row by row
+    for t in range(x.shape[0]):
+        _add_row(x[t], y[t])
+
+
+# -- prefill's rows in parallel ----------------------------------------------------------
+# A decoded token's one row is less work than starting and joining the workers; prefill's
+# hundreds of rows go to the threads (run serially they were a tenth of a 1B prefill's
+# time at 16 threads).
+
+@nb.njit(cache=True, parallel=True)
+def rmsnorm_rows(x, w, eps, out):
+    for t in nb.prange(x.shape[0]):
+        _rmsnorm_row(x[t], w, eps, out[t])
+
+
+@nb.njit(cache=True, parallel=True)
+def rope_rows(x, cos, sin):
+    for t in nb.prange(x.shape[0]):
+        _rope_row(x[t], cos[t], sin[t])
+
+
+@nb.njit(cache=True, parallel=True)
+def swiglu_rows(gate_up, out):
+    for t in nb.prange(out.shape[0]):
+        _swiglu_row(gate_up[t], out[t])
+
+
+@nb.njit(cache=True, parallel=True)
+def add_rows(x, y):
+    for t in nb.prange(x.shape[0]):
+        _add_row(x[t], y[t])
+
+
+class Elementwise(NamedTuple):
+    rmsnorm: object
+    rope: object
+    swiglu: object
+    add: object
+
+
+SERIAL = Elementwise(rmsnorm, rope, swiglu, add_inplace)
+PARALLEL = Elementwise(rmsnorm_rows, rope_rows, swiglu_rows, add_rows)
+PARALLEL_ROWS = 4     # rows from which a batch's elementwise kernels run in parallel
+
+
+def elementwise(T: int) -> Elementwise:
+    """The elementwise kernels for a batch of T rows."""
+    return PARALLEL if T >= PARALLEL_ROWS else SERIAL

@@ -30,6 +30,9 @@ DEFAULT_CACHE_TYPE = "f16"     # for K and V (README, KV cache: why)
 # bytes per value and per block of 32 values of each type
 _BLOCK_BYTES = {"f16": 64, "q8_0": 34, "q4_0": 18}
 LAYOUT_VERSION = 1
+# Positions a write stores in parallel from: fewer (a decoded token, a few verified ones)
+# take less time than starting and joining the workers (bench/bench_decode_split.py)
+_PARALLEL_STORE = 8
 
 
 def check_cache_type(name: str, head_dim: int | None = None) -> str:
@@ -51,6 +54,16 @@ def value_bytes(cache_type: str, n: int) -> int:
 def rotation_size(head_dim: int) -> int:
     """The Hadamard transform's size: the largest power of 2 dividing the head dim."""
     return head_dim & -head_dim
+
+
+def _store(serial, parallel, values: np.ndarray, *args) -> None:
+    """A store kernel's serial form over all heads for a few positions, its parallel form
+    for more (values (T, KV, hd) are what it stores; args its arguments)."""
+    T, KV = values.shape[:2]
+    if T < _PARALLEL_STORE:
+        serial(*args, 0, KV)
+    else:
+        parallel(*args)
 
 
 class KVCache:
@@ -120,18 +133,20 @@ class KVCache:
             A.hadamard(v, self.rot_v)
         vf = self._v[layer].reshape(-1)
         if self.type_v == "f16":
-            A.store_f16_v(vf, self.cap, pos, v)
+            _store(A.store_f16_v_heads, A.store_f16_v, v, vf, self.cap, pos, v)
         else:
-            A.store_q_v(vf, self._vs[layer].reshape(-1), self.cap, pos, v, self.type_v == "q4_0")
+            _store(A.store_q_v_heads, A.store_q_v, v, vf, self._vs[layer].reshape(-1), self.cap,
+                   pos, v, self.type_v == "q4_0")
 
     def _write_k(self, layer: int, pos: int, k: np.ndarray) -> None:
         if self.rot_k:
             A.hadamard(k, self.rot_k)
         kf = self._k[layer].reshape(-1)
         if self.type_k == "f16":
-            A.store_f16_k(kf, self.cap, pos, k)
+            _store(A.store_f16_k_heads, A.store_f16_k, k, kf, self.cap, pos, k)
         else:
-            A.store_q_k(kf, self._ks[layer].reshape(-1), self.cap, pos, k, self.type_k == "q4_0")
+            _store(A.store_q_k_heads, A.store_q_k, k, kf, self._ks[layer].reshape(-1), self.cap,
+                   pos, k, self.type_k == "q4_0")
 
     def attend(self, layer: int, pos: int, q: np.ndarray, scale, out: np.ndarray,
                scratch: tuple) -> None:

@@ -309,26 +309,27 @@ class Transformer:
         att_scratch = tuple(sc.get(f"attention_{i}", shape, dt) for i, (shape, dt) in enumerate(
             A.attention_scratch_shapes(numba.config.NUMBA_NUM_THREADS, a.n_heads, a.n_kv_heads, hd)))
         att3 = att.reshape(T, a.n_heads, hd)
+        E = K.elementwise(T)
         self.embed.rows(tokens, x)
         for li, layer in enumerate(self.layers):
-            K.rmsnorm(x, layer.attn_norm, a.norm_eps, h)
+            E.rmsnorm(x, layer.attn_norm, a.norm_eps, h)
             _linears(h, layer.wqkv, qkv, sc, decode)
             q3 = qkv[:, :qd].reshape(T, a.n_heads, hd)
             k3 = qkv[:, qd:qd + kvd].reshape(T, a.n_kv_heads, hd)
             v3 = qkv[:, qd + kvd:].reshape(T, a.n_kv_heads, hd)
-            K.rope(q3, cos, sin)
-            K.rope(k3, cos, sin)
+            E.rope(q3, cos, sin)
+            E.rope(k3, cos, sin)
             for s, r0, n in zip(seqs, starts, counts):
                 c, r1 = s.cache, r0 + n
                 c.write(li, s.pos, k3[r0:r1], v3[r0:r1])
                 c.attend(li, s.pos, q3[r0:r1], scale, att3[r0:r1], att_scratch)
             _linear(att, layer.wo, o, sc, decode)
-            K.add_inplace(x, o)
-            K.rmsnorm(x, layer.ffn_norm, a.norm_eps, h)
+            E.add(x, o)
+            E.rmsnorm(x, layer.ffn_norm, a.norm_eps, h)
             _linears(h, layer.w_gate_up, gate_up, sc, decode)
-            K.swiglu(gate_up, act)
+            E.swiglu(gate_up, act)
             _linear(act, layer.w_down, o, sc, decode)
-            K.add_inplace(x, o)
+            E.add(x, o)
         for s, r0, n in zip(seqs, starts, counts):
             s._extend(tokens[r0:r0 + n])
         if logits is None:      # prefill: only the last token's logits are wanted
@@ -336,6 +337,6 @@ class Transformer:
             logits = sc.get("logits", (1, a.vocab_size))
             self.output.matvec(h[0], logits[0], sc)
             return logits
-        K.rmsnorm(x, self.output_norm, a.norm_eps, h)
+        E.rmsnorm(x, self.output_norm, a.norm_eps, h)
         _linear(h, self.output, logits, sc, decode)
         return logits

@@ -245,3 +245,59 @@ def test_rotation_leaves_attention_unchanged_but_for_rounding(type_k, type_v):
     step = {"f16": 1e-3, "q8_0": 4 / 254, "q4_0": 4 / 16}
     bound = step[type_v] + 4 * step[type_k]
     assert errs[False] < bound and errs[True] < bound, errs
+
+
+@pytest.mark.parametrize("type_k,type_v,pos0", [
+    ("f16", "f16", 5000),      # 20 chunks: 5 splits of _SPLIT_CHUNKS
+    ("q8_0", "q4_0", 4700),    # a short last split
+    ("f16", "f16", 40000),     # more chunks than _MAX_SPLITS runs of 4: fewer, longer splits
+])
+def test_decode_at_depth_splits_positions(type_k, type_v, pos0):
+    # A decoded token's positions are split among work items and the partial softmaxes
+    # merged (attention's flash decoding); the result must still be the twin's, and the
+    # same bits at every thread count (the splits follow the depth, not the threads).
+    H, KV, hd = 8, 2, 64
+    scale = np.float32(hd ** -0.5)
+    q = rng.standard_normal((1, H, hd)).astype(np.float32)
+    n = pos0 + 1
+    k = (rng.standard_normal((n, KV, hd)) * 2).astype(np.float32)
+    v = rng.standard_normal((n, KV, hd)).astype(np.float32)
+    c = KVCache(Args(1, KV, hd, H), n, type_k, type_v, rotate=False)
+    c.write(0, 0, k, v)
+    outs = []
+    for threads in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+        numba.set_num_threads(threads)
+        try:
+            out = np.empty_like(q)
+            c.attend(0, pos0, q.copy(), scale, out, scratch(H, KV, hd))
+        finally:
+            numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        outs.append(out)
+    qs = q * scale
+    q64 = q8_activations(qs) if type_k != "f16" else qs.astype(np.float64)
+    ref = numpy_attention(q64, c.k_values(0, 0, n).astype(np.float64),
+                          c.v_values(0, 0, n).astype(np.float64), pos0)
+    np.testing.assert_allclose(outs[0], ref, rtol=1e-4, atol=2e-5)
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
+
+
+def test_decode_store_of_few_positions_is_the_parallel_store():
+    # a write of fewer than _PARALLEL_STORE positions takes the stores' serial form: the
+    # same bytes as the parallel form writes, for every cache type
+    from edgellama import kv_cache
+    H, KV, hd = 4, 4, 64
+    k = rng.standard_normal((3, KV, hd)).astype(np.float32)
+    v = rng.standard_normal((3, KV, hd)).astype(np.float32)
+    for cache_type in CACHE_TYPES:
+        caches = [KVCache(Args(1, KV, hd, H), 64, cache_type, cache_type) for _ in range(2)]
+        caches[0].write(0, 17, k.copy(), v.copy())          # serial (3 < _PARALLEL_STORE)
+        old = kv_cache._PARALLEL_STORE
+        kv_cache._PARALLEL_STORE = 1
+        try:
+            caches[1].write(0, 17, k.copy(), v.copy())      # parallel
+        finally:
+            kv_cache._PARALLEL_STORE = old
+        for name, a in caches[0].arrays.items():
+            assert a.any(), (cache_type, name)
+            np.testing.assert_array_equal(a, caches[1].arrays[name], err_msg=f"{cache_type} {name}")

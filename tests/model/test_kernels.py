@@ -8,35 +8,78 @@ from edgellama.target import FEATURES
 rng = np.random.default_rng(0)
 
 
-def test_rmsnorm_matches_numpy():
+# every elementwise kernel in both forms: row after row (decode) and rows in parallel (prefill)
+FORMS = pytest.mark.parametrize("E", [K.SERIAL, K.PARALLEL], ids=["serial", "parallel"])
+
+
+@FORMS
+def test_rmsnorm_matches_numpy(E):
     x = rng.standard_normal((5, 96)).astype(np.float32)
     w = rng.standard_normal(96).astype(np.float32)
     out = np.empty_like(x)
-    K.rmsnorm(x, w, 1e-5, out)
+    E.rmsnorm(x, w, 1e-5, out)
     ref = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-5) * w
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
 
 
-def test_rope_rotates_adjacent_pairs():
+@FORMS
+def test_rope_rotates_adjacent_pairs(E):
     T, nh, hd = 3, 4, 16
     x = rng.standard_normal((T, nh, hd)).astype(np.float32)
     ang = rng.uniform(-10, 10, (T, hd // 2))
     cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
     y = x.copy()
-    K.rope(y, cos, sin)
+    E.rope(y, cos, sin)
     z = x[..., 0::2] + 1j * x[..., 1::2]          # pair (2i, 2i+1) as a complex number
     z = z * np.exp(1j * ang)[:, None, :]
     np.testing.assert_allclose(y[..., 0::2], z.real, atol=1e-5)
     np.testing.assert_allclose(y[..., 1::2], z.imag, atol=1e-5)
 
 
-def test_swiglu():
+@FORMS
+def test_swiglu(E):
     g = rng.standard_normal((4, 50)).astype(np.float32) * 4
     u = rng.standard_normal((4, 50)).astype(np.float32)
     ref = g / (1 + np.exp(-g.astype(np.float64))) * u
     out = np.empty_like(g)
-    K.swiglu(np.concatenate([g, u], axis=1), out)
+    E.swiglu(np.concatenate([g, u], axis=1), out)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@FORMS
+def test_add(E):
+    x, y = rng.standard_normal((2, 6, 40)).astype(np.float32)
+    z = x.copy()
+    E.add(z, y)
+    np.testing.assert_array_equal(z, x + y)
+
+
+def test_parallel_rows_are_the_serial_rows_bit_for_bit():
+    # prefill (parallel) and a decoded token (serial) must give a row the same bits, as the
+    # model passes them: q and k are column slices of one q|k|v buffer
+    T, nh, hd, F = 9, 4, 64, 200
+    qkv = rng.standard_normal((T, 2 * nh * hd)).astype(np.float32)
+    ang = rng.uniform(-10, 10, (T, hd // 2))
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    w = rng.standard_normal(nh * hd).astype(np.float32)
+    gu = (rng.standard_normal((T, 2 * F)) * 3).astype(np.float32)
+    outs = []
+    for E in (K.SERIAL, K.PARALLEL):
+        b = qkv.copy()
+        q3 = b[:, :nh * hd].reshape(T, nh, hd)
+        E.rope(q3, cos, sin)
+        h = np.empty((T, nh * hd), np.float32)
+        E.rmsnorm(b[:, nh * hd:].copy(), w, 1e-5, h)
+        act = np.empty((T, F), np.float32)
+        E.swiglu(gu, act)
+        E.add(h, np.ascontiguousarray(b[:, :nh * hd]))
+        outs.append((b, h, act))
+    # a single row, as a decoded token runs it, gives the same bits as its row in a batch
+    one = qkv[4:5].copy()
+    K.SERIAL.rope(one[:, :nh * hd].reshape(1, nh, hd), cos[4:5], sin[4:5])
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(one, outs[1][0][4:5])
 
 
 def test_fast_exp_matches_numpy():
