@@ -32,6 +32,26 @@ def _refuse_unfitting(shape: str, ctx: int, n_prompt: int, type_k: str, type_v: 
         raise EdgeError(f"{shape}: " + fit_advice(args, ctx, type_k, type_v, avail))
 
 
+class ThreadCounts(click.ParamType):
+    """-t N, or a list N,N,... as llama-bench takes it (one run per count)."""
+    name = "N[,N...]"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, list):
+            return value
+        try:
+            counts = [int(v) for v in str(value).split(",")]
+        except ValueError:
+            self.fail(f"{value!r} is not a thread count or a comma-separated list of them "
+                      f"(e.g. 1,2,4,8)", param, ctx)
+        import numba
+        most = numba.config.NUMBA_NUM_THREADS
+        if not all(1 <= c <= most for c in counts):
+            self.fail(f"thread counts must be 1..{most} (Numba's threads; NUMBA_NUM_THREADS "
+                      f"raises the limit), got {value}", param, ctx)
+        return list(dict.fromkeys(counts))
+
+
 def _size(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 * 0.95 else f"{n / 2**20:.0f} MiB"
 
@@ -77,8 +97,9 @@ def _after_run(path: Path, generated: bool, keep: bool | None) -> None:
               help="Tokens for the decode tests [default: 32; --full 128].")
 @click.option("--depth", type=click.IntRange(min=0), default=None,
               help="--full: cached tokens for decode-at-depth (default: fill the context).")
-@click.option("-t", "--threads", type=int, default=None,
-              help="Worker threads (default: automatic, as for generate).")
+@click.option("-t", "--threads", type=ThreadCounts(), default=None,
+              help="Worker threads (default: automatic, as for generate), or a list such as "
+                   "1,2,4,8: a row per count, decode beside the read ceiling at that count.")
 @click.option("-r", "--reps", type=click.IntRange(min=1), default=None,
               help="--full: repetitions of each test [default: 3].")
 @click.option("--budget", type=float, default=8.0, show_default=True,
@@ -109,6 +130,9 @@ def bench(model, shape, qtype, ctx, full, n_prompt, n_gen, depth, threads, reps,
                                f"tokenizer reads the prompt; --shape files have random weights)")
     if draft is not None and lookup:
         raise click.UsageError("give --draft MODEL or --lookup, not both")
+    sweep = threads is not None and len(threads) > 1
+    if sweep and speculating:
+        raise click.UsageError("--draft and --lookup measure one thread count: give -t N")
     if draft_min > draft_max:
         raise EdgeError(f"--draft-min {draft_min} is more than --draft-max {draft_max}")
     if draft is not None:   # refused before the run, not after it
@@ -141,22 +165,28 @@ def bench(model, shape, qtype, ctx, full, n_prompt, n_gen, depth, threads, reps,
             status.clear()
             click.echo(f"Generated {_shown(model)} ({_size(model.stat().st_size)}).", err=True)
     try:
-        report = benchmark.run(model, ctx=ctx, n_prompt=n_prompt, n_gen=n_gen, depth=depth,
-                               threads=threads, reps=reps, budget_gib=budget, synthetic=synthetic,
-                               full=full, type_k=cache_type_k, type_v=cache_type_v,
-                               progress=progress)
+        reports = [benchmark.run(model, ctx=ctx, n_prompt=n_prompt, n_gen=n_gen, depth=depth,
+                                 threads=t, reps=reps, budget_gib=budget, synthetic=synthetic,
+                                 full=full, type_k=cache_type_k, type_v=cache_type_v,
+                                 progress=lambda msg, t=t: progress(
+                                     f"{t} threads: {msg}" if sweep else msg), ceiling=sweep)
+                   for t in (threads or [None])]
     except BaseException:
         status.clear()
         if synthetic:    # no question while failing or interrupted: kept unless --no-keep
             _after_run(model, generated, True if keep is None else keep)
         raise
+    report = reports[0]
     if speculating:   # after the memory figures, which must not count a second model
         report["speculative"] = benchmark.speculative(
             model, draft, lookup, ctx=ctx, n_gen=n_gen,
-            threads=threads, draft_min=draft_min, draft_max=draft_max,
+            threads=threads and threads[0], draft_min=draft_min, draft_max=draft_max,
             progress=progress)
     status.clear()
-    click.echo(json.dumps(report, indent=2) if as_json else
-               benchmark.format_report(report) if full else benchmark.format_quick(report))
+    if sweep:
+        click.echo(json.dumps(reports, indent=2) if as_json else benchmark.format_threads(reports))
+    else:
+        click.echo(json.dumps(report, indent=2) if as_json else
+                   benchmark.format_report(report) if full else benchmark.format_quick(report))
     if synthetic:
         _after_run(model, generated, keep)

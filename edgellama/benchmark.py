@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 from gguf.constants import GGUFValueType as V
 
+from . import threading_layer
 from .default_model import cache_dir
 from .errors import EdgeError
 from .formats import FORMATS, WRITABLE, quantize
@@ -243,14 +244,15 @@ class _Clock:
 def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, depth: int | None = None,
         threads: int | None = None, reps: int = 3, budget_gib: float = 8.0, synthetic: bool = False,
         full: bool = True, type_k: str = DEFAULT_CACHE_TYPE, type_v: str = DEFAULT_CACHE_TYPE,
-        progress=lambda msg: None) -> dict:
+        progress=lambda msg: None, ceiling: bool = False) -> dict:
     """Measure one model file; returns every figure as a dict (the --json output).
 
     full=False is the quick check: memory with the whole KV cache resident, one prefill
     of n_prompt tokens and n_gen decoded tokens at the start of the context. full=True
     adds `reps` repetitions, decode at `depth` cached tokens (default: the context
-    filled), the read-bandwidth ceiling and NumPy's matmul on the same shapes. The KV
-    cache stores K and V as type_k, type_v (kv_cache.CACHE_TYPES)."""
+    filled), the read-bandwidth ceiling and NumPy's matmul on the same shapes; ceiling
+    measures the read ceiling in a quick check too. The KV cache stores K and V as type_k,
+    type_v (kv_cache.CACHE_TYPES)."""
     policy = ThreadPolicy(threads)   # as edgellama.load: automatic unless -t
     reps = reps if full else 1
     # BLAS allocates per-thread work buffers on first use: count them in the baseline
@@ -294,9 +296,11 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
     step = time.perf_counter() - t0          # one decode step: the basis of the estimates
     # a prefill dequantizes every weight (about 8 decode steps), then runs BLAS
     steps = {"pp": reps * (8 + n_prompt / 4) * step, "tg": reps * n_gen * step}
+    if full or ceiling:
+        steps.update(ceiling=4.0)
     if full:
         steps.update(depth=reps * n_gen * step * (1 + depth / 4096) if depth > 1 else 0.0,
-                     ceiling=4.0, numpy=2.0)
+                     numpy=2.0)
     clock = _Clock(progress, steps)
 
     pp = []
@@ -336,11 +340,12 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
         clock.done("depth")
     peak = peak_resident_memory() or 0
 
-    ceiling = np_gflops = 0.0
-    if full:
+    read_ceiling = np_gflops = 0.0
+    if full or ceiling:
         clock.show("ceiling", "measuring read bandwidth")
-        ceiling = measure_read_bandwidth()
+        read_ceiling = measure_read_bandwidth()
         clock.done("ceiling")
+    if full:
         clock.show("numpy", "measuring NumPy matmul")
         np_gflops = _numpy_matmul_gflops(model, n_prompt)
 
@@ -371,19 +376,21 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
              "words_per_token": WORDS_PER_TOKEN,
              "decode_bytes_per_token": bytes0, "tg_gbs": bytes0 * tg_m / 1e9,
              "pp_gflops": ours_gflops}
+    if full or ceiling:
+        speed.update({"read_bandwidth_gbs": read_ceiling,
+                      "tg_ceiling_ratio": bytes0 * tg_m / 1e9 / read_ceiling})
     if full:
         speed.update({
             "tg_depth_tps": tgd_m, "tg_depth_sd": tgd_sd,
-            "read_bandwidth_gbs": ceiling,
             "decode_bytes_per_token_at_depth": bytesd, "tg_depth_gbs": bytesd * tgd_m / 1e9,
-            "tg_ceiling_ratio": bytes0 * tg_m / 1e9 / ceiling,
-            "tg_depth_ceiling_ratio": bytesd * tgd_m / 1e9 / ceiling if tg_depth else 0.0,
+            "tg_depth_ceiling_ratio": bytesd * tgd_m / 1e9 / read_ceiling if tg_depth else 0.0,
             "numpy_matmul_gflops": np_gflops, "pp_vs_numpy": ours_gflops / np_gflops,
         })
     return {
         "model": g.get("general.name") or path.name, "file": str(path), "synthetic": synthetic,
         "full": full, "types": model.type_summary(), "size_bytes": weights, "params": params,
-        "threads": policy.current, "threads_auto": policy.auto, "ctx": ctx, "n_prompt": n_prompt, "n_gen": n_gen, "depth": depth,
+        "threads": policy.current, "threads_auto": policy.auto,
+        "threading_layer": threading_layer.name(), "ctx": ctx, "n_prompt": n_prompt, "n_gen": n_gen, "depth": depth,
         "reps": reps,
         "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "kernels": ISA_NAMES[ISA],
                     "python": platform.python_version(),
@@ -499,7 +506,8 @@ def format_quick(r: dict) -> str:
     runtime = m["predicted_total"] - m["weights"] - m["kv_cache"]
     lines = [
         f"model   {r['model']}: {r['types']}, {r['size_bytes'] / GiB:.2f} GiB, "
-        f"{r['threads']} threads{' (automatic)' if r.get('threads_auto') else ''}",
+        f"{r['threads']} threads{' (automatic)' if r.get('threads_auto') else ''} "
+        f"(Numba threading layer {r['threading_layer']})",
         f"memory  {_needed(m) / GiB:.2f} GiB at ctx {r['ctx']}: weights "
         f"{m['weights'] / GiB:.2f} GiB + KV cache {m['kv_cache'] / GiB:.2f} GiB "
         f"({m['type_k']} K, {m['type_v']} V) + runtime "
@@ -512,6 +520,29 @@ def format_quick(r: dict) -> str:
                      "depend on the values)")
     lines += [speculative_line(r)] if "speculative" in r else []
     return "\n".join(lines + cache_type_lines(r) + [summary(r)])
+
+
+def format_threads(reports: list[dict]) -> str:
+    """A sweep over thread counts (bench -t 1,2,4): a row per count, decode's read
+    bandwidth beside the ceiling measured at that count."""
+    r0 = reports[0]
+    depth = r0["full"] and r0["depth"] > 1
+    head = ["threads", f"pp{r0['n_prompt']} t/s", f"tg{r0['n_gen']} t/s", "decode GB/s",
+            "read ceiling GB/s", "of ceiling"] + ([f"tg @ d{r0['depth']} t/s"] if depth else [])
+    rows = [head]
+    for r in reports:
+        s = r["speed"]
+        rows.append([str(r["threads"]), f"{s['pp_tps']:.1f}", f"{s['tg_tps']:.2f}",
+                     f"{s['tg_gbs']:.1f}", f"{s['read_bandwidth_gbs']:.1f}",
+                     f"{s['tg_ceiling_ratio']:.0%}"] + ([f"{s['tg_depth_tps']:.2f}"] if depth else []))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = [f"model   {r0['model']}: {r0['types']}, {r0['size_bytes'] / GiB:.2f} GiB; "
+             f"{r0['machine']['kernels']} kernels, Numba threading layer {r0['threading_layer']}"]
+    lines += ["| " + " | ".join(c.rjust(w) for c, w in zip(row, widths)) + " |" for row in rows]
+    lines.insert(2, "| " + " | ".join("-" * w for w in widths) + " |")
+    if r0["synthetic"]:
+        lines.append("(random weights with the real shapes: speed does not depend on the values)")
+    return "\n".join(lines)
 
 
 def format_report(r: dict) -> str:
@@ -556,7 +587,7 @@ def format_report(r: dict) -> str:
            if r["depth"] > 1 else ""),
         f"prefill: {s['pp_gflops']:.1f} GFLOP/s in linear layers vs NumPy f32 matmul "
         f"{s['numpy_matmul_gflops']:.1f} GFLOP/s on the same shapes ({s['pp_vs_numpy'] * 100:.0f}%); "
-        f"integer kernels: {r['machine']['kernels']}",
+        f"integer kernels: {r['machine']['kernels']}; Numba threading layer {r['threading_layer']}",
         f"load {r['load_seconds']:.2f} s; JIT {r['jit_seconds']:.1f} s "
         f"({'cache warm' if r['jit_cache_warm'] else 'compiled now, cached for next time'})",
     ] + cache_type_lines(r)

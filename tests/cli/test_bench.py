@@ -38,6 +38,37 @@ def test_bench_json_report(tmp_path, monkeypatch):
     assert s["tg_ceiling_ratio"] == s["tg_gbs"] / s["read_bandwidth_gbs"]
 
 
+def test_bench_thread_sweep(tmp_path, monkeypatch):
+    # -t as a list: one run per count, each the single-run object (with its threading
+    # layer and the read ceiling measured at that count); the table has a row per count
+    import numba
+    monkeypatch.setattr(B, "measure_read_bandwidth", partial(measure_read_bandwidth, nbytes=64 << 20))
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "Q4_0", ctx=256)
+    counts = sorted({1, numba.config.NUMBA_NUM_THREADS})
+    base = ["bench", "-m", str(path), "--ctx", "64", "-p", "8", "-n", "2", "-t", ",".join(map(str, counts))]
+    res = CliRunner().invoke(main, base + ["--json"])
+    assert res.exit_code == 0, res.output
+    reports = json.loads(res.stdout)
+    assert [r["threads"] for r in reports] == counts
+    for r in reports:
+        assert r["threading_layer"] in ("omp", "tbb", "workqueue")
+        s = r["speed"]
+        assert s["read_bandwidth_gbs"] > 0
+        assert s["tg_ceiling_ratio"] == pytest.approx(s["tg_gbs"] / s["read_bandwidth_gbs"])
+    res = CliRunner().invoke(main, base)
+    assert res.exit_code == 0, res.output
+    rows = [line for line in res.stdout.splitlines() if re.match(r"\|\s+\d+ \|", line)]
+    assert [int(row.split("|")[1]) for row in rows] == counts
+    assert f"threading layer {reports[0]['threading_layer']}" in res.stdout
+
+
+@pytest.mark.parametrize("bad", ["0", "1,x", "2,,4", "100000", "-1"])
+def test_bench_thread_list_refused(tmp_path, bad):
+    res = CliRunner().invoke(main, ["bench", "-m", str(write_tiny_gguf(tmp_path / "t.gguf")),
+                                    "-t", bad])
+    assert res.exit_code == 2 and "--threads" in res.output, res.output
+
+
 def test_bench_table(tmp_path, monkeypatch):
     monkeypatch.setattr(B, "measure_read_bandwidth", partial(measure_read_bandwidth, nbytes=64 << 20))
     path = write_tiny_gguf(tmp_path / "tiny.gguf", "Q8_0", ctx=256)
