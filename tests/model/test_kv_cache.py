@@ -3,6 +3,8 @@ every type, sequences of different types in one model, the options that choose t
 and the advice when a context does not fit."""
 import json
 
+import re
+
 import numba
 import numpy as np
 import pytest
@@ -194,6 +196,15 @@ def test_a_context_that_does_not_fit_says_what_would(tiny32, monkeypatch):
     monkeypatch.setattr(M, "available_memory", lambda: 100_000)
     with pytest.raises(EdgeError, match="use a smaller --ctx"):
         M.Transformer(GGUFFile(tiny32), ctx=512)
+
+
+def test_advice_never_goes_past_the_models_window():
+    # 20 GiB hold more than 3B's 131,072-token window at f16: a --ctx past the window that
+    # does not fit is told the window, not a longer context the model was never trained for
+    a = llama_3b_args()
+    msg = fit_advice(a, 99_999_999, "f16", "f16", 20 * 2 ** 30)
+    assert f"at most the model's {a.train_ctx}-token window" in msg
+    assert not re.search(r"\b(1[3-9]\d|[2-9]\d\d)\d{3} or less", msg), msg
 
 
 def test_bench_refuses_before_allocating(monkeypatch):
