@@ -2,7 +2,6 @@
 every type, sequences of different types in one model, the options that choose them,
 and the advice when a context does not fit."""
 import json
-
 import re
 
 import numba
