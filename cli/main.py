@@ -20,8 +20,9 @@ from edgellama.errors import EdgeError
 from .options import one_line
 
 # Command name -> the module in this package that defines it (with `@main.command()`).
-# Modules load only when their command runs, so `edgellama --help` and `--version` stay
-# fast (numpy and numba are not imported). A new command is one line here.
+# Modules load only when their command runs, so `edgellama --help` stays fast (numpy and
+# numba are not imported; --version imports numba to name its threading layer). A new
+# command is one line here.
 COMMANDS = {
     "bench": "bench",
     "chat": "chat",
@@ -109,17 +110,37 @@ class _Group(click.Group):
             sys.exit(1)
 
 
+def _version(ctx, param, value):
+    """--version: ours, and what the kernels run on (this imports numba)."""
+    if not value or ctx.resilient_parsing:
+        return
+    from importlib.metadata import version
+
+    import numba
+
+    from edgellama import jit, threading_layer   # noqa: F401  (jit sets Numba up first)
+    from edgellama.simd import ISA, ISA_NAMES
+    click.echo(f"edgellama {version('edgellama')} (Numba {numba.__version__}, "
+               f"{ISA_NAMES[ISA]} kernels, threading layer {threading_layer.name()})")
+    if note := threading_layer.note():
+        click.echo(f"note: {note}", err=True)
+    ctx.exit()
+
+
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="edgellama", message="%(prog)s %(version)s")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_version,
+              help="Show the version, the kernels' instruction set and threading layer, and exit.")
 @click.option("--debug", is_flag=True, help="Show full tracebacks on errors.")
 @click.pass_context
 def main(ctx, debug):
     """edgellama: run quantized Llama models on a CPU."""
     ctx.ensure_object(dict)["debug"] = debug
     if ctx.invoked_subcommand not in _NO_KERNELS:
-        from edgellama import jit   # imports numba, which sets up the kernel cache
+        from edgellama import jit, threading_layer   # imports numba, which sets up the kernel cache
         if jit.cache_note:
             click.echo(f"note: {jit.cache_note}", err=True)
+        if note := threading_layer.note():
+            click.echo(f"note: {note}", err=True)
 
 
 if __name__ == "__main__":   # python -m edgellama.cli.main

@@ -1,10 +1,13 @@
-"""The `edgellama` group itself: commands load on demand, so --help and --version import
-neither numpy nor numba; the listing shows each command's own help line."""
+"""The `edgellama` group itself: commands load on demand, so --help imports neither numpy
+nor numba (--version does: it names the kernels' threading layer); the listing shows each
+command's own help line."""
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -17,10 +20,10 @@ def _run(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
 
 
-def test_help_and_version_import_neither_numpy_nor_numba():
+def test_help_imports_neither_numpy_nor_numba_and_version_names_the_threading_layer():
     code = ("import json, sys\n"
             "from edgellama.cli.main import main\n"
-            "for args in (['--help'], ['--version'], ['generate', '--help']):\n"
+            "for args in (['--help'], ['--version']):\n"
             "    try:\n"
             "        main(args, prog_name='edgellama')\n"
             "    except SystemExit:\n"
@@ -29,9 +32,22 @@ def test_help_and_version_import_neither_numpy_nor_numba():
     res = _run(code)
     assert res.returncode == 0, res.stderr
     loaded = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("[")]
-    assert loaded[:2] == [[], []], res.stdout          # after --help, after --version
-    assert "Commands:" in res.stdout and f"edgellama {importlib.metadata.version('edgellama')}" \
-        in res.stdout
+    assert loaded[0] == [], res.stdout                 # after --help
+    assert "Commands:" in res.stdout
+    version = next(line for line in res.stdout.splitlines() if line.startswith("edgellama "))
+    assert version.startswith(f"edgellama {importlib.metadata.version('edgellama')} (Numba ")
+    assert re.search(r"threading layer (omp|tbb|workqueue)\)$", version), version
+
+
+def test_workqueue_is_named_with_what_to_install():
+    # where only Numba's own layer loads (forced here), --version and every command that
+    # runs kernels say so once, with the runtimes to install
+    env = {**os.environ, "NUMBA_THREADING_LAYER": "workqueue"}
+    res = subprocess.run([sys.executable, "-m", "edgellama", "--version"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.rstrip().endswith("threading layer workqueue)")
+    assert res.stderr.count("note: ") == 1 and "libgomp" in res.stderr and "tbb" in res.stderr
 
 
 def test_importing_edgellama_defers_numba_but_kernels_still_use_the_user_cache(tmp_path):
