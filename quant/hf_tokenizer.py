@@ -81,16 +81,19 @@ def _looks_special(text: str) -> bool:
 
 def tiktoken_ranks(path: Path) -> dict[bytes, int]:
     ranks: dict[bytes, int] = {}
-    with open(path, "rb") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                tok, rank = line.split()
-                ranks[base64.b64decode(tok, validate=True)] = int(rank)
-            except (ValueError, binascii.Error):
-                raise EdgeError(f"{path}: line {n} is not 'base64-token rank' "
-                                f"(only the tiktoken format is supported, not SentencePiece)") from None
+    try:
+        with open(path, "rb") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    tok, rank = line.split()
+                    ranks[base64.b64decode(tok, validate=True)] = int(rank)
+                except (ValueError, binascii.Error):
+                    raise EdgeError(f"{path}: line {n} is not 'base64-token rank' (only the "
+                                    f"tiktoken format is supported, not SentencePiece)") from None
+    except OSError as e:                # /proc/self/mem, a failing disk
+        raise EdgeError(f"{path}: cannot read: {e.strerror or e}") from None
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise EdgeError(f"{path}: ranks are not 0..{len(ranks) - 1} without gaps")
     return ranks

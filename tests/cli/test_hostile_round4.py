@@ -221,7 +221,7 @@ def test_an_unreadable_file_is_named_in_the_error(tiny_chat, args):
 
 
 @needs_proc
-def test_convert_names_a_shard_it_cannot_read(tmp_path):
+def test_convert_names_an_input_it_cannot_read(tmp_path):
     from hf_fixtures import write_tiny_llama
     checkpoint = write_tiny_llama(tmp_path / "hf", tokenizer=None, vocab=256)
     shard = checkpoint / "model.safetensors"
@@ -234,6 +234,11 @@ def test_convert_names_a_shard_it_cannot_read(tmp_path):
     res = invoke("convert", checkpoint, "-o", tmp_path / "out.gguf")
     assert res.exit_code == 1 and "Traceback" not in res.output
     assert not (tmp_path / "out.gguf").exists()
+    # a tiktoken tokenizer file, read after the shards
+    checkpoint = write_tiny_llama(tmp_path / "hf2", tokenizer=None, vocab=256)
+    (checkpoint / "tokenizer.model").symlink_to("/proc/self/mem")
+    assert_user_error(invoke("convert", checkpoint, "-o", tmp_path / "out.gguf"),
+                      f"{checkpoint / 'tokenizer.model'}: cannot read: Input/output error")
 
 
 def test_a_path_through_a_file_is_named(tiny_chat, tmp_path):
