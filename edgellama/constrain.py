@@ -21,6 +21,7 @@ output is complete, only a stop token can follow.
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 from typing import Any
@@ -171,6 +172,24 @@ def _number_or_none(v: Any) -> float | None:
     return None if isinstance(v, bool) or not isinstance(v, (int, float)) else v
 
 
+# llguidance builds a multipleOf's automaton with about as many states as the integer
+# part of the step (past its trailing zeros): 65,537 takes a second, 999,983 25 s, and
+# 2^31 does not end; a step past this is refused.
+MAX_STEP = 10_000
+
+
+def _check_step(schema: dict) -> None:
+    step = _number_or_none(schema.get("multipleOf"))
+    if step is None or not math.isfinite(step) or step <= 0:
+        return   # llguidance's own message names it
+    whole = int(step)
+    while whole and whole % 10 == 0:
+        whole //= 10
+    if whole > MAX_STEP:
+        raise EdgeError(f"multipleOf {step:g} is too coarse for the grammar engine: its "
+                        f"integer part, past trailing zeros, must be at most {MAX_STEP}")
+
+
 def _bound(schema: dict) -> None:
     """Add the default bounds to one schema object, in place, where it sets none and
     they leave some value valid."""
@@ -204,7 +223,7 @@ def _bound(schema: dict) -> None:
 
 def bounded_schema(schema: Any) -> Any:
     """A copy of `schema` with the default bounds (_bound) on every schema in it, made
-    without recursion."""
+    without recursion; EdgeError for a multipleOf the engine cannot take (_check_step)."""
     top = [schema]
     stack = [(top, 0)]   # (container, key): its value is copied in place
     while stack:
@@ -216,6 +235,7 @@ def bounded_schema(schema: Any) -> Any:
         elif isinstance(v, dict):
             into[key] = copy = dict(v)
             stack.extend((copy, k) for k in v if k not in _LITERALS)
+            _check_step(copy)
             if "type" in copy:
                 _bound(copy)
     return top[0]

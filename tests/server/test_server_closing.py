@@ -257,3 +257,20 @@ def test_a_bound_that_would_empty_a_schema_is_not_added(tok):
     assert accepts(tok, big, str(10**17 + 5))
     long = {"type": "array", "items": {"type": "boolean"}, "minItems": ARRAY_BOUND + 1}
     assert "maxItems" not in bounded_schema(long)
+
+
+def test_the_issue_case_on_smollm2(smollm2_gguf):
+    """The issue's own case: SmolLM2 asked "What is 2+2?" under CITY wrote digits until
+    max_tokens. Greedy and sampled, with a budget that barely holds a reply and a large
+    one, it now closes and validates."""
+    app = ServerUnderTest(smollm2_gguf, ctx=1024)
+    fmt = {"type": "json_schema", "json_schema": {"name": "c", "strict": True, "schema": CITY}}
+    try:
+        for max_tokens, temperature, seed in [(25, 0, 0), (200, 0, 0), (25, 1.0, 1),
+                                              (200, 1.0, 2)]:
+            reply = ask(app, response_format=fmt, max_tokens=max_tokens,
+                        temperature=temperature, seed=seed)
+            jsonschema.validate(json.loads(text_of(reply)), CITY)
+            assert reply["choices"][0]["finish_reason"] == "stop", reply
+    finally:
+        app.close()

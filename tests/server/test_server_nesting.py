@@ -4,7 +4,8 @@ nests 300 levels deep once got a 500 and a RecursionError traceback with tool_ch
 sends is bounded (a body nests at most MAX_BODY_DEPTH levels, a schema, a tool's
 parameters or a call's arguments MAX_DEPTH, a GBNF grammar MAX_DEPTH parentheses and
 MAX_GBNF_RULES rules) or iterative, on every path: each such request is a 400 naming the
-field, in bounded time, nothing logged, and the server goes on serving.
+field, in bounded time, nothing logged, and the server goes on serving. So is a schema
+whose multipleOf would take the grammar engine without end (found by the fuzzer).
 """
 from __future__ import annotations
 
@@ -115,6 +116,12 @@ def test_a_tool_schema_within_the_bound_still_forces_a_call(app):
     ("call id", {"messages": [{"role": "assistant", "content": "", "tool_calls": [
         {"id": deep_list(50), "type": "function", "function": {"name": "f"}}]}, *M]},
      "messages[0].tool_calls"),
+    # the grammar engine's automaton for a multipleOf grows with it: 2^31 never ended
+    ("coarse multipleOf", {"json_schema": {"type": "integer", "multipleOf": 2**31}},
+     "json_schema"),
+    ("coarse multipleOf in a forced call", {"tools": [tool({
+        "type": "object", "properties": {"n": {"type": "number", "multipleOf": 999_983}}})],
+        "tool_choice": "required"}, "tools"),
 ])
 def test_deep_structures_on_every_path_are_a_400(app, name, body, param):
     refused(app, {"messages": M, **body}, param)
