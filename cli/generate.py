@@ -49,7 +49,10 @@ def _prompt(model_arg, prompt_arg, prompt, prompt_file) -> tuple[str | None, str
     if prompt == "-" or not sources:
         if not sources and sys.stdin.isatty():
             raise click.UsageError("no prompt: give PROMPT, -p TEXT, -f FILE, or pipe it in")
-        return model_arg, _read(sys.stdin.buffer, "stdin")
+        try:
+            return model_arg, _read(sys.stdin.buffer, "stdin")
+        except OSError as e:
+            raise EdgeError(f"standard input: cannot read: {e.strerror or e}") from None
     return model_arg, sources[0]
 
 

@@ -262,11 +262,21 @@ def test_loading_a_saved_prompt_that_cannot_be_read(tmp_path):
 def test_an_os_error_no_command_worded_still_names_its_file(tiny_chat, monkeypatch):
     import edgellama.cli.generate as gen
 
-    def fails(stream, name):
+    def fails(*args, **kwargs):
         raise OSError(errno.EIO, "Input/output error", "/the/failing/file")
+    monkeypatch.setattr(gen, "load", fails)
+    res = invoke("generate", "-m", tiny_chat, "-p", "hi")
+    assert_user_error(res, "/the/failing/file: Input/output error")
+
+
+def test_standard_input_that_cannot_be_read_is_named(tiny_chat, monkeypatch):
+    import edgellama.cli.generate as gen
+
+    def fails(stream, name):
+        raise OSError(errno.EIO, "Input/output error")
     monkeypatch.setattr(gen, "_read", fails)
     res = invoke("generate", "-m", tiny_chat, "-p", "-")
-    assert_user_error(res, "/the/failing/file: Input/output error")
+    assert_user_error(res, "standard input: cannot read: Input/output error")
 
 
 # -- 6: an empty or blank path is a usage error ------------------------------------------
