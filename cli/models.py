@@ -35,8 +35,9 @@ def list_cmd():
     models = hub.cached_models()
     others, other_bytes = hub.unlisted_files(models)
     # files not ours in the cache folder: counted, so the total says what is there
-    also = (f"; {cache_dir()} also holds {others} file(s) of {_size(other_bytes)} not made by "
-            f"edgellama, left alone" if others else "")
+    at_least = "at least " if others >= hub.MAX_UNLISTED else ""
+    also = (f"; {cache_dir()} also holds {at_least}{others} file(s) of {_size(other_bytes)} "
+            f"not made by edgellama, left alone" if others else "")
     if not models:
         click.echo(f"no models yet{also}. {_where()}")
         return

@@ -452,9 +452,13 @@ def _other_own_files(own: Path, listed: list[CachedModel]) -> list[CachedModel]:
     return found
 
 
+MAX_UNLISTED = 100_000     # files counted at most (EDGELLAMA_CACHE=~ must not walk a home)
+
+
 def unlisted_files(listed: list[CachedModel]) -> tuple[int, int]:
     """(files, bytes) in edgellama's cache folder that `listed` does not account for:
-    not made by edgellama (EDGELLAMA_CACHE may name a folder of the user's), left alone."""
+    not made by edgellama (EDGELLAMA_CACHE may name a folder of the user's), left alone.
+    Counting stops at MAX_UNLISTED files."""
     from .default_model import cache_dir
     own = cache_dir()
     if not own.is_dir() or own.is_symlink():
@@ -470,4 +474,6 @@ def unlisted_files(listed: list[CachedModel]) -> tuple[int, int]:
                 with contextlib.suppress(OSError):
                     size += p.lstat().st_size
                     n += 1
+                if n >= MAX_UNLISTED:
+                    return n, size
     return n, size

@@ -88,3 +88,10 @@ def test_links_in_the_cache_are_never_followed(own, tmp_path):
     assert "bench/llama-3.2-3b-random-q4_0.gguf" not in names
     CliRunner().invoke(main, ["rm", "-y", *names])
     assert kept.exists()
+
+
+def test_counting_files_not_ours_stops_at_a_bound(own, monkeypatch):
+    # EDGELLAMA_CACHE may name a big folder of the user's: list does not walk all of it
+    monkeypatch.setattr(hub, "MAX_UNLISTED", 2)
+    res = CliRunner().invoke(main, ["list"])
+    assert res.exit_code == 0 and "also holds at least 2 file(s)" in res.stderr, res.output
