@@ -12,6 +12,12 @@ whole-vocabulary index per schema: seconds), and bounds its own work per grammar
 token (LLParserLimits), which is what lets a server take grammars from strangers.
 xgrammar needs PyTorch.
 
+Replies end within their budget: a JSON schema's numbers, strings and arrays get default
+bounds where it sets none (bounded_schema), and with a token budget a reply steers to a
+short valid end when the budget runs short (Constraint; constraint.mask(logits, left)).
+Client schemas and grammars are checked before anything walks them: nesting (MAX_DEPTH),
+GBNF rules (MAX_GBNF_RULES), a multipleOf the engine would take without end (MAX_STEP).
+
 llguidance is given every token's exact bytes (edgellama.tokenizer's table), so a
 byte-level BPE token that spans grammar symbols (`{"`, `":`, `},{`) is allowed exactly
 when its bytes continue a valid output; control tokens are marked special, so they are
@@ -339,6 +345,7 @@ class Constraint:
         self._longest_end: int | None = None   # the longest end found: look for one
                                                # within CLOSE_WINDOW tokens of it
         self._retry_at: int | None = None  # no end was found: look again at this budget
+        _token_tables(tokenizer)           # built here, off the server's engine thread
         lltok = grammar_tokenizer(tokenizer)
         self.vocab_size = lltok.vocab_size
         self.matcher = llguidance.LLMatcher(lltok, grammar, log_level=0,

@@ -22,13 +22,17 @@ Slot files (create_app(slot_save_path=DIR), `serve --slot-save-path`): llama.cpp
 /slots/{id}?action=save|restore|erase writes a slot's cache to DIR/filename or reads one
 back (prompt_cache's format, names checked by slot_files.SlotFiles), on the engine thread
 between steps (Engine.run); and an evicted conversation's cache is spilled to DIR and
-restored when the conversation comes back (Engine._prepare).
+restored when the conversation comes back (Engine._prepare). The folder failing under
+the running server (removed, replaced by a file, unwritable, full) is the server's
+storage, not the client's request: a save answers 507, a restore 503, logged once.
 
 Hostile input (tests/server/test_server_hostile.py, tests/server/test_fuzz_server.py): every field's JSON
 type and range is checked, a wrong one answered 400 naming it; bodies must be JSON (415);
 Host and Origin headers are checked against DNS rebinding and cross-site requests
 (_Guard: 403); stopping the server ends waiting and running requests with 503
-(Engine.shutdown). No request gets a 500 or a traceback in the log.
+(Engine.shutdown). No request gets a 500 or a traceback in the log. Every walk over
+what a client sends is bounded: a body's fields nest at most MAX_BODY_DEPTH levels (and
+schemas, tools' parameters and calls' arguments constrain.MAX_DEPTH).
 
 Structured output: response_format / json_schema / grammar and a forced tool_choice become
 a grammar (edgellama/constrain.py) compiled on arrival (a bad one is a 400 before
