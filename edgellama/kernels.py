@@ -323,8 +323,8 @@ def add_inplace(x, y):
 
 # -- prefill's rows in parallel ----------------------------------------------------------
 # A decoded token's one row is less work than starting and joining the workers; prefill's
-# hundreds of rows go to the threads (run serially they were a tenth of a 1B prefill's
-# time at 16 threads).
+# hundreds of rows go to the threads (serially, they would bound how much faster prefill
+# gets with more threads: bench_decode_split.py --prefill shows their share).
 
 @nb.njit(cache=True, parallel=True)
 def rmsnorm_rows(x, w, eps, out):
