@@ -944,8 +944,7 @@ class Engine:
         where = _local(e, path, filename).replace(str(self.files.folder), "the slot folder")
         action = "save to" if saving else "restore from"
         return ApiError(507 if saving else 503, f"cannot {action} {filename}: the server's "
-                        f"storage failed: {where}", "filename",
-                        "storage_failed")
+                        f"storage failed: {where}", "filename", "storage_failed")
 
     def erase_slot(self, index: int) -> dict:
         slot = self._idle_slot(index)
