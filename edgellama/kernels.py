@@ -359,7 +359,8 @@ class Elementwise(NamedTuple):
 
 SERIAL = Elementwise(rmsnorm, rope, swiglu, add_inplace)
 PARALLEL = Elementwise(rmsnorm_rows, rope_rows, swiglu_rows, add_rows)
-PARALLEL_ROWS = 4     # rows from which a batch's elementwise kernels run in parallel
+PARALLEL_ROWS = 32    # rows from which a batch's elementwise kernels run in parallel
+                      # (fewer: batched decode, speculative checks)
 
 
 def elementwise(T: int) -> Elementwise:

@@ -32,7 +32,7 @@ _BLOCK_BYTES = {"f16": 64, "q8_0": 34, "q4_0": 18}
 LAYOUT_VERSION = 1
 # Positions a write stores in parallel from: fewer (a decoded token, a few verified ones)
 # take less time than starting and joining the workers (bench/bench_decode_split.py)
-_PARALLEL_STORE = 8
+_PARALLEL_STORE = 16
 
 
 def check_cache_type(name: str, head_dim: int | None = None) -> str:
