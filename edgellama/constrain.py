@@ -403,7 +403,8 @@ class Constraint:
                     or (self._retry_at is not None and left > self._retry_at):
                 return None
             end = self.closing()
-            if end is None:
+            if end is None:   # longer than the search goes: look again only near the end
+                self._longest_end = CLOSE_MAX
                 self._retry_at = left - _CLOSE_RETRY
                 return None
             self._longest_end = max(self._longest_end or 0, len(end))
