@@ -150,14 +150,15 @@ def _checked_size(text: str, what: str) -> str:
 
 def nests_deeper(value: Any, limit: int) -> bool:
     """Whether `value` (dicts, lists and scalars, as json.loads gives) nests its dicts and
-    lists more than `limit` levels deep; found without recursion."""
-    stack = [(value, 1)]
-    while stack:
-        v, depth = stack.pop()
-        if isinstance(v, (dict, list)):
-            if depth > limit:
-                return True
-            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
+    lists more than `limit` levels deep; found a level at a time, without recursion."""
+    level = [value] if isinstance(value, (dict, list)) else []
+    depth = 0
+    while level:
+        depth += 1
+        if depth > limit:
+            return True
+        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v)
+                 if isinstance(c, (dict, list))]
     return False
 
 
