@@ -426,7 +426,7 @@ def _other_own_files(own: Path, listed: list[CachedModel]) -> list[CachedModel]:
             files = _kernel_files(d) if _KERNEL_FOLDER.fullmatch(d.name) and d.is_dir() \
                 and not d.is_symlink() else []
             if files:                     # an empty one is made by any run: nothing to show
-                found.append(CachedModel(f"kernels/{d.name}", sum(f.stat().st_size for f in files),
+                found.append(CachedModel(f"kernels/{d.name}", sum(_size(f) or 0 for f in files),
                                          d, f"compiled kernels: {len(files)} files (compiled "
                                          f"again when needed)", lambda d=d: _remove_kernels(d)))
     history = own / "chat_history"
