@@ -106,6 +106,8 @@ class SlotFiles:
                                f"{e.strerror or e}") from None
         if not stat.S_ISDIR(st.st_mode):
             raise StorageError(f"{self.folder} (--slot-save-path) is not a folder any more")
+        if not os.access(self.folder, os.R_OK | os.X_OK):
+            raise StorageError(f"{self.folder} (--slot-save-path) cannot be read")
         if writing and not os.access(self.folder, os.W_OK | os.X_OK):
             raise StorageError(f"{self.folder} (--slot-save-path) cannot be written")
 
@@ -126,16 +128,20 @@ class SlotFiles:
                               f"the server's own spilled caches")
         self.check(writing=saving)
         path = self.folder / name
-        if path.is_symlink():
+        try:
+            if path.is_symlink():
+                if saving:
+                    raise BadFileName(f"{name} is a link; a save does not replace it")
+                if Path(os.path.realpath(path)).parent != self.folder:
+                    raise BadFileName(f"{name} is a link out of the --slot-save-path folder")
             if saving:
-                raise BadFileName(f"{name} is a link; a save does not replace it")
-            if Path(os.path.realpath(path)).parent != self.folder:
-                raise BadFileName(f"{name} is a link out of the --slot-save-path folder")
-        if saving:
-            if os.path.lexists(path) and not _is_saved_prompt(path):
-                raise BadFileName(f"{name} exists and is not a saved prompt; it is not replaced")
-        elif not path.exists():
-            raise NoSuchFile(f"no saved prompt {name} in the --slot-save-path folder")
+                if os.path.lexists(path) and not _is_saved_prompt(path):
+                    raise BadFileName(f"{name} exists and is not a saved prompt; it is not "
+                                      f"replaced")
+            elif not path.exists():
+                raise NoSuchFile(f"no saved prompt {name} in the --slot-save-path folder")
+        except OSError as e:   # the folder changed under the checks (permissions, a race)
+            raise StorageError(f"{path}: cannot look at it: {e.strerror or e}") from None
         return path
 
     # -- spill ----------------------------------------------------------------------

@@ -111,6 +111,33 @@ def test_folder_made_unwritable(served, monkeypatch):
     assert len(logged(app)) == 1
 
 
+def test_folder_made_unreadable(served, monkeypatch):
+    app, folder = served
+    complete(app, A)
+    assert slot(app, 0, "save", "a.prompt").status == 200
+    folder.chmod(0o300)
+    if os.geteuid() == 0:   # root reads any folder: answer as a failing mount would
+        real = os.access
+        monkeypatch.setattr(slot_files.os, "access", lambda p, mode: real(p, mode) and not (
+            Path(p) == app.server.engine.files.folder and mode & os.R_OK))
+    try:
+        storage_error(slot(app, 0, "restore", "a.prompt"), 503, folder, "cannot be read")
+    finally:
+        folder.chmod(0o700)
+    assert len(logged(app)) == 1
+
+
+def test_a_failing_look_at_the_file_is_the_storage(served, monkeypatch):
+    app, folder = served
+    complete(app, A)
+
+    def denied(self):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(slot_files.Path, "exists", denied)
+    storage_error(slot(app, 0, "restore", "a.prompt"), 503, folder, "Permission denied")
+    assert len(logged(app)) == 1
+
+
 def _failing(err: int):
     """prompt_cache.save/load as they fail on a full disk or a read error: the OSError
     turned into their one-line EdgeError."""
