@@ -26,6 +26,9 @@ def app(tmp_path_factory):
     s = ServerUnderTest(tiny_chat_model(d), {
         "drafter": PromptLookup(draft_min=1, draft_max=4), "slot_save_path": str(d / "slots"),
         "parallel": 2})
+    # kernels compiled before the clock runs (a cold cache takes longer than a case may)
+    r = s.request("POST", COMPLETIONS, {"prompt": "hi", "max_tokens": 2}, timeout=600)
+    assert r.status == 200, r.body[:300]
     yield s
     s.close()
 

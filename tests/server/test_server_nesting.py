@@ -34,6 +34,9 @@ def app(tmp_path_factory):
                            vocab=TINY_VOCAB, ctx=4096, tokenizer=True, tied=False, seed=4,
                            chat_template=LLAMA32_TEMPLATE)
     s = ServerUnderTest(path, ctx=4096)
+    # kernels compiled before the clock runs (a cold cache takes longer than a case may)
+    r = s.request("POST", CHAT, {"messages": M, "max_tokens": 2}, timeout=600)
+    assert r.status == 200, r.body[:300]
     yield s
     s.close()
 

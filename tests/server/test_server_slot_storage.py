@@ -24,7 +24,16 @@ from test_server_slots import A, B, _spilling_server, complete, slot
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
-    return tiny_chat_model(tmp_path_factory.mktemp("storage"))
+    path = tiny_chat_model(tmp_path_factory.mktemp("storage"))
+    # kernels compiled before the clock runs (a cold cache takes longer than a request may)
+    app = ServerUnderTest(path)
+    try:
+        r = app.request("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2},
+                        timeout=600)
+        assert r.status == 200, r.body[:300]
+    finally:
+        app.close()
+    return path
 
 
 @pytest.fixture
