@@ -6,13 +6,15 @@ from dataclasses import dataclass
 import numpy as np
 from gguf.constants import GGMLQuantizationType
 
+from .arch import Family, T
 from .errors import EdgeError
 from .gguf import GGUFFile
+from .models import FAMILIES
 
 U32_ISH = (4, 10, 5, 11)   # llama.cpp accepts any integer type for these; so do we
 FLOAT = (6, 12)
 
-SUPPORTED_ARCHS = ("llama",)
+SUPPORTED_ARCHS = tuple(FAMILIES)
 
 
 @dataclass(frozen=True)
@@ -25,14 +27,16 @@ class ModelArgs:
     vocab_size: int
     norm_eps: float
     rope_theta: float
-    rope_dim: int            # rotated dims per head (== head_dim for Llama)
+    rope_dim: int            # rotated dims per head (== head_dim)
     train_ctx: int           # llama.context_length
     tied_output: bool        # no output.weight: token_embd doubles as the output matrix
     rope_freqs: np.ndarray | None = None   # (rope_dim/2,) f32 divisors (llama3 scaling)
+    family: Family = FAMILIES["llama"]     # the architecture table's entry (edgellama/models)
+    key_length: int | None = None          # attention.key_length: a head dim not E / H
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.key_length or self.dim // self.n_heads
 
     @property
     def group(self) -> int:
@@ -44,7 +48,7 @@ class ModelArgs:
         return self.n_kv_heads * self.head_dim
 
     def inv_freq(self) -> np.ndarray:
-        """(rope_dim/2,) f32 rotation frequency of each adjacent pair, scaling applied."""
+        """(rope_dim/2,) f32 rotation frequency of each rotated pair, scaling applied."""
         i = np.arange(0, self.rope_dim, 2, dtype=np.float64)
         f = 1.0 / (self.rope_theta ** (i / self.rope_dim))
         if self.rope_freqs is not None:
@@ -54,9 +58,10 @@ class ModelArgs:
     @classmethod
     def from_gguf(cls, g: GGUFFile) -> "ModelArgs":
         arch = g.require("general.architecture", (8,))
-        if arch not in SUPPORTED_ARCHS:
+        if arch not in FAMILIES:
             raise EdgeError(f"{g.path}: architecture {arch!r} is not supported "
                             f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+        family = FAMILIES[arch]
 
         def num(key, types=U32_ISH, default=None):
             full = f"{arch}.{key}"
@@ -69,32 +74,37 @@ class ModelArgs:
 
         dim, n_heads = num("embedding_length"), num("attention.head_count")
         n_kv = num("attention.head_count_kv", default=n_heads)
-        if dim % n_heads or n_heads % n_kv:
+        key_len = num("attention.key_length", default=0)      # 0: not in the file
+        if (not key_len and dim % n_heads) or n_heads % n_kv:
             raise EdgeError(f"{g.path}: embedding_length {dim}, head_count {n_heads} and "
                             f"head_count_kv {n_kv} are inconsistent (need E % H == 0, H % KV == 0)")
-        head_dim = dim // n_heads
+        head_dim = key_len or dim // n_heads
+        value_len = num("attention.value_length", default=head_dim)
+        if value_len != head_dim:
+            raise EdgeError(f"{g.path}: attention.value_length {value_len} != head dim "
+                            f"{head_dim} (heads of two sizes are not supported)")
         if head_dim % 2:
-            raise EdgeError(f"{g.path}: head dim {head_dim} (embedding_length / head_count) "
-                            f"must be even for rotary embeddings")
+            raise EdgeError(f"{g.path}: head dim {head_dim} (attention.key_length, else "
+                            f"embedding_length / head_count) must be even for rotary embeddings")
         rope_dim = num("rope.dimension_count", default=head_dim)
         if rope_dim != head_dim:
             raise EdgeError(f"{g.path}: rope.dimension_count {rope_dim} != head dim {head_dim} "
                             f"(partial rotary embeddings are not supported)")
-        embd = g.tensors.get("token_embd.weight")
+        embd, rf = g.tensors.get(Family.tensor(T.TOKEN_EMBD)), Family.tensor(T.ROPE_FREQS)
         vocab = num("vocab_size", default=embd.shape[0] if embd else None)
         freqs = None
-        if "rope_freqs.weight" in g.tensors:
-            t = g.tensors["rope_freqs.weight"]
+        if rf in g.tensors:
+            t = g.tensors[rf]
             if t.type_id != GGMLQuantizationType.F32 or t.shape != (rope_dim // 2,):
-                raise EdgeError(f"{g.path}: rope_freqs.weight must be F32 [{rope_dim // 2}], "
+                raise EdgeError(f"{g.path}: {rf} must be F32 [{rope_dim // 2}], "
                                 f"got {t.type_name} {list(t.shape)}")
-            freqs = g.tensor_bytes("rope_freqs.weight").view(np.float32).reshape(-1).copy()
+            freqs = g.tensor_bytes(rf).view(np.float32).reshape(-1).copy()
             if not np.all(np.isfinite(freqs)) or np.any(freqs <= 0):
-                raise EdgeError(f"{g.path}: rope_freqs.weight holds non-positive or non-finite values")
-        n_layers = num("block_count")
-        if n_layers * 9 > len(g.tensors):
-            raise EdgeError(f"{g.path}: block_count {n_layers} needs {n_layers * 9} layer tensors, "
-                            f"but the file has {len(g.tensors)} tensors in all")
+                raise EdgeError(f"{g.path}: {rf} holds non-positive or non-finite values")
+        n_layers, per_layer = num("block_count"), len(family.layer_tensors)
+        if n_layers * per_layer > len(g.tensors):
+            raise EdgeError(f"{g.path}: block_count {n_layers} needs {n_layers * per_layer} layer "
+                            f"tensors, but the file has {len(g.tensors)} tensors in all")
         eps = float(num("attention.layer_norm_rms_epsilon", FLOAT))
         theta = float(num("rope.freq_base", FLOAT, default=10000.0))
         if not (0 < eps < 1) or not theta > 0:
@@ -103,25 +113,23 @@ class ModelArgs:
             dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
             ffn_dim=num("feed_forward_length"), vocab_size=vocab, norm_eps=eps,
             rope_theta=theta, rope_dim=rope_dim, train_ctx=num("context_length"),
-            tied_output="output.weight" not in g.tensors, rope_freqs=freqs,
+            tied_output=Family.tensor(T.OUTPUT) not in g.tensors, rope_freqs=freqs,
+            family=family, key_length=None if head_dim * n_heads == dim else head_dim,
         )
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every tensor a llama GGUF must hold, with its NumPy-order shape."""
-        E, F, V, hd = self.dim, self.ffn_dim, self.vocab_size, self.head_dim
-        shapes = {"token_embd.weight": (V, E), "output_norm.weight": (E,)}
+        """Every tensor a file of this family must hold, with its NumPy-order shape."""
+        E, F, V, hd, f = self.dim, self.ffn_dim, self.vocab_size, self.head_dim, self.family
+        qd = self.n_heads * hd
+        shapes = {f.tensor(T.TOKEN_EMBD): (V, E), f.tensor(T.OUTPUT_NORM): (E,)}
         if not self.tied_output:
-            shapes["output.weight"] = (V, E)
+            shapes[f.tensor(T.OUTPUT)] = (V, E)
         if self.rope_freqs is not None:
-            shapes["rope_freqs.weight"] = (self.rope_dim // 2,)
+            shapes[f.tensor(T.ROPE_FREQS)] = (self.rope_dim // 2,)
+        block = {T.ATTN_NORM: (E,), T.FFN_NORM: (E,), T.ATTN_Q: (qd, E),
+                 T.ATTN_K: (self.kv_dim, E), T.ATTN_V: (self.kv_dim, E), T.ATTN_OUT: (E, qd),
+                 T.ATTN_Q_NORM: (hd,), T.ATTN_K_NORM: (hd,),
+                 T.FFN_GATE: (F, E), T.FFN_UP: (F, E), T.FFN_DOWN: (E, F)}
         for i in range(self.n_layers):
-            p = f"blk.{i}."
-            shapes.update({
-                p + "attn_norm.weight": (E,), p + "ffn_norm.weight": (E,),
-                p + "attn_q.weight": (self.n_heads * hd, E),
-                p + "attn_k.weight": (self.kv_dim, E), p + "attn_v.weight": (self.kv_dim, E),
-                p + "attn_output.weight": (E, self.n_heads * hd),
-                p + "ffn_gate.weight": (F, E), p + "ffn_up.weight": (F, E),
-                p + "ffn_down.weight": (E, F),
-            })
+            shapes.update({f.tensor(t, i): block[t] for t in f.layer_tensors})
         return shapes

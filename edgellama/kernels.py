@@ -71,6 +71,47 @@ def rope(x, cos, sin):
         _rope_row(x[t], cos[t], sin[t])
 
 
+@nb.njit(cache=True, error_model="numpy", fastmath=True)
+def _rope_neox_row(x, cos, sin):
+    # x (nh, hd) in place; cos, sin (hd/2,). Rotates pairs (i, i + hd/2), the NEOX layout
+    # (HF's rotate_half; GGUF keeps HF's rows for these families: Qwen, Gemma).
+    nh, hd = x.shape
+    m = hd // 2
+    for h in range(nh):
+        for i in range(m):
+            a, b = x[h, i], x[h, m + i]
+            c, s = cos[i], sin[i]
+            x[h, i] = a * c - b * s
+            x[h, m + i] = a * s + b * c
+
+
+@nb.njit(cache=True, error_model="numpy", fastmath=True)
+def rope_neox(x, cos, sin):
+    # x (T, nh, hd) in place; cos, sin (T, hd/2), row by row
+    for t in range(x.shape[0]):
+        _rope_neox_row(x[t], cos[t], sin[t])
+
+
+@nb.njit(cache=True, error_model="numpy", fastmath=True)
+def _head_norm_row(x, off, nh, w, eps):
+    # x (W,) in place: the nh heads x[off + h hd : off + (h+1) hd], each RMS-normed and
+    # scaled by w (hd,) (Qwen 3's q/k norm). It takes the whole C-contiguous row, not a
+    # (nh, hd) view: a view of one token is contiguous and of several is not, and Numba's
+    # two compilations sum the squares in different orders (verify's rows must have the
+    # bits of one-token steps).
+    hd = w.size
+    for h in range(nh):
+        v = x[off + h * hd:off + (h + 1) * hd]
+        _rmsnorm_row(v, w, eps, v)
+
+
+@nb.njit(cache=True, error_model="numpy", fastmath=True)
+def head_norm(x, off, nh, w, eps):
+    # x (T, W) in place, row by row
+    for t in range(x.shape[0]):
+        _head_norm_row(x[t], off, nh, w, eps)
+
+
 @intrinsic
 def _bits_as_f32(typingctx, bits):
     # int32 bit pattern -> the f32 with those bits (a register move, vectorises)
@@ -339,6 +380,18 @@ def rope_rows(x, cos, sin):
 
 
 @nb.njit(cache=True, parallel=True)
+def rope_neox_rows(x, cos, sin):
+    for t in nb.prange(x.shape[0]):
+        _rope_neox_row(x[t], cos[t], sin[t])
+
+
+@nb.njit(cache=True, parallel=True)
+def head_norm_rows(x, off, nh, w, eps):
+    for t in nb.prange(x.shape[0]):
+        _head_norm_row(x[t], off, nh, w, eps)
+
+
+@nb.njit(cache=True, parallel=True)
 def swiglu_rows(gate_up, out):
     for t in nb.prange(out.shape[0]):
         _swiglu_row(gate_up[t], out[t])
@@ -355,10 +408,13 @@ class Elementwise(NamedTuple):
     rope: object
     swiglu: object
     add: object
+    rope_neox: object
+    head_norm: object
 
 
-SERIAL = Elementwise(rmsnorm, rope, swiglu, add_inplace)
-PARALLEL = Elementwise(rmsnorm_rows, rope_rows, swiglu_rows, add_rows)
+SERIAL = Elementwise(rmsnorm, rope, swiglu, add_inplace, rope_neox, head_norm)
+PARALLEL = Elementwise(rmsnorm_rows, rope_rows, swiglu_rows, add_rows, rope_neox_rows,
+                       head_norm_rows)
 PARALLEL_ROWS = 32    # rows from which a batch's elementwise kernels run in parallel
                       # (fewer: batched decode, speculative checks)
 

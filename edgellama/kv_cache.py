@@ -23,7 +23,7 @@ from . import attention as A
 from .args import ModelArgs
 from .errors import EdgeError
 from .formats.base import anon_array
-from .kernels import rope
+from .kernels import rope, rope_neox
 
 CACHE_TYPES = ("f16", "q8_0", "q4_0")
 DEFAULT_CACHE_TYPE = "f16"     # for K and V (README, KV cache: why)
@@ -84,6 +84,7 @@ class KVCache:
         self.cap = cap = A.kv_capacity(ctx)
         self.ctx, self.length = ctx, 0
         self.n_layers, self.n_kv_heads, self.head_dim = L, KV, hd
+        self._rope = rope_neox if args.family.neox else rope    # the shift's, as the model's
         nB, nbk = cap // A.KV_BLOCK, hd // A.QBLOCK
         # Quantized types are stored rotated; f16 needs no help
         m = rotation_size(hd) if rotate else 0
@@ -241,9 +242,9 @@ class KVCache:
 
     def shift(self, keep: int, drop: int, inv_freq: np.ndarray) -> None:
         """Forget positions keep..keep+drop-1 and move keep+drop..length-1 down by drop,
-        K rotated back by drop positions of RoPE; length -= drop. V moves as stored
-        bytes. A quantized K is read back (un-rotated), turned by RoPE, rotated and
-        quantized again: the moved keys are rounded a second time."""
+        K rotated back by drop positions of RoPE in the model's layout; length -= drop.
+        V moves as stored bytes. A quantized K is read back (un-rotated), turned by RoPE,
+        rotated and quantized again: the moved keys are rounded a second time."""
         if not (0 <= keep and 0 < drop and keep + drop <= self.length):
             raise ValueError(f"shift keep={keep} drop={drop} of {self.length} positions")
         n = self.length - keep - drop
@@ -262,7 +263,7 @@ class KVCache:
                 k = self.k_values(layer, src, src + c)       # (c, KV, hd), as stored
                 if self.rot_k:
                     A.hadamard(k, self.rot_k)                # back to RoPE'd K
-                rope(k, np.repeat(cos, c, 0), np.repeat(sin, c, 0))
+                self._rope(k, np.repeat(cos, c, 0), np.repeat(sin, c, 0))
                 self._write_k(layer, dst, k)
         self.length -= drop
 

@@ -83,10 +83,15 @@ class LLM:
 
     def default_sampling(self, warn: Callable[[str], None] = lambda message: None) -> SamplingParams:
         """The file's `general.sampling.*` where valid (`warn` hears about the others; load()
-        puts them in `warnings`), else per-family defaults (Llama 3.2 Instruct ships
-        temperature 0.6, top-p 0.9)."""
-        base = SamplingParams(temperature=0.6, top_p=0.9) if self.tokenizer.is_llama3 \
-            else SamplingParams()
+        puts them in `warnings`), else per-family defaults (the architecture table's, as
+        Qwen 3's; Llama 3.2 Instruct ships temperature 0.6, top-p 0.9)."""
+        family = self.model.args.family.sampling
+        if family is not None:
+            base = SamplingParams(**family)
+        elif self.tokenizer.is_llama3:
+            base = SamplingParams(temperature=0.6, top_p=0.9)
+        else:
+            base = SamplingParams()
         return base.with_defaults_from(self.gguf.metadata, warn)
 
     def _check_prompt(self, ids: list[int]) -> None:
@@ -226,7 +231,8 @@ class LLM:
 def load(path: str | Path | None = None, ctx: int | None = None, threads: int | None = None,
          batch: int = DEFAULT_BATCH, activations: str = "int8",
          cache_type_k: str = DEFAULT_CACHE_TYPE, cache_type_v: str = DEFAULT_CACHE_TYPE) -> LLM:
-    """Load a llama GGUF (memory-mapped). path None = the default model (fetched once).
+    """Load a GGUF of a family in the architecture table (memory-mapped, edgellama/models).
+    path None = the default model (fetched once).
     activations: how x is rounded for the matrix products (model.ACTIVATIONS);
     cache_type_k, cache_type_v: how the KV cache stores K and V (kv_cache.CACHE_TYPES),
     the default of every sequence (model.new_sequence(type_k=, type_v=) for others)."""

@@ -1,4 +1,5 @@
-"""The Llama forward pass over memory-mapped GGUF weights and a preallocated KV cache."""
+"""The decoder forward pass of every family in the architecture table (edgellama/models)
+over memory-mapped GGUF weights and a preallocated KV cache."""
 from __future__ import annotations
 
 from collections import Counter
@@ -9,6 +10,7 @@ import numba
 import numpy as np
 
 from . import kernels as K
+from .arch import Family, T as WT
 from .args import ModelArgs
 from .errors import EdgeError
 from .gguf import GGUFFile
@@ -42,6 +44,8 @@ class Layer:
     wo: Linear                 # (E, H·hd)
     w_gate_up: list[Linear]    # (2F, E): gate and up rows stacked
     w_down: Linear             # (E, F)
+    q_norm: np.ndarray | None = None   # (hd,) f32, families with qk_norm
+    k_norm: np.ndarray | None = None   # (hd,) f32
 
 
 def _activations(sc: Scratch, a: ModelArgs, T: int):
@@ -76,8 +80,8 @@ def _linears(x: np.ndarray, ws: list[Linear], out: np.ndarray, sc: Scratch, deco
 
 
 def check_tensors(g: GGUFFile, args: ModelArgs) -> None:
-    """Every tensor a llama model with these hyperparameters needs, with its shape and a
-    supported type, and nothing else."""
+    """Every tensor a model of this family with these hyperparameters needs, with its
+    shape and a supported type, and nothing else."""
     want = args.expected_shapes()
     missing = [n for n in want if n not in g.tensors]
     extra = [n for n in g.tensors if n not in want]
@@ -85,8 +89,8 @@ def check_tensors(g: GGUFFile, args: ModelArgs) -> None:
         what = (f"missing {', '.join(missing[:3])}" if missing else "") + \
                ("; " if missing and extra else "") + \
                (f"unexpected {', '.join(extra[:3])}" if extra else "")
-        raise EdgeError(f"{g.path}: tensors do not match a llama model with these "
-                        f"hyperparameters: {what}")
+        raise EdgeError(f"{g.path}: tensors do not match a {args.family.name} model with "
+                        f"these hyperparameters: {what}")
     for name, shape in want.items():
         t = g.tensors[name]
         if t.shape != shape:
@@ -100,7 +104,7 @@ def check_tensors(g: GGUFFile, args: ModelArgs) -> None:
 
 
 class Transformer:
-    """A llama model's weights, read-only once loaded: any number of sequences
+    """A model's weights, read-only once loaded: any number of sequences
     (new_sequence) run through it, one at a time or several decoded together (decode).
     It keeps no state of a run; batch is the prefill chunk, ctx the longest sequence."""
 
@@ -123,19 +127,12 @@ class Transformer:
         self.batch = batch = max(1, min(batch, ctx))
         self._tiles = TileCache(gguf.path, sum(t.nbytes for t in gguf.tensors.values()
                                                if block_shape(t.type_id)[0] > 1))
+        n = Family.tensor
         try:
-            self.embed = self._linear("token_embd.weight")
-            self.output = self.embed if a.tied_output else self._linear("output.weight")
-            self.output_norm = self._vector("output_norm.weight")
-            self.layers = [
-                Layer(self._vector(f"blk.{i}.attn_norm.weight"), self._vector(f"blk.{i}.ffn_norm.weight"),
-                      self._stacked(f"blk.{i}.attn_q.weight", f"blk.{i}.attn_k.weight",
-                                    f"blk.{i}.attn_v.weight"),
-                      self._linear(f"blk.{i}.attn_output.weight"),
-                      self._stacked(f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight"),
-                      self._linear(f"blk.{i}.ffn_down.weight"))
-                for i in range(a.n_layers)
-            ]
+            self.embed = self._linear(n(WT.TOKEN_EMBD))
+            self.output = self.embed if a.tied_output else self._linear(n(WT.OUTPUT))
+            self.output_norm = self._vector(n(WT.OUTPUT_NORM))
+            self.layers = [self._layer(i) for i in range(a.n_layers)]
         except BaseException:
             self._tiles.close()      # no tile file from a load that failed
             raise
@@ -170,6 +167,16 @@ class Transformer:
         """Until a first load's start-up tile file is written (tile_cache.py): benchmarks
         time nothing while it is, as the writing takes CPU and memory bandwidth."""
         self._tiles.wait()
+
+    def _layer(self, i: int) -> Layer:
+        n, qk = Family.tensor, self.args.family.qk_norm
+        return Layer(self._vector(n(WT.ATTN_NORM, i)), self._vector(n(WT.FFN_NORM, i)),
+                     self._stacked(n(WT.ATTN_Q, i), n(WT.ATTN_K, i), n(WT.ATTN_V, i)),
+                     self._linear(n(WT.ATTN_OUT, i)),
+                     self._stacked(n(WT.FFN_GATE, i), n(WT.FFN_UP, i)),
+                     self._linear(n(WT.FFN_DOWN, i)),
+                     self._vector(n(WT.ATTN_Q_NORM, i)) if qk else None,
+                     self._vector(n(WT.ATTN_K_NORM, i)) if qk else None)
 
     def _linear(self, name: str) -> Linear:
         t = self.gguf.tensors[name]
@@ -310,6 +317,7 @@ class Transformer:
             A.attention_scratch_shapes(numba.config.NUMBA_NUM_THREADS, a.n_heads, a.n_kv_heads, hd)))
         att3 = att.reshape(T, a.n_heads, hd)
         E = K.elementwise(T)
+        rope, qk_norm = (E.rope_neox if a.family.neox else E.rope), a.family.qk_norm
         self.embed.rows(tokens, x)
         for li, layer in enumerate(self.layers):
             E.rmsnorm(x, layer.attn_norm, a.norm_eps, h)
@@ -317,8 +325,11 @@ class Transformer:
             q3 = qkv[:, :qd].reshape(T, a.n_heads, hd)
             k3 = qkv[:, qd:qd + kvd].reshape(T, a.n_kv_heads, hd)
             v3 = qkv[:, qd + kvd:].reshape(T, a.n_kv_heads, hd)
-            E.rope(q3, cos, sin)
-            E.rope(k3, cos, sin)
+            if qk_norm:
+                E.head_norm(qkv, 0, a.n_heads, layer.q_norm, a.norm_eps)
+                E.head_norm(qkv, qd, a.n_kv_heads, layer.k_norm, a.norm_eps)
+            rope(q3, cos, sin)
+            rope(k3, cos, sin)
             for s, r0, n in zip(seqs, starts, counts):
                 c, r1 = s.cache, r0 + n
                 c.write(li, s.pos, k3[r0:r1], v3[r0:r1])
