@@ -1,4 +1,5 @@
-"""Plain NumPy float32 reference of the llama forward pass, for tests only.
+"""Plain NumPy float32 reference of the forward pass of the families we run (llama,
+qwen3), for tests only.
 
 Reads the file with gguf-py's GGUFReader and dequantizes with gguf.quants, so it
 shares no code with the runtime. Readable first: loops over heads, full softmax.
@@ -12,8 +13,9 @@ from gguf.quants import dequantize
 
 def load_reference(path):
     r = GGUFReader(str(path))
+    arch = r.fields["general.architecture"].contents()
     meta = {k: f.contents() for k, f in r.fields.items()
-            if k.startswith("llama.") or k == "general.architecture"}
+            if k.startswith(arch + ".") or k == "general.architecture"}
     W = {t.name: dequantize(t.data, t.tensor_type).astype(np.float32).reshape(
         tuple(int(d) for d in reversed(t.shape))) for t in r.tensors}
     return meta, W
@@ -30,6 +32,19 @@ def rope_adjacent(x, positions, inv_freq):
     return out
 
 
+def rope_neox(x, positions, inv_freq):
+    # x (T, nh, hd): rotate pairs (i, i + hd/2) by positions[t] * inv_freq[i] (rotate_half)
+    ang = positions[:, None].astype(np.float64) * inv_freq[None, :].astype(np.float64)
+    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    m = x.shape[-1] // 2
+    a, b = x[..., :m].astype(np.float64), x[..., m:].astype(np.float64)
+    return np.concatenate([a * c - b * s, a * s + b * c], axis=-1).astype(x.dtype)
+
+
+# llama.cpp's rope type per architecture (llama_model_rope_type): NEOX for these
+NEOX_ARCHS = ("qwen3",)
+
+
 def rmsnorm(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
@@ -44,13 +59,15 @@ def reference_forward(meta, W, tokens, product=exact_product, cache=None):
     {"k": [...], "v": [...]} of each layer's stored K (roped) and V, (n, KV, hd) f32 of
     f16 values, for positions 0..n-1: the tokens then sit at n..n+T-1, see those
     positions too, and their K/V are appended (an empty dict starts one)."""
-    E = meta["llama.embedding_length"]
-    H = meta["llama.attention.head_count"]
-    KV = meta["llama.attention.head_count_kv"]
-    L = meta["llama.block_count"]
-    eps = meta["llama.attention.layer_norm_rms_epsilon"]
-    theta = meta["llama.rope.freq_base"]
-    hd = E // H
+    arch = meta["general.architecture"]
+    E = meta[f"{arch}.embedding_length"]
+    H = meta[f"{arch}.attention.head_count"]
+    KV = meta[f"{arch}.attention.head_count_kv"]
+    L = meta[f"{arch}.block_count"]
+    eps = meta[f"{arch}.attention.layer_norm_rms_epsilon"]
+    theta = meta[f"{arch}.rope.freq_base"]
+    hd = meta.get(f"{arch}.attention.key_length", E // H)
+    rope = rope_neox if arch in NEOX_ARCHS else rope_adjacent
     inv_freq = 1.0 / theta ** (np.arange(0, hd, 2) / hd)
     if "rope_freqs.weight" in W:
         inv_freq = inv_freq / W["rope_freqs.weight"]
@@ -64,8 +81,12 @@ def reference_forward(meta, W, tokens, product=exact_product, cache=None):
     for i in range(L):
         p = f"blk.{i}."
         h = rmsnorm(x, W[p + "attn_norm.weight"], eps)
-        q = rope_adjacent(product(h, W, p + "attn_q.weight").reshape(T, H, hd), pos, inv_freq)
-        k = rope_adjacent(product(h, W, p + "attn_k.weight").reshape(T, KV, hd), pos, inv_freq)
+        q = product(h, W, p + "attn_q.weight").reshape(T, H, hd)
+        k = product(h, W, p + "attn_k.weight").reshape(T, KV, hd)
+        if p + "attn_q_norm.weight" in W:      # qwen3: each head normed before RoPE
+            q = rmsnorm(q, W[p + "attn_q_norm.weight"], eps)
+            k = rmsnorm(k, W[p + "attn_k_norm.weight"], eps)
+        q, k = rope(q, pos, inv_freq), rope(k, pos, inv_freq)
         v = product(h, W, p + "attn_v.weight").reshape(T, KV, hd)
         # the cache stores K and V as f16
         k, v = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)

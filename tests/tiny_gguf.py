@@ -1,5 +1,5 @@
-"""Tiny random llama GGUF files written with gguf-py's own writer and quantizers, so
-runtime tests do not depend on our converter."""
+"""Tiny random GGUF files (llama, qwen3) written with gguf-py's own writer and
+quantizers, so runtime tests do not depend on our converter."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -63,20 +63,28 @@ GGUF_PY_QUANTIZES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0
 
 def write_tiny_gguf(path: Path, qtype: str = "Q8_0", *, dim=64, layers=2, heads=4, kv_heads=2,
                     ffn=96, vocab=256, ctx=512, tied=True, rope_scaling=True, embed_type=None,
-                    seed=0, theta=500000.0, tokenizer=False, chat_template=CHATML) -> Path:
-    """A tiny random llama GGUF. tokenizer=True adds a small gpt2 vocabulary (see
-    add_tiny_tokenizer; `vocab` must then be at least TINY_VOCAB)."""
+                    seed=0, theta=500000.0, tokenizer=False, chat_template=CHATML,
+                    arch="llama", head_dim=None, key_length=None, skip=()) -> Path:
+    """A tiny random GGUF of family `arch`: "llama", or "qwen3" (per-head q/k norm
+    weights, NEOX RoPE, attention.key_length = head_dim, default dim // heads; pass
+    rope_scaling=False, as Qwen 3 has none). tokenizer=True adds a small gpt2 vocabulary
+    (see add_tiny_tokenizer; `vocab` must then be at least TINY_VOCAB). skip: tensor
+    names left out, key_length: the head dim the metadata states (key/value length, rope
+    dims) if not the tensors' (broken files for tests)."""
     rng = np.random.default_rng(seed)
-    hd = dim // heads
-    w = GGUFWriter(str(path), "llama")
-    w.add_name("tiny-random-llama")
+    hd = head_dim or dim // heads
+    w = GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-random-{arch}")
     w.add_block_count(layers)
     w.add_context_length(ctx)
     w.add_embedding_length(dim)
     w.add_feed_forward_length(ffn)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_rope_dimension_count(hd)
+    if arch == "qwen3":
+        w.add_key_length(key_length or hd)
+        w.add_value_length(key_length or hd)
+    w.add_rope_dimension_count(key_length or hd)
     w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
@@ -84,6 +92,8 @@ def write_tiny_gguf(path: Path, qtype: str = "Q8_0", *, dim=64, layers=2, heads=
         add_tiny_tokenizer(w, vocab, chat_template)
 
     def add(name, arr, t):
+        if name in skip:
+            return
         t = QT[t]
         if t in (QT.F32,):
             w.add_tensor(name, arr.astype(np.float32))
@@ -98,8 +108,8 @@ def write_tiny_gguf(path: Path, qtype: str = "Q8_0", *, dim=64, layers=2, heads=
     def mat(o, i, s=None):
         return (rng.standard_normal((o, i)) * (s or 1 / np.sqrt(i))).astype(np.float32)
 
-    def norm():
-        return (1 + 0.1 * rng.standard_normal(dim)).astype(np.float32)
+    def norm(n=dim):
+        return (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
     add("token_embd.weight", mat(vocab, dim, 1.0), embed_type or qtype)
     if rope_scaling:
@@ -107,9 +117,14 @@ def write_tiny_gguf(path: Path, qtype: str = "Q8_0", *, dim=64, layers=2, heads=
     for i in range(layers):
         p = f"blk.{i}."
         add(p + "attn_norm.weight", norm(), "F32")
-        add(p + "attn_q.weight", mat(heads * hd, dim), qtype)
-        add(p + "attn_k.weight", mat(kv_heads * hd, dim), qtype)
+        # qwen3: q and k rows 4x larger, as trained Qwen's are; its per-head norms undo it
+        qk = 4 / np.sqrt(dim) if arch == "qwen3" else None
+        add(p + "attn_q.weight", mat(heads * hd, dim, qk), qtype)
+        add(p + "attn_k.weight", mat(kv_heads * hd, dim, qk), qtype)
         add(p + "attn_v.weight", mat(kv_heads * hd, dim), qtype)
+        if arch == "qwen3":
+            add(p + "attn_q_norm.weight", norm(hd), "F32")
+            add(p + "attn_k_norm.weight", norm(hd), "F32")
         add(p + "attn_output.weight", mat(dim, heads * hd), qtype)
         add(p + "ffn_norm.weight", norm(), "F32")
         add(p + "ffn_gate.weight", mat(ffn, dim), qtype)

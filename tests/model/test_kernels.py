@@ -37,6 +37,35 @@ def test_rope_rotates_adjacent_pairs(E):
 
 
 @FORMS
+def test_rope_neox_rotates_halves(E):
+    # NEOX layout (Qwen): pair (i, i + hd/2), HF's rotate_half
+    T, nh, hd = 3, 4, 16
+    x = rng.standard_normal((T, nh, hd)).astype(np.float32)
+    ang = rng.uniform(-10, 10, (T, hd // 2))
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    y = x.copy()
+    E.rope_neox(y, cos, sin)
+    z = (x[..., :hd // 2] + 1j * x[..., hd // 2:]) * np.exp(1j * ang)[:, None, :]
+    np.testing.assert_allclose(y, np.concatenate([z.real, z.imag], -1), atol=1e-5)
+
+
+@FORMS
+def test_head_norm_norms_each_head(E):
+    # q/k norm (Qwen 3): heads at columns off.. of each row, each RMS-normed times w;
+    # the columns around them untouched
+    T, nh, hd, off = 5, 3, 32, 40
+    x = (rng.standard_normal((T, off + nh * hd + 8)) * 5).astype(np.float32)
+    w = rng.standard_normal(hd).astype(np.float32)
+    y = x.copy()
+    E.head_norm(y, off, nh, w, 1e-6)
+    h = x[:, off:off + nh * hd].reshape(T, nh, hd).astype(np.float64)
+    ref = h / np.sqrt((h ** 2).mean(-1, keepdims=True) + 1e-6) * w
+    np.testing.assert_allclose(y[:, off:off + nh * hd].reshape(T, nh, hd), ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(y[:, :off], x[:, :off])
+    np.testing.assert_array_equal(y[:, off + nh * hd:], x[:, off + nh * hd:])
+
+
+@FORMS
 def test_swiglu(E):
     g = rng.standard_normal((4, 50)).astype(np.float32) * 4
     u = rng.standard_normal((4, 50)).astype(np.float32)
@@ -80,6 +109,24 @@ def test_parallel_rows_are_the_serial_rows_bit_for_bit():
     for a, b in zip(*outs):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(one, outs[1][0][4:5])
+
+
+def test_qwen_kernels_give_a_row_the_same_bits_alone_and_in_a_batch():
+    # q/k norm then NEOX rope, as the model runs them on its q|k|v buffer
+    T, nh, hd = 9, 4, 64
+    qkv = (rng.standard_normal((T, 2 * nh * hd)) * 3).astype(np.float32)
+    ang = rng.uniform(-10, 10, (T, hd // 2))
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    w = rng.standard_normal(hd).astype(np.float32)
+
+    def run(E, b, c, s):
+        E.head_norm(b, 0, nh, w, 1e-6)
+        E.rope_neox(b[:, :nh * hd].reshape(len(b), nh, hd), c, s)
+        return b
+    batch = [run(E, qkv.copy(), cos, sin) for E in (K.SERIAL, K.PARALLEL)]
+    np.testing.assert_array_equal(batch[0], batch[1])
+    rows = [run(K.SERIAL, qkv[t:t + 1].copy(), cos[t:t + 1], sin[t:t + 1]) for t in range(T)]
+    np.testing.assert_array_equal(np.concatenate(rows), batch[1])
 
 
 def test_fast_exp_matches_numpy():
