@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -30,6 +31,23 @@ def _refuse_unfitting(shape: str, ctx: int, n_prompt: int, type_k: str, type_v: 
     need, avail = KVCache.bytes_needed(args, ctx, type_k, type_v), available_memory()
     if avail is not None and need > avail:
         raise EdgeError(f"{shape}: " + fit_advice(args, ctx, type_k, type_v, avail))
+
+
+MAX_REPS = 100      # repetitions past this measure nothing more, and run for hours
+
+
+class GiB(click.ParamType):
+    """A memory size in GiB: finite and more than 0."""
+    name = "GIB"
+
+    def convert(self, value, param, ctx):
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of GiB", param, ctx)
+        if not math.isfinite(v) or v <= 0 or v > 2 ** 20:
+            self.fail(f"{value} is not a memory size (GiB, more than 0)", param, ctx)
+        return v
 
 
 class ThreadCounts(click.ParamType):
@@ -100,9 +118,9 @@ def _after_run(path: Path, generated: bool, keep: bool | None) -> None:
 @click.option("-t", "--threads", type=ThreadCounts(), default=None,
               help="Worker threads (default: automatic, as for generate), or a list such as "
                    "1,2,4,8: a row per count, decode beside the read ceiling at that count.")
-@click.option("-r", "--reps", type=click.IntRange(min=1), default=None,
-              help="--full: repetitions of each test [default: 3].")
-@click.option("--budget", type=float, default=8.0, show_default=True,
+@click.option("-r", "--reps", type=click.IntRange(1, MAX_REPS), default=None,
+              help=f"--full: repetitions of each test, at most {MAX_REPS} [default: 3].")
+@click.option("--budget", type=GiB(), default=8.0, show_default=True,
               help="Memory budget in GiB for the verdict.")
 @click.option("--keep/--no-keep", default=None,
               help="Keep the generated random-weight file for next time [default: ask on a "
@@ -128,13 +146,9 @@ def bench(model, shape, qtype, ctx, full, n_prompt, n_gen, depth, threads, reps,
     if speculating and model is None:
         raise click.UsageError(f"{'--draft' if draft else '--lookup'} needs -m MODEL (its "
                                f"tokenizer reads the prompt; --shape files have random weights)")
-    if draft is not None and lookup:
-        raise click.UsageError("give --draft MODEL or --lookup, not both")
     sweep = threads is not None and len(threads) > 1
     if sweep and speculating:
         raise click.UsageError("--draft and --lookup measure one thread count: give -t N")
-    if draft_min > draft_max:
-        raise EdgeError(f"--draft-min {draft_min} is more than --draft-max {draft_max}")
     if draft is not None:   # refused before the run, not after it
         from edgellama.gguf import GGUFFile
         from edgellama.speculative import check_same_vocabulary
@@ -148,6 +162,12 @@ def bench(model, shape, qtype, ctx, full, n_prompt, n_gen, depth, threads, reps,
     reps = reps or 3
     n_prompt = n_prompt or (512 if full else 128)
     n_gen = n_gen or (128 if full else 32)
+    # every count bounded by the context before anything is generated or loaded
+    if n_gen + 1 > ctx:
+        raise click.UsageError(f"-n {n_gen} does not fit --ctx {ctx} (a reply starts after a "
+                               f"prompt token)")
+    if depth is not None and depth + n_gen > ctx:
+        raise click.UsageError(f"--depth {depth} with -n {n_gen} does not fit --ctx {ctx}")
     status = StatusLine()
 
     def progress(msg):   # on a terminal; a log gets the result only

@@ -263,7 +263,7 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
     progress("loading the model")
     t0 = time.perf_counter()
     g = GGUFFile(path)
-    with Compiling(lambda n, total, name: progress(f"compiling kernels (first run only): {name}")) \
+    with Compiling(lambda n, total, name: progress(f"compiling kernels (once; cached for later runs): {name}")) \
             as loading:
         model = Transformer(g, ctx, threads=policy, cache_type_k=type_k, cache_type_v=type_v)
     load_s = time.perf_counter() - t0 - loading.seconds
@@ -283,8 +283,8 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
     seq.fill_random(ctx, np.random.default_rng(1))
 
     def compiling(n, total, name):
-        progress(f"compiling kernels (first run only): {n}/{total} {name}" if total
-                 else f"compiling kernels (first run only): {name}")
+        progress(f"compiling kernels (once; cached for later runs): {n}/{total} {name}" if total
+                 else f"compiling kernels (once; cached for later runs): {name}")
     warm = warm_up(model, compiling)
 
     rng = np.random.default_rng(0)
@@ -434,7 +434,7 @@ def speculative(path: Path, draft: Path | None, lookup: bool, ctx: int = 2048, n
     llm = load(path, ctx=ctx, threads=threads)
     drafter = PromptLookup(draft_min=draft_min, draft_max=draft_max) if lookup else \
         llm.load_draft(draft, draft_min, draft_max)
-    progress("speculative decoding: compiling kernels (first run only)")
+    progress("speculative decoding: compiling kernels (once; cached for later runs)")
     for m in [llm.model] + ([drafter.model] if hasattr(drafter, "model") else []):
         warm_up(m)
     ids = llm.chat.encode_messages([{"role": "user", "content": SUMMARISE}])

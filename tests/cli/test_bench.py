@@ -214,3 +214,20 @@ def test_bench_speculative_reports_acceptance_and_speedup(tmp_path):
     res = CliRunner().invoke(main, base + ["--draft", str(other)])
     assert res.exit_code == 1 and "does not share the vocabulary" in res.output
     assert "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("extra,what", [
+    (["-n", "64"], "-n 64 does not fit --ctx 64"),
+    (["--full", "--depth", "60", "-n", "8"], "--depth 60 with -n 8 does not fit --ctx 64"),
+    (["--full", "-r", "1000000000"], "-r"),
+    (["--budget", "nan"], "--budget"),
+    (["--budget", "-5"], "--budget"),
+    (["--budget", "inf"], "--budget"),
+])
+def test_bench_counts_are_bounded_before_anything_runs(tmp_path, extra, what):
+    # every count and size bench takes is refused (exit 2, one line) when it cannot mean
+    # anything for the context or the machine, before the model loads
+    res = CliRunner().invoke(main, ["bench", "-m", str(write_tiny_gguf(tmp_path / "t.gguf")),
+                                    "--ctx", "64"] + extra)
+    assert res.exit_code == 2 and what in res.output, res.output
+    assert "Traceback" not in res.output
