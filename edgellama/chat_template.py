@@ -21,9 +21,11 @@ is compiled once, when the ChatFormat is made (so a broken one fails at load), a
 compiled in the renderer.
 
 Special tokens in the prompt must come from the template only: a user who types
-`<|eot_id|>` must not end their turn. Before rendering, special-token strings inside
+`<|eot_id|>` must not end their turn. Before rendering, control-token strings inside
 message contents are swapped for private markers; after rendering, the text is split at
 the template's own special tokens and the markers are put back as plain text.
+User-defined tokens (Qwen's <think>, <tool_call>) are tokens wherever they appear, as
+plain encoding reads them (llama.cpp and HF do the same).
 
 Rendering is stable for KV-cache reuse: rendering messages[:k] with the generation prompt,
 followed by the reply, is a prefix of rendering the conversation with that reply (tested
@@ -383,8 +385,16 @@ class ChatFormat:
         self._now = (now or datetime.now()).isoformat()
         self._bos_text = "" if tokenizer.bos_id is None else tokenizer.tokens[tokenizer.bos_id]
         self._eos_text = "" if tokenizer.eos_id is None else tokenizer.tokens[tokenizer.eos_id]
+        from edgellama.tokenizer import CONTROL   # here: the renderer never makes a ChatFormat
         by_length = sorted(tokenizer.special_tokens, key=len, reverse=True)
         self._special_re = re.compile("(" + "|".join(map(re.escape, by_length)) + ")") if by_length else None
+        # Only control tokens are hidden from the template: user-defined ones (Qwen's
+        # <think>, <tool_call>) are tokens in any text, and templates read them in past
+        # turns (Qwen 3's drops an earlier reply's <think> block)
+        control = [t for t in by_length
+                   if tokenizer.token_types[tokenizer.special_tokens[t]] == CONTROL]
+        self._control_re = (re.compile("(" + "|".join(map(re.escape, control)) + ")")
+                            if control else None)
         self._run(None)   # compile now: a broken template fails at load, not at the first message
 
     @property
@@ -444,7 +454,8 @@ class ChatFormat:
     def encode_messages(self, messages: Sequence[Mapping[str, Any]],
                         add_generation_prompt: bool = True,
                         tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
-        """Prompt ids: template special tokens recognised, message text always plain; one BOS."""
+        """Prompt ids: control tokens from the template only, message text read as plain
+        text (user-defined tokens in it are tokens); one BOS."""
         tok = self.tokenizer
         marker = f"\ue000{secrets.token_hex(8)}:"
         literals: list[str] = []
@@ -457,14 +468,14 @@ class ChatFormat:
             """Every string in v, keys too: tool schemas and call arguments are the
             client's text as much as message content is."""
             if isinstance(v, str):
-                return self._special_re.sub(hide, v)
+                return self._control_re.sub(hide, v)
             if isinstance(v, Mapping):
                 return {hide_all(k): hide_all(x) for k, x in v.items()}
             if isinstance(v, (list, tuple)):
                 return [hide_all(x) for x in v]
             return v
 
-        if self._special_re is not None:
+        if self._control_re is not None:
             try:
                 messages = [hide_all(dict(m)) for m in messages]
                 tools = None if tools is None else hide_all(list(tools))

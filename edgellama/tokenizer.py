@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import codecs
 import re
+import unicodedata
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -35,6 +36,9 @@ GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s
 # space to the next word.
 SMOLLM_PATTERN = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
                   r"|\s+(?![^\s\p{N}])|\s+")
+# Qwen 2 / 2.5 / 3: Llama 3's regex with single digits
+QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 # tokenizer.ggml.pre -> (regex, llama.cpp's default for add_bos_token)
 PRE_TOKENIZERS = {
@@ -43,7 +47,11 @@ PRE_TOKENIZERS = {
     "llama-v3": (LLAMA3_PATTERN, True),
     "smollm": (SMOLLM_PATTERN, False),
     "gpt-2": (GPT2_PATTERN, False),
+    "qwen2": (QWEN2_PATTERN, False),
 }
+# Pre-tokenizers whose tokenizer.json normalizes text to NFC first (Qwen's does; the ids
+# then equal HF's for text in any normal form)
+NFC_PRE = frozenset({"qwen2"})
 
 # Texts longer than this many characters are cut into pieces before tiktoken sees them:
 # its regex engine (fancy-regex) panics with a stack overflow on a whitespace run of
@@ -117,6 +125,7 @@ class Tokenizer:
         self.bos_id = special_ids.get("bos")
         self.eos_id = special_ids.get("eos")
         pattern, default_add_bos = PRE_TOKENIZERS[pre]
+        self._nfc = pre in NFC_PRE
         self.add_bos = default_add_bos if add_bos is None else add_bos
         if self.add_bos and self.bos_id is None:
             raise EdgeError("tokenizer.ggml.add_bos_token is set but the file has no bos_token_id")
@@ -158,7 +167,7 @@ class Tokenizer:
         model = _meta(meta, "tokenizer.ggml.model", str, None)
         if model != "gpt2":
             raise EdgeError(f"unsupported tokenizer model {model!r}: only byte-level BPE "
-                            "('gpt2', used by Llama 3 and SmolLM2) is supported")
+                            "('gpt2', used by Llama 3, SmolLM2 and Qwen) is supported")
         pre = _meta(meta, "tokenizer.ggml.pre", str, None)
         if pre not in PRE_TOKENIZERS:
             raise EdgeError(f"unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre); "
@@ -219,6 +228,8 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of plain text: control-token strings in it stay plain text."""
+        if self._nfc:
+            text = unicodedata.normalize("NFC", text)
         if len(text) > self.long_text_chars:
             return self._to_ids(self._encode_long(text, self._user_defined))
         if self._user_defined:
@@ -234,6 +245,8 @@ class Tokenizer:
 
         Only for text whose special-token strings are trusted (rendered chat templates).
         """
+        if self._nfc:
+            text = unicodedata.normalize("NFC", text)
         if len(text) > self.long_text_chars:
             return self._to_ids(self._encode_long(text, self.special_tokens))
         return self._to_ids(self._encoding.encode(text, allowed_special="all"))

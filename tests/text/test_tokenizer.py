@@ -331,8 +331,9 @@ def _smol_meta_with(smollm2_gguf, **changes) -> dict:
 
 
 def test_unknown_pre_tokenizer_is_an_error(smollm2_gguf):
-    with pytest.raises(EdgeError, match=r"'qwen2'.*supported: llama-bpe, llama3, llama-v3, smollm, gpt-2"):
-        Tokenizer.from_metadata(_smol_meta_with(smollm2_gguf, pre="qwen2"))
+    with pytest.raises(EdgeError, match=r"'deepseek-llm'.*supported: llama-bpe, llama3, "
+                                        r"llama-v3, smollm, gpt-2, qwen2"):
+        Tokenizer.from_metadata(_smol_meta_with(smollm2_gguf, pre="deepseek-llm"))
     meta = {k: v for k, v in smollm2_metadata(smollm2_gguf).items() if k != "tokenizer.ggml.pre"}
     with pytest.raises(EdgeError, match="None"):
         Tokenizer.from_metadata(meta)
