@@ -60,21 +60,6 @@ class StorageError(EdgeError):
     storage, not the client's request."""
 
 
-def _is_saved_prompt(path: Path) -> bool:
-    """A regular file (not a link) that starts as a saved prompt."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return False
-    try:
-        return stat.S_ISREG(os.fstat(fd).st_mode) and \
-            os.read(fd, len(prompt_cache.MAGIC)) == prompt_cache.MAGIC
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
 class SlotFiles:
     def __init__(self, folder: str | Path, spill_max: int = 0):
         given = Path(folder).expanduser()
@@ -91,7 +76,7 @@ class SlotFiles:
         # against the bound, not matched; its bytes), least recently used first
         self._spilled: OrderedDict[str, tuple[np.ndarray | None, int]] = OrderedDict()
         earlier = [p for p in self.folder.iterdir() if _SPILL.fullmatch(p.name)
-                   and _is_saved_prompt(p)]
+                   and prompt_cache.is_saved_prompt(p)]
         for p in sorted(earlier, key=lambda p: p.stat().st_mtime):
             self._spilled[p.name] = (None, p.stat().st_size)
         self._bound()
@@ -135,7 +120,7 @@ class SlotFiles:
                 if Path(os.path.realpath(path)).parent != self.folder:
                     raise BadFileName(f"{name} is a link out of the --slot-save-path folder")
             if saving:
-                if os.path.lexists(path) and not _is_saved_prompt(path):
+                if os.path.lexists(path) and not prompt_cache.is_saved_prompt(path):
                     raise BadFileName(f"{name} exists and is not a saved prompt; it is not "
                                       f"replaced")
             elif not path.exists():
@@ -158,7 +143,7 @@ class SlotFiles:
             self._spilled.move_to_end(name)
             return
         path = self.folder / name
-        if os.path.lexists(path) and not _is_saved_prompt(path):
+        if os.path.lexists(path) and not prompt_cache.is_saved_prompt(path):
             raise EdgeError(f"{path} exists and is not a saved prompt; not spilling over it")
         try:
             size = prompt_cache.save(path, seq, model).stat().st_size
@@ -209,6 +194,6 @@ class SlotFiles:
     def _remove(self, name: str) -> None:
         self._spilled.pop(name, None)
         path = self.folder / name
-        if _is_saved_prompt(path):        # ours, not a link or another file put there
+        if prompt_cache.is_saved_prompt(path):        # ours, not a link or another file put there
             with contextlib.suppress(OSError):
                 path.unlink()
