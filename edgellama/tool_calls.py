@@ -9,8 +9,11 @@ Llama 3.2 1B/3B answer a tool prompt in one of two forms (vLLM issue #9991):
     {"name": "get_weather", "parameters": {"city": "Paris"}}      (JSON; "arguments" too)
     [get_weather(city="Paris"), get_time(zone="CET")]             (pythonic)
 optionally after <|python_tag|>; several JSON calls separated by ";" or new lines, or
-as a JSON list. Every argument of the pythonic form is read by ast.literal_eval: literals
-only, nothing is ever evaluated.
+as a JSON list. Qwen 2.5 / 3 (and Hermes) wrap each JSON call in tags, after a <think>
+block in Qwen 3's thinking mode (the reasoning is not part of the calls):
+    <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>
+Every argument of the pythonic form is read by ast.literal_eval: literals only, nothing
+is ever evaluated.
 
 One reader, ToolCallStream, serves both the streamed and the whole reply, so a call's
 `arguments` text is the same either way: in the JSON form it is the model's own text of
@@ -27,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_CALL_CHARS = 1 << 20   # longer replies are not read as calls
-_PYTHON_TAG = "<|python_tag|>"
+_MAX_TAG = 16              # characters of a tag's name: <|python_tag|>, <tool_call>...
 
 
 def _new_id() -> str:
@@ -160,10 +163,18 @@ class ToolCallStream:
 
     def _read(self):
         c = yield from self._space((yield))
-        if c == "<":   # <|python_tag|> (streamed text never holds it: a control token)
-            for want in _PYTHON_TAG[1:]:
-                if (yield) != want:
+        if c == "<":
+            tag = yield from self._tag()
+            if tag == "think":      # Qwen 3's reasoning, then its calls
+                yield from self._skip_past("</think>")
+                if (yield from self._space((yield))) != "<":
                     raise _NotACall
+                tag = yield from self._tag()
+            if tag == "tool_call":
+                yield from self._tagged_calls()
+                return
+            if tag != "|python_tag|":   # streamed text never holds it: a control token
+                raise _NotACall
             c = yield from self._space((yield))
         if c == "{":   # one JSON call, or several separated by ";" or new lines
             while True:
@@ -199,6 +210,38 @@ class ToolCallStream:
                     break
         if (yield from self._space((yield))) is not None:
             raise _NotACall
+
+    def _tag(self):
+        """The name of a tag whose "<" was read, up to its ">"."""
+        name = []
+        while (c := (yield)) != ">":
+            if c is None or len(name) == _MAX_TAG:
+                raise _NotACall
+            name.append(c)
+        return "".join(name)
+
+    def _skip_past(self, end: str):
+        seen = ""
+        while not seen.endswith(end):
+            c = yield
+            if c is None:
+                raise _NotACall
+            seen = seen[1 - len(end):] + c
+
+    def _tagged_calls(self):
+        """Qwen's calls, the first "<tool_call>" read: each a JSON call closed by
+        "</tool_call>", the next opened after space."""
+        while True:
+            if (yield from self._space((yield))) != "{":
+                raise _NotACall
+            yield from self._json_call()
+            if (yield from self._space((yield))) != "<" or (yield from self._tag()) != "/tool_call":
+                raise _NotACall
+            c = yield from self._space((yield))
+            if c is None:
+                return
+            if c != "<" or (yield from self._tag()) != "tool_call":
+                raise _NotACall
 
     def _space(self, c, report_newline: bool = False):
         newline = False

@@ -200,7 +200,13 @@ def test_tool_calls_parse_json_and_pythonic_forms():
                  '"unit": "celsius"}}\n',
                  '{"type": "function", "name": "get_weather", "parameters": '
                  '"{\\"city\\": \\"Paris\\", \\"unit\\": \\"celsius\\"}"}',
-                 '[get_weather(city="Paris", unit=\'celsius\')]'):
+                 '[get_weather(city="Paris", unit=\'celsius\')]',
+                 # Qwen 2.5 / 3 (Hermes): tags around JSON, after Qwen 3's reasoning
+                 '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+                 '"unit": "celsius"}}\n</tool_call>',
+                 '<think>\nThe user wants <b>Paris</b>: </thin\n</think>\n\n<tool_call>\n'
+                 '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+                 '</tool_call>\n'):
         assert parse_tool_calls(text, names) == want, text
     two = parse_tool_calls('[get_weather(city="Oslo", unit="celsius"), get_time(zone="CET")]',
                            names)
@@ -222,6 +228,10 @@ def test_tool_calls_parse_json_and_pythonic_forms():
     "[get_time(*args)]", "[get_time('CET')]", "[os.system('x')]", "[]", "[1, 2]",
     '{"name": "get_time", "parameters": [1]}', "[get_time(zone={1, 2})]",
     "[" * 100_000,
+    "<think>\nEasy.\n</think>\n\nIt is sunny.", "<think>\nunfinished", "<b>bold</b> text",
+    '<tool_call>\n{"name": "get_time", "arguments": {}}',                    # not closed
+    '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\nDone.',
+    '<tool_call>\n{"name": "delete_everything", "arguments": {}}\n</tool_call>',
 ])
 def test_text_that_is_not_a_call_stays_text(text):
     assert parse_tool_calls(text, {"get_weather", "get_time"}) is None
@@ -243,6 +253,9 @@ CALL_TEXTS = [
     ('{"name": "get_time", "parameters": {"zone": "A"}};\n{"name": "get_time", "parameters": {}}',
      ['{"zone": "A"}', '{}']),
     ("[get_time()]", ["{}"]),
+    ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>\n'
+     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+     ['{"zone": "CET"}', '{"city": "Oslo"}']),
 ]
 
 
