@@ -27,7 +27,8 @@ def _refuse_unfitting(shape: str, ctx: int, n_prompt: int, type_k: str, type_v: 
     s = benchmark.SHAPES[shape]
     args = ModelArgs(dim=s.dim, n_layers=s.layers, n_heads=s.heads, n_kv_heads=s.kv_heads,
                      ffn_dim=s.ffn, vocab_size=s.vocab, norm_eps=1e-5, rope_theta=s.theta,
-                     rope_dim=s.dim // s.heads, train_ctx=s.train_ctx, tied_output=True)
+                     rope_dim=s.head_dim or s.dim // s.heads, train_ctx=s.train_ctx,
+                     tied_output=True, key_length=s.head_dim)
     need, avail = KVCache.bytes_needed(args, ctx, type_k, type_v), available_memory()
     if avail is not None and need > avail:
         raise EdgeError(f"{shape}: " + fit_advice(args, ctx, type_k, type_v, avail))

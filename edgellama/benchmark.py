@@ -52,12 +52,22 @@ class Shape:
     vocab: int = 128256
     theta: float = 500000.0
     train_ctx: int = 131072
+    arch: str = "llama"              # general.architecture (edgellama/models)
+    head_dim: int | None = None      # attention.key_length where not dim / heads
 
 
 SHAPE_TYPES = tuple(t for t in WRITABLE if t not in ("F32", "BF16"))   # --type for --shape
 SHAPES = {
     "llama-3.2-1b": Shape(dim=2048, layers=16, heads=32, kv_heads=8, ffn=8192),
     "llama-3.2-3b": Shape(dim=3072, layers=28, heads=24, kv_heads=8, ffn=8192),
+    # Qwen 3: GQA 16/8 (32/8 for 4B), head dim 128, a 40,960-token window; f16 K+V
+    # 112 KiB a token for 0.6B and 1.7B (2 x 28 layers x 8 x 128 x 2 bytes: 4.4 GiB at
+    # 40,960), 144 KiB for 4B (36 layers: 5.6 GiB)
+    **{name: Shape(dim=d, layers=n, heads=h, kv_heads=8, ffn=f, vocab=151936, theta=1e6,
+                   train_ctx=40960, arch="qwen3", head_dim=128)
+       for name, d, n, h, f in (("qwen3-0.6b", 1024, 28, 16, 3072),
+                                ("qwen3-1.7b", 2048, 28, 16, 6144),
+                                ("qwen3-4b", 2560, 36, 32, 9728))},
 }
 
 
@@ -124,10 +134,13 @@ def shape_file(name: str, qtype: str, quiet: bool = False, progress=None) -> Pat
     if progress is None and not quiet:
         print(f"Generating {path.name} (random weights, real shapes; once)...", flush=True)
     embed_type = "Q6_K" if qtype.endswith("_K") else "Q8_0" if qtype in ("Q4_0", "Q4_1") else qtype
-    hd = s.dim // s.heads
+    hd, qwen = s.head_dim or s.dim // s.heads, s.arch == "qwen3"
     tensors = [("token_embd.weight", s.vocab, s.dim, embed_type, 1.0)]
     for i in range(s.layers):
         p = f"blk.{i}."
+        if qwen:
+            tensors += [(p + "attn_q_norm.weight", 0, hd, "F32", 0),
+                        (p + "attn_k_norm.weight", 0, hd, "F32", 0)]
         tensors += [(p + "attn_norm.weight", 0, s.dim, "F32", 0),
                     (p + "attn_q.weight", s.heads * hd, s.dim, qtype, s.dim ** -0.5),
                     (p + "attn_k.weight", s.kv_heads * hd, s.dim, qtype, s.dim ** -0.5),
@@ -142,20 +155,23 @@ def shape_file(name: str, qtype: str, quiet: bool = False, progress=None) -> Pat
     try:
         with open(tmp, "wb") as f:
             w = GGUFStreamWriter(f)
+            a = s.arch
             for key, vtype, value in [
-                ("general.architecture", V.STRING, "llama"),
+                ("general.architecture", V.STRING, a),
                 ("general.name", V.STRING, f"{name} (random weights)"),
                 ("general.file_type", V.UINT32, int(FORMATS[qtype].file_type)),
-                ("llama.block_count", V.UINT32, s.layers),
-                ("llama.context_length", V.UINT32, s.train_ctx),
-                ("llama.embedding_length", V.UINT32, s.dim),
-                ("llama.feed_forward_length", V.UINT32, s.ffn),
-                ("llama.attention.head_count", V.UINT32, s.heads),
-                ("llama.attention.head_count_kv", V.UINT32, s.kv_heads),
-                ("llama.rope.dimension_count", V.UINT32, hd),
-                ("llama.rope.freq_base", V.FLOAT32, s.theta),
-                ("llama.attention.layer_norm_rms_epsilon", V.FLOAT32, 1e-5),
-                ("llama.vocab_size", V.UINT32, s.vocab),
+                (f"{a}.block_count", V.UINT32, s.layers),
+                (f"{a}.context_length", V.UINT32, s.train_ctx),
+                (f"{a}.embedding_length", V.UINT32, s.dim),
+                (f"{a}.feed_forward_length", V.UINT32, s.ffn),
+                (f"{a}.attention.head_count", V.UINT32, s.heads),
+                (f"{a}.attention.head_count_kv", V.UINT32, s.kv_heads),
+                *([(f"{a}.attention.key_length", V.UINT32, hd),
+                   (f"{a}.attention.value_length", V.UINT32, hd)] if s.head_dim else []),
+                (f"{a}.rope.dimension_count", V.UINT32, hd),
+                (f"{a}.rope.freq_base", V.FLOAT32, s.theta),
+                (f"{a}.attention.layer_norm_rms_epsilon", V.FLOAT32, 1e-6 if qwen else 1e-5),
+                (f"{a}.vocab_size", V.UINT32, s.vocab),
             ]:
                 w.kv(key, vtype, value)
             for tname, rows, cols, t, _ in tensors:

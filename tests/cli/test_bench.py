@@ -147,6 +147,25 @@ def test_generated_file_is_named_sized_and_kept_or_removed(tiny_shape):
     assert "No bench files" in res.stdout
 
 
+def test_a_qwen3_shape_is_a_qwen3_file(tmp_path, monkeypatch):
+    # --shape qwen3-*: q/k norms, key_length 2·E/H, its own vocabulary (a tiny stand-in)
+    monkeypatch.setenv("EDGELLAMA_CACHE", str(tmp_path / "cache"))
+    tiny = B.Shape(dim=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=256, train_ctx=256,
+                   theta=1e6, arch="qwen3", head_dim=32)
+    monkeypatch.setitem(B.SHAPES, "qwen3-0.6b", tiny)
+    res = CliRunner().invoke(main, ["bench", "--shape", "qwen3-0.6b", "--ctx", "64", "-p", "8",
+                                    "-n", "2", "--no-keep"])
+    assert res.exit_code == 0, res.output
+    from edgellama.args import ModelArgs
+    from edgellama.gguf import GGUFFile
+    a = ModelArgs.from_gguf(GGUFFile(B.shape_file("qwen3-0.6b", "Q4_0", quiet=True)))
+    assert (a.family.name, a.head_dim, a.n_heads, a.dim) == ("qwen3", 32, 4, 64)
+    monkeypatch.undo()      # the table's own entry: the published shapes
+    assert B.SHAPES["qwen3-0.6b"] == B.Shape(dim=1024, layers=28, heads=16, kv_heads=8, ffn=3072,
+                                             vocab=151936, theta=1e6, train_ctx=40960,
+                                             arch="qwen3", head_dim=128)
+
+
 def test_time_left_counts_down_over_the_steps():
     said = []
     clock = B._Clock(said.append, {"pp": 10.0, "tg": 20.0})
