@@ -69,7 +69,8 @@ def _store(serial, parallel, values: np.ndarray, *args) -> None:
 class KVCache:
     """K and V for every layer, allocated once for `ctx` positions (rounded up to a whole
     block of 16, attention.kv_capacity) in the given types; `length` is how many leading
-    positions hold valid entries. Arrays, by name (layout() lists them):
+    positions hold valid entries; `neox`: shift() turns K by rotate-half pairs (the
+    model's RoPE layout), else adjacent ones. Arrays, by name (layout() lists them):
         k (L, KV, cap/16, hd, 16) f16 bits        | kq (L, KV, cap/16, hd·16) int8 (q8_0) or
                                                   |    (L, KV, cap/16, hd·8) uint8 (q4_0),
                                                   |  ks (L, KV, cap/16, hd/32, 16) f16 bits
@@ -78,13 +79,13 @@ class KVCache:
     """
 
     def __init__(self, args: ModelArgs, ctx: int, type_k: str = "f16", type_v: str = "f16",
-                 rotate: bool = True):
+                 rotate: bool = True, neox: bool = False):
         L, KV, hd = args.n_layers, args.n_kv_heads, args.head_dim
         self.type_k, self.type_v = check_cache_type(type_k, hd), check_cache_type(type_v, hd)
         self.cap = cap = A.kv_capacity(ctx)
         self.ctx, self.length = ctx, 0
         self.n_layers, self.n_kv_heads, self.head_dim = L, KV, hd
-        self._rope = rope_neox if args.family.neox else rope    # the shift's, as the model's
+        self._rope = rope_neox if neox else rope    # shift()'s: the model's RoPE layout
         nB, nbk = cap // A.KV_BLOCK, hd // A.QBLOCK
         # Quantized types are stored rotated; f16 needs no help
         m = rotation_size(hd) if rotate else 0

@@ -151,7 +151,7 @@ class Transformer:
         if not 1 <= ctx <= self.ctx:
             raise EdgeError(f"a sequence's context must be 1..{self.ctx} tokens, got {ctx}")
         return Sequence(KVCache(self.args, ctx, type_k or self.cache_type_k,
-                                type_v or self.cache_type_v), scratch)
+                                type_v or self.cache_type_v, neox=self.args.family.neox), scratch)
 
     def set_activations(self, mode: str) -> None:
         """Round x for the matrix products as ACTIVATIONS' mode says."""
