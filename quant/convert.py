@@ -29,6 +29,7 @@ import numpy as np
 from gguf.constants import GGUFValueType as V
 
 from edgellama.errors import EdgeError
+from edgellama.models import FAMILIES
 
 from edgellama.formats import FORMATS, WRITABLE, quantize, row_bytes
 from edgellama.sampling import SamplingParams
@@ -37,7 +38,9 @@ from . import mix
 from .hf import I32_MAX, TensorRef, _show, load_json, open_checkpoint, want_float, want_int
 from .hf_tokenizer import load_tokenizer
 
-SUPPORTED_ARCHS = ("LlamaForCausalLM",)
+# HF architecture -> general.architecture (a family of edgellama/models)
+HF_ARCHS = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+SUPPORTED_ARCHS = tuple(HF_ARCHS)
 SINGLE_TYPES = ("q4_0", "q4_1", "q8_0", "f16", "bf16", "f32")   # one format for every matrix
 QTYPES = SINGLE_TYPES + tuple(mix.MIXES)
 CHUNK_ELEMS = 1 << 23            # rows per chunk ~ 8M values: 32 MB of f32 in flight
@@ -53,6 +56,8 @@ NAME_TABLE = {
     "model.layers.{i}.self_attn.k_proj.weight": "blk.{i}.attn_k.weight",
     "model.layers.{i}.self_attn.v_proj.weight": "blk.{i}.attn_v.weight",
     "model.layers.{i}.self_attn.o_proj.weight": "blk.{i}.attn_output.weight",
+    "model.layers.{i}.self_attn.q_norm.weight": "blk.{i}.attn_q_norm.weight",    # qwen3
+    "model.layers.{i}.self_attn.k_norm.weight": "blk.{i}.attn_k_norm.weight",
     "model.layers.{i}.mlp.gate_proj.weight": "blk.{i}.ffn_gate.weight",
     "model.layers.{i}.mlp.up_proj.weight": "blk.{i}.ffn_up.weight",
     "model.layers.{i}.mlp.down_proj.weight": "blk.{i}.ffn_down.weight",
@@ -78,6 +83,7 @@ class HParams:
     tied: bool
     rope_scaling: dict | None
     explicit_head_dim: bool
+    arch: str                      # general.architecture: llama, qwen3
 
 
 @dataclass
@@ -167,6 +173,7 @@ def read_hparams(hf_dir: Path) -> HParams:
     if not isinstance(archs, list) or not any(a in SUPPORTED_ARCHS for a in archs):
         raise EdgeError(f"{path}: unsupported architecture {_show(archs)} "
                         f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+    arch = next(HF_ARCHS[a] for a in archs if a in HF_ARCHS)
 
     def size(key, default=None):
         v = cfg.get(key, default)
@@ -182,7 +189,7 @@ def read_hparams(hf_dir: Path) -> HParams:
                         f"num_key_value_heads {n_head_kv}")
     if head_dim % 2:
         raise EdgeError(f"{path}: head_dim {head_dim} must be even for RoPE")
-    if head_dim * n_head != n_embd:
+    if head_dim * n_head != n_embd and arch == "llama":   # Qwen 3 states its own (0.6B: 128)
         raise EdgeError(f"{path}: head_dim {head_dim} x num_attention_heads {n_head} is not "
                         f"hidden_size {n_embd}; edgellama runs only models where they match")
     rs = cfg.get("rope_scaling")
@@ -213,7 +220,7 @@ def read_hparams(hf_dir: Path) -> HParams:
         rope_theta=want_float(path, "rope_theta", 10000.0 if theta is None else theta, 0.0),
         # the loader's range (edgellama.args): 0 < epsilon < 1
         rms_eps=want_float(path, "rms_norm_eps", cfg["rms_norm_eps"], 0.0, 1.0, hi_open=True),
-        tied=tied, rope_scaling=rs, explicit_head_dim="head_dim" in cfg)
+        tied=tied, rope_scaling=rs, explicit_head_dim="head_dim" in cfg, arch=arch)
 
 
 def permute_index(rows: int, n_heads: int) -> np.ndarray:
@@ -263,6 +270,9 @@ def _expected_shapes(hp: HParams) -> dict[str, tuple[int, ...]]:
                        f"blk.{i}.attn_v.weight": (kv, e), f"blk.{i}.attn_output.weight": (e, q),
                        f"blk.{i}.ffn_gate.weight": (f, e), f"blk.{i}.ffn_up.weight": (f, e),
                        f"blk.{i}.ffn_down.weight": (e, f)})
+        if FAMILIES[hp.arch].qk_norm:
+            shapes.update({f"blk.{i}.attn_q_norm.weight": (hp.head_dim,),
+                           f"blk.{i}.attn_k_norm.weight": (hp.head_dim,)})
     return shapes
 
 
@@ -291,9 +301,12 @@ def _mix_types(hp: HParams, shapes: dict[str, tuple[int, ...]], qtype: str,
 
 def _plan(hf_dir: Path, hp: HParams, tensors: dict[str, TensorRef], qtype: str,
           embed_type: str | None, warnings: list[str]) -> list[_Plan]:
-    if hp.n_layer * 9 > len(tensors):
+    family = FAMILIES[hp.arch]
+    per_layer = len(family.layer_tensors)
+    if hp.n_layer * per_layer > len(tensors):
         raise EdgeError(f"{hf_dir / 'config.json'}: num_hidden_layers {hp.n_layer} needs "
-                        f"{hp.n_layer * 9} layer tensors, but the checkpoint has {len(tensors)} tensors")
+                        f"{hp.n_layer * per_layer} layer tensors, but the checkpoint has "
+                        f"{len(tensors)} tensors")
     expected = _expected_shapes(hp)
     found: dict[str, TensorRef] = {}
     for hf_name, ref in tensors.items():
@@ -304,8 +317,8 @@ def _plan(hf_dir: Path, hp: HParams, tensors: dict[str, TensorRef], qtype: str,
             warnings.append(f"{hf_name}: ignored (tie_word_embeddings is true; token_embd is the output)")
             continue
         if name not in expected:
-            raise EdgeError(f"{ref.shard.path}: unexpected tensor {hf_name!r} for a Llama model "
-                            f"with {hp.n_layer} layers")
+            raise EdgeError(f"{ref.shard.path}: unexpected tensor {hf_name!r} for a "
+                            f"{family.name} model with {hp.n_layer} layers")
         if ref.shape != expected[name]:
             raise EdgeError(f"{ref.shard.path}: tensor {hf_name!r} has shape {list(ref.shape)} but "
                             f"config.json implies {list(expected[name])}")
@@ -336,10 +349,10 @@ def _plan(hf_dir: Path, hp: HParams, tensors: dict[str, TensorRef], qtype: str,
             warnings.append(f"{name}: row length {shape[-1]} is not a multiple of "
                             f"{FORMATS[fmt].block_size}; written as F16 instead of {fmt}")
             fmt = "F16"
-        index = None
-        if name.endswith("attn_q.weight"):
+        index = None      # NEOX families keep HF's rotate-half rows
+        if name.endswith("attn_q.weight") and not family.neox:
             index = permute_index(shape[0], hp.n_head)
-        elif name.endswith("attn_k.weight"):
+        elif name.endswith("attn_k.weight") and not family.neox:
             index = permute_index(shape[0], hp.n_head_kv)
         plans.append(_Plan(name, shape, fmt, src=found[name], index=index))
     if mix_types:
@@ -435,24 +448,25 @@ def _metadata(w: GGUFStreamWriter, hp: HParams, name: str, qtype: str, tok,
     # general.quantization_version, then general.file_type, each by removing the key
     # and appending it (gguf_set_val_u32), so both end up last.
     m = mix.MIXES.get(qtype)
-    w.kv("general.architecture", V.STRING, "llama")
+    a = hp.arch
+    w.kv("general.architecture", V.STRING, a)
     w.kv("general.type", V.STRING, "model")
     w.kv("general.name", V.STRING, name)
-    w.kv("llama.block_count", V.UINT32, hp.n_layer)
-    w.kv("llama.context_length", V.UINT32, hp.n_ctx)
-    w.kv("llama.embedding_length", V.UINT32, hp.n_embd)
-    w.kv("llama.feed_forward_length", V.UINT32, hp.n_ff)
-    w.kv("llama.attention.head_count", V.UINT32, hp.n_head)
-    w.kv("llama.attention.head_count_kv", V.UINT32, hp.n_head_kv)
-    w.kv("llama.rope.freq_base", V.FLOAT32, hp.rope_theta)
-    w.kv("llama.attention.layer_norm_rms_epsilon", V.FLOAT32, hp.rms_eps)
+    w.kv(f"{a}.block_count", V.UINT32, hp.n_layer)
+    w.kv(f"{a}.context_length", V.UINT32, hp.n_ctx)
+    w.kv(f"{a}.embedding_length", V.UINT32, hp.n_embd)
+    w.kv(f"{a}.feed_forward_length", V.UINT32, hp.n_ff)
+    w.kv(f"{a}.attention.head_count", V.UINT32, hp.n_head)
+    w.kv(f"{a}.attention.head_count_kv", V.UINT32, hp.n_head_kv)
+    w.kv(f"{a}.rope.freq_base", V.FLOAT32, hp.rope_theta)
+    w.kv(f"{a}.attention.layer_norm_rms_epsilon", V.FLOAT32, hp.rms_eps)
     if hp.explicit_head_dim:
-        w.kv("llama.attention.key_length", V.UINT32, hp.head_dim)
-        w.kv("llama.attention.value_length", V.UINT32, hp.head_dim)
+        w.kv(f"{a}.attention.key_length", V.UINT32, hp.head_dim)
+        w.kv(f"{a}.attention.value_length", V.UINT32, hp.head_dim)
     if m is None:
         w.kv("general.file_type", V.UINT32, int(FORMATS[qtype.upper()].file_type))
-    w.kv("llama.vocab_size", V.UINT32, hp.n_vocab)
-    w.kv("llama.rope.dimension_count", V.UINT32, hp.head_dim)
+    w.kv(f"{a}.vocab_size", V.UINT32, hp.n_vocab)
+    w.kv(f"{a}.rope.dimension_count", V.UINT32, hp.head_dim)
     w.kv("tokenizer.ggml.model", V.STRING, "gpt2")
     w.kv("tokenizer.ggml.pre", V.STRING, tok.pre)
     w.kv("tokenizer.ggml.tokens", V.ARRAY, tok.tokens, V.STRING)

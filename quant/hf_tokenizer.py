@@ -22,6 +22,7 @@ from pathlib import Path
 
 from edgellama.bytelevel import bytes_to_token
 from edgellama.errors import EdgeError
+from edgellama.tokenizer import QWEN2_PATTERN
 
 from .hf import _show, load_json
 
@@ -68,11 +69,16 @@ def _detect_pre(pre_tok, path: Path) -> str:
                 and split.get("behavior") == "Isolated" and split.get("invert") is False
                 and bl.get("use_regex", True) is False):
             return "llama-bpe"
+        if (isinstance(pattern, dict) and pattern.get("Regex") == QWEN2_PATTERN
+                and split.get("behavior") == "Isolated" and split.get("invert") is False
+                and bl.get("use_regex", True) is False):
+            return "qwen2"
     if types == ["Digits", "ByteLevel"]:
         if seq[0][1].get("individual_digits") is True and seq[1][1].get("use_regex", True) is True:
             return "smollm"
     raise EdgeError(f"{path}: unknown pre-tokenizer {_show(types or None)} (supported: the Llama 3 "
-                    f"regex split ('llama-bpe') and SmolLM2's digits + byte-level ('smollm'))")
+                    f"regex split ('llama-bpe'), Qwen's ('qwen2') and SmolLM2's digits + "
+                    f"byte-level ('smollm'))")
 
 
 def _looks_special(text: str) -> bool:
