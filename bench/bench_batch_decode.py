@@ -60,7 +60,7 @@ def main() -> None:
     from edgellama.gguf import GGUFFile
     from edgellama.machine import ThreadPolicy, cpu_name
     from edgellama.model import Transformer
-    from edgellama.simd import ISA, ISA_NAMES
+    from edgellama.amx import kernels_name
 
     path = shape_file(a.shape, a.type)
     counts = [int(v) for v in a.n.split(",")]
@@ -80,7 +80,7 @@ def main() -> None:
     rows = [{"sequences": n, "step_ms": ms[n], "tok_s": n * 1e3 / ms[n],
              "vs_first": n * ms[counts[0]] / (counts[0] * ms[n])} for n in counts]
     res = {"machine": cpu_name(), "cores": os.cpu_count(), "file": str(path),
-           "threads": m.threads.current, "kernels": ISA_NAMES[ISA], "tg": a.tg,
+           "threads": m.threads.current, "kernels": kernels_name(), "tg": a.tg,
            "activations": a.activations,
            "reps": a.reps, "rows": rows}
     print(f"{path.name} on {res['machine']} ({res['cores']} cores), {res['threads']} threads, "

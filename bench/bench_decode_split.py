@@ -213,7 +213,7 @@ def main() -> None:
     from edgellama.machine import ThreadPolicy, cpu_name, default_threads
     from edgellama.membw import measure_read_bandwidth
     from edgellama.model import Transformer
-    from edgellama.simd import ISA, ISA_NAMES
+    from edgellama.amx import kernels_name
 
     cores = default_threads()
     if args.threads:
@@ -243,10 +243,10 @@ def main() -> None:
               f"{ms['elementwise']:.2f}, rest {ms['rest']:.2f} | {r['regions']} regions x "
               f"{(r['region_s'] - r['serial_call_s']) * 1e6:.1f} us = {launch:.2f} ms "
               f"(a serial call {r['serial_call_s'] * 1e6:.1f} us)", flush=True)
-    res = {"machine": cpu_name(), "file": str(path), "kernels": ISA_NAMES[ISA],
+    res = {"machine": cpu_name(), "file": str(path), "kernels": kernels_name(),
            "threading_layer": numba.threading_layer(), "depth": args.depth, "prefill": args.prefill,
            "decode_bytes": nbytes, "rows": rows}
-    print(f"{path.name}, depth {args.depth}, {ISA_NAMES[ISA]} kernels, threading layer "
+    print(f"{path.name}, depth {args.depth}, {kernels_name()} kernels, threading layer "
           f"{res['threading_layer']}; regions a token opens: {rows[0]['regions_by_kernel']}")
     if args.json:
         with open(args.json, "w") as f:

@@ -129,7 +129,7 @@ def main() -> None:
     from edgellama.gguf import GGUFFile
     from edgellama.machine import cpu_name
     from edgellama.model import Transformer
-    from edgellama.simd import ISA, ISA_NAMES
+    from edgellama.amx import kernels_name
 
     path = shape_file(a.shape, a.type)
     ctx = a.tokens + 256
@@ -139,7 +139,7 @@ def main() -> None:
     vocab = model.args.vocab_size
     doc = rng.integers(0, vocab, a.tokens).tolist()
     question = rng.integers(0, vocab, a.question).tolist()
-    res = {"machine": cpu_name(), "cores": os.cpu_count(), "kernels": ISA_NAMES[ISA],
+    res = {"machine": cpu_name(), "cores": os.cpu_count(), "kernels": kernels_name(),
            "file": str(path), "threads": model.threads.current, "ctx": ctx, "document_tokens": a.tokens,
            "question_tokens": a.question, "load_average_at_start": os.getloadavg()[0]}
 

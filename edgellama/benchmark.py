@@ -25,6 +25,7 @@ import numpy as np
 from gguf.constants import GGUFValueType as V
 
 from . import threading_layer
+from .amx import kernels_name
 from .default_model import cache_dir
 from .errors import EdgeError
 from .formats import FORMATS, WRITABLE, quantize
@@ -34,7 +35,6 @@ from .jit import Compiling, warm_up
 from .machine import (ThreadPolicy, cpu_name, peak_resident_memory, reset_peak_resident_memory,
                       resident_memory, total_memory)
 from .membw import measure_read_bandwidth
-from .simd import ISA, ISA_NAMES
 from .kv_cache import DEFAULT_CACHE_TYPE, TYPE_PAIRS, KVCache, longest_context
 from .model import Transformer
 
@@ -408,7 +408,7 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
         "threads": policy.current, "threads_auto": policy.auto,
         "threading_layer": threading_layer.name(), "ctx": ctx, "n_prompt": n_prompt, "n_gen": n_gen, "depth": depth,
         "reps": reps,
-        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "kernels": ISA_NAMES[ISA],
+        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "kernels": kernels_name(),
                     "python": platform.python_version(),
                     "mem_total_bytes": total_memory()},
         "load_seconds": load_s, "jit_seconds": warm.seconds + loading.seconds,

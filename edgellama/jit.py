@@ -27,9 +27,9 @@ from .default_model import cache_dir
 cache_note: str | None = None
 
 
-# Every file holding kernels, the intrinsics they inline (fp.py, simd.py) or the target
+# Every file holding kernels, the intrinsics they inline (fp.py, simd.py, amx.py) or the target
 # features their instructions follow (target.py).
-_KERNEL_SOURCES = ("target.py", "fp.py", "simd.py", "kernels.py", "attention.py", "membw.py", "formats/*.py")
+_KERNEL_SOURCES = ("target.py", "fp.py", "simd.py", "amx.py", "kernels.py", "attention.py", "membw.py", "formats/*.py")
 
 
 def kernel_cache_dir() -> Path:
@@ -281,6 +281,11 @@ class _Recorder:
         self.calls.setdefault((self.disp, sig), None)
 
 
+# Rows of x in the dry run's prefill: enough for the AMX prefill kernels (records.py
+# takes them from AMX_MIN_ROWS = 12 rows, where amx.enabled()).
+DRY_RUN_ROWS = 16
+
+
 def kernels_called(model) -> list[tuple[Dispatcher, tuple]]:
     """The kernels, with their argument types, that one prefill and one decode step
     call, in order of first use. Found by running both steps with every kernel of ours
@@ -295,10 +300,12 @@ def kernels_called(model) -> list[tuple[Dispatcher, tuple]]:
             if isinstance(value, Dispatcher) and value.py_func.__module__.startswith("edgellama."):
                 patched.append((mod, attr, value))
                 setattr(mod, attr, _Recorder(value, calls))
-    seq = model.new_sequence(min(model.ctx, 16))
+    cap = min(model.ctx, 2 * DRY_RUN_ROWS)
+    seq = model.new_sequence(cap)
+    rows = DRY_RUN_ROWS if cap > DRY_RUN_ROWS else 2
     try:
         with np.errstate(all="ignore"):   # the buffers hold whatever they held
-            model.forward([0, 0], seq)    # batched (matmul) path
+            model.forward([0] * rows, seq)    # batched (matmul) path
             model.forward([0], seq)       # decode (matvec) path
     finally:
         for mod, attr, value in patched:

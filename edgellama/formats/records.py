@@ -11,12 +11,17 @@ The per-32-block formats (Q4_0, Q4_1, Q8_0) share one record layout and one set 
 kernels here (BlocksLinear: records of 16 rows and G blocks, G = record_group(nb), the
 rows' f16 d (and m) of each block, then the blocks' bytes as quads); decode and prefill
 are one intrinsic, simd.blocks_gemm, which keeps its f32 sums in registers over a row.
+Where the CPU has AMX and Linux grants the tiles (amx.enabled()), a prefill of
+AMX_MIN_ROWS or more rows multiplies 16 rows of x by a block of 16 rows of weights per
+tile instruction instead (amx.amx_blocks_gemm, matmul_blocks_amx), with the same bits.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
+from .. import amx
+from ..amx import AMX_TOKENS, GROUPS, amx_blocks_gemm
 from ..fp import get_f16
 from ..simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, RECORD_ROWS,
                     TOKENS, blocks_gemm)
@@ -107,6 +112,46 @@ def matmul_blocks(q, x8, xd, xs8, xsum, out, acc, G, kind):
                 out[t0 + k, c0:c0 + nc] = a[k, :nc]
 
 
+@njit(cache=True, parallel=True)
+def matmul_blocks_amx(q, xa, xda, xsuma, nb, out, acc, G, kind):
+    # matmul_blocks on AMX tiles (amx.amx_blocks_gemm; amx.enabled() must be True), the
+    # same bits: xa, xda, xsuma flat, x8, xd, xsum as amx_a_tiles lays them out (Tp a
+    # multiple of AMX_TOKENS, nb blocks a row); acc (nt, GROUPS * AMX_TOKENS, R)
+    T = out.shape[0]
+    R = acc.shape[2]
+    span = GROUPS * AMX_TOKENS
+    for t in prange(q.shape[0]):
+        a = acc[t]
+        af = a.reshape(-1)
+        c0 = t * R
+        nc = min(R, out.shape[1] - c0)
+        for t0 in range(0, T, span):
+            ng = min(GROUPS, (T - t0 + AMX_TOKENS - 1) // AMX_TOKENS)
+            if kind == KIND_Q4_0:
+                amx_blocks_gemm(q[t], xa, xda, xsuma, af, nb, G, t0, ng, KIND_Q4_0)
+            elif kind == KIND_Q4_1:
+                amx_blocks_gemm(q[t], xa, xda, xsuma, af, nb, G, t0, ng, KIND_Q4_1)
+            else:
+                amx_blocks_gemm(q[t], xa, xda, xsuma, af, nb, G, t0, ng, KIND_Q8_0)
+            for k in range(min(span, T - t0)):
+                out[t0 + k, c0:c0 + nc] = a[k, :nc]
+
+
+@njit(cache=True, parallel=True)
+def amx_a_tiles(x8, xd, xsum, xa, xda, xsuma):
+    # x8 (Tp, n) int8 -> xa (Tp/16, n/32, 16, 32): each A tile (16 tokens x one block's
+    # 32 bytes) in 512 bytes in a row (strided by n, a tile's 16 rows fall in one or two
+    # L1 sets, n a multiple of 2048, and miss each other out of the cache); xd, xsum
+    # (Tp, n/32) -> xda, xsuma (Tp/16, n/32, 16), a block's 16 scales in one line
+    for g in prange(xa.shape[0]):
+        for b in range(xa.shape[1]):
+            for i in range(AMX_TOKENS):
+                for j in range(32):
+                    xa[g, b, i, j] = x8[g * AMX_TOKENS + i, 32 * b + j]
+                xda[g, b, i] = xd[g * AMX_TOKENS + i, b]
+                xsuma[g, b, i] = xsum[g * AMX_TOKENS + i, b]
+
+
 class RecordLinear(TiledLinear):
     """What the record formats (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) share: their tiles q
     (nt, R/16 * strip bytes) u8, filled by _repack and then the file's pages released;
@@ -156,17 +201,23 @@ class RecordLinear(TiledLinear):
         """out (out_features,) = W @ x with x quantized to int8 per block of 32 (prep_q8_x)."""
         raise NotImplementedError
 
+    def _tokens(self, rows: int) -> tuple[int, int]:
+        """For a product of `rows` rows of x: the rows its kernel takes at a time (x is
+        padded with zero rows to a multiple) and the height of the per-tile sums."""
+        return TOKENS, TOKENS
+
     def matmul(self, x, out, scratch=None):
         T, n = x.shape
         rows = 2 * T if self.fine else T
-        Tp = -(-rows // TOKENS) * TOKENS
+        tok, height = self._tokens(rows)
+        Tp = -(-rows // tok) * tok
         sc = scratch or Scratch()
         x8 = sc.get("q8_x8", (Tp, n), np.int8)
         xd, xsum = sc.get("q8_xd", (Tp, n // 32)), sc.get("q8_xsum", (Tp, n // 32))
         xs8 = sc.get("q8_xs8", (Tp, n // 32), np.int32)
         for a in (x8, xd, xsum, xs8):
-            a[rows:] = 0              # rows past x's pad the last group of TOKENS
-        acc = sc.get("q8_acc", (self.nt, TOKENS, self.R))
+            a[rows:] = 0              # rows past x's pad the last group of tok
+        acc = sc.get("q8_acc", (self.nt, height, self.R))
         if not self.fine:
             prep_q8_rows(x, x8, xd, xs8, xsum)
             self._gemm(x8.reshape(-1), xd, xs8, xsum, out, acc)
@@ -180,8 +231,8 @@ class RecordLinear(TiledLinear):
     matvecs = matmul
 
     def _gemm(self, x8, xd, xs8, xsum, out, acc):
-        """out (T, out_features) = x W^T from prep_q8_rows' arrays; acc (nt, TOKENS, R)
-        f32 per-tile scratch."""
+        """out (T, out_features) = x W^T from prep_q8_rows' arrays; acc (nt, height, R)
+        f32 per-tile scratch (height from _tokens)."""
         raise NotImplementedError
 
 
@@ -270,6 +321,9 @@ def rows_blocks(q, ids, out, G, kind):
                     y[16 + j] = f32(v >> 4) * dd + mm
 
 
+AMX_MIN_ROWS = 12    # fewer rows of x stay on the VNNI kernels: about even at 8, AMX 1.4x at 16 (1 thread)
+
+
 class BlocksLinear(RecordLinear):
     """A per-32-block format in records of 16 rows and G blocks (simd.py's layout); each
     format's subclass names its kind (q4.py's Q4_0Linear and Q4_1Linear, q8_0.py's
@@ -291,8 +345,22 @@ class BlocksLinear(RecordLinear):
         prep_q8_x(x, x8, xd, xs8, xsum)
         matvec_blocks(self.q, x8, xd, xs8, xsum, out, acc, self.group, self.kind)
 
+    def _tokens(self, rows):
+        if rows >= AMX_MIN_ROWS and amx.enabled():
+            return AMX_TOKENS, GROUPS * AMX_TOKENS
+        return TOKENS, TOKENS
+
     def _gemm(self, x8, xd, xs8, xsum, out, acc):
-        matmul_blocks(self.q, x8, xd, xs8, xsum, out, acc, self.group, self.kind)
+        if acc.shape[1] == GROUPS * AMX_TOKENS:    # _tokens chose the AMX tiles
+            Tp, nb = xd.shape
+            xa = np.empty((Tp // AMX_TOKENS, nb, AMX_TOKENS, 32), np.int8)
+            xda = np.empty((Tp // AMX_TOKENS, nb, AMX_TOKENS), f32)
+            xsuma = np.empty_like(xda)
+            amx_a_tiles(x8.reshape(Tp, -1), xd, xsum, xa, xda, xsuma)
+            matmul_blocks_amx(self.q, xa.reshape(-1), xda.reshape(-1), xsuma.reshape(-1), nb, out, acc,
+                              self.group, self.kind)
+        else:
+            matmul_blocks(self.q, x8, xd, xs8, xsum, out, acc, self.group, self.kind)
 
     def _rows(self, ids, out):
         rows_blocks(self.q, ids, out, self.group, self.kind)

@@ -1,0 +1,279 @@
+"""AMX (Advanced Matrix Extensions) int8 tile products for prefill of the per-32-block
+formats (Q4_0, Q4_1, Q8_0), bit-identical to simd.blocks_gemm's VNNI products.
+
+One tdpbssd / tdpbsud multiplies a tile of 16 rows of x (A: 16 tokens x the 32 int8
+of one block, packed 512 bytes in a row by records.amx_a_tiles) by one block of a strip
+of 16 weight rows (B: 8 rows x 64 bytes, VNNI-packed: byte 4 g + i of column l =
+element 4 g + i of weight row l). The records' quads (simd.py: record[quads + 64 g + 4 l + i] =
+byte 4 g + i of row l's block bytes) ARE that B layout: a Q8_0 block's 512 quad bytes
+load as B directly; a Q4 block's 256 nibble bytes unpack (and, shift) into 512 bytes,
+B rows 0..3 the low nibbles (elements 0..15), rows 4..7 the high ones (16..31).
+
+The int32 result C[t][r] is the exact S of blocks_gemm: tdpbssd (s8 x s8) for Q8_0;
+for Q4_0 the nibbles less 8 (-8..7, s8), so C = S - 8 xs8 with no correction; for
+Q4_1 tdpbsud (s8 x u8 nibbles). The scales then go on in the float operations of
+blocks_gemm, in its order (per record of G blocks: s = fma(float(S), d dx, s) block by
+block [+ fma(m, xsum, s)], then total += s), so every output has the same bits.
+
+Linux hands out the tile state only to a process that asked for it
+(arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)); without it the first tile
+instruction dies of SIGILL. `enabled()` asks once; where it is refused (an old kernel,
+no AMX, a VM without XFD) or Numba's target lacks amx-tile / amx-int8, prefill stays on
+the VNNI kernels. Each kernel call loads its tile configuration itself (ldtilecfg is
+per thread, and a parallel region's work items run on any thread) and releases the
+tiles at its end.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .fp import half_to_float_ir
+from .simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, ISA, ISA_NAMES, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0,
+                   RECORD_ROWS, call_llvm, ir_ptr, prefetch_ir, splat)
+from .target import _ARCH, FEATURES
+
+# Numba's target has the tile instructions (else the kernels compile to nothing and
+# enabled() is False: LLVM aborts on an intrinsic its target lacks)
+COMPILED = {"amx-tile", "amx-int8"} <= FEATURES and _ARCH == "x86_64"
+AMX_TOKENS = 16             # rows of x per A tile (a tile's 16 rows)
+
+SYS_ARCH_PRCTL = 158        # x86-64
+ARCH_GET_XCOMP_PERM, ARCH_REQ_XCOMP_PERM = 0x1022, 0x1023
+XFEATURE_XTILEDATA = 18
+
+
+def request_permission() -> bool:
+    """Ask Linux for the tile data state for this process (all its threads); True if
+    it is granted (read back with ARCH_GET_XCOMP_PERM)."""
+    if _ARCH != "x86_64" or not os.uname().sysname == "Linux":
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        call = lambda *a: libc.syscall(*(ctypes.c_long(v) if isinstance(v, int) else v for v in a))
+        if call(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0:
+            return False
+        bits = ctypes.c_uint64()
+        if call(SYS_ARCH_PRCTL, ARCH_GET_XCOMP_PERM, ctypes.byref(bits)) != 0:
+            return False
+        return bool(bits.value >> XFEATURE_XTILEDATA & 1)
+    except (OSError, AttributeError):
+        return False
+
+
+_enabled: bool | None = None
+
+
+def enabled() -> bool:
+    """Whether prefill of the per-32-block formats runs on AMX tiles: the kernels have
+    the instructions, EDGELLAMA_AMX is not 0, and Linux granted the tile state (asked
+    once, on the first call)."""
+    global _enabled
+    if _enabled is None:
+        _enabled = COMPILED and os.environ.get("EDGELLAMA_AMX", "1") != "0" and request_permission()
+    return _enabled
+
+
+def use(on: bool) -> bool:
+    """Turn the AMX prefill on (where it can run) or off; returns whether it is on.
+    For tests and benchmarks that compare the two paths in one process."""
+    global _enabled
+    _enabled = bool(on) and COMPILED and request_permission()
+    return _enabled
+
+
+def kernels_name() -> str:
+    """The instructions the matrix products run on, for reports."""
+    name = ISA_NAMES[ISA]
+    return name + " + AMX (tdpbssd/tdpbsud) prefill" if enabled() else name
+
+
+# Tile registers: two sets of A (x rows), B (weights), C (int32 products), two blocks
+# in flight (load, multiply, store of one block: 10.9 ns with two sets, 12.0 with one,
+# a micro-benchmark on this Xeon)
+SETS = ((0, 1, 2), (3, 4, 5))
+GROUPS = 4                  # token groups (of AMX_TOKENS) per call: a Q4 block is unpacked once for them
+
+
+def tile_config() -> list[int]:
+    """ldtilecfg's 64 bytes, palette 1: byte 0 the palette, u16 colsb of tile i at
+    16 + 2 i, u8 rows of tile i at 48 + i."""
+    cfg = [0] * 64
+    cfg[0] = 1
+    for ta, tb, tc in SETS:
+        for tile, rows, colsb in ((ta, AMX_TOKENS, 32), (tb, 8, 64), (tc, AMX_TOKENS, 64)):
+            cfg[16 + 2 * tile] = colsb & 0xFF
+            cfg[17 + 2 * tile] = colsb >> 8
+            cfg[48 + tile] = rows
+    return cfg
+
+
+@intrinsic(prefer_literal=True)
+def amx_blocks_gemm(typingctx, q, xa, xd, xsum, acc, nb, group, t0, ng, kind):
+    """One tile of a per-32-block format's records (q: R rows of nb blocks, `group`
+    blocks a record, simd.py's layout) times ng * AMX_TOKENS rows t0.. of x (ng <=
+    GROUPS, t0 a multiple of AMX_TOKENS): acc[k R + r] (f32, R = acc.size // (GROUPS *
+    AMX_TOKENS)) = row r . x_{t0+k}, every bit as simd.blocks_gemm gives it. xa: x8 as
+    A tiles, flat (Tp/16, nb, 16, 32) int8 (group, block, token, byte); xd, xsum flat
+    (Tp*nb,) f32; kind a constant. Per strip of 16 rows and record: a Q4 record's
+    blocks unpacked to B bytes once; per token group, each block's 16 x 16 int32
+    products by one tile multiply (two blocks in flight), stored to a buffer of the
+    record's blocks; then the float sums, block by block (blocks_gemm's order), the
+    16 tokens' sums in registers."""
+    if not isinstance(kind, types.IntegerLiteral):
+        return None
+    KIND = kind.literal_value
+
+    def codegen(context, builder, sig, args):
+        if not COMPILED:        # never called (enabled() is False): nothing to emit
+            return context.get_dummy_value()
+        i8, i16, i32, i64, f32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
+                                  ir.FloatType())
+        void, i8p = ir.VoidType(), ir.IntType(8).as_pointer()
+        nba, ga, t0a, nga = args[5], args[6], args[7], args[8]
+        k64 = lambda v: ir.Constant(i64, v)
+        tile = lambda v: ir.Constant(i8, v)
+        ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
+        vf, vi = ir.VectorType(f32, 16), ir.VectorType(i32, 16)
+        v64 = ir.VectorType(i8, 64)
+        fma = lambda a, b, c: call_llvm(builder, "llvm.fma.v16f32", vf, [a, b, c])
+        amx = lambda name, *a: call_llvm(builder, "llvm.x86." + name, void, list(a))
+
+        cfgt = ir.ArrayType(i8, 64)
+        cfg = cgutils.alloca_once(builder, cfgt)
+        builder.store(ir.Constant(cfgt, tile_config()), cfg)
+        amx("ldtilecfg", builder.bitcast(cfg, i8p))
+        # C of each block of a record (G <= 8) for two token groups, and a Q4 record's
+        # blocks as B bytes
+        cbuf = cgutils.alloca_once(builder, ir.ArrayType(vi, 2 * 8 * AMX_TOKENS))
+        cbuf.align = 64
+        wbuf = cgutils.alloca_once(builder, ir.ArrayType(v64, 8 * 8))
+        wbuf.align = 64
+        cbase = builder.bitcast(cbuf, vi.as_pointer())
+        wbase = builder.bitcast(wbuf, v64.as_pointer())
+        sums = [cgutils.alloca_once(builder, vf) for _ in range(AMX_TOKENS)]
+
+        acc_n = context.make_array(sig.args[4])(context, builder, args[4]).nitems
+        R = builder.udiv(acc_n, k64(GROUPS * AMX_TOKENS))
+        nsb = builder.udiv(nba, ga)                           # records per strip
+        record = builder.mul(ga, k64(BLOCK_BYTES[KIND]))
+        head = builder.mul(ga, k64(BLOCK_HEAD[KIND]))
+        tdp = "tdpbsud" if KIND == KIND_Q4_1 else "tdpbssd"
+
+        def tile_block(rec, sb, tg, k, tset):
+            """Block k of the record times token group tg, into tile set tset's C."""
+            ta, tb, tc = tset
+            if KIND == KIND_Q8_0:
+                bptr = ptr(0, builder.add(builder.add(rec, head), builder.mul(k, k64(BLOCK_QUADS[KIND]))), i8)
+            else:
+                bptr = builder.bitcast(builder.gep(wbase, [builder.mul(k, k64(8))]), i8p)
+            b = builder.add(builder.mul(sb, ga), k)
+            xo = builder.mul(builder.add(builder.mul(builder.add(builder.udiv(t0a, k64(AMX_TOKENS)), tg),
+                                                     nba), b), k64(32 * AMX_TOKENS))
+            amx("tileloadd64", tile(tb), bptr, k64(64))
+            amx("tileloadd64", tile(ta), ptr(1, xo, i8), k64(32))
+            amx("tilezero", tile(tc))
+            amx(tdp, tile(tc), tile(ta), tile(tb))
+
+        def store_block(hb, k, tset):
+            cptr = builder.gep(cbase, [builder.add(hb, builder.mul(k, k64(AMX_TOKENS)))])
+            amx("tilestored64", tile(tset[2]), builder.bitcast(cptr, i8p), k64(64))
+
+        def half(tg):
+            """cbuf's half for token group tg (of 8 blocks x 16 rows of C)."""
+            return builder.mul(builder.and_(tg, k64(1)), k64(8 * AMX_TOKENS))
+
+        def products(rec, sb, tg):
+            """The integer products of the record's blocks for token group tg -> cbuf:
+            two blocks at a time, or one (G = 1)."""
+            hb = half(tg)
+            odd = builder.icmp_unsigned("==", ga, k64(1))
+            with builder.if_else(odd) as (one, two):
+                with one:
+                    tile_block(rec, sb, tg, k64(0), SETS[0])
+                    store_block(hb, k64(0), SETS[0])
+                with two:
+                    with cgutils.for_range(builder, builder.udiv(ga, k64(2))) as j_loop:
+                        k0 = builder.mul(j_loop.index, k64(2))
+                        k1 = builder.add(k0, k64(1))
+                        tile_block(rec, sb, tg, k0, SETS[0])
+                        tile_block(rec, sb, tg, k1, SETS[1])
+                        store_block(hb, k0, SETS[0])
+                        store_block(hb, k1, SETS[1])
+
+        def float_sums(rec, sb, r0, tg):
+            """acc rows of token group tg += the record's float sums, blocks_gemm's
+            operations in its order."""
+            for s_ in sums:
+                builder.store(ir.Constant(vf, None), s_)
+            gi = builder.add(builder.udiv(t0a, k64(AMX_TOKENS)), tg)     # token group in x
+            hb = half(tg)
+            with cgutils.for_range(builder, ga) as k_loop:
+                k = k_loop.index
+                b = builder.add(builder.mul(sb, ga), k)
+                halves = builder.add(rec, builder.mul(k, k64(32)))
+                dv = half_to_float_ir(builder, builder.load(ptr(0, halves, ir.VectorType(i16, 16)), align=2))
+                if KIND == KIND_Q4_1:
+                    mv = half_to_float_ir(builder, builder.load(
+                        ptr(0, builder.add(halves, builder.mul(ga, k64(32))), ir.VectorType(i16, 16)),
+                        align=2))
+                crow = builder.add(hb, builder.mul(k, k64(AMX_TOKENS)))
+                for t, s_ in enumerate(sums):
+                    c = builder.load(builder.gep(cbase, [builder.add(crow, k64(t))]), align=64)
+                    si = builder.add(builder.mul(builder.add(builder.mul(gi, nba), b), k64(AMX_TOKENS)), k64(t))
+                    dx = splat(builder, builder.load(ptr(2, si, f32)), 16)
+                    total = fma(builder.sitofp(c, vf), builder.fmul(dv, dx), builder.load(s_))
+                    if KIND == KIND_Q4_1:
+                        total = fma(mv, splat(builder, builder.load(ptr(3, si, f32)), 16), total)
+                    builder.store(total, s_)
+            arow = builder.mul(tg, k64(AMX_TOKENS))
+            for t, s_ in enumerate(sums):
+                p = ptr(4, builder.add(builder.mul(R, builder.add(arow, k64(t))), r0), vf)
+                builder.store(builder.fadd(builder.load(p, align=4), builder.load(s_)), p, align=4)
+
+        with cgutils.for_range(builder, builder.udiv(R, k64(RECORD_ROWS))) as strip_loop:
+            strip = strip_loop.index
+            r0 = builder.mul(strip, k64(RECORD_ROWS))
+            with cgutils.for_range(builder, builder.mul(nga, k64(AMX_TOKENS))) as t_loop:
+                builder.store(ir.Constant(vf, None),
+                              ptr(4, builder.add(builder.mul(R, t_loop.index), r0), vf), align=4)
+            with cgutils.for_range(builder, nsb) as sb_loop:
+                sb = sb_loop.index
+                rec = builder.mul(builder.add(builder.mul(strip, nsb), sb), record)
+                with cgutils.for_range(builder, ga) as k_loop:
+                    k = k_loop.index
+                    ahead = builder.add(builder.add(rec, record), builder.mul(k, k64(BLOCK_BYTES[KIND])))
+                    for line in range(0, BLOCK_BYTES[KIND], 64):   # the next record, a block's share
+                        prefetch_ir(context, builder, sig.args[0], args[0], builder.add(ahead, k64(line)))
+                    if KIND != KIND_Q8_0:
+                        # nibble quads -> B rows 0..3 (elements 0..15), 4..7 (16..31)
+                        quads = builder.add(builder.add(rec, head), builder.mul(k, k64(BLOCK_QUADS[KIND])))
+                        lo_mask = ir.Constant(v64, [0x0F] * 64)
+                        wk = builder.mul(k, k64(8))
+                        for g in range(4):
+                            w = builder.load(ptr(0, builder.add(quads, k64(64 * g)), v64), align=1)
+                            lo, hi = builder.and_(w, lo_mask), builder.lshr(w, ir.Constant(v64, [4] * 64))
+                            if KIND == KIND_Q4_0:   # q - 8 as s8: C is S - 8 xs8 itself
+                                eight = ir.Constant(v64, [8] * 64)
+                                lo, hi = builder.sub(lo, eight), builder.sub(hi, eight)
+                            builder.store(lo, builder.gep(wbase, [builder.add(wk, k64(g))]), align=64)
+                            builder.store(hi, builder.gep(wbase, [builder.add(wk, k64(4 + g))]), align=64)
+                # token group tg's products go to cbuf half tg % 2 while the float sums
+                # of tg - 1 read the other half: the tile unit and the vector units overlap
+                products(rec, sb, k64(0))
+                with cgutils.for_range(builder, nga) as tg_loop:
+                    tg = tg_loop.index
+                    nxt = builder.add(tg, k64(1))
+                    with builder.if_then(builder.icmp_unsigned("<", nxt, nga)):
+                        products(rec, sb, nxt)
+                    float_sums(rec, sb, r0, tg)
+        amx("tilerelease")
+        return context.get_dummy_value()
+
+    return types.void(q, xa, xd, xsum, acc, nb, group, t0, ng, kind), codegen

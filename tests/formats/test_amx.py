@@ -1,0 +1,339 @@
+"""AMX prefill of the per-32-block formats (amx.py, records.matmul_blocks_amx).
+
+A NumPy twin of the tile arithmetic (tdpbssd / tdpbsud on the B tiles the kernel makes
+of the records, then blocks_gemm's float operations in its order) is checked against
+the exact integer sums from the file's bytes and against the VNNI kernels' bits on
+every machine; where the CPU has AMX (and Linux grants the tiles), the AMX kernel
+against the VNNI kernels, bit for bit; and the permission and fallback logic.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numba
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as G
+from gguf.quants import quantize
+
+from edgellama import amx
+from edgellama.formats import linear, records
+from edgellama.simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, ISA, ISA_NAMES, KIND_Q4_0, KIND_Q4_1,
+                            KIND_Q8_0, RECORD_ROWS, TOKENS)
+
+f32, f64 = np.float32, np.float64
+KINDS = {"Q4_0": (G.Q4_0, KIND_Q4_0), "Q4_1": (G.Q4_1, KIND_Q4_1), "Q8_0": (G.Q8_0, KIND_Q8_0)}
+
+
+# --- the NumPy twin -------------------------------------------------------------------------
+
+def tdp(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """tdpbssd / tdpbsud / tdpbusd / tdpbuud, signedness from the dtypes: a (16, K) int8
+    or uint8 (A: K bytes per row), b (K/4, 64) int8 or uint8, VNNI-packed (byte 4n + i
+    of row g is element 4g + i of column n) -> C (16, 16) int32, C[m, n] = sum_k
+    a[m, k] b[k, n], from zero."""
+    K = a.shape[1]
+    bt = b.astype(np.int64).reshape(K // 4, 16, 4).transpose(1, 0, 2).reshape(16, K)   # [n, k]
+    c = a.astype(np.int64) @ bt.T
+    assert np.abs(c).max(initial=0) < 2 ** 31
+    return c.astype(np.int32)
+
+
+def b_tile(rec: np.ndarray, G_: int, kind: int, k: int) -> np.ndarray:
+    """The B tile (8, 64) the kernel makes of block k of a record: Q8_0's quads as int8;
+    Q4's nibble quads, rows 0..3 the low nibbles (elements 0..15), 4..7 the high ones,
+    uint8 (Q4_1), or less 8 as int8 (Q4_0)."""
+    o = BLOCK_HEAD[kind] * G_ + BLOCK_QUADS[kind] * k
+    quads = rec[o:o + BLOCK_QUADS[kind]]
+    if kind == KIND_Q8_0:
+        return quads.view(np.int8).reshape(8, 64)
+    t = np.concatenate([quads & 15, quads >> 4]).reshape(8, 64)
+    return (t.astype(np.int16) - 8).astype(np.int8) if kind == KIND_Q4_0 else t
+
+
+def fma(a, b, c):
+    """f32 fma, as float64 a b (exact) + c rounded to f32 (the double rounding differs
+    from one rounding in about 1 case in 2^29: none in these tests' inputs)."""
+    return (f64(1) * a.astype(f64) * b.astype(f64) + c.astype(f64)).astype(f32)
+
+
+def twin_matmul(lin, x8, xd, xsum, T):
+    """out (T, out_features) of a BlocksLinear as the AMX kernel computes it: per strip
+    and record, per block the int32 C of tdp (16 tokens at a time) and the f32 steps of
+    simd.blocks_gemm: s = fma(float(C), d dx, s) [Q4_1: s = fma(m, xsum, s)] block by
+    block from s = 0, then total += s record by record."""
+    kind, G_, R = lin.kind, lin.group, lin.R
+    Tp, nb = xd.shape
+    bb = BLOCK_BYTES[kind]
+    out = np.zeros((T, lin.out_features), f32)
+    for t in range(lin.nt):
+        for strip in range(R // RECORD_ROWS):
+            r0 = t * R + strip * RECORD_ROWS
+            total = np.zeros((Tp, RECORD_ROWS), f32)
+            for sb in range(nb // G_):
+                o = (strip * (nb // G_) + sb) * G_ * bb
+                rec = lin.q[t, o:o + G_ * bb]
+                s = np.zeros((Tp, RECORD_ROWS), f32)
+                for k in range(G_):
+                    b = sb * G_ + k
+                    B = b_tile(rec, G_, kind, k)
+                    C = np.concatenate([tdp(x8[g:g + 16, 32 * b:32 * b + 32], B) for g in range(0, Tp, 16)])
+                    dv = rec[32 * k:32 * k + 32].view(np.float16).astype(f32)
+                    s = fma(C.astype(f32), dv[None] * xd[:, b:b + 1], s)
+                    if kind == KIND_Q4_1:
+                        mv = rec[32 * G_ + 32 * k:32 * G_ + 32 * k + 32].view(np.float16).astype(f32)
+                        s = fma(np.broadcast_to(mv[None], s.shape), np.broadcast_to(xsum[:, b:b + 1], s.shape), s)
+                total = total + s
+            n = min(RECORD_ROWS, lin.out_features - r0)
+            if n > 0:
+                out[:, r0:r0 + n] = total[:T, :n]
+    return out
+
+
+def make(name, shape, seed):
+    type_, _ = KINDS[name]
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal(shape).astype(np.float32)
+    w[1, :] *= 1e-6                         # f16 subnormal block scales
+    data = quantize(w, type_)
+    return linear(int(type_), [(data, shape)]), data
+
+
+def prep(x, pad=16):
+    """prep_q8_rows' arrays for x (T, n), rows padded with zeros to a multiple of pad."""
+    T, n = x.shape
+    Tp = -(-T // pad) * pad
+    x8, xd = np.zeros((Tp, n), np.int8), np.zeros((Tp, n // 32), f32)
+    xs8, xsum = np.zeros((Tp, n // 32), np.int32), np.zeros((Tp, n // 32), f32)
+    records.prep_q8_rows(x, x8, xd, xs8, xsum)
+    return x8, xd, xs8, xsum
+
+
+def file_sums(name, data, x8):
+    """Per token, row and block, the exact int32 the tile product must give, from the
+    file's bytes: S = sum q x8 (Q8_0, Q4_1); Q4_0 sum (q - 8) x8 = S - 8 xs8."""
+    rows = data.shape[0]
+    if name == "Q8_0":
+        q = data.reshape(rows, -1, 34)[:, :, 2:].view(np.int8).astype(np.int64)
+    else:
+        nib = data.reshape(rows, -1, 18 if name == "Q4_0" else 20)[:, :, -16:]
+        q = np.concatenate([nib & 15, nib >> 4], axis=2).astype(np.int64)
+        if name == "Q4_0":
+            q -= 8
+    x = x8.reshape(x8.shape[0], -1, 32).astype(np.int64)
+    return np.einsum("rbe,tbe->trb", q, x)
+
+
+@pytest.mark.parametrize("signs", ["ss", "su", "us", "uu"])
+def test_tdp_model_is_the_instruction_definition(signs):
+    # C[m][n] = sum over K/4 groups g and i of A[m][4g+i] B[g][4n+i], each byte read as
+    # its instruction says (tdpbssd: both signed, tdpbsud: A signed, B unsigned, ...)
+    rng = np.random.default_rng(len(signs) + ord(signs[0]) + 3 * ord(signs[1]))
+    ta = np.int8 if signs[0] == "s" else np.uint8
+    tb = np.int8 if signs[1] == "s" else np.uint8
+    a = rng.integers(0, 256, (16, 64)).astype(np.uint8).view(ta)
+    b = rng.integers(0, 256, (16, 64)).astype(np.uint8).view(tb)
+    a[0] = np.array(-128 if ta is np.int8 else 255).astype(ta)     # the extremes
+    b[:, 0:4] = np.array(-128 if tb is np.int8 else 255).astype(tb)
+    want = np.zeros((16, 16), np.int64)
+    for m in range(16):
+        for n in range(16):
+            want[m, n] = sum(int(a[m, 4 * g + i]) * int(b[g, 4 * n + i]) for g in range(16) for i in range(4))
+    assert np.array_equal(tdp(a, b), want)
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_twin_tiles_give_the_exact_block_sums(name):
+    # B tiles made of the records, A of x8: C is exactly the int32 the VNNI kernel's
+    # float steps take (Q4_0 with its -8 folded in), for every token, row and block
+    shape = (40, 96)                       # 3 blocks a row: records of one block
+    lin, data = make(name, shape, 1)
+    rng = np.random.default_rng(2)
+    x8, xd, xs8, xsum = prep(rng.standard_normal((20, shape[1])).astype(f32))
+    x8[0] = 127                            # the largest sums
+    x8[1] = -127
+    want = file_sums(name, data, x8)       # (Tp, rows, nb)
+    kind, G_, R = lin.kind, lin.group, lin.R
+    bb, nb = BLOCK_BYTES[kind], shape[1] // 32
+    for r0 in range(0, shape[0], RECORD_ROWS):
+        t, strip = divmod(r0, R)
+        strip //= RECORD_ROWS
+        for b in range(nb):
+            sb, k = divmod(b, G_)
+            o = (strip * (nb // G_) + sb) * G_ * bb
+            B = b_tile(lin.q[t, o:o + G_ * bb], G_, kind, k)
+            n = min(RECORD_ROWS, shape[0] - r0)
+            for g in range(0, x8.shape[0], 16):
+                C = tdp(x8[g:g + 16, 32 * b:32 * b + 32], B)
+                assert np.array_equal(C[:, :n], want[g:g + 16, r0:r0 + n, b]), (r0, b, g)
+
+
+@pytest.fixture
+def vnni_only():
+    """The VNNI path whatever this machine has; the AMX choice restored after."""
+    was = amx._enabled
+    amx._enabled = False
+    yield
+    amx._enabled = was
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+@pytest.mark.parametrize("shape,T", [((300, 256), 17), ((100, 96), 5), ((64, 64), 1)])
+def test_twin_has_the_vnni_kernels_bits(name, shape, T, vnni_only):
+    # on every machine: the twin's float steps, in the AMX kernel's order, give the
+    # VNNI path's bits (so the AMX kernel, computing the twin, does too)
+    lin, _ = make(name, shape, T)
+    x = np.random.default_rng(T).standard_normal((T, shape[1])).astype(f32)
+    got = np.empty((T, shape[0]), f32)
+    lin.matmul(x, got)
+    x8, xd, _, xsum = prep(x)
+    assert np.array_equal(got.view(np.int32), twin_matmul(lin, x8, xd, xsum, T).view(np.int32))
+
+
+# --- permission and fallback ------------------------------------------------------------------
+
+def test_tile_config_bytes():
+    cfg = amx.tile_config()
+    assert len(cfg) == 64 and cfg[0] == 1 and cfg[1] == 0
+    for ta, tb, tc in amx.SETS:
+        colsb = lambda i: cfg[16 + 2 * i] | cfg[17 + 2 * i] << 8
+        assert (cfg[48 + ta], colsb(ta)) == (16, 32)         # A: 16 tokens x 32 bytes
+        assert (cfg[48 + tb], colsb(tb)) == (8, 64)          # B: 8 rows of 4 x 16 bytes
+        assert (cfg[48 + tc], colsb(tc)) == (16, 64)         # C: 16 x 16 int32
+    unused = set(range(8)) - {i for s in amx.SETS for i in s}
+    assert all(cfg[48 + i] == 0 and cfg[16 + 2 * i] == 0 for i in unused)
+
+
+class _Refusing:
+    """ctypes.CDLL's stand-in: a libc whose syscall() answers rc and records its calls."""
+
+    def __init__(self, rc):
+        self.calls = []
+        this = self
+
+        class Syscall:
+            restype = None
+
+            def __call__(self, *args):
+                this.calls.append([getattr(a, "value", a) for a in args])
+                return rc
+        self.syscall = Syscall()
+
+    def __call__(self, *a, **k):
+        return self
+
+
+def test_refused_permission_falls_back(monkeypatch):
+    # arch_prctl refused (an old kernel, no AMX, a VM without XFD): no AMX, silently,
+    # and prefill takes the VNNI kernels
+    libc = _Refusing(-1)
+    monkeypatch.setattr(amx.ctypes, "CDLL", libc)
+    assert amx.request_permission() is False
+    assert libc.calls[0][:3] == [amx.SYS_ARCH_PRCTL, amx.ARCH_REQ_XCOMP_PERM, amx.XFEATURE_XTILEDATA]
+    monkeypatch.setattr(amx, "_enabled", None)
+    assert amx.enabled() is False
+    assert amx.kernels_name() == ISA_NAMES[ISA]
+    lin, _ = make("Q4_0", (64, 64), 0)
+    assert lin._tokens(64) == (TOKENS, TOKENS)
+
+
+def test_granted_but_not_readable_back_falls_back(monkeypatch):
+    # the request answers 0 but ARCH_GET_XCOMP_PERM does not show the bit: no AMX
+    libc = _Refusing(0)
+    monkeypatch.setattr(amx.ctypes, "CDLL", libc)
+    assert amx.request_permission() is False
+    assert [c[1] for c in libc.calls] == [amx.ARCH_REQ_XCOMP_PERM, amx.ARCH_GET_XCOMP_PERM]
+
+
+def test_no_tile_instructions_in_the_target_falls_back(monkeypatch):
+    monkeypatch.setattr(amx, "COMPILED", False)
+    monkeypatch.setattr(amx, "_enabled", None)
+    assert amx.enabled() is False and amx.use(True) is False
+
+
+def _fresh_process(env_extra):
+    env = dict(os.environ, **env_extra)
+    code = "from edgellama import amx; print(amx.enabled(), amx.kernels_name())"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True, cwd=Path(__file__).parents[2]).stdout.strip()
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " amx_tile" in flags and " amx_int8" in flags
+
+
+def test_a_fresh_process_asks_once_and_says_which_path():
+    out = _fresh_process({})
+    expect = amx.COMPILED and _cpu_has_amx()
+    assert out.startswith(str(expect)), out
+    assert ("AMX" in out) == out.startswith("True")
+    assert _fresh_process({"EDGELLAMA_AMX": "0"}) == f"False {ISA_NAMES[ISA]}"
+
+
+# --- the AMX kernel, where it runs ---------------------------------------------------------------
+
+@pytest.fixture
+def on_amx(monkeypatch):
+    """AMX prefill on, for any number of rows of x; skips where it cannot run."""
+    was = amx._enabled
+    if not amx.use(True):
+        amx._enabled = was
+        pytest.skip("no AMX tiles here (the CPU, Numba's target or Linux's permission)")
+    monkeypatch.setattr(records, "AMX_MIN_ROWS", 1)
+    threads = numba.get_num_threads()
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))   # two workers' tile configs
+    yield
+    numba.set_num_threads(threads)
+    amx._enabled = was
+
+
+def _both(lin, x, fine=False):
+    """(VNNI, AMX) products of x, AMX on around the second."""
+    lin.fine = fine
+    out = [np.empty((x.shape[0], lin.out_features), f32) for _ in range(2)]
+    amx._enabled = False
+    lin.matmul(x, out[0])
+    amx._enabled = True
+    calls = []
+    real = records.matmul_blocks_amx
+    records.matmul_blocks_amx = lambda *a: (calls.append(1), real(*a))
+    try:
+        lin.matmul(x, out[1])
+    finally:
+        records.matmul_blocks_amx = real
+    assert calls, "the AMX kernel did not run"
+    return out
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+@pytest.mark.parametrize("shape", [(300, 256), (100, 96), (48, 64)])   # G = 8, 1, 2
+def test_amx_prefill_has_the_vnni_bits(name, shape, on_amx):
+    lin, _ = make(name, shape, 5)
+    rng = np.random.default_rng(6)
+    for T in (1, 5, 16, 17, 40, 70):                  # 70: two calls of GROUPS token groups
+        x = rng.standard_normal((T, shape[1])).astype(f32)
+        x[0, :32] = 0                                 # a zero block of x (xd = 0)
+        vnni, got = _both(lin, x)
+        assert np.array_equal(vnni.view(np.int32), got.view(np.int32)), (T, np.abs(vnni - got).max())
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_amx_fine_activations_have_the_vnni_bits(name, on_amx):
+    lin, _ = make(name, (80, 128), 7)
+    x = np.random.default_rng(8).standard_normal((9, 128)).astype(f32)
+    vnni, got = _both(lin, x, fine=True)
+    assert np.array_equal(vnni.view(np.int32), got.view(np.int32))
+
+
+def test_amx_kernel_is_the_twin(on_amx):
+    lin, _ = make("Q4_0", (200, 256), 9)
+    x = np.random.default_rng(10).standard_normal((33, 256)).astype(f32)
+    got = np.empty((33, 200), f32)
+    lin.matmul(x, got)
+    x8, xd, _, xsum = prep(x)
+    assert np.array_equal(got.view(np.int32), twin_matmul(lin, x8, xd, xsum, 33).view(np.int32))
