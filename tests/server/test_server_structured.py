@@ -556,6 +556,36 @@ def test_tool_calls_stream_as_they_are_generated(tiny, k):
         assert got == [calls[0]["function"]["name"]]
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory, qwen3_tokenizer_dir):
+    """A tiny random Qwen 3 (q/k norms, NEOX RoPE) with Qwen 3's own chat template."""
+    template = json.loads((qwen3_tokenizer_dir / "tokenizer_config.json").read_text())
+    path = write_tiny_gguf(tmp_path_factory.mktemp("qwen3") / "q.gguf", "F32", arch="qwen3",
+                           head_dim=32, rope_scaling=False, vocab=TINY_VOCAB, ctx=4096,
+                           tokenizer=True, tied=False, seed=4,
+                           chat_template=template["chat_template"])
+    app = ServerUnderTest(path, ctx=4096)
+    yield app
+    app.close()
+
+
+def test_qwen3_tool_calls_through_the_server(tiny_qwen3):
+    # Qwen's tagged form, after a <think> block, becomes OpenAI tool calls, whole and streamed
+    text = ('<think>\nA time zone.\n</think>\n\n<tool_call>\n{"name": "get_time", '
+            '"arguments": {"zone": "CET"}}\n</tool_call>')
+    kw = dict(tools=[WEATHER, TIME], grammar=_forcing(text), max_tokens=300)
+    r = chat(tiny_qwen3, "Time in Paris?", **kw)
+    assert r.status == 200, r.body
+    whole = r.json()["choices"][0]
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] is None
+    (call,) = whole["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_time", "arguments": '{"zone": "CET"}'}
+    streamed = _streamed_calls(events(chat(tiny_qwen3, "Time in Paris?", stream=True, **kw)))
+    assert "".join(streamed[0]["fragments"]) == '{"zone": "CET"}'
+    plain = chat(tiny_qwen3, "Hi", max_tokens=5, temperature=0).json()["choices"][0]
+    assert plain["message"]["content"] is not None
+
+
 def test_forced_calls_are_a_list_only_if_the_template_shows_several(tiny, tiny_several):
     """tool_choice required: the first token may open a list of calls when the template
     shows several calls per message and parallel_tool_calls allows; else only "{"."""
