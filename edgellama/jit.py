@@ -281,9 +281,11 @@ class _Recorder:
         self.calls.setdefault((self.disp, sig), None)
 
 
-# Rows of x in the dry run's prefill: enough for the AMX prefill kernels (records.py
-# takes them from AMX_MIN_ROWS = 12 rows, where amx.enabled()).
-DRY_RUN_ROWS = 16
+# Rows of x in the dry run's prefill: enough for every kernel a long prefill runs and a
+# short one does not: the parallel elementwise rows (kernels.PARALLEL_ROWS), the parallel
+# K/V stores (kv_cache._PARALLEL_STORE) and the AMX products (records.AMX_MIN_ROWS, where
+# amx.enabled()); tests/runtime/test_jit_progress.py holds it to them.
+DRY_RUN_ROWS = 32
 
 
 def kernels_called(model) -> list[tuple[Dispatcher, tuple]]:

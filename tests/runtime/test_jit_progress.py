@@ -20,6 +20,8 @@ def test_dry_run_finds_the_kernels_and_warm_up_leaves_nothing_to_compile(tmp_pat
     assert isinstance(K.rmsnorm, Dispatcher)      # the kernels are back in their modules
     names = [d.py_func.__name__ for d, _ in calls]
     assert {"rmsnorm", "rope", "attention", "swiglu", "matvec_blocks"} <= set(names)
+    # and a long prefill's own kernels: its rows in parallel, its K/V stores in parallel
+    assert {"rmsnorm_rows", "rope_rows", "swiglu_rows", "add_rows", "store_f16_k"} <= set(names)
     assert len(calls) == len(set(calls))
     shown = []
     warm = jit.warm_up(llm.model, lambda n, total, name: shown.append((n, total, name)))
@@ -29,8 +31,15 @@ def test_dry_run_finds_the_kernels_and_warm_up_leaves_nothing_to_compile(tmp_pat
     assert llm.seq.pos == 0
     with jit.Compiling() as watch:
         llm.model.forward([1, 2, 3], llm.seq)
+        llm.model.forward(list(range(5, 5 + K.PARALLEL_ROWS)), llm.seq)
         llm.model.forward([4], llm.seq)
     assert watch.count == 0
+
+
+def test_the_dry_run_reaches_every_threshold_of_a_long_prefill():
+    from edgellama import kv_cache
+    from edgellama.formats import records
+    assert jit.DRY_RUN_ROWS >= max(K.PARALLEL_ROWS, kv_cache._PARALLEL_STORE, records.AMX_MIN_ROWS)
 
 
 def test_kernel_progress_off_a_terminal_is_two_lines():
@@ -59,5 +68,12 @@ def test_warm_up_without_the_dry_run_still_compiles_both_paths(tmp_path, monkeyp
     assert llm.seq.pos == 0
     with jit.Compiling() as watch:
         llm.model.forward([1, 2, 3], llm.seq)
+        llm.model.forward(list(range(5, 5 + K.PARALLEL_ROWS)), llm.seq)
         llm.model.forward([4], llm.seq)
     assert watch.count == 0
+
+
+def test_the_dry_run_reaches_every_threshold_of_a_long_prefill():
+    from edgellama import kv_cache
+    from edgellama.formats import records
+    assert jit.DRY_RUN_ROWS >= max(K.PARALLEL_ROWS, kv_cache._PARALLEL_STORE, records.AMX_MIN_ROWS)
