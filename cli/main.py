@@ -119,9 +119,9 @@ def _version(ctx, param, value):
     import numba
 
     from edgellama import jit, threading_layer   # noqa: F401  (jit sets Numba up first)
-    from edgellama.simd import ISA, ISA_NAMES
+    from edgellama.amx import kernels_name
     click.echo(f"edgellama {version('edgellama')} (Numba {numba.__version__}, "
-               f"{ISA_NAMES[ISA]} kernels, threading layer {threading_layer.name()})")
+               f"{kernels_name()} kernels, threading layer {threading_layer.name()})")
     if note := threading_layer.note():
         click.echo(f"note: {note}", err=True)
     ctx.exit()
