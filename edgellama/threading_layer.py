@@ -52,5 +52,5 @@ def note() -> str | None:
     """One line for the user when the slow layer is all there is; None otherwise."""
     if name() != "workqueue":
         return None
-    return (f"parallel kernels run on Numba's workqueue threading layer, up to half as fast "
+    return (f"parallel kernels run on Numba's workqueue threading layer, under half as fast "
             f"on many cores as OpenMP's: {INSTALL_HINT}")
