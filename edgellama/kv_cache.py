@@ -337,6 +337,6 @@ def fit_advice(args: ModelArgs, ctx: int, type_k: str, type_v: str, avail: int) 
                 break
     longest = longest_context(args, avail, type_k, type_v)
     if args.train_ctx and longest > args.train_ctx:     # no advice past the model's window
-        return msg + f"; use a --ctx of at most the model's {args.train_ctx}-token window"
+        return msg + f"; use a smaller --ctx (at most the model's {args.train_ctx}-token window)"
     return msg + (f"; use a smaller --ctx (with {type_k}/{type_v}: {longest} or less)"
                   if longest else "; free some memory")

@@ -125,7 +125,8 @@ def quantized_file(f32_path, fmt: str, tmp_path):
 def read(path):
     """meta, {name: W float64}, {name: type name} of a file, with gguf-py's reader."""
     r = GGUFReader(str(path))
-    meta = {k: f.contents() for k, f in r.fields.items() if k.startswith("llama.")}
+    meta = {k: f.contents() for k, f in r.fields.items()
+            if k.startswith("llama.") or k == "general.architecture"}
     W = {t.name: dequantize(t.data, t.tensor_type).astype(np.float64).reshape(
         tuple(int(d) for d in reversed(t.shape))) for t in r.tensors}
     types = {t.name: type_name(int(t.tensor_type)) for t in r.tensors}

@@ -202,7 +202,7 @@ def test_advice_never_goes_past_the_models_window():
     # does not fit is told the window, not a longer context the model was never trained for
     a = llama_3b_args()
     msg = fit_advice(a, 99_999_999, "f16", "f16", 20 * 2 ** 30)
-    assert f"at most the model's {a.train_ctx}-token window" in msg
+    assert f"use a smaller --ctx (at most the model's {a.train_ctx}-token window)" in msg
     assert not re.search(r"\b(1[3-9]\d|[2-9]\d\d)\d{3} or less", msg), msg
 
 
