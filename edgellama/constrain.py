@@ -37,6 +37,7 @@ import numpy as np
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from .errors import EdgeError
+from .schema_copy import copy_schema
 from .sampling import Sampler
 from .tokenizer import BYTE, NORMAL, USER_DEFINED, Tokenizer
 
@@ -172,7 +173,6 @@ NUMBER_BOUND = 1e16
 NUMBER_STEP = 1e-10     # llguidance takes no finer multipleOf
 STRING_BOUND = 2048
 ARRAY_BOUND = 256
-_LITERALS = ("enum", "const", "default", "examples")   # values in a schema, not schemas
 
 
 def _number_or_none(v: Any) -> float | None:
@@ -231,21 +231,11 @@ def _bound(schema: dict) -> None:
 def bounded_schema(schema: Any) -> Any:
     """A copy of `schema` with the default bounds (_bound) on every schema in it, made
     without recursion; EdgeError for a multipleOf the engine cannot take (_check_step)."""
-    top = [schema]
-    stack = [(top, 0)]   # (container, key): its value is copied in place
-    while stack:
-        into, key = stack.pop()
-        v = into[key]
-        if isinstance(v, list):
-            into[key] = copy = list(v)
-            stack.extend((copy, i) for i in range(len(copy)))
-        elif isinstance(v, dict):
-            into[key] = copy = dict(v)
-            stack.extend((copy, k) for k in v if k not in _LITERALS)
-            _check_step(copy)
-            if "type" in copy:
-                _bound(copy)
-    return top[0]
+    def visit(copy: dict) -> None:
+        _check_step(copy)
+        if "type" in copy:
+            _bound(copy)
+    return copy_schema(schema, visit)
 
 
 def json_schema_grammar(schema: Any) -> str:

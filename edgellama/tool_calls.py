@@ -29,6 +29,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .schema_copy import copy_schema
+
 MAX_CALL_CHARS = 1 << 20   # longer replies are not read as calls
 _MAX_TAG = 16              # characters of a tag's name: <|python_tag|>, <tool_call>...
 
@@ -406,30 +408,16 @@ def parse_tool_calls(text: str, names: Collection[str] | None = None,
     return reader.finish()
 
 
-_LITERALS = ("enum", "const", "default", "examples")
-
-
 def _rebased(schema: Any, base: str) -> Any:
     """`schema` with its local references ("#", "#/$defs/X", ...) pointing into the copy of
     it at `base`: a tool's parameter schema, moved under the call's schema, keeps its own
     $defs (Pydantic writes nested models so). Copied without recursion: a client's schema
     may nest deeper than Python's stack."""
-    top = [schema]
-    stack = [(top, 0)]   # (container, key): its value is copied in place
-    while stack:
-        into, key = stack.pop()
-        v = into[key]
-        if isinstance(v, list):
-            into[key] = copy = list(v)
-            stack.extend((copy, i) for i in range(len(copy)))
-        elif isinstance(v, dict):
-            into[key] = copy = dict(v)
-            for k, x in v.items():
-                if k == "$ref" and isinstance(x, str) and x.startswith("#"):
-                    copy[k] = base + x[1:]
-                elif k not in _LITERALS:   # values, not schemas: kept as they are
-                    stack.append((copy, k))
-    return top[0]
+    def visit(copy: dict) -> None:
+        ref = copy.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            copy["$ref"] = base + ref[1:]
+    return copy_schema(schema, visit)
 
 
 def tool_call_schema(tools: Sequence[dict], only: str | None = None,
