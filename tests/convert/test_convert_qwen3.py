@@ -1,6 +1,7 @@
 """convert on a random Qwen3ForCausalLM checkpoint with the real Qwen 3 tokenizer: a
 qwen3 GGUF whose q/k rows are HF's (NEOX: no permutation), with q/k norms, key_length,
 the qwen2 pre-tokenizer and Qwen 3's chat template; it runs as the reference says."""
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -94,3 +95,26 @@ def test_it_runs_as_the_reference(converted):
     meta, W = load_reference(out)
     want = reference_forward(meta, W, ids)
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                    reason="llama-cpp-python not installed (pip install -e '.[oracle]')")
+def test_llama_cpp_runs_the_converted_file_to_our_logits(converted):
+    # the file convert wrote, with the real Qwen 3 tokenizer, read by llama.cpp itself: the
+    # same token ids from the same text and the same F32 logits (KL within 1e-5)
+    import llama_cpp
+    out, _ = converted
+    llm = edgellama.load(out, ctx=64)
+    text = "Hi, 2+2? 汉字 and code: def f(x): return x**2"
+    L = llama_cpp.Llama(model_path=str(out), n_ctx=64, n_batch=64, logits_all=True,
+                        verbose=False, n_threads=2)
+    ids = llm.tokenizer.encode(text)
+    assert L.tokenize(text.encode(), add_bos=False, special=False) == ids
+    L.eval(ids)
+    theirs = np.array(L.scores[:len(ids)], np.float64)
+    ours = llm.model.forward(ids, llm.seq, all_logits=True).astype(np.float64)
+    lp = theirs - theirs.max(-1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+    lq = ours - ours.max(-1, keepdims=True)
+    lq -= np.log(np.exp(lq).sum(-1, keepdims=True))
+    assert float((np.exp(lp) * (lp - lq)).sum(-1).max()) < 1e-5
