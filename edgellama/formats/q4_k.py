@@ -405,7 +405,7 @@ class Q4KLinear(RecordLinear):
         prep_q8_x(x, x8, xd, xs8, xsum)
         matvec_k(self.q, x8, xd, xsum, out, acc, self.BITS)
 
-    def _gemm(self, x8, xd, xs8, xsum, out, acc):
+    def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
         matmul_k(self.q, x8, xd, xsum, out, acc, self.BITS)
 
     def _rows(self, ids, out):

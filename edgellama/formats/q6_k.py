@@ -314,8 +314,8 @@ class Q6KLinear(RecordLinear):
         sums16(x8, xs16)
         matvec_q6_k(self.q, x8, xd, xs16, out, acc)
 
-    def _gemm(self, x8, xd, xs8, xsum, out, acc):
-        xs16 = np.empty(x8.size // 16, np.int32)
+    def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
+        xs16 = sc.get("q6_xs16", (x8.size // 16,), np.int32)
         sums16(x8, xs16)
         matmul_q6_k(self.q, x8, xd, xs16, out, acc)
 

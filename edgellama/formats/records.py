@@ -220,19 +220,19 @@ class RecordLinear(TiledLinear):
         acc = sc.get("q8_acc", (self.nt, height, self.R))
         if not self.fine:
             prep_q8_rows(x, x8, xd, xs8, xsum)
-            self._gemm(x8.reshape(-1), xd, xs8, xsum, out, acc)
+            self._gemm(x8.reshape(-1), xd, xs8, xsum, out, acc, sc)
             return
         prep_q8_split_rows(x, x8, xd, xs8, xsum)
         parts = sc.get("q8_parts", (rows, out.shape[1]))
-        self._gemm(x8.reshape(-1), xd, xs8, xsum, parts, acc)
+        self._gemm(x8.reshape(-1), xd, xs8, xsum, parts, acc, sc)
         np.add(parts[0::2], parts[1::2], out=out)
 
     # a few tokens cost one pass over the tiles, as one does
     matvecs = matmul
 
-    def _gemm(self, x8, xd, xs8, xsum, out, acc):
+    def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
         """out (T, out_features) = x W^T from prep_q8_rows' arrays; acc (nt, height, R)
-        f32 per-tile scratch (height from _tokens)."""
+        f32 per-tile scratch (height from _tokens); sc the Scratch for other buffers."""
         raise NotImplementedError
 
 
@@ -350,12 +350,12 @@ class BlocksLinear(RecordLinear):
             return AMX_TOKENS, GROUPS * AMX_TOKENS
         return TOKENS, TOKENS
 
-    def _gemm(self, x8, xd, xs8, xsum, out, acc):
+    def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
         if acc.shape[1] == GROUPS * AMX_TOKENS:    # _tokens chose the AMX tiles
             Tp, nb = xd.shape
-            xa = np.empty((Tp // AMX_TOKENS, nb, AMX_TOKENS, 32), np.int8)
-            xda = np.empty((Tp // AMX_TOKENS, nb, AMX_TOKENS), f32)
-            xsuma = np.empty_like(xda)
+            xa = sc.get("amx_xa", (Tp // AMX_TOKENS, nb, AMX_TOKENS, 32), np.int8)
+            xda = sc.get("amx_xda", (Tp // AMX_TOKENS, nb, AMX_TOKENS))
+            xsuma = sc.get("amx_xsuma", (Tp // AMX_TOKENS, nb, AMX_TOKENS))
             amx_a_tiles(x8.reshape(Tp, -1), xd, xsum, xa, xda, xsuma)
             matmul_blocks_amx(self.q, xa.reshape(-1), xda.reshape(-1), xsuma.reshape(-1), nb, out, acc,
                               self.group, self.kind)
