@@ -89,7 +89,7 @@ from .sampling import Sampler, SamplingParams, log_probs
 from .scratch import Scratch
 from .sequence import Sequence
 from .slot_files import SPILL_MIN, BadFileName, NoSuchFile, SlotFiles, StorageError
-from .speculative import (DraftLength, DraftModel, Drafter, PassCost, draft_limit, plan_step,
+from .speculative import (DraftLength, DraftModel, Drafter, PassCost, plan_step,
                           rejection_test)
 from .tokenizer import StreamDecoder
 from .tool_calls import ToolCallStream, tool_call_schema
@@ -693,9 +693,7 @@ class Engine:
         if drafter:
             for slot in self.slots:
                 slot.drafter = drafter if slot.index == 0 else drafter.copy()
-                limit = draft_limit(llm.ctx)   # a step's check must fit the context
-                slot.length = DraftLength(min(drafter.draft_min, limit),
-                                          min(drafter.draft_max, limit), costs=self.costs)
+                slot.length = DraftLength(*drafter.bounded(llm.ctx), costs=self.costs)
         self._stop_ids = llm.tokenizer.stop_ids
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()

@@ -64,13 +64,16 @@ class Drafter:
         self.draft_min, self.draft_max = draft_min, draft_max
         self.length: DraftLength | None = None
 
+    def bounded(self, ctx: int) -> tuple[int, int]:
+        """(draft_min, draft_max) bounded by draft_limit(ctx): what a step may draft."""
+        limit = draft_limit(ctx)
+        return min(self.draft_min, limit), min(self.draft_max, limit)
+
     def length_for(self, target: Transformer) -> DraftLength:
         """The draft-length chooser of this drafter checking for `target`, its lengths
-        bounded by draft_limit(target's context)."""
+        bounded by the target's context."""
         if self.length is None:
-            limit = draft_limit(target.ctx)
-            self.length = DraftLength(min(self.draft_min, limit), min(self.draft_max, limit),
-                                      target.one_pass_verify)
+            self.length = DraftLength(*self.bounded(target.ctx), target.one_pass_verify)
         return self.length
 
     def copy(self) -> Drafter:
