@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -48,28 +47,23 @@ def _median_time(fn, reps: int, inner: int = 1) -> float:
 
 def count_regions(run_one_token) -> tuple[int, dict[str, int]]:
     """How many parallel kernels (each one region: start the workers, join them) one call
-    of run_one_token launches from Python, by kernel name: every module of the package's
-    parallel dispatchers are wrapped with a counter for the call."""
-    from numba.core.registry import CPUDispatcher
-    import edgellama
+    of run_one_token launches from Python, by kernel name: the package's parallel kernels
+    are wrapped with a counter for the call (jit.kernels_replaced)."""
+    from edgellama.jit import kernels_replaced
     counts: dict[str, int] = {}
-    patched = []
-    for name, mod in list(sys.modules.items()):
-        if not (name == "edgellama" or name.startswith("edgellama.")) or mod is None:
-            continue
-        for attr, obj in list(vars(mod).items()):
-            if isinstance(obj, CPUDispatcher) and obj.targetoptions.get("parallel"):
-                def wrap(*args, _f=obj, _n=f"{obj.py_func.__module__.split('.')[-1]}.{attr}"):
-                    counts[_n] = counts.get(_n, 0) + 1
-                    return _f(*args)
-                patched.append((mod, attr, obj))
-                setattr(mod, attr, wrap)
-    try:
+
+    def counted(kernel):
+        if not kernel.targetoptions.get("parallel"):
+            return None
+        name = f"{kernel.py_func.__module__.split('.')[-1]}.{kernel.py_func.__name__}"
+
+        def run(*args):
+            counts[name] = counts.get(name, 0) + 1
+            return kernel(*args)
+        return run
+
+    with kernels_replaced(counted):
         run_one_token()
-    finally:
-        for mod, attr, obj in patched:
-            setattr(mod, attr, obj)
-    del edgellama
     return sum(counts.values()), counts
 
 

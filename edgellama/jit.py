@@ -288,6 +288,26 @@ class _Recorder:
 DRY_RUN_ROWS = 32
 
 
+@contextlib.contextmanager
+def kernels_replaced(stand_in: Callable[[Dispatcher], object | None]):
+    """For the block: every kernel of ours, in each module of the package that holds it,
+    replaced by stand_in(kernel) (None: left as it is); all put back after."""
+    patched = []
+    try:
+        for mod in [m for name, m in sys.modules.items()
+                    if m is not None and (name == "edgellama" or name.startswith("edgellama."))]:
+            for attr, value in list(vars(mod).items()):
+                if isinstance(value, Dispatcher) and value.py_func.__module__.startswith("edgellama."):
+                    new = stand_in(value)
+                    if new is not None:
+                        patched.append((mod, attr, value))
+                        setattr(mod, attr, new)
+        yield
+    finally:
+        for mod, attr, value in patched:
+            setattr(mod, attr, value)
+
+
 def kernels_called(model) -> list[tuple[Dispatcher, tuple]]:
     """The kernels, with their argument types, that one prefill and one decode step
     call, in order of first use. Found by running both steps with every kernel of ours
@@ -295,23 +315,13 @@ def kernels_called(model) -> list[tuple[Dispatcher, tuple]]:
     the Python around the kernels runs, on whatever the buffers hold. Call it before
     other threads use our kernels."""
     calls: dict = {}
-    patched = []
-    for mod in [m for name, m in sys.modules.items()
-                if name == "edgellama" or name.startswith("edgellama.")]:
-        for attr, value in list(vars(mod).items()):
-            if isinstance(value, Dispatcher) and value.py_func.__module__.startswith("edgellama."):
-                patched.append((mod, attr, value))
-                setattr(mod, attr, _Recorder(value, calls))
     cap = min(model.ctx, 2 * DRY_RUN_ROWS)
     seq = model.new_sequence(cap)
     rows = DRY_RUN_ROWS if cap > DRY_RUN_ROWS else 2
-    try:
-        with np.errstate(all="ignore"):   # the buffers hold whatever they held
-            model.forward([0] * rows, seq)    # batched (matmul) path
-            model.forward([0], seq)       # decode (matvec) path
-    finally:
-        for mod, attr, value in patched:
-            setattr(mod, attr, value)
+    with kernels_replaced(lambda kernel: _Recorder(kernel, calls)), \
+            np.errstate(all="ignore"):    # the buffers hold whatever they held
+        model.forward([0] * rows, seq)    # batched (matmul) path
+        model.forward([0], seq)           # decode (matvec) path
     return list(calls)
 
 
