@@ -1,4 +1,4 @@
-"""Speculative decoding, measured (edgellama/speculative.py; README, Speculative decoding).
+"""Speculative decoding, measured (edgellama/speculative.py; docs/usage.md, Speculative decoding).
 
 1. The verification cost: Transformer.verify over T = 1 + k tokens (k = 2, 4, 8, 16
    proposals) against one decode step (T = 1), on the random-weight Llama 3.2 1B and 3B

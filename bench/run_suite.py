@@ -6,7 +6,7 @@ conversion throughput (bench_convert.py).
 
 Each model runs in its own `edgellama bench --json` process, so memory peaks are
 the model's alone. Writes suite.json (every figure, with the machine) and suite.md
-(the table the README shows).
+(the table docs/benchmarks.md shows).
 """
 from __future__ import annotations
 

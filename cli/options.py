@@ -27,7 +27,7 @@ activations_option = click.option(
     help="How activations are rounded for the integer matrix products: int8 per block of 32 "
          "as llama.cpp does, or fine: int8 plus its rounded residual for every "
          "Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K matrix, closer to full precision and slower "
-         "(README, Fidelity).")
+         "(docs/usage.md, Fidelity).")
 
 # edgellama.kv_cache.CACHE_TYPES and DEFAULT_CACHE_TYPE, written out (as ACTIVATIONS)
 CACHE_TYPES = ("f16", "q8_0", "q4_0")
@@ -40,7 +40,7 @@ def cache_type_options(f):
         f = click.option(short, name, type=click.Choice(CACHE_TYPES, case_sensitive=False),
                          default=DEFAULT_CACHE_TYPE, show_default=True,
                          help=f"How the KV cache stores {what}: f16, or ggml's q8_0 / q4_0 blocks "
-                              f"(about 1/2 and 1/4 of f16's memory; README, KV cache).")(f)
+                              f"(about 1/2 and 1/4 of f16's memory; docs/usage.md, KV cache types).")(f)
     return f
 
 

@@ -6,7 +6,7 @@
     constraint.advance(token)                     # after sampling from the masked logits
 
 The grammar engine is llguidance (MIT, one Rust extension, no dependencies): of the
-libraries measured on the 128K Llama 3 vocabulary (bench/bench_constraint.py, the README)
+libraries measured on the 128K Llama 3 vocabulary (bench/bench_constraint.py, docs/server.md)
 it is the fastest per token, compiles a schema in milliseconds (outlines-core builds a
 whole-vocabulary index per schema: seconds), and bounds its own work per grammar and per
 token (LLParserLimits), which is what lets a server take grammars from strangers.

@@ -26,7 +26,7 @@ from .formats.base import anon_array
 from .kernels import rope, rope_neox
 
 CACHE_TYPES = ("f16", "q8_0", "q4_0")
-DEFAULT_CACHE_TYPE = "f16"     # for K and V (README, KV cache: why)
+DEFAULT_CACHE_TYPE = "f16"     # for K and V (docs/usage.md, KV cache types: why)
 # bytes per value and per block of 32 values of each type
 _BLOCK_BYTES = {"f16": 64, "q8_0": 34, "q4_0": 18}
 LAYOUT_VERSION = 1

@@ -1,7 +1,7 @@
 """ggml's own quantizer, as an oracle: `ggml_quantize_chunk` from the libggml-base that
 llama-cpp-python builds (the function llama-quantize calls, here without an importance
-matrix). Optional: `pip install llama-cpp-python` (see README, "Testing against
-llama.cpp"); tests that need it live-skip without it, and golden files made with it
+matrix). Optional: `pip install llama-cpp-python` (see docs/design.md,
+"Testing"); tests that need it live-skip without it, and golden files made with it
 (tests/data/ggml_golden, see make_golden) keep the comparison in every run.
 """
 from __future__ import annotations

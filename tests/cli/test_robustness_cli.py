@@ -121,7 +121,7 @@ def test_context_larger_than_memory(tiny_chat, monkeypatch):
                                                 ("--ctx", "0", "not in the range x>=1"),
                                                 ("--ctx", "-5", "not in the range x>=1")])
 def test_counts_out_of_range_are_usage_errors(tiny_chat, flag, value, needle):
-    # out of range on any model: refused as the command line is read (exit 2, as README says)
+    # out of range on any model: refused as the command line is read (exit 2, as docs/usage.md says)
     res = invoke("generate", "-m", tiny_chat, "-p", "hi", flag, value)
     assert res.exit_code == 2 and needle in res.stderr and "Traceback" not in res.stderr, res.stderr
 

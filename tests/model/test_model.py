@@ -102,7 +102,7 @@ def test_context_overflow_is_an_error(tiny):
 
 
 def test_llama3_shaped_3b_numbers():
-    # README, Design: 3B f16 KV at ctx 8192 = 896 MiB, 112 KiB per token.
+    # docs/design.md, How it works: 3B f16 KV at ctx 8192 = 896 MiB, 112 KiB per token.
     from edgellama.args import ModelArgs
     a = ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192, vocab_size=128256,
                   norm_eps=1e-5, rope_theta=5e5, rope_dim=128, train_ctx=131072, tied_output=True)
