@@ -1,5 +1,8 @@
 """Byte-level BPE tokenizer built from GGUF `tokenizer.ggml.*` metadata, run by tiktoken.
 
+(SentencePiece vocabularies, tokenizer.ggml.model "llama", are edgellama/spm.py's;
+`Tokenizer.from_metadata` picks by the model.)
+
 A gpt2-type vocabulary becomes a `tiktoken.Encoding`: the 256 byte tokens plus every
 merge result, ranked in merge order (tiktoken merges the adjacent pair whose
 concatenation has the lowest rank, which is BPE when ranks follow the merge order).
@@ -159,15 +162,21 @@ class Tokenizer:
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
-        """Build from a GGUF metadata mapping (see edgellama.gguf.GGUFFile.metadata).
+        """Build from a GGUF metadata mapping (see edgellama.gguf.GGUFFile.metadata); a
+        "llama" (SentencePiece) vocabulary gives an edgellama.spm.SentencePieceTokenizer,
+        which has the same interface.
 
         Every value is type-checked first: the file is untrusted, and a wrong type
         (a string where an id belongs, an int array for the token list) is an EdgeError.
         """
         model = _meta(meta, "tokenizer.ggml.model", str, None)
+        if model == "llama":   # SentencePiece (Gemma, Llama 2): its own module
+            from edgellama.spm import SentencePieceTokenizer
+            return SentencePieceTokenizer.from_metadata(meta)
         if model != "gpt2":
-            raise EdgeError(f"unsupported tokenizer model {model!r}: only byte-level BPE "
-                            "('gpt2', used by Llama 3, SmolLM2 and Qwen) is supported")
+            raise EdgeError(f"unsupported tokenizer model {model!r}: supported are byte-level "
+                            "BPE ('gpt2': Llama 3, SmolLM2, Qwen) and SentencePiece ('llama': "
+                            "Gemma)")
         pre = _meta(meta, "tokenizer.ggml.pre", str, None)
         if pre not in PRE_TOKENIZERS:
             raise EdgeError(f"unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre); "

@@ -340,8 +340,8 @@ def test_unknown_pre_tokenizer_is_an_error(smollm2_gguf):
 
 
 def test_unsupported_tokenizer_model_is_an_error(smollm2_gguf):
-    with pytest.raises(EdgeError, match="'llama'"):
-        Tokenizer.from_metadata(_smol_meta_with(smollm2_gguf, model="llama"))
+    with pytest.raises(EdgeError, match="'t5'"):
+        Tokenizer.from_metadata(_smol_meta_with(smollm2_gguf, model="t5"))
 
 
 @pytest.mark.parametrize("key", ["bos", "eos", "eot", "padding", "unknown"])
