@@ -4,7 +4,7 @@ token of two long conversations taking turns in one slot, with and without it.
     python bench/bench_slot_spill.py [--model GGUF] [--tokens 1536] [--turn 64]
                                      [--turns 4] [--ctx 4096] [--json OUT]
 
-One slot (--parallel 1), this process's Engine (edgellama/server.py), real weights
+One slot (--parallel 1), this process's Engine (edgellama/server/engine.py), real weights
 (SmolLM2 by default). Conversations A and B are two parts of bench/data/alice.txt of
 --tokens tokens; each turn adds the next --turn tokens of its text, and the requests
 alternate A, B, A, B, ... (max_tokens 1), so each one evicts the other conversation.
@@ -32,7 +32,9 @@ sys.path.insert(0, str(ROOT))   # this checkout's edgellama
 import edgellama  # noqa: E402
 from edgellama.machine import cpu_name  # noqa: E402
 from edgellama.sampling import SamplingParams  # noqa: E402
-from edgellama.server import Engine, Job, Params  # noqa: E402
+from edgellama.server.engine import Engine  # noqa: E402
+from edgellama.server.job import Job  # noqa: E402
+from edgellama.server.params import Params  # noqa: E402
 from edgellama.slot_files import SlotFiles  # noqa: E402
 
 DEFAULT_MODEL = Path("~/.cache/edgellama/SmolLM2-135M-Instruct.Q4_1.gguf").expanduser()

@@ -1,4 +1,4 @@
-"""`edgellama serve`: the OpenAI HTTP API (edgellama/server.py) on a local port."""
+"""`edgellama serve`: the OpenAI HTTP API (edgellama/server/) on a local port."""
 from __future__ import annotations
 
 import ipaddress

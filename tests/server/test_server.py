@@ -30,7 +30,7 @@ import pytest
 
 from edgellama.chat_template import ChatFormat
 from edgellama.gguf import GGUFFile
-from edgellama.server import StopMatcher
+from edgellama.server.job import StopMatcher
 from edgellama.tokenizer import Tokenizer
 from tiny_gguf import TINY_VOCAB, write_tiny_gguf
 

@@ -17,7 +17,7 @@ import pytest
 
 from edgellama.constrain import MAX_DEPTH, MAX_GBNF_RULES, _gbnf_depth, gbnf_grammar
 from edgellama.errors import EdgeError
-from edgellama.server import MAX_BODY_DEPTH
+from edgellama.server.params import MAX_BODY_DEPTH
 from edgellama.tool_calls import tool_call_schema
 from server_asgi import ServerUnderTest
 from test_chat_template import LLAMA32_TEMPLATE

@@ -1,6 +1,6 @@
 """`serve --parallel`: slots, continuous batching, prefix reuse per slot, cancellation.
 
-The engine (edgellama/server.py, Engine) is driven directly with Jobs in an event loop of
+The engine (edgellama/server/engine.py, Engine) is driven directly with Jobs in an event loop of
 this test, its model's decode wrapped to record every step's batch: which slots were
 decoded together. The model is test_server's tiny F32 chat model: with F32 weights every
 Linear's several-row decode is a matvec per row, so a reply decoded beside others is
@@ -20,10 +20,12 @@ import numpy as np
 import pytest
 
 import edgellama
-from edgellama import server as srv
 from edgellama.errors import EdgeError
 from edgellama.sampling import SamplingParams
-from edgellama.server import ApiError, Engine, Job, Params, choose_parallel
+from edgellama.server import engine as srv
+from edgellama.server.engine import Engine, choose_parallel
+from edgellama.server.job import Job
+from edgellama.server.params import ApiError, Params
 from server_asgi import tiny_chat_model
 from tiny_gguf import TINY_VOCAB, write_tiny_gguf
 from test_server import Served, models, streamed  # noqa: F401 - the fixture, shared

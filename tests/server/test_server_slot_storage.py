@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from edgellama import server as srv
 from edgellama import slot_files
 from edgellama.errors import EdgeError
+from edgellama.server import engine as srv
 from server_asgi import ServerUnderTest, tiny_chat_model
 from test_server_slots import A, B, _spilling_server, complete, slot
 

@@ -17,7 +17,7 @@ import pytest
 
 import edgellama
 from edgellama import prompt_cache
-from edgellama import server as srv
+from edgellama.server import engine as srv
 from edgellama.slot_files import SlotFiles
 from server_asgi import ServerUnderTest, tiny_chat_model
 from tiny_gguf import TINY_VOCAB, write_tiny_gguf

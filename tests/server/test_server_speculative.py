@@ -1,4 +1,4 @@
-"""`serve --draft MODEL` / `--lookup` (edgellama/server.py, Engine; speculative.plan_step):
+"""`serve --draft MODEL` / `--lookup` (edgellama/server/engine.py, Engine; speculative.plan_step):
 at temperature 0 the replies are those of the server without speculation, alone and with
 slots decoding together; usage counts the accepted and rejected proposals; plan_step
 drafts where the measured costs say a step gains, not with several slots on a kernel
@@ -16,7 +16,7 @@ import json
 import pytest
 
 import edgellama
-from edgellama import server as srv
+from edgellama.server import engine as srv
 from edgellama.speculative import DraftLength, Drafter, PassCost, PromptLookup, plan_step
 from server_asgi import ServerUnderTest
 from test_server_parallel import Job, collect, params, run

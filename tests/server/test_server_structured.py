@@ -22,7 +22,8 @@ from edgellama.constrain import Constraint, gbnf_grammar, json_object_grammar, j
 from edgellama.errors import EdgeError
 from edgellama.gguf import GGUFFile
 from edgellama.perplexity import log_softmax
-from edgellama.server import _messages, _one_call_per_message
+from edgellama.server.app import _one_call_per_message
+from edgellama.server.params import _messages
 from edgellama.tokenizer import Tokenizer
 from edgellama.tool_calls import ToolCall, ToolCallStream, parse_tool_calls, tool_call_schema
 from server_asgi import ServerUnderTest

@@ -135,7 +135,7 @@ def test_cli_refuses_values_outside_the_range(tiny, flags, message):
 def test_server_accepted_extremes_sample():
     """Every extreme of the server's accepted ranges goes through its parser into a
     SamplingParams that samples without error."""
-    from edgellama.server import _params
+    from edgellama.server.params import _params
     body_values = dict(temperature=[0, TINY, 2], top_p=[TINY, 1], top_k=[0, 10**30],
                        min_p=[0, TINY, 1], repeat_penalty=[TINY, 100],
                        seed=[-2**63, 2**63 - 1, 10**30])
