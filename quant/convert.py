@@ -287,7 +287,7 @@ def _mix_types(hp: HParams, shapes: dict[str, tuple[int, ...]], qtype: str,
                warnings: list[str]) -> dict[str, str]:
     """{name: format} of mix `qtype` (in llama-quantize's file order), with one warning
     summing up the tensors that fell back to another type, as llama-quantize does."""
-    choices = mix.plan(qtype, shapes, hp.n_layer, hp.n_head, hp.n_head_kv)
+    choices = mix.plan(qtype, shapes, hp.n_layer, hp.n_head, hp.n_head_kv, hp.arch)
     fell: dict[tuple[str, str], int] = {}
     for c in choices:
         if c.wanted:

@@ -1,11 +1,12 @@
-"""llama.cpp's K-quant mixes for llama models: which GGML type each tensor gets.
+"""llama.cpp's K-quant mixes for llama and Qwen 3 models: which GGML type each tensor gets.
 
 A port of `llama_tensor_get_type` and its callers in llama.cpp's src/llama-quant.cpp,
-for the llama architecture without an importance matrix, as built into
+for the llama and qwen3 architectures without an importance matrix, as built into
 llama-cpp-python 0.3.36 (`llama_model_quantize`, what `llama-quantize` runs). With it,
 `convert --type q4_k_m` writes the file llama-quantize makes from our F32 file:
 
-* only 2-D tensors named *weight, not *_norm.weight, are quantized (1-D stay F32);
+* only 2-D tensors named *weight, not *_norm.weight, are quantized (1-D stay F32, as
+  Qwen 3's attn_q_norm / attn_k_norm);
 * output.weight, and token_embd.weight when the embedding is tied (no output.weight),
   take the output rule: Q8_0 if its rows are not a multiple of 256, else Q6_K;
 * attn_v, ffn_down and attn_output get more bits per mix (tables below), by position:
@@ -15,8 +16,11 @@ llama-cpp-python 0.3.36 (`llama_model_quantize`, what `llama-quantize` runs). Wi
 * tensors are written in llama-quantize's order: names without a layer sorted, then
   layer by layer, names sorted within a layer.
 
-Rules for other architectures, MoE models (n_expert), Falcon and the IQ/TQ mixes are
-left out: edgellama converts dense llama checkpoints only.
+Qwen 3 takes the same rules but one: llama.cpp names model sizes per architecture, and
+only a llama of 80 layers with grouped-query attention is its "70B" (attn_v bumped to
+Q5_K); Qwen 3 has no such size. Rules for other architectures, MoE models (n_expert),
+Falcon and the IQ/TQ mixes are left out: edgellama converts dense llama and Qwen 3
+checkpoints only.
 """
 from __future__ import annotations
 
@@ -114,16 +118,17 @@ def _fallback(wanted: str, cols: int) -> str:
 
 
 def plan(mix_name: str, tensors: dict[str, tuple[int, ...]], n_layer: int, n_head: int,
-         n_head_kv: int) -> list[Choice]:
-    """The type of every tensor ({name: NumPy shape}) of a llama model in mix
-    `mix_name` (a key of MIXES), in llama-quantize's file order."""
+         n_head_kv: int, arch: str = "llama") -> list[Choice]:
+    """The type of every tensor ({name: NumPy shape}) of a model of architecture `arch`
+    (llama or qwen3) in mix `mix_name` (a key of MIXES), in llama-quantize's file order."""
     mix = MIXES[mix_name]
     names = file_order(tensors)
     tied = "output.weight" not in tensors
     gqa = n_head // n_head_kv
     # llama.cpp calls an 80-layer llama with grouped-query attention "70B": its attn_v
-    # (8x smaller than attn_q) gets Q5_K instead of Q3_K / Q4_K.
-    is_70b = n_layer == 80 and n_head != n_head_kv
+    # (8x smaller than attn_q) gets Q5_K instead of Q3_K / Q4_K. An 80-layer qwen3 is of
+    # no named size there (llm_type UNKNOWN): no bump.
+    is_70b = arch == "llama" and n_layer == 80 and n_head != n_head_kv
     counts = {"attn_v": sum(n.endswith("attn_v.weight") for n in names), "ffn_down": n_layer}
     seen = dict.fromkeys(counts, 0)
     out = []
