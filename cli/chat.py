@@ -18,6 +18,7 @@ from .chat_input import Reader, clean
 from .main import main
 from .options import (
     Output,
+    chat_template_options,
     draft_summary,
     drafter_from,
     load,
@@ -66,9 +67,15 @@ def _shown(path: Path) -> str:
 @click.option("--context-shift/--no-context-shift", default=True, show_default=True,
               help="When the context fills, the oldest turns are dropped and the rest moved "
                    "down in the cache (a context shift), not read again.")
+@chat_template_options
 def chat(model, ctx, threads, activations, cache_type_k, cache_type_v, max_tokens, system, history, context_shift, draft,
-         lookup, draft_min, draft_max, **sampling):
-    """Chat with a model in the terminal."""
+         lookup, draft_min, draft_max, template_kwargs, **sampling):
+    """Chat with a model in the terminal.
+
+    \b
+    A reply's reasoning (Qwen 3's <think> block) is shown dimmed on a terminal and
+    left out of the conversation the next turn renders; --reasoning-budget 0 turns
+    thinking off where the template can."""
     if why := stdin_problem():
         raise EdgeError(f"no input: {why}, and chat reads your messages from it; run it in a "
                         f"terminal or pipe the messages in, or give one prompt with "
@@ -76,6 +83,7 @@ def chat(model, ctx, threads, activations, cache_type_k, cache_type_v, max_token
     progress = KernelProgress()
     with jit.Compiling(progress) as loading:      # loading repacks weights with kernels too
         llm = load(model, ctx, threads, activations, cache_type_k, cache_type_v)
+        llm.chat.template_kwargs = template_kwargs
         drafter = drafter_from(llm, draft, lookup, draft_min, draft_max)
     session = ChatSession(llm, sampling_from(llm.default_sampling(), sampling),
                           max_tokens=max_tokens, system=system, context_shift=context_shift,
@@ -140,8 +148,7 @@ def _converse(llm, session, reader, out, max_tokens):
             continue
         try:
             with reader.replying():
-                for piece in session.send(text):
-                    out.write(piece)
+                _show_reply(session, text, out)
             out.write("\n")
             # the server's parser: a model told of tools (say by /system) may answer a call
             for call in parse_tool_calls(session.messages[-1]["content"]) or []:
@@ -161,6 +168,39 @@ def _converse(llm, session, reader, out, max_tokens):
             click.echo(f"({note})", err=True)
         session.notices.clear()
         reader.notes.clear()
+
+
+DIM, PLAIN = "\x1b[2m", "\x1b[0m"
+
+
+def _show_reply(session, text, out):
+    """Stream the reply. On a terminal its reasoning (a <think> block) is shown dimmed,
+    without the tags, and a blank line before the answer; anywhere else, the model's
+    text exactly."""
+    if not out.terminal:
+        for piece in session.send(text):
+            out.write(piece)
+        return
+    dim = thought = False
+    try:
+        for reasoning, content in session.send_parts(text):
+            if reasoning:
+                if not dim:
+                    out.stream.write(DIM)
+                    dim = thought = True
+                out.write(reasoning)
+            if content:
+                if dim:
+                    out.stream.write(PLAIN)
+                    dim = False
+                if thought:
+                    out.write("\n\n")
+                    thought = False
+                out.write(content)
+    finally:
+        if dim:
+            out.stream.write(PLAIN)
+            out.stream.flush()
 
 
 def _command(text, llm, session, reader) -> str | None:

@@ -9,9 +9,9 @@ import click
 from edgellama.errors import EdgeError
 
 from .main import main
-from .options import (FILE_NAME, FilePath, Output, draft_summary, drafter_from, load,
-                      model_flags, positional_is_model, resolve_model, sampling_from,
-                      sampling_options, speculative_options, stdin_problem)
+from .options import (FILE_NAME, FilePath, Output, chat_template_options, draft_summary,
+                      drafter_from, load, model_flags, positional_is_model, resolve_model,
+                      sampling_from, sampling_options, speculative_options, stdin_problem)
 
 # More than any context holds (8192 tokens of a few bytes each), small enough to read.
 MAX_PROMPT_BYTES = 64 << 20
@@ -78,9 +78,10 @@ def _prompt(model_arg, prompt_arg, prompt, prompt_file) -> tuple[str | None, str
 @click.option("--context-shift/--no-context-shift", default=True, show_default=True,
               help="When the context fills, drop the older half of what follows the prompt "
                    "and go on, instead of stopping.")
+@chat_template_options
 def generate(model, hf_repo, ctx, threads, activations, cache_type_k, cache_type_v, model_arg, prompt_arg, prompt, prompt_file, max_tokens,
              raw, system, prompt_cache, context_shift, draft, lookup, draft_min, draft_max,
-             **sampling):
+             template_kwargs, **sampling):
     """Complete PROMPT with the model and print the reply as it is generated.
 
     \b
@@ -94,6 +95,9 @@ def generate(model, hf_repo, ctx, threads, activations, cache_type_k, cache_type
 
     from .progress import KernelProgress
 
+    if raw and template_kwargs:
+        raise click.UsageError("--chat-template-kwargs and --reasoning-budget 0 are for the chat "
+                               "template, which --raw leaves out; give one or the other")
     model_arg, prompt = _prompt(model_arg, prompt_arg, prompt, prompt_file)
     cache_path = None
     if prompt_cache is not None:        # refused before the model loads
@@ -104,6 +108,7 @@ def generate(model, hf_repo, ctx, threads, activations, cache_type_k, cache_type
     with jit.Compiling(progress) as loading:
         llm = load(resolve_model(model_arg, model, hf_repo), ctx, threads, activations,
                    cache_type_k, cache_type_v)
+        llm.chat.template_kwargs = template_kwargs
         drafter = drafter_from(llm, draft, lookup, draft_min, draft_max)
     warms = [jit.warm_up(m, progress)   # so the prompt's speed is not the kernels'
              for m in [llm.model] + ([drafter.model] if hasattr(drafter, "model") else [])]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import functools
+import json
 import os
 import re
 import stat
@@ -342,3 +343,53 @@ def draft_summary(stats) -> str:
         return ""
     return (f" | drafted {stats.drafted}, accepted {stats.accepted} "
             f"({100 * stats.accepted / stats.drafted:.0f}%)")
+
+
+def _check_template_kwargs(ctx, param, value):
+    """--chat-template-kwargs: a bounded JSON object (chat_template.template_kwargs),
+    refused as a usage error before the model loads."""
+    if value is None:
+        return None
+    from edgellama.chat_template import template_kwargs
+    try:
+        return template_kwargs(value, "the value")
+    except EdgeError as e:
+        raise click.BadParameter(str(e), ctx, param) from None
+
+
+def chat_template_options(f):
+    """--chat-template-kwargs JSON and --reasoning-budget N (llama.cpp's names); the
+    command gets `template_kwargs`, the variables they ask for (template_kwargs_from)."""
+    @functools.wraps(f)
+    def run(*args, **kwargs):
+        kwargs["template_kwargs"] = template_kwargs_from(kwargs.pop("chat_template_kwargs"),
+                                                         kwargs.pop("reasoning_budget"))
+        return f(*args, **kwargs)
+    g = click.option("--reasoning-budget", type=int, metavar="N", default=-1, show_default=True,
+                     callback=_check_budget,
+                     help="-1: the model thinks as it likes; 0: no thinking (the template's "
+                          "enable_thinking set false: Qwen 3 answers directly).")(run)
+    return click.option("--chat-template-kwargs", "chat_template_kwargs", metavar="JSON",
+                        default=None, callback=_check_template_kwargs,
+                        help="Extra variables for the chat template, a JSON object, e.g. "
+                             "'{\"enable_thinking\": false}'.")(g)
+
+
+def _check_budget(ctx, param, value):
+    if value not in (-1, 0):    # as llama.cpp: no budget in between yet
+        raise click.BadParameter(f"{value} is not -1 (no limit) or 0 (no thinking); only "
+                                 f"those are supported", ctx, param)
+    return value
+
+
+def template_kwargs_from(given: dict | None, reasoning_budget: int) -> dict:
+    """The template variables of --chat-template-kwargs and --reasoning-budget together;
+    a budget of 0 sets enable_thinking false, and contradicting it is a usage error."""
+    out = dict(given or {})
+    if reasoning_budget == 0:
+        if out.get("enable_thinking", False) is not False:
+            raise click.UsageError("--reasoning-budget 0 turns thinking off, but "
+                                   "--chat-template-kwargs sets enable_thinking to "
+                                   f"{json.dumps(out['enable_thinking'])}; give one of them")
+        out["enable_thinking"] = False
+    return out

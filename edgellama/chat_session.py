@@ -2,9 +2,10 @@
 context (dropping the oldest turns, never the system prompt) and streams replies.
 
 The conversation is re-rendered with the chat template every turn; LLM.generate
-reuses the cached prefix, so each turn prefills only what is new. When turns are
-dropped, the turns kept move down in the cache by a context shift (Sequence.shift)
-instead of being read again. save() and load() keep a conversation and its cache in a
+reuses the cached prefix, so each turn prefills only what is new (from a reply's
+<think> block on, which the history does not keep). When turns are dropped, the turns
+kept move down in the cache by a context shift (Sequence.shift) instead of being read
+again. save() and load() keep a conversation and its cache in a
 file (prompt_cache.py).
 """
 from __future__ import annotations
@@ -15,9 +16,12 @@ from pathlib import Path
 
 from .errors import EdgeError
 from .llm import LLM
+from .reasoning import ReasoningSplitter, opens_reasoning
 from .sampling import SamplingParams
 from .speculative import Drafter
 from .tokenizer import StreamDecoder
+
+_PROMPT_TAIL = 8    # prompt tokens enough to see whether it ends in an open <think>
 
 
 @dataclass
@@ -86,26 +90,47 @@ class ChatSession:
         return ids, dropped > 0
 
     def send(self, text: str) -> Iterator[str]:
-        """Add a user message and stream the reply's text. If the consumer stops early
-        (Ctrl-C), what was generated so far is kept as the assistant's reply."""
+        """Add a user message and stream the reply's text as the model writes it, a
+        <think> block included. If the consumer stops early (Ctrl-C), what was generated
+        so far is kept as the assistant's reply (its content: see send_parts)."""
+        for piece, _, _ in self._reply(text):
+            if piece:
+                yield piece
+
+    def send_parts(self, text: str) -> Iterator[tuple[str, str]]:
+        """send, the reply streamed as (reasoning, content) pieces (reasoning.py: the
+        <think> block at its start, and the answer)."""
+        for _, reasoning, content in self._reply(text):
+            if reasoning or content:
+                yield reasoning, content
+
+    def _reply(self, text: str) -> Iterator[tuple[str, str, str]]:
+        """(text, reasoning, content) pieces of the reply. The history keeps its content
+        only: templates drop an earlier reply's reasoning (Qwen 3's does), and kept it
+        would only take context."""
         self.messages.append({"role": "user", "content": text})
         ids, dropped = self._fit()
-        out = StreamDecoder(self.llm.tokenizer)
-        parts: list[str] = []
+        tok = self.llm.tokenizer
+        split = ReasoningSplitter(opens_reasoning(tok.decode(ids[-_PROMPT_TAIL:], special=True)))
+        out = StreamDecoder(tok)
+        content: list[str] = []
         try:
-            for tok in self.llm.generate(ids, max_tokens=self.max_tokens, sampling=self.sampling,
-                                         shifted=dropped and self.context_shift,
-                                         drafter=self.drafter):
-                piece = out.push(tok)
+            for t in self.llm.generate(ids, max_tokens=self.max_tokens, sampling=self.sampling,
+                                       shifted=dropped and self.context_shift,
+                                       drafter=self.drafter):
+                piece = out.push(t)
                 if piece:
-                    parts.append(piece)
-                    yield piece
+                    r, c = split.push(piece)
+                    content.append(c)
+                    yield piece, r, c
             piece = out.flush()
-            if piece:
-                parts.append(piece)
-                yield piece
+            r, c = split.push(piece)
+            r2, c2 = split.finish()
+            content.append(c + c2)
+            yield piece, r + r2, c + c2
         finally:
-            self.messages.append({"role": "assistant", "content": "".join(parts)})
+            content.append(split.finish()[1])       # stopped early: what was held
+            self.messages.append({"role": "assistant", "content": "".join(content)})
 
     def reset(self):
         self.messages.clear()

@@ -18,7 +18,7 @@ import numpy as np
 
 from . import prompt_cache
 from .args import ModelArgs
-from .chat_template import ChatFormat, start_renderer
+from .chat_template import ChatFormat, start_renderer, template_kwargs
 from .constrain import Constraint, sample
 from .errors import EdgeError
 from .gguf import GGUFFile
@@ -230,13 +230,17 @@ class LLM:
 
 def load(path: str | Path | None = None, ctx: int | None = None, threads: int | None = None,
          batch: int = DEFAULT_BATCH, activations: str = "int8",
-         cache_type_k: str = DEFAULT_CACHE_TYPE, cache_type_v: str = DEFAULT_CACHE_TYPE) -> LLM:
+         cache_type_k: str = DEFAULT_CACHE_TYPE, cache_type_v: str = DEFAULT_CACHE_TYPE,
+         chat_template_kwargs: str | dict | None = None) -> LLM:
     """Load a GGUF of a family in the architecture table (memory-mapped, edgellama/models).
     path None = the default model (fetched once).
     activations: how x is rounded for the matrix products (model.ACTIVATIONS);
     cache_type_k, cache_type_v: how the KV cache stores K and V (kv_cache.CACHE_TYPES),
-    the default of every sequence (model.new_sequence(type_k=, type_v=) for others)."""
+    the default of every sequence (model.new_sequence(type_k=, type_v=) for others).
+    chat_template_kwargs: extra variables of every chat render (llm.chat.template_kwargs;
+    {"enable_thinking": False}: Qwen 3 answers without thinking)."""
     t0 = time.perf_counter()
+    extra = template_kwargs(chat_template_kwargs)   # checked before the file is read
     start_renderer()   # the chat template process starts while the file loads
     if path is None:
         from .default_model import default_model_path
@@ -264,6 +268,7 @@ def load(path: str | Path | None = None, ctx: int | None = None, threads: int | 
         chat = ChatFormat(tokenizer, g.get("tokenizer.chat_template"))
     except EdgeError as e:
         raise EdgeError(f"{g.path}: {e}") from None
+    chat.template_kwargs = extra
     model = Transformer(g, ctx, batch=batch, args=args, threads=policy, activations=activations,
                         cache_type_k=cache_type_k, cache_type_v=cache_type_v)
     llm = LLM(Path(path), g, model, tokenizer, chat, policy.max, time.perf_counter() - t0)
