@@ -360,11 +360,14 @@ def _ov_chunk_weighted(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g, gm):
 
 
 @nb.njit(cache=True, error_model="numpy", fastmath=True, parallel=True)
-def attention(q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si, sp):
+def attention(q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si, sp, window):
     # q (T, H, hd) roped queries at positions pos0..pos0+T-1; one layer's cache, flat:
     # kq, ks (K and its scales), vq, vs (V and its scales), KV heads of `cap` positions, in the
     # layouts of the module docstring (f16: ks, vs unused), filled up to pos0+T.
-    # out (T, H, hd). Causal: token t sees positions 0..pos0+t.
+    # out (T, H, hd). Causal: token t sees positions 0..pos0+t; with a window W > 0 only
+    # pos0+t-W+1..pos0+t (llama.cpp's standard SWA mask: masked where p1 - p0 >= W).
+    # Position p lies at p % cap (a ring, kv_cache.py): cap is a multiple of _CHUNK or
+    # above every position, so each chunk of positions is one run of the cache.
     # sf (threads, attention_scratch_shape) f32, s8 (threads, G hd) int8, si (threads, G
     # hd/32) int32, G = TB g: one row per thread. sp (KV _MAX_SPLITS, g (hd + 2)) f32: a
     # decoded token's partial outputs, maxima and sums per split.
@@ -388,8 +391,9 @@ def attention(q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si, sp):
     gk = min(g, _GMAX) if T == 1 else (_BATCH_Q if quant_k else _BATCH_F16)   # rows a call
     gv = min(g, _GMAX) if T == 1 else (_BATCH_Q if vs.size > 0 else _BATCH_F16)
     nsplit, per = 1, 0
+    first = max(0, pos0 - window + 1) // _CHUNK * _CHUNK if window > 0 else 0
     if T == 1:
-        nchunks = -(-(pos0 + 1) // _CHUNK)
+        nchunks = -(-(pos0 + 1 - first) // _CHUNK)
         nsplit = min(-(-nchunks // _SPLIT_CHUNKS), sp.shape[0] // KV)
         per = -(-nchunks // nsplit)                 # chunks a split
         nsplit = -(-nchunks // per)                 # none empty
@@ -422,35 +426,45 @@ def attention(q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si, sp):
                 for i in range(hd):
                     o32[r * hd + i] = F32(0.0)
         end = pos0 + t0 + nt                          # positions the last token sees
-        c_lo, c_hi = 0, end
+        # the chunks from the first one the block's first token sees
+        c_lo = max(0, pos0 + t0 - window + 1) // _CHUNK * _CHUNK if window > 0 else 0
+        c_hi = end
         if nsplit > 1:
-            c_lo = split * per * _CHUNK
+            c_lo = first + split * per * _CHUNK
             c_hi = min(end, c_lo + per * _CHUNK)
         for c0 in range(c_lo, c_hi, _CHUNK):
+            pc = c0 % cap                             # where the chunk lies
             whole = c0 + _CHUNK <= pos0 + t0 + 1      # every token sees the whole chunk
             # scores, 16 positions at a time: a token's last block also scores positions
             # past its own, which the softmax never reads
             if whole:
-                _chunk_scores(kq, ks, hd, cap, kvh, c0, _CHUNK, q32, q8, qd, qs8, 0, s, 0,
+                _chunk_scores(kq, ks, hd, cap, kvh, pc, _CHUNK, q32, q8, qd, qs8, 0, s, 0,
                               nt * g, gk)
             else:
                 for tt in range(nt):
                     n = min(pos0 + t0 + tt + 1, c0 + _CHUNK) - c0
                     if n > 0:
-                        _chunk_scores(kq, ks, hd, cap, kvh, c0, n, q32, q8, qd, qs8, tt * g,
+                        _chunk_scores(kq, ks, hd, cap, kvh, pc, n, q32, q8, qd, qs8, tt * g,
                                       s, tt * g * _CHUNK, g, gk)
             # the running max and sum; weights e^(s - max) below e^-30 of it are zero
             # (1e-13, far under f32 resolution next to the max's 1): tiny weights make
             # subnormal products, ~100x slower on x86
             for tt in range(nt):
                 n = min(pos0 + t0 + tt + 1, c0 + _CHUNK) - c0
+                # positions before m0 are outside the token's window: weight zero
+                m0 = max(0, pos0 + t0 + tt - window + 1 - c0) if window > 0 else 0
                 for j in range(g):
                     if n <= 0:
                         continue
                     r = tt * g + j
                     sj = s[r * _CHUNK:r * _CHUNK + n]
-                    mx = sj[0]
-                    for p in range(n):
+                    if m0 > 0:
+                        for p in range(min(m0, n)):
+                            sj[p] = F32(0.0)
+                        if m0 >= n:
+                            continue
+                    mx = sj[m0]
+                    for p in range(m0, n):
                         mx = max(mx, sj[p])
                     if mx > mrow[r]:
                         d = mrow[r] - mx
@@ -461,7 +475,7 @@ def attention(q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si, sp):
                         mrow[r] = mx
                     m = mrow[r]
                     tot = F32(0.0)
-                    for p in range(n):
+                    for p in range(m0, n):
                         x = sj[p] - m
                         e = _exp_neg(max(x, _MIN_LOGIT))
                         e = e if x > _MIN_LOGIT else F32(0.0)
@@ -469,12 +483,12 @@ def attention(q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si, sp):
                         tot += e
                     lrow[r] += tot
             if whole:
-                _chunk_weighted(vq, vs, hd, cap, kvh, c0, _CHUNK, s, 0, o32, 0, nt * g, gv)
+                _chunk_weighted(vq, vs, hd, cap, kvh, pc, _CHUNK, s, 0, o32, 0, nt * g, gv)
             else:
                 for tt in range(nt):
                     n = min(pos0 + t0 + tt + 1, c0 + _CHUNK) - c0
                     if n > 0:
-                        _chunk_weighted(vq, vs, hd, cap, kvh, c0, n, s, tt * g * _CHUNK, o32,
+                        _chunk_weighted(vq, vs, hd, cap, kvh, pc, n, s, tt * g * _CHUNK, o32,
                                         tt * g * hd, g, gv)
         if nsplit > 1:                               # the split's part, merged below
             part = sp[kvh * nsplit + split]
@@ -641,6 +655,8 @@ def _q4_block(x, base, vals):
 # Each store is a serial kernel over a range of KV heads, and a parallel one over all heads
 # for prefill's many positions. A decoded token's K or V (KV x hd values) goes through the
 # serial one: a parallel region costs more than the work (bench/bench_decode_split.py).
+# Position p is stored at p % cap: a sliding-window layer's ring (kv_cache.py) reuses the
+# slots of positions its window has passed.
 
 @nb.njit(cache=True)
 def store_f16_k_heads(kc, cap, pos, k, h0, h1):
@@ -648,7 +664,7 @@ def store_f16_k_heads(kc, cap, pos, k, h0, h1):
     T, KV, hd = k.shape
     for h in range(h0, h1):
         for t in range(T):
-            p = pos + t
+            p = (pos + t) % cap
             base = h * cap * hd + (p // KV_BLOCK) * hd * KV_BLOCK + p % KV_BLOCK
             for i in range(hd):
                 kc[base + i * KV_BLOCK] = f32_to_f16(k[t, h, i])
@@ -660,7 +676,7 @@ def store_f16_v_heads(vc, cap, pos, v, h0, h1):
     T, KV, hd = v.shape
     for h in range(h0, h1):
         for t in range(T):
-            base = (h * cap + pos + t) * hd
+            base = (h * cap + (pos + t) % cap) * hd
             for i in range(hd):
                 vc[base + i] = f32_to_f16(v[t, h, i])
 
@@ -676,7 +692,7 @@ def store_q_k_heads(kq, ks, cap, pos, k, q4, h0, h1):
     x = np.empty(QBLOCK, F32)
     for h in range(h0, h1):
         for t in range(T):
-            p = pos + t
+            p = (pos + t) % cap
             blk, lane = p // KV_BLOCK, p % KV_BLOCK
             kb = (h * (cap // KV_BLOCK) + blk) * per + 4 * lane
             for b in range(nbk):
@@ -706,7 +722,7 @@ def store_q_v_heads(vq, vs, cap, pos, v, q4, h0, h1):
     x = np.empty(QBLOCK, F32)
     for h in range(h0, h1):
         for t in range(T):
-            p = h * cap + pos + t
+            p = h * cap + (pos + t) % cap
             for b in range(nbk):
                 for j in range(QBLOCK):
                     x[j] = v[t, h, QBLOCK * b + j]

@@ -162,6 +162,44 @@ def swiglu(gate_up, out):
         _swiglu_row(gate_up[t], out[t])
 
 
+_GELU_C = F32(2.0 * 0.7978845608028654)       # 2 sqrt(2/pi)
+_GELU_A = F32(0.044715)
+
+
+@nb.njit(cache=True, error_model="numpy", fastmath=True)
+def _geglu_row(gate_up, out):
+    # gate_up (2F,) = [gate | up] -> out (F,) = gelu(gate) * up, GELU's tanh form
+    # 0.5 g (1 + tanh(u)), u = sqrt(2/pi) (g + 0.044715 g³), written g sigmoid(2u) to
+    # use _swiglu_row's branch-free sigmoid (SIMD; np.tanh is a libm call per element)
+    F = out.size
+    for i in range(F):
+        g = gate_up[i]
+        z = _GELU_C * g * (F32(1.0) + _GELU_A * g * g)
+        e = _exp_neg(-abs(z))
+        sig = (F32(1.0) if z >= F32(0.0) else e) / (F32(1.0) + e)
+        out[i] = g * sig * gate_up[F + i]
+
+
+@nb.njit(cache=True, error_model="numpy", fastmath=True)
+def geglu(gate_up, out):
+    # gate_up (T, 2F) -> out (T, F), row by row
+    for t in range(out.shape[0]):
+        _geglu_row(gate_up[t], out[t])
+
+
+@nb.njit(cache=True, error_model="numpy", fastmath=True)
+def softcap(x, cap):
+    # x (T, V) in place: cap tanh(x / cap) (Gemma's final-logit soft-capping), tanh(y) as
+    # 1 - 2 / (e^2y + 1) from e^-2|y| (_exp_neg: SIMD)
+    inv = F32(1.0) / F32(cap)
+    for t in range(x.shape[0]):
+        for i in range(x.shape[1]):
+            y = x[t, i] * inv
+            e = _exp_neg(F32(-2.0) * abs(y))
+            th = (F32(1.0) - e) / (F32(1.0) + e)
+            x[t, i] = F32(cap) * (th if y >= F32(0.0) else -th)
+
+
 def _f16x16(builder, p):
     # <16 x float>: the 16 IEEE halves at p (an i16 vector pointer), widened
     return half_to_float_ir(builder, builder.load(p, align=2))
@@ -398,6 +436,12 @@ def swiglu_rows(gate_up, out):
 
 
 @nb.njit(cache=True, parallel=True)
+def geglu_rows(gate_up, out):
+    for t in nb.prange(out.shape[0]):
+        _geglu_row(gate_up[t], out[t])
+
+
+@nb.njit(cache=True, parallel=True)
 def add_rows(x, y):
     for t in nb.prange(x.shape[0]):
         _add_row(x[t], y[t])
@@ -410,11 +454,12 @@ class Elementwise(NamedTuple):
     add: object
     rope_neox: object
     head_norm: object
+    geglu: object
 
 
-SERIAL = Elementwise(rmsnorm, rope, swiglu, add_inplace, rope_neox, head_norm)
+SERIAL = Elementwise(rmsnorm, rope, swiglu, add_inplace, rope_neox, head_norm, geglu)
 PARALLEL = Elementwise(rmsnorm_rows, rope_rows, swiglu_rows, add_rows, rope_neox_rows,
-                       head_norm_rows)
+                       head_norm_rows, geglu_rows)
 PARALLEL_ROWS = 32    # rows from which a batch's elementwise kernels run in parallel
                       # (fewer: batched decode, speculative checks)
 
