@@ -33,6 +33,11 @@ class ModelArgs:
     rope_freqs: np.ndarray | None = None   # (rope_dim/2,) f32 divisors (llama3 scaling)
     family: Family = FAMILIES["llama"]     # the architecture table's entry (edgellama/models)
     key_length: int | None = None          # attention.key_length: a head dim not E / H
+    sliding_window: int = 0                # local layers' window (family.swa_pattern); 0: none
+    rope_theta_swa: float = 10000.0        # the local layers' rope base
+    rope_scale: float = 1.0                # linear rope scaling (rope.scaling.factor): global layers
+    final_softcap: float = 0.0             # logits -> c tanh(logits / c) (final_logit_softcapping)
+    query_scale_dim: int | None = None     # attention scale 1/sqrt(this), where not the head dim
 
     @property
     def head_dim(self) -> int:
@@ -47,12 +52,26 @@ class ModelArgs:
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
 
-    def inv_freq(self) -> np.ndarray:
-        """(rope_dim/2,) f32 rotation frequency of each rotated pair, scaling applied."""
+    @property
+    def local_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether it attends over the sliding window only."""
+        if not self.sliding_window:
+            return (False,) * self.n_layers
+        return self.family.local_layers(self.n_layers)
+
+    @property
+    def attn_scale(self) -> float:
+        return 1.0 / np.sqrt(self.query_scale_dim or self.head_dim)
+
+    def inv_freq(self, local: bool = False) -> np.ndarray:
+        """(rope_dim/2,) f32 rotation frequency of each rotated pair, scaling applied;
+        local: a sliding-window layer's (its own base, no linear scaling, as llama.cpp)."""
         i = np.arange(0, self.rope_dim, 2, dtype=np.float64)
-        f = 1.0 / (self.rope_theta ** (i / self.rope_dim))
+        f = 1.0 / ((self.rope_theta_swa if local else self.rope_theta) ** (i / self.rope_dim))
         if self.rope_freqs is not None:
             f = f / self.rope_freqs.astype(np.float64)
+        if not local and self.rope_scale != 1.0:
+            f = f / self.rope_scale
         return f.astype(np.float32)
 
     @classmethod
@@ -109,12 +128,25 @@ class ModelArgs:
         theta = float(num("rope.freq_base", FLOAT, default=10000.0))
         if not (0 < eps < 1) or not theta > 0:
             raise EdgeError(f"{g.path}: rms epsilon {eps} or rope base {theta} out of range")
+        window = num("attention.sliding_window", default=0) if family.swa_pattern else 0
+        theta_swa = float(num("rope.freq_base_swa", FLOAT, default=family.swa_rope_base))
+        scale = 1.0
+        if g.metadata.get(f"{arch}.rope.scaling.type") == "linear":
+            scale = float(num("rope.scaling.factor", FLOAT, default=1.0))
+        softcap = float(num("final_logit_softcapping", FLOAT, default=0.0))
+        if not theta_swa > 0 or not scale > 0 or softcap < 0:
+            raise EdgeError(f"{g.path}: rope.freq_base_swa {theta_swa}, rope.scaling.factor "
+                            f"{scale} or final_logit_softcapping {softcap} out of range")
+        # llama.cpp's Gemma 27B (62 layers) scales queries by 1/sqrt(E / H), not the head dim
+        qdim = dim // n_heads if family.name == "gemma3" and n_layers == 62 else None
         return cls(
             dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
             ffn_dim=num("feed_forward_length"), vocab_size=vocab, norm_eps=eps,
             rope_theta=theta, rope_dim=rope_dim, train_ctx=num("context_length"),
             tied_output=Family.tensor(T.OUTPUT) not in g.tensors, rope_freqs=freqs,
             family=family, key_length=None if head_dim * n_heads == dim else head_dim,
+            sliding_window=window, rope_theta_swa=theta_swa, rope_scale=scale,
+            final_softcap=softcap, query_scale_dim=qdim,
         )
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -128,7 +160,8 @@ class ModelArgs:
             shapes[f.tensor(T.ROPE_FREQS)] = (self.rope_dim // 2,)
         block = {T.ATTN_NORM: (E,), T.FFN_NORM: (E,), T.ATTN_Q: (qd, E),
                  T.ATTN_K: (self.kv_dim, E), T.ATTN_V: (self.kv_dim, E), T.ATTN_OUT: (E, qd),
-                 T.ATTN_Q_NORM: (hd,), T.ATTN_K_NORM: (hd,),
+                 T.ATTN_Q_NORM: (hd,), T.ATTN_K_NORM: (hd,), T.FFN_PRE_NORM: (E,),
+                 T.ATTN_POST_NORM: (E,), T.FFN_POST_NORM: (E,),
                  T.FFN_GATE: (F, E), T.FFN_UP: (F, E), T.FFN_DOWN: (E, F)}
         for i in range(self.n_layers):
             shapes.update({f.tensor(t, i): block[t] for t in f.layer_tensors})

@@ -194,7 +194,7 @@ class LLM:
                     break
                 yield tok
                 if seq.pos >= seq.ctx:
-                    if shift_keep is None or seq.pos - shift_keep < 2:
+                    if shift_keep is None or seq.pos - shift_keep < 2 or not seq.cache.can_shift:
                         st.stop_reason = "context full"
                         break
                     seq.shift(shift_keep, (seq.pos - shift_keep) // 2, self.model.inv_freq)

@@ -14,7 +14,7 @@ from .arch import Family, T as WT
 from .args import ModelArgs
 from .errors import EdgeError
 from .gguf import GGUFFile
-from .kv_cache import KVCache, check_cache_type, fit_advice
+from .kv_cache import KVCache, check_cache_type, fit_advice, make_cache
 from . import attention as A
 from .formats import SUPPORTED, Linear, block_shape, type_name
 from .formats.records import RecordLinear
@@ -46,6 +46,8 @@ class Layer:
     w_down: Linear             # (E, F)
     q_norm: np.ndarray | None = None   # (hd,) f32, families with qk_norm
     k_norm: np.ndarray | None = None   # (hd,) f32
+    post_attn_norm: np.ndarray | None = None   # (E,) f32, families with post_norms
+    post_ffn_norm: np.ndarray | None = None    # (E,) f32
 
 
 def _activations(sc: Scratch, a: ModelArgs, T: int):
@@ -139,6 +141,7 @@ class Transformer:
         self._tiles.finish()
         self.set_activations(activations)
         self.inv_freq = a.inv_freq()
+        self.inv_freq_local = a.inv_freq(local=True)    # sliding-window layers'
 
     def new_sequence(self, ctx: int | None = None, scratch: Scratch | None = None,
                      type_k: str | None = None, type_v: str | None = None) -> Sequence:
@@ -150,8 +153,8 @@ class Transformer:
         ctx = self.ctx if ctx is None else ctx
         if not 1 <= ctx <= self.ctx:
             raise EdgeError(f"a sequence's context must be 1..{self.ctx} tokens, got {ctx}")
-        return Sequence(KVCache(self.args, ctx, type_k or self.cache_type_k,
-                                type_v or self.cache_type_v, neox=self.args.family.neox), scratch)
+        return Sequence(make_cache(self.args, ctx, type_k or self.cache_type_k,
+                                   type_v or self.cache_type_v, neox=self.args.family.neox), scratch)
 
     def set_activations(self, mode: str) -> None:
         """Round x for the matrix products as ACTIVATIONS' mode says."""
@@ -169,14 +172,16 @@ class Transformer:
         self._tiles.wait()
 
     def _layer(self, i: int) -> Layer:
-        n, qk = Family.tensor, self.args.family.qk_norm
+        n, qk, post = Family.tensor, self.args.family.qk_norm, self.args.family.post_norms
         return Layer(self._vector(n(WT.ATTN_NORM, i)), self._vector(n(WT.FFN_NORM, i)),
                      self._stacked(n(WT.ATTN_Q, i), n(WT.ATTN_K, i), n(WT.ATTN_V, i)),
                      self._linear(n(WT.ATTN_OUT, i)),
                      self._stacked(n(WT.FFN_GATE, i), n(WT.FFN_UP, i)),
                      self._linear(n(WT.FFN_DOWN, i)),
                      self._vector(n(WT.ATTN_Q_NORM, i)) if qk else None,
-                     self._vector(n(WT.ATTN_K_NORM, i)) if qk else None)
+                     self._vector(n(WT.ATTN_K_NORM, i)) if qk else None,
+                     self._vector(n(WT.ATTN_POST_NORM, i)) if post else None,
+                     self._vector(n(WT.FFN_POST_NORM, i)) if post else None)
 
     def _linear(self, name: str) -> Linear:
         t = self.gguf.tensors[name]
@@ -310,16 +315,24 @@ class Transformer:
         x, h, qkv, att, o, gate_up, act = _activations(sc, a, T)
         starts = np.cumsum([0] + counts[:-1]).tolist()
         positions = np.concatenate([np.arange(s.pos, s.pos + n) for s, n in zip(seqs, counts)])
-        angles = positions.astype(np.float64)[:, None] * self.inv_freq[None, :]
-        cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-        scale = np.float32(1.0 / np.sqrt(hd))
+        local = a.local_layers
+        rot = {}                # (cos, sin) of the global layers' frequencies, the local ones'
+        for is_local in set(local):
+            f = self.inv_freq_local if is_local else self.inv_freq
+            angles = positions.astype(np.float64)[:, None] * f[None, :]
+            rot[is_local] = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+        scale = np.float32(a.attn_scale)
         att_scratch = tuple(sc.get(f"attention_{i}", shape, dt) for i, (shape, dt) in enumerate(
             A.attention_scratch_shapes(numba.config.NUMBA_NUM_THREADS, a.n_heads, a.n_kv_heads, hd)))
         att3 = att.reshape(T, a.n_heads, hd)
         E = K.elementwise(T)
         rope, qk_norm = (E.rope_neox if a.family.neox else E.rope), a.family.qk_norm
+        act_fn = E.geglu if a.family.activation == "geglu" else E.swiglu
         self.embed.rows(tokens, x)
+        if a.family.embed_scale:
+            x *= np.float32(np.sqrt(a.dim))
         for li, layer in enumerate(self.layers):
+            cos, sin = rot[local[li]]
             E.rmsnorm(x, layer.attn_norm, a.norm_eps, h)
             _linears(h, layer.wqkv, qkv, sc, decode)
             q3 = qkv[:, :qd].reshape(T, a.n_heads, hd)
@@ -331,23 +344,33 @@ class Transformer:
             rope(q3, cos, sin)
             rope(k3, cos, sin)
             for s, r0, n in zip(seqs, starts, counts):
-                c, r1 = s.cache, r0 + n
-                c.write(li, s.pos, k3[r0:r1], v3[r0:r1])
-                c.attend(li, s.pos, q3[r0:r1], scale, att3[r0:r1], att_scratch)
+                r1 = r0 + n
+                s.cache.step(li, s.pos, q3[r0:r1], k3[r0:r1], v3[r0:r1], scale, att3[r0:r1],
+                             att_scratch)
             _linear(att, layer.wo, o, sc, decode)
-            E.add(x, o)
+            self._residual(E, x, o, h, layer.post_attn_norm)
             E.rmsnorm(x, layer.ffn_norm, a.norm_eps, h)
             _linears(h, layer.w_gate_up, gate_up, sc, decode)
-            E.swiglu(gate_up, act)
+            act_fn(gate_up, act)
             _linear(act, layer.w_down, o, sc, decode)
-            E.add(x, o)
+            self._residual(E, x, o, h, layer.post_ffn_norm)
         for s, r0, n in zip(seqs, starts, counts):
             s._extend(tokens[r0:r0 + n])
         if logits is None:      # prefill: only the last token's logits are wanted
             K.rmsnorm(x[T - 1:T], self.output_norm, a.norm_eps, h[:1])
             logits = sc.get("logits", (1, a.vocab_size))
             self.output.matvec(h[0], logits[0], sc)
-            return logits
-        E.rmsnorm(x, self.output_norm, a.norm_eps, h)
-        _linear(h, self.output, logits, sc, decode)
+        else:
+            E.rmsnorm(x, self.output_norm, a.norm_eps, h)
+            _linear(h, self.output, logits, sc, decode)
+        if a.final_softcap:
+            K.softcap(logits, a.final_softcap)
         return logits
+
+    def _residual(self, E, x: np.ndarray, o: np.ndarray, h: np.ndarray, post_norm) -> None:
+        # x += o, a sublayer's output (T, E); with a post-norm (Gemma), its RMSNorm (in h)
+        if post_norm is None:
+            E.add(x, o)
+        else:
+            E.rmsnorm(o, post_norm, self.args.norm_eps, h)
+            E.add(x, h)

@@ -16,12 +16,12 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
-from .kv_cache import KVCache
+from .kv_cache import KVCache, SlidingCache
 from .scratch import Scratch
 
 
 class Sequence:
-    def __init__(self, cache: KVCache, scratch: Scratch | None = None):
+    def __init__(self, cache: KVCache | SlidingCache, scratch: Scratch | None = None):
         self.cache = cache
         self.tokens: list[int] = []
         self.scratch = scratch if scratch is not None else Scratch()
@@ -45,15 +45,18 @@ class Sequence:
 
     def reuse_prefix(self, ids: Seq[int]) -> int:
         """Truncate to the longest common prefix of the cached tokens and `ids`, less
-        one token when that would be all of `ids` (its logits must be computed); returns
-        how many tokens of `ids` are reused. The one prefix rule of generate, chat and
-        the server."""
+        one token when that would be all of `ids` (its logits must be computed); none
+        where a sliding-window ring no longer holds that prefix's window (llama.cpp then
+        reads the prompt again too); returns how many tokens of `ids` are reused. The one
+        prefix rule of generate, chat and the server."""
         n = 0
         for a, b in zip(self.tokens, ids):
             if a != b:
                 break
             n += 1
         n = max(0, min(n, len(ids) - 1))
+        if not self.cache.holds_window(n):
+            n = 0
         self.truncate(n)
         return n
 
@@ -61,7 +64,8 @@ class Sequence:
         """reuse_prefix for `ids` that leave out a run of the cached tokens after their
         common start (a chat that dropped its oldest turns to fit the context): the cached
         tokens after that run which continue `ids` are kept, moved down by a context shift
-        (shift()) instead of being read again. Returns how many tokens of ids are reused."""
+        (shift()) instead of being read again, where the cache can shift (can_shift).
+        Returns how many tokens of ids are reused."""
         cached, want = np.asarray(self.tokens, np.int64), np.asarray(ids, np.int64)
         keep = _common(cached, want)
         drop, run = 0, 0
@@ -69,7 +73,7 @@ class Sequence:
             for j in np.flatnonzero(cached[keep + 1:] == want[keep]) + keep + 1:
                 if (n := _common(cached[j:], want[keep:])) > run:
                     drop, run = int(j) - keep, n
-        if run:
+        if run and self.cache.can_shift:
             self.truncate(keep + drop + run)
             self.shift(keep, drop, inv_freq)
         return self.reuse_prefix(ids)

@@ -1,4 +1,4 @@
-"""Tiny random GGUF files (llama, qwen3) written with gguf-py's own writer and
+"""Tiny random GGUF files (llama, qwen3, gemma3) written with gguf-py's own writer and
 quantizers, so runtime tests do not depend on our converter."""
 from __future__ import annotations
 
@@ -64,13 +64,17 @@ GGUF_PY_QUANTIZES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0
 def write_tiny_gguf(path: Path, qtype: str = "Q8_0", *, dim=64, layers=2, heads=4, kv_heads=2,
                     ffn=96, vocab=256, ctx=512, tied=True, rope_scaling=True, embed_type=None,
                     seed=0, theta=500000.0, tokenizer=False, chat_template=CHATML,
-                    arch="llama", head_dim=None, key_length=None, skip=()) -> Path:
+                    arch="llama", head_dim=None, key_length=None, skip=(), window=None,
+                    softcap=None, theta_swa=None) -> Path:
     """A tiny random GGUF of family `arch`: "llama", or "qwen3" (per-head q/k norm
     weights, NEOX RoPE, attention.key_length = head_dim, default dim // heads; pass
     rope_scaling=False, as Qwen 3 has none). tokenizer=True adds a small gpt2 vocabulary
     (see add_tiny_tokenizer; `vocab` must then be at least TINY_VOCAB). skip: tensor
     names left out, key_length: the head dim the metadata states (key/value length, rope
-    dims) if not the tensors' (broken files for tests)."""
+    dims) if not the tensors' (broken files for tests). "gemma3": qwen3's and a norm of
+    each sublayer's output (post_attention_norm, post_ffw_norm); window: its
+    attention.sliding_window (default 512), softcap: final_logit_softcapping, theta_swa:
+    rope.freq_base_swa (both left out by default, as in Google's files)."""
     rng = np.random.default_rng(seed)
     hd = head_dim or dim // heads
     w = GGUFWriter(str(path), arch)
@@ -81,12 +85,19 @@ def write_tiny_gguf(path: Path, qtype: str = "Q8_0", *, dim=64, layers=2, heads=
     w.add_feed_forward_length(ffn)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    if arch == "qwen3":
+    qk = arch in ("qwen3", "gemma3")
+    if qk:
         w.add_key_length(key_length or hd)
         w.add_value_length(key_length or hd)
     w.add_rope_dimension_count(key_length or hd)
     w.add_rope_freq_base(theta)
-    w.add_layer_norm_rms_eps(1e-5)
+    w.add_layer_norm_rms_eps(1e-6 if arch == "gemma3" else 1e-5)
+    if arch == "gemma3":
+        w.add_sliding_window(window or 512)
+        if softcap:
+            w.add_final_logit_softcapping(softcap)
+        if theta_swa:
+            w.add_float32(f"{arch}.rope.freq_base_swa", theta_swa)
     w.add_vocab_size(vocab)
     if tokenizer:
         add_tiny_tokenizer(w, vocab, chat_template)
@@ -118,11 +129,11 @@ def write_tiny_gguf(path: Path, qtype: str = "Q8_0", *, dim=64, layers=2, heads=
         p = f"blk.{i}."
         add(p + "attn_norm.weight", norm(), "F32")
         # qwen3: q and k rows 4x larger, as trained Qwen's are; its per-head norms undo it
-        qk = 4 / np.sqrt(dim) if arch == "qwen3" else None
-        add(p + "attn_q.weight", mat(heads * hd, dim, qk), qtype)
-        add(p + "attn_k.weight", mat(kv_heads * hd, dim, qk), qtype)
+        qs = 4 / np.sqrt(dim) if qk else None
+        add(p + "attn_q.weight", mat(heads * hd, dim, qs), qtype)
+        add(p + "attn_k.weight", mat(kv_heads * hd, dim, qs), qtype)
         add(p + "attn_v.weight", mat(kv_heads * hd, dim), qtype)
-        if arch == "qwen3":
+        if qk:
             add(p + "attn_q_norm.weight", norm(hd), "F32")
             add(p + "attn_k_norm.weight", norm(hd), "F32")
         add(p + "attn_output.weight", mat(dim, heads * hd), qtype)
@@ -130,6 +141,9 @@ def write_tiny_gguf(path: Path, qtype: str = "Q8_0", *, dim=64, layers=2, heads=
         add(p + "ffn_gate.weight", mat(ffn, dim), qtype)
         add(p + "ffn_up.weight", mat(ffn, dim), qtype)
         add(p + "ffn_down.weight", mat(dim, ffn), qtype)
+        if arch == "gemma3":
+            add(p + "post_attention_norm.weight", norm(), "F32")
+            add(p + "post_ffw_norm.weight", norm(), "F32")
     add("output_norm.weight", norm(), "F32")
     if not tied:
         add("output.weight", mat(vocab, dim), embed_type or qtype)

@@ -8,6 +8,6 @@ model.py's layer behind the Family flag that asks for it.
 from __future__ import annotations
 
 from ..arch import Family
-from . import llama, qwen3
+from . import gemma3, llama, qwen3
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, qwen3.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, qwen3.FAMILY, gemma3.FAMILY)}
