@@ -9,7 +9,6 @@ from pathlib import Path
 import click
 
 from edgellama import benchmark
-from edgellama.args import ModelArgs
 from edgellama.errors import EdgeError
 from edgellama.machine import available_memory
 from edgellama.kv_cache import KVCache, fit_advice
@@ -24,11 +23,7 @@ def _refuse_unfitting(shape: str, ctx: int, n_prompt: int, type_k: str, type_v: 
     generated or allocated: the cache must fit the memory available."""
     if n_prompt + 1 > ctx:
         raise click.UsageError(f"-p {n_prompt} does not fit --ctx {ctx}")
-    s = benchmark.SHAPES[shape]
-    args = ModelArgs(dim=s.dim, n_layers=s.layers, n_heads=s.heads, n_kv_heads=s.kv_heads,
-                     ffn_dim=s.ffn, vocab_size=s.vocab, norm_eps=1e-5, rope_theta=s.theta,
-                     rope_dim=s.head_dim or s.dim // s.heads, train_ctx=s.train_ctx,
-                     tied_output=True, key_length=s.head_dim)
+    args = benchmark.SHAPES[shape].args()
     need, avail = KVCache.bytes_needed(args, ctx, type_k, type_v), available_memory()
     if avail is not None and need > avail:
         raise EdgeError(f"{shape}: " + fit_advice(args, ctx, type_k, type_v, avail))

@@ -25,6 +25,7 @@ import numpy as np
 from gguf.constants import GGUFValueType as V
 
 from . import threading_layer
+from .args import ModelArgs
 from .amx import kernels_name
 from .default_model import cache_dir
 from .errors import EdgeError
@@ -37,6 +38,7 @@ from .machine import (ThreadPolicy, cpu_name, peak_resident_memory, reset_peak_r
 from .membw import measure_read_bandwidth
 from .kv_cache import DEFAULT_CACHE_TYPE, TYPE_PAIRS, KVCache, longest_context
 from .model import Transformer
+from .models import FAMILIES
 
 MiB = 2 ** 20
 GiB = 2 ** 30
@@ -54,6 +56,16 @@ class Shape:
     train_ctx: int = 131072
     arch: str = "llama"              # general.architecture (edgellama/models)
     head_dim: int | None = None      # attention.key_length where not dim / heads
+    window: int = 0                  # attention.sliding_window (gemma3)
+
+    def args(self) -> ModelArgs:
+        """The hyperparameters a file of this shape has (for checks made before it exists)."""
+        return ModelArgs(dim=self.dim, n_layers=self.layers, n_heads=self.heads,
+                         n_kv_heads=self.kv_heads, ffn_dim=self.ffn, vocab_size=self.vocab,
+                         norm_eps=1e-5, rope_theta=self.theta,
+                         rope_dim=self.head_dim or self.dim // self.heads,
+                         train_ctx=self.train_ctx, tied_output=True, family=FAMILIES[self.arch],
+                         key_length=self.head_dim, sliding_window=self.window)
 
 
 SHAPE_TYPES = tuple(t for t in WRITABLE if t not in ("F32", "BF16"))   # --type for --shape
@@ -68,6 +80,13 @@ SHAPES = {
        for name, d, n, h, f in (("qwen3-0.6b", 1024, 28, 16, 3072),
                                 ("qwen3-1.7b", 2048, 28, 16, 6144),
                                 ("qwen3-4b", 2560, 36, 32, 9728))},
+    # Gemma 3 (HF configs): head dim 256, five sliding-window layers to a global one; their
+    # ring keeps window + 512 positions, so at 32,768 the 1B's f16 cache is 4 global layers
+    # x 1 KV head x 256 x 2 x 2 bytes = 4 KiB a token (128 MiB) + 22 rings x 1,024 (22 MiB)
+    "gemma3-1b": Shape(dim=1152, layers=26, heads=4, kv_heads=1, ffn=6912, vocab=262144,
+                       theta=1e6, train_ctx=32768, arch="gemma3", head_dim=256, window=512),
+    "gemma3-4b": Shape(dim=2560, layers=34, heads=8, kv_heads=4, ffn=10240, vocab=262144,
+                       theta=1e6, train_ctx=131072, arch="gemma3", head_dim=256, window=1024),
 }
 
 
@@ -134,10 +153,14 @@ def shape_file(name: str, qtype: str, quiet: bool = False, progress=None) -> Pat
     if progress is None and not quiet:
         print(f"Generating {path.name} (random weights, real shapes; once)...", flush=True)
     embed_type = "Q6_K" if qtype.endswith("_K") else "Q8_0" if qtype in ("Q4_0", "Q4_1") else qtype
-    hd, qwen = s.head_dim or s.dim // s.heads, s.arch == "qwen3"
+    hd, gemma = s.head_dim or s.dim // s.heads, s.arch == "gemma3"
+    qwen = s.arch == "qwen3" or gemma          # q/k norms, eps 1e-6
     tensors = [("token_embd.weight", s.vocab, s.dim, embed_type, 1.0)]
     for i in range(s.layers):
         p = f"blk.{i}."
+        if gemma:
+            tensors += [(p + "post_attention_norm.weight", 0, s.dim, "F32", 0),
+                        (p + "post_ffw_norm.weight", 0, s.dim, "F32", 0)]
         if qwen:
             tensors += [(p + "attn_q_norm.weight", 0, hd, "F32", 0),
                         (p + "attn_k_norm.weight", 0, hd, "F32", 0)]
@@ -172,6 +195,7 @@ def shape_file(name: str, qtype: str, quiet: bool = False, progress=None) -> Pat
                 (f"{a}.rope.freq_base", V.FLOAT32, s.theta),
                 (f"{a}.attention.layer_norm_rms_epsilon", V.FLOAT32, 1e-6 if qwen else 1e-5),
                 (f"{a}.vocab_size", V.UINT32, s.vocab),
+                *([(f"{a}.attention.sliding_window", V.UINT32, s.window)] if s.window else []),
             ]:
                 w.kv(key, vtype, value)
             for tname, rows, cols, t, _ in tensors:
