@@ -69,7 +69,8 @@ from edgellama.machine import resident_memory
 if TYPE_CHECKING:   # the renderer imports this module: it stays free of NumPy and Numba
     from edgellama.tokenizer import Tokenizer
 
-# Used when the file has no tokenizer.chat_template: Llama 3's turn format.
+# Used when the file has no tokenizer.chat_template (builtin_template picks): Llama 3's
+# turn format.
 LLAMA3_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
@@ -77,6 +78,51 @@ LLAMA3_TEMPLATE = (
     " + message['content'] | trim + '<|eot_id|>' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
+# Used when a file with Gemma's turn tokens has none (llama.cpp's Gemma 3 GGUFs carry no
+# template): Google's Gemma 3 instruction-tuned template, as in the HF tokenizer_config.json
+# of the gemma-3-*-it models. No system role: a system message is folded into the first user
+# turn; "assistant" is "model"; the reply ends at <end_of_turn>.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\\n\\n' -%}\n"
+    "    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    "    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n"
+    "        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n"
+    "        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n"
+    "        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n"
+    "                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n"
+    "                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n"
+    "        {%- endfor -%}\n"
+    "    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<end_of_turn>\\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\\n'}}\n"
+    "{%- endif -%}\n")
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
@@ -425,6 +471,15 @@ def start_renderer() -> None:
     _renderer.start()
 
 
+def builtin_template(tokenizer: Tokenizer) -> str:
+    """The template for a file without one, by the turn tokens its vocabulary has."""
+    if tokenizer.is_llama3:
+        return LLAMA3_TEMPLATE
+    if {"<start_of_turn>", "<end_of_turn>"} <= tokenizer.special_tokens.keys():
+        return GEMMA3_TEMPLATE
+    return CHATML_TEMPLATE
+
+
 class ChatFormat:
     """Turns a conversation into prompt token ids for one tokenizer and template."""
 
@@ -436,7 +491,7 @@ class ChatFormat:
         if template:
             self.source = template
         else:
-            self.source = LLAMA3_TEMPLATE if tokenizer.is_llama3 else CHATML_TEMPLATE
+            self.source = builtin_template(tokenizer)
         if len(self.source) > MAX_SOURCE:
             raise EdgeError(f"the chat template is {len(self.source)} characters long, more than "
                             f"the {MAX_SOURCE} allowed; the file's template is broken or hostile")
