@@ -220,3 +220,50 @@ def test_logits_match_llama_cpp(tmp_path):
     llm = edgellama.load(path, ctx=64)
     ours = llm.model.forward(toks, llm.seq, all_logits=True)
     assert _kl_rows(theirs, ours).max() < 1e-5
+
+
+@pytest.mark.slow
+@LLAMA_CPP
+def test_the_real_270m_against_llama_cpp(gemma_q4_k_m_gguf):
+    # llama.cpp's own Q4_K_M of Gemma 3 270M, teacher-forced over the first 2,000 tokens of
+    # an English text (llama.cpp's tokenizer): the first 512 rows (all within the window),
+    # the rows past it, and 100 tokens decoded one at a time after a 1,500-token prefill
+    # (the local layers' ring has wrapped); the local layers' cache stays at its ring
+    import llama_cpp
+    from pathlib import Path
+    text = (Path(__file__).parents[2] / "bench" / "data" / "alice.txt").read_text()
+    N = 2000
+    L = llama_cpp.Llama(model_path=str(gemma_q4_k_m_gguf), n_ctx=N, n_batch=512,
+                        logits_all=True, verbose=False, n_threads=2)
+    toks = L.tokenize(text[:30000].encode(), add_bos=True)[:N]
+    assert len(toks) == N
+    L.eval(toks)
+    theirs = np.array(L.scores[:N], np.float32)
+    del L
+    m = Transformer(GGUFFile(gemma_q4_k_m_gguf), ctx=N)
+    seq = m.new_sequence()
+    ours = m.forward(toks[:1500], seq, all_logits=True)
+    decoded = np.stack([m.forward(toks[i:i + 1], seq).copy() for i in range(1500, 1600)])
+    kl, top = _kl_rows(theirs[:1500], ours), theirs[:1500].argmax(-1) == ours.argmax(-1)
+    print(f"first 512: mean KL {kl[:512].mean():.4f}, top-1 {top[:512].mean():.3f}; "
+          f"512..1500: {kl[512:].mean():.4f}, {top[512:].mean():.3f}")
+    assert kl[:512].mean() < 0.008 and top[:512].mean() > 0.93
+    assert kl[512:].mean() < 0.008 and top[512:].mean() > 0.93
+    kd = _kl_rows(theirs[1500:1600], decoded)
+    print(f"decoded 1500..1600: mean KL {kd.mean():.4f}")
+    assert kd.mean() < 0.008
+    # 15 local layers of 1,024 positions, 3 global ones of 2,000
+    c, per = seq.cache, kv_cache.KVCache.bytes_per_token(m.args) // 18
+    assert c.swa.cap == 1024 and c.swa.nbytes == 15 * 1024 * per and c.full.nbytes == 3 * N * per
+
+
+def test_bench_shapes_count_the_rings():
+    # gemma3-1b at its 32,768: 4 global layers of 1 KV head x 256 x (K + V) f16, 1 KiB a
+    # layer and position, + 22 local layers' rings of 1,024; gemma3-4b: 5 global layers of
+    # 4 KiB at 131,072 + 29 rings of 1,536 (window 1,024)
+    from edgellama import benchmark
+    a = benchmark.SHAPES["gemma3-1b"].args()
+    assert a.local_layers.count(False) == 4 and a.head_dim == 256
+    assert kv_cache.KVCache.bytes_needed(a, 32768) == (4 * 32768 + 22 * 1024) * 1024
+    a = benchmark.SHAPES["gemma3-4b"].args()
+    assert kv_cache.KVCache.bytes_needed(a, 131072) == (5 * 131072 + 29 * 1536) * 4096
