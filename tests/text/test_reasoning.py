@@ -128,3 +128,14 @@ def test_the_tool_call_reader_skips_the_same_block(reply):
     reasoning, content = split_reasoning(reply)
     assert parse_tool_calls(reply, ["get_weather"]) == parse_tool_calls(content, ["get_weather"])
     assert CALL not in reasoning
+
+
+def test_calls_after_a_block_the_prompt_opened_are_read_from_the_content():
+    # the reply starts inside <think>: the whole text is not calls, its content is; the
+    # server reads calls from the content (as llama-server does)
+    reply = f"Paris: call the tool.\n</think>\n\n{CALL}"
+    reasoning, content = split_reasoning(reply, opened=True)
+    assert reasoning == "Paris: call the tool." and content == CALL
+    assert parse_tool_calls(reply, ["get_weather"]) is None
+    calls = parse_tool_calls(content, ["get_weather"])
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", {"city": "Paris"})]
