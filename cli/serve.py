@@ -7,8 +7,8 @@ import socket
 import click
 
 from .main import main
-from .options import (FilePath, drafter_from, load, model_options, one_line,
-                      speculative_options)
+from .options import (FilePath, chat_template_options, drafter_from, load, model_options,
+                      one_line, speculative_options)
 
 
 # More slots than this decode no faster on a CPU (each step reads the weights for all),
@@ -84,8 +84,8 @@ def _accepted_hosts(host: str, sock: socket.socket, extra: list[str]) -> tuple[l
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True,
               help="TCP port; 0 picks a free one (printed at start).")
 @click.option("--api-key", envvar="EDGELLAMA_API_KEY", default=None,
-              help="Require 'Authorization: Bearer KEY' on /v1 (or set EDGELLAMA_API_KEY, "
-                   "which other users cannot read from the process list).")
+              help="Require 'Authorization: Bearer KEY' on every path but /health (or set "
+                   "EDGELLAMA_API_KEY, which other users cannot read from the process list).")
 @click.option("--parallel", type=click.IntRange(min=1, max=MAX_PARALLEL), default=None,
               help="Requests that run at once, each in a slot with its own KV cache, decoded "
                    "together in one pass over the weights. Default: 4, fewer if the "
@@ -115,9 +115,20 @@ def _accepted_hosts(host: str, sock: socket.socket, extra: list[str]) -> tuple[l
               metavar="MIB", help="With --slot-save-path: the most the spilled caches of "
               "evicted conversations take in DIR, least recently used removed first; 0: "
               "no spill.")
+@click.option("--metrics", is_flag=True,
+              help="Serve GET /metrics: the server's counters in Prometheus' text format, "
+                   "under llama-server's names (llamacpp:prompt_tokens_total, ...). Off by "
+                   "default, as in llama-server.")
+@click.option("--reasoning-format", type=click.Choice(["deepseek", "none"]), default="deepseek",
+              show_default=True,
+              help="deepseek: a chat reply's <think> block (Qwen 3, DeepSeek R1) is sent as "
+                   "message.reasoning_content (delta.reasoning_content when streamed), apart "
+                   "from its content; none: all of the reply is content.")
+@chat_template_options
 @speculative_options
 def serve(model, ctx, threads, activations, cache_type_k, cache_type_v, host, port, api_key, parallel, queue_size,
-          allowed_hosts, cors, slot_save_path, slot_spill_max, draft, lookup, draft_min, draft_max):
+          allowed_hosts, cors, slot_save_path, slot_spill_max, metrics, reasoning_format,
+          template_kwargs, draft, lookup, draft_min, draft_max):
     """Serve the model over OpenAI's HTTP API (chat and completions).
 
     Requests must send JSON bodies with 'Content-Type: application/json' (or none); form
@@ -134,6 +145,7 @@ def serve(model, ctx, threads, activations, cache_type_k, cache_type_v, host, po
     progress = KernelProgress()
     with jit.Compiling(progress) as loading:
         llm = load(model, ctx, threads, activations, cache_type_k, cache_type_v)
+        llm.chat.template_kwargs = template_kwargs   # a request's chat_template_kwargs win
         drafter = drafter_from(llm, draft, lookup, draft_min, draft_max)
     warms = [jit.warm_up(m, progress)
              for m in [llm.model] + ([drafter.model] if hasattr(drafter, "model") else [])]
@@ -143,7 +155,8 @@ def serve(model, ctx, threads, activations, cache_type_k, cache_type_v, host, po
     app = create_app(llm, api_key=api_key or None, queue_size=queue_size,
                      allowed_hosts=hosts, any_ip_host=any_ip, cors=cors, parallel=parallel,
                      drafter=drafter, slot_save_path=slot_save_path,
-                     slot_spill_max=slot_spill_max << 20)
+                     slot_spill_max=slot_spill_max << 20, metrics=metrics,
+                     reasoning_format=reasoning_format)
     server = app.state.server
     if not api_key and not _is_local(sock):
         click.echo(f"warning: listening on {host} without --api-key: anyone who can reach "

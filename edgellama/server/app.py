@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import logging
 import secrets
@@ -33,15 +34,25 @@ from starlette.routing import Route
 from ..constrain import Constraint
 from ..errors import EdgeError
 from ..llm import LLM
+from ..reasoning import ReasoningSplitter, opens_reasoning
 from ..slot_files import SlotFiles
 from ..speculative import Drafter
 from ..tool_calls import ToolCallStream
 from .engine import DEFAULT_QUEUE, Engine
 from .guard import LOOPBACK_HOSTS, _Guard, _RequireKey
 from .job import Job
-from .params import ApiError, Params, _bad, _clean, _messages, _params, _read_json, _show
+from .metrics import METRICS_TYPE, Metrics
+from .params import (ApiError, Params, _bad, _clean, _detokenize_body, _messages, _params,
+                     _read_json, _show, _tokenize_body)
 
 log = logging.getLogger("edgellama.server")
+
+REASONING_FORMATS = ("none", "deepseek")   # llama-server's --reasoning-format, the ones we do
+try:   # /props' build_info: llama-server gives its build number and commit
+    _BUILD = f"edgellama-{importlib.metadata.version('edgellama')}"
+except importlib.metadata.PackageNotFoundError:   # run from a source tree, not installed
+    _BUILD = "edgellama"
+_PROMPT_TAIL = 8    # prompt tokens enough to see whether it ends in an open <think>
 
 
 async def _tokenize(encode, text: Any) -> list[int]:
@@ -107,9 +118,15 @@ def _sse(data: Any) -> str:
 
 class Server:
     def __init__(self, llm: LLM, model_id: str, queue_size: int, parallel: int | None = None,
-                 drafter: Drafter | None = None, files: SlotFiles | None = None):
+                 drafter: Drafter | None = None, files: SlotFiles | None = None,
+                 metrics: bool = False, reasoning_format: str = "deepseek"):
+        if reasoning_format not in REASONING_FORMATS:
+            raise EdgeError(f"reasoning format must be one of {', '.join(REASONING_FORMATS)}, "
+                            f"got {reasoning_format!r}")
         self.llm, self.model_id = llm, model_id
         self.engine = Engine(llm, queue_size, parallel, drafter, files)
+        self.metrics = Metrics(self.engine, llm.ctx) if metrics else None
+        self.reasoning_format = reasoning_format
         self.defaults = llm.default_sampling()
         self.created = int(time.time())
         # the chat template shows tools, and several calls in one message (asked once)
@@ -159,8 +176,8 @@ class Server:
                        "model a tool list); send the request without tools", "tools",
                        "tools_not_supported")
         try:
-            ids = await _tokenize(lambda m: self.llm.chat.encode_messages(m, tools=tools),
-                                  messages)
+            ids = await _tokenize(lambda m: self.llm.chat.encode_messages(
+                m, tools=tools, chat_template_kwargs=params.template_kwargs), messages)
         except EdgeError as e:   # the template refused these messages
             raise _bad(f"cannot render these messages with the model's chat template: {e}",
                        "messages") from None
@@ -232,15 +249,28 @@ class Server:
         shown = None if params.top_logprobs is None else \
             {"content": logprobs} if chat else _completion_logprobs(logprobs)
         choice = {"index": 0, "logprobs": shown, "finish_reason": finish}
+        splitter = self._reasoning(ids) if chat else None
+        thought = {}
+        if splitter is not None:
+            (r1, c1), (r2, c2) = splitter.push(text), splitter.finish()
+            text, thought = c1 + c2, ({"reasoning_content": r1 + r2} if r1 + r2 else {})
         calls = self._tool_calls(text, params) if chat else None
         if calls:
-            choice.update(message={"role": "assistant", "content": None,
+            choice.update(message={"role": "assistant", "content": None, **thought,
                                    "tool_calls": [c.openai() for c in calls]},
                           finish_reason="tool_calls")
         else:
-            choice.update({"message": {"role": "assistant", "content": text}} if chat
-                          else {"text": text})
+            choice.update({"message": {"role": "assistant", "content": text, **thought}}
+                          if chat else {"text": text})
         return JSONResponse({**head, "choices": [choice], "usage": usage})
+
+    def _reasoning(self, ids: list[int]) -> ReasoningSplitter | None:
+        """A reader of a chat reply's <think> block (--reasoning-format deepseek), told
+        whether the prompt `ids` leaves one open; None (format none): all is content."""
+        if self.reasoning_format == "none":
+            return None
+        tail = self.llm.tokenizer.decode(ids[-_PROMPT_TAIL:], special=True)
+        return ReasoningSplitter(opens_reasoning(tail))
 
     def _tool_calls(self, text: str, params: Params):
         """The reply's tool calls, if tools were offered and the reply is only calls."""
@@ -272,31 +302,62 @@ class Server:
                 {"content": logprobs or []} if chat else _completion_logprobs(logprobs or [])
             choice.update({"logprobs": shown, "finish_reason": finish})
             return _sse({**head, "choices": [choice], **extra})
-        # With tools offered, the reply is read as calls while it can be one: held back
-        # until a call's name is read (then streamed as tool_calls deltas, the first with
-        # the role) or until it cannot be a call (then sent as content, and the rest
-        # streams as it comes).
+        # With tools offered, the reply's content is read as calls while it can be one:
+        # held back until a call's name is read (then streamed as tool_calls deltas, the
+        # first with the role) or until it cannot be a call (then sent as content, and the
+        # rest streams as it comes). Its reasoning (a <think> block) streams as
+        # reasoning_content deltas, apart.
         reader = _call_reader(params) if chat else None
+        splitter = self._reasoning(job.ids) if chat else None
         held, held_logprobs = "", []
+        waiting: list = []   # logprobs of text the splitter holds back
+
+        def content(text: str, logprobs: list) -> Iterable[str]:
+            nonlocal reader, held, held_logprobs
+            if reader is None:
+                yield chunk(text, logprobs=logprobs)
+                return
+            for delta in reader.push(text):
+                yield chunk(None, delta={"tool_calls": [delta]})
+            if not reader.announced:
+                held += text
+                held_logprobs += logprobs
+            if reader.is_text:
+                reader = None
+                yield chunk(held, logprobs=held_logprobs)
+
+        def split(pieces: tuple[str, str], logprobs: list) -> Iterable[str]:
+            nonlocal waiting
+            (reasoning, text), logprobs = pieces, waiting + logprobs
+            waiting = []
+            if reasoning:
+                yield chunk(None, delta={"reasoning_content": reasoning},
+                            logprobs=[] if text else logprobs)
+            if text:
+                yield from content(text, logprobs)
+            elif not reasoning:
+                waiting = logprobs
         try:
             if chat and reader is None:
                 yield chunk("")   # OpenAI's first chunk: the role
             while True:
                 event = await job.events.get()
                 if event[0] == "text":
-                    if reader is not None:
-                        for delta in reader.push(event[1]):
-                            yield chunk(None, delta={"tool_calls": [delta]})
-                        if not reader.announced:
-                            held += event[1]
-                            held_logprobs += event[2]
-                        if reader.is_text:
-                            reader = None
-                            yield chunk(held, logprobs=held_logprobs)
-                        continue
-                    yield chunk(event[1], logprobs=event[2])
+                    if splitter is None:
+                        for out in content(event[1], event[2]):
+                            yield out
+                    else:
+                        for out in split(splitter.push(event[1]), event[2]):
+                            yield out
                 elif event[0] == "done":
                     finish = event[1]
+                    if splitter is not None:
+                        for out in split(splitter.finish(), []):
+                            yield out
+                        if waiting and reader is None:   # the logprobs of trailing space
+                            yield chunk(None, logprobs=waiting)
+                        elif waiting:
+                            held_logprobs += waiting
                     if reader is not None and reader.finish():
                         finish = "tool_calls"
                     elif reader is not None and reader.is_text and (held or held_logprobs):
@@ -356,6 +417,83 @@ class Server:
             raise _bad(f"action must be save, restore or erase, got {_show(action)}", "action")
         return JSONResponse(await asyncio.wrap_future(engine.run(call)))
 
+    async def tokenize(self, request: Request):
+        """llama-server's POST /tokenize: {"content", "add_special", "parse_special",
+        "with_pieces"} -> {"tokens": [id, ...]}, or [{"id", "piece"}, ...] with pieces (a
+        piece is its text, or its bytes as a list where they are not UTF-8). No slot: the
+        tokenizer runs off the event loop, beside the engine."""
+        content, add_special, parse_special, with_pieces = _tokenize_body(
+            await _read_json(request))
+        tok = self.llm.tokenizer
+
+        def encode(text: str) -> list[int]:
+            ids = tok.encode_special(text) if parse_special else tok.encode(text)
+            return [tok.bos_id] + ids if add_special and tok.add_bos else ids
+        ids = await _tokenize(encode, content)
+        if not with_pieces:
+            return JSONResponse({"tokens": ids})
+        pieces = []
+        for i in ids:
+            b = tok.token_bytes(i)
+            try:
+                piece: str | list[int] = b.decode("utf-8")
+            except UnicodeDecodeError:
+                piece = list(b)
+            pieces.append({"id": i, "piece": piece})
+        return JSONResponse({"tokens": pieces})
+
+    async def detokenize(self, request: Request):
+        """llama-server's POST /detokenize: {"tokens": [id, ...]} -> {"content": text},
+        special tokens as their text, bytes that are not UTF-8 as U+FFFD."""
+        ids = _detokenize_body(await _read_json(request), self.llm.tokenizer.vocab_size)
+        text = await run_in_threadpool(self.llm.tokenizer.decode, ids, True)
+        return JSONResponse({"content": text})
+
+    async def props(self, request: Request):
+        """llama-server's GET /props: the generation defaults, slots, chat template and
+        special tokens. model_path is the file's name only: a client learns which model
+        is served, not where the server keeps it."""
+        llm, tok, d = self.llm, self.llm.tokenizer, self.defaults
+        shows_tools, several_calls = await self._template_tool_support()
+        drafter = self.engine.slots[0].drafter
+        settings = {
+            "n_predict": -1, "seed": -1 if d.seed is None else d.seed,
+            "temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p,
+            "min_p": d.min_p, "repeat_last_n": d.repeat_last_n,
+            "repeat_penalty": d.repeat_penalty, "presence_penalty": 0.0,
+            "frequency_penalty": 0.0, "stop": [], "max_tokens": -1, "stream": False,
+            "n_probs": 0, "reasoning_format": self.reasoning_format,
+            "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],
+            "speculative.n_max": drafter.draft_max if drafter else 0,
+            "speculative.n_min": drafter.draft_min if drafter else 0,
+        }
+
+        def text(i: int | None) -> str:
+            return "" if i is None else tok.token_bytes(i).decode("utf-8", "replace")
+        return JSONResponse({
+            "default_generation_settings": {"id": 0, "n_ctx": llm.ctx, "params": settings},
+            "total_slots": self.engine.parallel,
+            "model_alias": self.model_id,
+            "model_path": llm.path.name,
+            "modalities": {"vision": False, "audio": False},
+            "endpoint_slots": True, "endpoint_props": False,
+            "endpoint_metrics": self.metrics is not None,
+            "chat_template": llm.chat.source,
+            "chat_template_caps": {"supports_tools": shows_tools,
+                                   "supports_parallel_tool_calls": several_calls},
+            "bos_token": text(tok.bos_id), "eos_token": text(tok.eos_id),
+            "build_info": _BUILD,
+        })
+
+    async def prometheus(self, request: Request):
+        """llama-server's GET /metrics (serve --metrics): Prometheus' text format
+        (metrics.py); 501 without --metrics, as llama-server answers."""
+        if self.metrics is None:
+            raise ApiError(501, "this server does not serve metrics: start it with --metrics",
+                           code="not_supported", kind="not_supported_error")
+        return Response(self.metrics.text(), media_type=METRICS_TYPE,
+                        headers={"Process-Start-Time-Unix": str(self.metrics.started)})
+
     async def health(self, request: Request):
         # kv_cache_tokens: what the slots' caches hold for the next requests to reuse (and
         # how far the running ones got); slots: each one's, and their memory
@@ -369,20 +507,24 @@ def create_app(llm: LLM, *, model_id: str | None = None, api_key: str | None = N
                queue_size: int = DEFAULT_QUEUE, allowed_hosts: Iterable[str] = LOOPBACK_HOSTS,
                any_ip_host: bool = False, cors: Iterable[str] = (),
                parallel: int | None = None, drafter: Drafter | None = None,
-               slot_save_path: str | None = None, slot_spill_max: int = 0) -> Starlette:
+               slot_save_path: str | None = None, slot_spill_max: int = 0,
+               metrics: bool = False, reasoning_format: str = "deepseek") -> Starlette:
     """The ASGI app serving `llm`; its id is the file name without .gguf unless given.
     The engine thread starts now and stops when the app's lifespan ends. `parallel`
     requests run at once (None: choose_parallel's default from memory). `drafter`
     (llm.load_draft(path) or speculative.PromptLookup()): speculative decoding, where
     it pays (Engine). `slot_save_path`: a folder for POST /slots/{id} (save, restore,
     erase a slot's cache) and, if `slot_spill_max` (bytes) > 0, evicted conversations'
-    caches (SlotFiles).
+    caches (SlotFiles). `metrics`: serve GET /metrics (Prometheus). `reasoning_format`
+    "deepseek": a chat reply's <think> block is its reasoning_content, apart from its
+    content; "none": all of it is content.
 
     Only requests whose Host names one of `allowed_hosts` ("*": any; `any_ip_host`: any
     IP address too) are answered, and requests from web pages only from the same origin
     or one of the `cors` origins ("*": any); see _Guard. normalize_origin checks `cors`."""
     files = None if slot_save_path is None else SlotFiles(slot_save_path, slot_spill_max)
-    server = Server(llm, model_id or llm.path.stem, queue_size, parallel, drafter, files)
+    server = Server(llm, model_id or llm.path.stem, queue_size, parallel, drafter, files,
+                    metrics, reasoning_format)
     guard = Middleware(_Guard, hosts=list(allowed_hosts), any_ip=any_ip_host, cors=list(cors))
 
     async def api_error(request: Request, exc: ApiError):
@@ -411,6 +553,10 @@ def create_app(llm: LLM, *, model_id: str | None = None, api_key: str | None = N
         Route("/health", server.health, methods=["GET"]),
         Route("/slots", server.slots, methods=["GET"]),
         Route("/slots/{id}", server.slot_action, methods=["POST"]),
+        Route("/tokenize", server.tokenize, methods=["POST"]),
+        Route("/detokenize", server.detokenize, methods=["POST"]),
+        Route("/props", server.props, methods=["GET"]),
+        Route("/metrics", server.prometheus, methods=["GET"]),
     ], exception_handlers={ApiError: api_error, HTTPException: http_error,
                            ClientDisconnect: client_gone, Exception: internal_error},
         lifespan=lifespan,

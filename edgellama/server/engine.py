@@ -48,6 +48,7 @@ from ..speculative import (DraftLength, DraftModel, Drafter, PassCost, plan_step
                            rejection_test)
 from ..tokenizer import StreamDecoder
 from .job import Job, _record_logprobs, sample_token
+from .metrics import EngineCounters
 from .params import ApiError, _bad
 
 log = logging.getLogger("edgellama.server")
@@ -158,6 +159,7 @@ class Engine:
         self._admitted = 0
         self._closed = False
         self._storage_problem: str | None = None   # the slot files' failure last logged
+        self.counters = EngineCounters()           # GET /metrics
         self._thread = threading.Thread(target=self._work, name="edgellama-engine", daemon=True)
         self._thread.start()
 
@@ -317,6 +319,7 @@ class Engine:
                 except EdgeError as e:
                     log.warning("slot %d: spilled cache not restored: %s", job.slot.index, e)
         job.reused = seq.reuse_prefix(job.ids)
+        job.t_admitted = time.perf_counter()
 
     # -- POST /slots/{id}: on the engine thread (run()), so no request is admitted to the
     # slot, and no pass reads its cache, while its file is written or read
@@ -427,6 +430,7 @@ class Engine:
         seq = job.slot.seq
         chunk = PREFILL_CHUNK if others_decoding else self.llm.model.batch
         end = min(len(job.ids) - 1, seq.pos + chunk)
+        self.counters.on_pass(len(self._active))
         self.llm.model.forward(job.ids[seq.pos:end], seq)
 
     def _decode(self, jobs: list[Job]) -> None:
@@ -435,6 +439,10 @@ class Engine:
         drafts = self._drafts(jobs) if self.costs else [([], None, None)] * len(jobs)
         counts = [1 + len(d) for d, _, _ in drafts]
         t0 = time.perf_counter()
+        for job in jobs:
+            if job.t_generating is None:   # its prompt is read: this step feeds its last token
+                self.counters.on_prompt(job, t0)
+        self.counters.on_pass(len(self._active))
         logits = self.llm.model.decode(
             [j.slot.seq for j in jobs],
             [t for j, (d, _, _) in zip(jobs, drafts) for t in [j.next_token, *d]],
@@ -560,6 +568,7 @@ class Engine:
             if job in self._active:
                 self._active.remove(job)
                 job.slot.job = None
+                self.counters.on_release(job, job.slot.seq.pos, time.perf_counter())
 
 
 def _local(e: Exception, path, filename: str) -> str:

@@ -1,6 +1,6 @@
 """ASGI middleware in front of the app: _Guard answers only the allowed Host names and
 same-origin or allowed (--cors) Origins, against DNS rebinding and cross-site requests
-(403); _RequireKey asks /v1/... and /slots for the API key (401). host_name and
+(403); _RequireKey asks every path but /health for the API key (401). host_name and
 normalize_origin also check `serve`'s --allowed-host and --cors values. Nothing here
 reads a request's body.
 """
@@ -17,6 +17,12 @@ from .params import ApiError, _show
 
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+# The paths answered without the API key (--api-key): the liveness probe only. As
+# llama-server, /metrics, /props, /tokenize, /detokenize and /slots need it (they show
+# the model, its template and its load); llama-server also leaves its model list open,
+# but /v1/models needs the key, as OpenAI's does. An unknown path is refused (401)
+# before it is looked up.
+PUBLIC_PATHS = frozenset({"/health"})
 
 
 def host_name(value: str) -> str | None:
@@ -153,14 +159,13 @@ class _Guard:
 
 
 class _RequireKey:
-    """ASGI middleware: /v1/... and /slots need `Authorization: Bearer KEY` (/health does
-    not)."""
+    """ASGI middleware: every path but PUBLIC_PATHS needs `Authorization: Bearer KEY`."""
 
     def __init__(self, app, key: str):
         self.app, self.key = app, key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith(("/v1", "/slots")):
+        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")
             if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.key):

@@ -87,6 +87,8 @@ class Job:
         self.matcher = StopMatcher(params.stops)
         self.drafted = self.accepted = 0   # speculative decoding: tokens proposed, kept
         self.draft_started = False     # the slot's drafter has read the prompt
+        self.t_admitted = 0.0          # perf_counter when it took its slot, and when its
+        self.t_generating: float | None = None   # prompt was read (None: not yet): /metrics
 
     @property
     def may_draft(self) -> bool:

@@ -19,6 +19,7 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from ..chat_template import template_kwargs
 from ..constrain import (MAX_DEPTH, gbnf_grammar, json_object_grammar, json_schema_grammar,
                          nests_deeper)
 from ..errors import EdgeError
@@ -35,6 +36,8 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 MAX_TOOLS = 128             # OpenAI's limit on functions per request
 MAX_TOP_LOGPROBS = 20       # OpenAI's limit (chat; completions' `logprobs` allows 5)
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")   # OpenAI's function names
+MAX_TOKENIZE_CHARS = 1 << 21   # /tokenize's content: four times a 128k-token context's text
+MAX_DETOKENIZE = 1 << 20       # /detokenize's tokens: eight 128k-token contexts
 # Parameters whose non-default values would change the answer in ways we do not
 # implement: refused rather than silently ignored. Everything else unknown is ignored.
 UNSUPPORTED = {
@@ -326,6 +329,50 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return top or 0
 
 
+def _chat_template_kwargs(body: dict) -> dict | None:
+    """A request's chat_template_kwargs (llama-server's field: extra template variables,
+    e.g. {"enable_thinking": false}), checked as --chat-template-kwargs is."""
+    v = body.get("chat_template_kwargs")
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise _bad(f"chat_template_kwargs must be an object of template variables, as "
+                   f'{{"enable_thinking": false}}, got {_show(v)}', "chat_template_kwargs")
+    try:
+        return template_kwargs(v, "chat_template_kwargs")
+    except EdgeError as e:
+        raise _bad(str(e), "chat_template_kwargs") from None
+
+
+def _tokenize_body(body: dict) -> tuple[str, bool, bool, bool]:
+    """POST /tokenize's fields (llama-server's): (content, add_special, parse_special,
+    with_pieces); parse_special defaults to true as there, the others to false."""
+    content = body.get("content", "")
+    if not isinstance(content, str):
+        raise _bad(f"content must be a string, got {_show(content)}", "content")
+    if len(content) > MAX_TOKENIZE_CHARS:
+        raise _bad(f"content has {len(content)} characters, more than the "
+                   f"{MAX_TOKENIZE_CHARS} allowed", "content")
+    parse_special = body.get("parse_special") is None or _flag(body, "parse_special")
+    return (_clean(content), _flag(body, "add_special"), parse_special,
+            _flag(body, "with_pieces"))
+
+
+def _detokenize_body(body: dict, vocab_size: int) -> list[int]:
+    """POST /detokenize's tokens: ids of this vocabulary, at most MAX_DETOKENIZE."""
+    tokens = body.get("tokens", [])
+    if not isinstance(tokens, list):
+        raise _bad(f"tokens must be a list of token ids, got {_show(tokens)}", "tokens")
+    if len(tokens) > MAX_DETOKENIZE:
+        raise _bad(f"tokens has {len(tokens)} ids, more than the {MAX_DETOKENIZE} allowed",
+                   "tokens")
+    for i, t in enumerate(tokens):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise _bad(f"tokens[{i}] must be a token id from 0 to {vocab_size - 1}, got "
+                       f"{_show(t)}", "tokens")
+    return tokens
+
+
 @dataclass
 class Params:
     """What one request asks of the engine, validated."""
@@ -342,6 +389,7 @@ class Params:
     tool_choice: str = "none"              # none, auto, required, or one function's name
     parallel_tool_calls: bool = True       # False: at most one call per reply
     draft_max: int | None = None           # speculative.n_max: proposals a step, at most
+    template_kwargs: dict | None = None    # chat_template_kwargs: over the server's own
 
 
 def _params(body: dict, defaults: SamplingParams, chat: bool,
@@ -403,7 +451,7 @@ def _params(body: dict, defaults: SamplingParams, chat: bool,
         grammar_param = "tools"
     return Params(stream, include_usage, max_tokens, sampling, _stops(body), max_param,
                   _logprobs(body, chat), grammar, grammar_param, tools, choice, parallel,
-                  draft_max)
+                  draft_max, _chat_template_kwargs(body) if chat else None)
 
 
 # -- the request body ---------------------------------------------------------------------------
