@@ -166,8 +166,15 @@ class Server:
         body = await _read_json(request)
         self._check_model(body)
         messages = _messages(body)
-        shows_tools, several_calls = await self._template_tool_support()
+        _, several_calls = await self._template_tool_support()
         params = _params(body, self.defaults, chat=True, several_calls=several_calls)
+        ids = await self._chat_prompt(messages, params)
+        return await self._run(request, ids, params, "messages", chat=True)
+
+    async def _chat_prompt(self, messages: list[dict], params: Params) -> list[int]:
+        """The prompt ids of checked messages (params.py's shape) and the request's
+        tools, rendered with the chat template (also for /v1/messages: anthropic.py)."""
+        shows_tools, several_calls = await self._template_tool_support()
         if not several_calls:
             messages = _one_call_per_message(messages)
         tools = params.tools if params.tool_choice != "none" else None
@@ -176,12 +183,11 @@ class Server:
                        "model a tool list); send the request without tools", "tools",
                        "tools_not_supported")
         try:
-            ids = await _tokenize(lambda m: self.llm.chat.encode_messages(
+            return await _tokenize(lambda m: self.llm.chat.encode_messages(
                 m, tools=tools, chat_template_kwargs=params.template_kwargs), messages)
         except EdgeError as e:   # the template refused these messages
             raise _bad(f"cannot render these messages with the model's chat template: {e}",
                        "messages") from None
-        return await self._run(request, ids, params, "messages", chat=True)
 
     async def _template_tool_support(self) -> tuple[bool, bool]:
         if self._template_tools is None:
@@ -217,11 +223,16 @@ class Server:
         ids = await _tokenize(encode, _clean(prompt))
         return await self._run(request, ids, params, "prompt", chat=False)
 
-    async def _run(self, request: Request, ids: list[int], params: Params, param: str, chat: bool):
+    async def _submit(self, request: Request, ids: list[int], params: Params,
+                      param: str) -> tuple[Job, asyncio.Task]:
+        """Queue the request's Job; the task that cancels it if the client goes away."""
         max_tokens = self._fit(ids, params, param)
         job = Job(ids, max_tokens, params, await self._constraint(params))
         self.engine.submit(job)
-        watcher = asyncio.create_task(_until_disconnect(request, self.engine, job))
+        return job, asyncio.create_task(_until_disconnect(request, self.engine, job))
+
+    async def _run(self, request: Request, ids: list[int], params: Params, param: str, chat: bool):
+        job, watcher = await self._submit(request, ids, params, param)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
         head = {"id": ident, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model_id}
