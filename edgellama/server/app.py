@@ -38,6 +38,7 @@ from ..reasoning import ReasoningSplitter, opens_reasoning
 from ..slot_files import SlotFiles
 from ..speculative import Drafter
 from ..tool_calls import ToolCallStream
+from .anthropic import anthropic_routes
 from .engine import DEFAULT_QUEUE, Engine
 from .guard import LOOPBACK_HOSTS, _Guard, _RequireKey
 from .job import Job
@@ -559,6 +560,7 @@ def create_app(llm: LLM, *, model_id: str | None = None, api_key: str | None = N
     app = Starlette(routes=[
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
+        *anthropic_routes(server),   # /v1/messages: Anthropic's API
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/models/{name:path}", server.model, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),

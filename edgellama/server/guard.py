@@ -159,18 +159,25 @@ class _Guard:
 
 
 class _RequireKey:
-    """ASGI middleware: every path but PUBLIC_PATHS needs `Authorization: Bearer KEY`."""
+    """ASGI middleware: every path but PUBLIC_PATHS needs the API key, sent as
+    `Authorization: Bearer KEY` or as Anthropic's clients send it, `x-api-key: KEY`."""
 
     def __init__(self, app, key: str):
         self.app, self.key = app, key.encode()
 
+    def _given(self, headers: dict) -> bool:
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        bearer = scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.key)
+        return bearer or secrets.compare_digest(headers.get(b"x-api-key", b"").strip(), self.key)
+
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = given.partition(b" ")
-            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.key):
+            if not self._given(dict(scope["headers"])):
                 error = ApiError(401, "a valid API key is needed: send the header "
-                                      "'Authorization: Bearer KEY'", code="invalid_api_key")
-                await error.response()(scope, receive, send)
+                                      "'Authorization: Bearer KEY' (or 'x-api-key: KEY')",
+                                 code="invalid_api_key")
+                anthropic = scope["path"].startswith("/v1/messages")
+                await (error.anthropic_response() if anthropic else error.response())(
+                    scope, receive, send)
                 return
         await self.app(scope, receive, send)

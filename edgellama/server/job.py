@@ -31,15 +31,17 @@ class StopMatcher:
     def __init__(self, stops: list[str]):
         self.stops = stops
         self.pending = ""
+        self.hit: str | None = None   # the stop string reached (the earliest one in the text)
 
     def push(self, text: str) -> tuple[str, bool]:
         """Text safe to send now, and whether a stop string was reached (the text before
         it is what is returned; the rest of the reply is dropped)."""
         p = self.pending + text
-        hits = [i for s in self.stops if (i := p.find(s)) >= 0]
+        hits = [(i, k) for k, s in enumerate(self.stops) if (i := p.find(s)) >= 0]
         if hits:
-            self.pending = ""
-            return p[:min(hits)], True
+            at, k = min(hits)
+            self.pending, self.hit = "", self.stops[k]
+            return p[:at], True
         keep = 0
         for s in self.stops:   # the longest tail of p that is a prefix of some stop string
             i = p.find(s[0], max(0, len(p) - len(s) + 1))

@@ -38,6 +38,10 @@ MAX_TOP_LOGPROBS = 20       # OpenAI's limit (chat; completions' `logprobs` allo
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")   # OpenAI's function names
 MAX_TOKENIZE_CHARS = 1 << 21   # /tokenize's content: four times a 128k-token context's text
 MAX_DETOKENIZE = 1 << 20       # /detokenize's tokens: eight 128k-token contexts
+# Anthropic's error types by status (its API's list; 503 is its 529's "overloaded")
+ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error"}
 # Parameters whose non-default values would change the answer in ways we do not
 # implement: refused rather than silently ignored. Everything else unknown is ignored.
 UNSUPPORTED = {
@@ -64,6 +68,16 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
+
+    def anthropic_body(self) -> dict:
+        """Anthropic's shape (/v1/messages): {"type": "error", "error": {type, message}},
+        the type named by the status as Anthropic names it."""
+        kind = ANTHROPIC_ERRORS.get(self.status, "api_error" if self.status >= 500
+                                    else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def anthropic_response(self) -> JSONResponse:
+        return JSONResponse(self.anthropic_body(), status_code=self.status)
 
 
 # -- request validation -------------------------------------------------------------------------
