@@ -80,6 +80,9 @@ def model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def app(model):
     app = ServerUnderTest(model, {"parallel": 2, "metrics": True})
+    # the first reply in a fresh checkout compiles the kernels: not within a request's 20 s
+    assert app.request("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2},
+                       timeout=600).status == 200
     yield app
     app.close()
 
