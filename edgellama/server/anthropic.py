@@ -382,7 +382,8 @@ class _Blocks:
 
 
 class Messages:
-    """The endpoints' handlers; every error, the body's included, in Anthropic's shape."""
+    """The endpoints' handlers. Their errors are raised as ApiError, which the app's
+    handlers and guard.py answer in Anthropic's shape on these paths (response_for)."""
 
     def __init__(self, server: Server):
         self.server = server
@@ -398,19 +399,13 @@ class Messages:
         return await server._chat_prompt(messages, params), params
 
     async def count_tokens(self, request: Request):
-        try:
-            ids, _ = await self._request(request, generate=False)
-        except ApiError as e:
-            return e.anthropic_response()
+        ids, _ = await self._request(request, generate=False)
         return JSONResponse({"input_tokens": len(ids)})
 
     async def create(self, request: Request):
         server = self.server
-        try:
-            ids, params = await self._request(request, generate=True)
-            job, watcher = await server._submit(request, ids, params, "messages")
-        except ApiError as e:
-            return e.anthropic_response()
+        ids, params = await self._request(request, generate=True)
+        job, watcher = await server._submit(request, ids, params, "messages")
         reasoning = server._reasoning(ids)
         reader = None if params.tool_choice == "none" or not params.tools else \
             ToolCallStream({t["function"]["name"] for t in params.tools},

@@ -540,17 +540,19 @@ def create_app(llm: LLM, *, model_id: str | None = None, api_key: str | None = N
     guard = Middleware(_Guard, hosts=list(allowed_hosts), any_ip=any_ip_host, cors=list(cors))
 
     async def api_error(request: Request, exc: ApiError):
-        return exc.response()
+        return exc.response_for(request.url.path)
 
     async def http_error(request: Request, exc: HTTPException):
         return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                        code="not_found" if exc.status_code == 404 else None).response()
+                        code="not_found" if exc.status_code == 404 else None
+                        ).response_for(request.url.path)
 
     async def client_gone(request: Request, exc: ClientDisconnect):
         return Response(status_code=400)   # left while sending its body: nobody reads this
 
     async def internal_error(request: Request, exc: Exception):
-        return ApiError(500, "internal server error; the server log has the details").response()
+        return ApiError(500, "internal server error; the server log has the details"
+                        ).response_for(request.url.path)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

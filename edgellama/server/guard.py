@@ -111,7 +111,7 @@ class _Guard:
                                     f"trying to reach it through DNS rebinding. If you use "
                                     f"that name yourself, start the server with "
                                     f"--allowed-host NAME", "Host", "host_not_allowed"
-                               ).response()(scope, receive, send)
+                               ).response_for(scope["path"])(scope, receive, send)
                 return
         origin = headers.get("origin")
         allow = None
@@ -130,7 +130,7 @@ class _Guard:
                 await ApiError(403, f"cross-origin requests from {_show(origin)} are refused; "
                                     f"to let pages there use this server, start it with "
                                     f"--cors {_show(origin)}", "Origin", "origin_not_allowed"
-                               ).response()(scope, receive, send)
+                               ).response_for(scope["path"])(scope, receive, send)
                 return
         if scope["method"] == "OPTIONS" and origin is not None \
                 and "access-control-request-method" in headers:
@@ -176,8 +176,6 @@ class _RequireKey:
                 error = ApiError(401, "a valid API key is needed: send the header "
                                       "'Authorization: Bearer KEY' (or 'x-api-key: KEY')",
                                  code="invalid_api_key")
-                anthropic = scope["path"].startswith("/v1/messages")
-                await (error.anthropic_response() if anthropic else error.response())(
-                    scope, receive, send)
+                await error.response_for(scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -38,6 +38,7 @@ MAX_TOP_LOGPROBS = 20       # OpenAI's limit (chat; completions' `logprobs` allo
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")   # OpenAI's function names
 MAX_TOKENIZE_CHARS = 1 << 21   # /tokenize's content: four times a 128k-token context's text
 MAX_DETOKENIZE = 1 << 20       # /detokenize's tokens: eight 128k-token contexts
+ANTHROPIC_PATH = "/v1/messages"   # Anthropic's API (anthropic.py): its errors in its shape
 # Anthropic's error types by status (its API's list; 503 is its 529's "overloaded")
 ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error",
                     403: "permission_error", 404: "not_found_error", 413: "request_too_large",
@@ -78,6 +79,10 @@ class ApiError(Exception):
 
     def anthropic_response(self) -> JSONResponse:
         return JSONResponse(self.anthropic_body(), status_code=self.status)
+
+    def response_for(self, path: str) -> JSONResponse:
+        """The answer to a request for `path`: in Anthropic's shape under its API."""
+        return self.anthropic_response() if path.startswith(ANTHROPIC_PATH) else self.response()
 
 
 # -- request validation -------------------------------------------------------------------------

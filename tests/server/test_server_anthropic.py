@@ -497,8 +497,16 @@ def test_body_and_model_errors_are_anthropic_errors(tiny, client):
              (tiny.request("POST", "/v1/messages", [1]), 400, "invalid_request_error"),
              (tiny.request("POST", "/v1/messages", {"model": "claude-x", "max_tokens": 8,
                                                     "messages": USER}), 404, "not_found_error")]
+    cases += [(tiny.request("GET", "/v1/messages"), 405, "invalid_request_error"),
+              (tiny.request("POST", "/v1/messages/batches", {}), 404, "not_found_error"),
+              (tiny.request("POST", "/v1/messages", {"messages": USER}, host="evil.example"),
+               403, "permission_error")]
     for r, status, kind in cases:
-        assert r.status == status and r.json()["error"]["type"] == kind, r.body
+        assert r.status == status and r.json()["type"] == "error", r.body
+        assert r.json()["error"]["type"] == kind and "\n" not in r.json()["error"]["message"]
+    r = tiny.request("GET", "/v1/chat/completions")   # OpenAI's paths keep OpenAI's shape
+    assert r.status == 405 and r.json()["error"]["type"] == "invalid_request_error"
+    assert "type" not in r.json()
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}])
