@@ -2,7 +2,10 @@
 deepseek` (its default) reads it: a `<think>...</think>` block at the start of the reply
 (after space) is the reasoning, stripped of the space around it; what follows, from its
 first non-space character, is the content. Without such a block the whole reply is
-content; a reply cut before `</think>` is all reasoning.
+content; a reply cut before `</think>` is all reasoning. A block after more than
+MAX_LEADING_SPACE characters of space does not count: no model opens its reasoning that
+late, and a stream would hold back a reply of nothing but space (a degenerate model's)
+to the end.
 
     splitter = ReasoningSplitter(opens_reasoning(prompt_text))
     for piece in pieces:                      # decoded text, split anywhere
@@ -23,6 +26,7 @@ import re
 OPEN, CLOSE = "<think>", "</think>"
 
 _OPEN_AT_END = re.compile(re.escape(OPEN) + r"\s*\Z")
+MAX_LEADING_SPACE = 64   # characters of space a reply may start with before its <think>
 
 
 def opens_reasoning(prompt: str) -> bool:
@@ -61,6 +65,9 @@ class ReasoningSplitter:
             held = self._held
             if self._state == "start":
                 body = held.lstrip()
+                if len(held) - len(body) > MAX_LEADING_SPACE:
+                    self._state = "content"
+                    continue
                 if body.startswith(OPEN):
                     self._held, self._state = body[len(OPEN):], "reasoning"
                     continue

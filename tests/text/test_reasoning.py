@@ -6,7 +6,8 @@ import re
 
 import pytest
 
-from edgellama.reasoning import ReasoningSplitter, opens_reasoning, split_reasoning
+from edgellama.reasoning import (MAX_LEADING_SPACE, ReasoningSplitter, opens_reasoning,
+                                 split_reasoning)
 from edgellama.tokenizer import StreamDecoder, Tokenizer
 from edgellama.tool_calls import parse_tool_calls
 from test_qwen3_text import qwen3_metadata
@@ -16,7 +17,7 @@ def twin(text: str, opened: bool) -> tuple[str, str]:
     """llama-server's deepseek reasoning format on a whole reply, plainly."""
     if not opened:
         m = re.match(r"\s*<think>", text)
-        if m is None:
+        if m is None or m.end() - len("<think>") > MAX_LEADING_SPACE:
             return "", text
         text = text[m.end():]
     reasoning, closed, rest = text.partition("</think>")
@@ -38,6 +39,8 @@ CASES = [
     ("<think>x < y and </thinker> too</think>ok", False, "x < y and </thinker> too", "ok"),
     ("", False, "", ""),
     ("", True, "", ""),
+    (" " * 64 + "<think>a</think>b", False, "a", "b"),
+    ("\n" * 65 + "<think>a</think>b", False, "", "\n" * 65 + "<think>a</think>b"),
 ]
 
 
@@ -63,7 +66,7 @@ def test_every_split_in_two_and_three_and_by_character(text, opened, reasoning, 
 
 
 FRAGMENTS = ["<think>", "</think>", "<", "</", "think", ">", " ", "\n", "\n\n", "a", "b c",
-             "<think", "/think>", "</thin", "\t", "é", "<tool_call>"]
+             "<think", "/think>", "</thin", "\t", "é", "<tool_call>", " " * 30]
 
 
 def test_random_replies_equal_the_twin():
@@ -87,6 +90,14 @@ def test_nothing_is_given_out_twice_or_early():
     assert s.push("\n\n") == ("", "")
     assert s.push("Four.") == ("", "Four.")
     assert s.finish() == ("", "")
+
+
+def test_a_reply_of_space_is_not_held_back():
+    # a degenerate model's newlines stream as content once they pass MAX_LEADING_SPACE
+    s = ReasoningSplitter()
+    assert [s.push("\n") for _ in range(MAX_LEADING_SPACE)] == [("", "")] * MAX_LEADING_SPACE
+    assert s.push("\n") == ("", "\n" * (MAX_LEADING_SPACE + 1))
+    assert s.push("\n") == ("", "\n")
 
 
 @pytest.fixture(scope="module")
