@@ -110,9 +110,9 @@ def _tool_result(block: dict, param: str) -> dict:
     if not isinstance(block.get("tool_use_id"), str):
         raise _bad(f"{param}.tool_use_id must be a string", f"{param}.tool_use_id")
     _flag(block, "is_error", f"{param}.is_error")
-    content = block.get("content", "")
+    content = block.get("content")
     return {"role": "tool", "tool_call_id": _clean(block["tool_use_id"]),
-            "content": _text_blocks(content, f"{param}.content")}
+            "content": "" if content is None else _text_blocks(content, f"{param}.content")}
 
 
 def _message(m: Any, i: int) -> list[dict]:
@@ -405,13 +405,13 @@ class Messages:
     async def create(self, request: Request):
         server = self.server
         ids, params = await self._request(request, generate=True)
-        job, watcher = await server._submit(request, ids, params, "messages")
         reasoning = server._reasoning(ids)
         reader = None if params.tool_choice == "none" or not params.tools else \
             ToolCallStream({t["function"]["name"] for t in params.tools},
                            params.parallel_tool_calls)
         message = {"id": f"msg_{secrets.token_hex(12)}", "type": "message",
                    "role": "assistant", "model": server.model_id}
+        job, watcher = await server._submit(request, ids, params, "messages")
         if params.stream:
             return StreamingResponse(self._stream(job, watcher, message, reasoning, reader),
                                      media_type="text/event-stream",

@@ -231,6 +231,9 @@ def test_tool_use_round_trip(client, tiny):
             "function": {"name": "get_weather", "arguments": call.input}}]},
         {"role": "tool", "tool_call_id": call.id, "content": "12 degrees"},
         {"role": "user", "content": "And tomorrow?"}]
+    assert _messages({"messages": [{"role": "user", "content": [   # content may be left out
+        {"type": "tool_result", "tool_use_id": "x", "is_error": True}]}]}) == \
+        [{"role": "tool", "tool_call_id": "x", "content": ""}]
     answer = client.messages.create(model=MODEL, max_tokens=24, extra_body=GREEDY,
                                     tools=[WEATHER, TIME], messages=messages)
     want = openai_chat(tiny, [
