@@ -23,6 +23,8 @@ server-http):
 - app.py: the HTTP side: create_app (the Starlette app, its routes and error handlers),
   Server (the endpoints' handlers), streaming as server-sent events.
 - guard.py: the middleware in front of it all: Host and Origin checks, the API key.
+- fleet.py: `serve --ray-replicas`: the app as replicas of a Ray Serve deployment
+  (Ray is an optional extra; nothing else imports this module).
 - anthropic.py: Anthropic's Messages API (/v1/messages) translated onto the same request
   path: its fields to params.py's, the job's events to its reply and stream.
 A new endpoint is a Server method and a Route in app.py, with its fields' checks in
