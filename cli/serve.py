@@ -1,8 +1,13 @@
 """`edgellama serve`: the OpenAI HTTP API (edgellama/server/) on a local port."""
 from __future__ import annotations
 
+import functools
 import ipaddress
+import re
+import signal
 import socket
+import time
+from pathlib import Path
 
 import click
 
@@ -16,6 +21,8 @@ from .options import (FilePath, chat_template_options, drafter_from, load, model
 MAX_PARALLEL = 256
 # Each waiting request holds a connection: more than this many never wait at once.
 MAX_QUEUE = 65536
+# Replicas one command runs on Ray Serve (--ray-replicas): a fleet, not a cluster's worth.
+MAX_REPLICAS = 64
 
 
 def _listen_socket(host: str, port: int) -> socket.socket:
@@ -60,6 +67,19 @@ def _origins(ctx, param, values: tuple[str, ...]) -> list[str]:
         raise click.BadParameter(str(e), ctx, param) from None
 
 
+def _ray_serve(ctx, param, value):
+    """--ray-replicas needs Ray Serve: checked as the option is read, before a model
+    downloads."""
+    if value is not None:
+        try:
+            import ray.serve  # noqa: F401
+        except ImportError as e:
+            from edgellama.errors import EdgeError
+            raise EdgeError(f"--ray-replicas needs Ray Serve, which does not import ({e}): "
+                            f"pip install \"edgellama[ray]\"") from None
+    return value
+
+
 def _accepted_hosts(host: str, sock: socket.socket, extra: list[str]) -> tuple[list[str], bool]:
     """The Host names the server answers to, and whether any IP address is one: loopback
     names, the address it is bound to (and the --host name it was given); bound to every
@@ -83,6 +103,17 @@ def _accepted_hosts(host: str, sock: socket.socket, extra: list[str]) -> tuple[l
               help="Address to listen on (0.0.0.0: every interface).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True,
               help="TCP port; 0 picks a free one (printed at start).")
+@click.option("--ray-replicas", type=click.IntRange(1, MAX_REPLICAS), default=None,
+              metavar="N", callback=_ray_serve,
+              help="Run the server as up to N replicas on Ray Serve (pip install "
+                   "\"edgellama[ray]\"), behind Ray's HTTP proxy at --host/--port with the "
+                   "same API: each replica loads the model (one mapped copy of the file a "
+                   "node) and reserves -t CPUs (default 1); the fleet starts at N and scales "
+                   f"between 1 and N on the requests waiting. At most {MAX_REPLICAS}.")
+@click.option("--ray-address", metavar="ADDRESS", default=None,
+              help="With --ray-replicas: the Ray cluster to join (HOST:6379, where `ray "
+                   "start --head` ran). Default: the one `ray start` runs on this machine, "
+                   "else a new local one that stops with the command.")
 @click.option("--api-key", envvar="EDGELLAMA_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' on every path but /health (or set "
                    "EDGELLAMA_API_KEY, which other users cannot read from the process list).")
@@ -128,7 +159,8 @@ def _accepted_hosts(host: str, sock: socket.socket, extra: list[str]) -> tuple[l
 @speculative_options
 def serve(model, ctx, threads, activations, cache_type_k, cache_type_v, host, port, api_key, parallel, queue_size,
           allowed_hosts, cors, slot_save_path, slot_spill_max, metrics, reasoning_format,
-          template_kwargs, draft, lookup, draft_min, draft_max):
+          template_kwargs, draft, lookup, draft_min, draft_max,
+          ray_replicas, ray_address):
     """Serve the model over OpenAI's HTTP API (chat and completions).
 
     Requests must send JSON bodies with 'Content-Type: application/json' (or none); form
@@ -141,7 +173,37 @@ def serve(model, ctx, threads, activations, cache_type_k, cache_type_v, host, po
 
     from .progress import KernelProgress
 
+    if ray_replicas is None and ray_address is not None:
+        raise click.UsageError("--ray-address needs --ray-replicas")
+    if ray_replicas is not None and port == 0:
+        raise click.UsageError("--ray-replicas needs a --port: Ray's proxy listens on the "
+                               "same port on every node, so it cannot pick a free one")
+    if ray_replicas is not None and slot_save_path is not None:
+        raise click.UsageError("--slot-save-path does not work with --ray-replicas: a "
+                               "request may reach any replica, and a slot saved on one is "
+                               "not on the others")
     sock = _listen_socket(host, port)
+    if ray_replicas is not None:
+        hosts, any_ip = _accepted_hosts(host, sock, allowed_hosts)
+        if not api_key and not _is_local(sock):
+            click.echo(f"warning: listening on {host} without --api-key: anyone who can "
+                       f"reach this port can use the model", err=True)
+        sock.close()   # checked free; Ray's proxy listens there
+        load_options = {"ctx": ctx, "activations": activations,
+                        "cache_type_k": cache_type_k, "cache_type_v": cache_type_v,
+                        "chat_template_kwargs": template_kwargs}
+        app_options = {"api_key": api_key or None, "allowed_hosts": hosts,
+                       "any_ip_host": any_ip, "cors": cors, "metrics": metrics,
+                       "reasoning_format": reasoning_format}
+        drafter = None
+        if draft is not None or lookup:   # built on each replica; the file found here
+            from .options import resolve_model
+            drafter = functools.partial(
+                drafter_from, lookup=lookup, draft_min=draft_min, draft_max=draft_max,
+                draft=draft and str(Path(resolve_model(draft, None, None)).resolve()))
+        return _serve_on_ray(str(Path(model).resolve()), ray_replicas, ray_address, host,
+                             port, threads, parallel, queue_size, load_options, app_options,
+                             drafter)
     progress = KernelProgress()
     with jit.Compiling(progress) as loading:
         llm = load(model, ctx, threads, activations, cache_type_k, cache_type_v)
@@ -196,3 +258,75 @@ def serve(model, ctx, threads, activations, cache_type_k, cache_type_v, host, po
     config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=3,
                             timeout_keep_alive=30)
     Uvicorn(config).run(sockets=[sock])
+
+
+def _replica_failure(status: str) -> str | None:
+    """The exception a replica's constructor raised, from the traceback in Serve's
+    status of its deployment: an EdgeError's message as is, another with its name."""
+    raised = re.findall(r"^([\w.]*\w(?:Error|Exception)): (.+)$", status, re.MULTILINE)
+    raised = [(name, text) for name, text in raised
+              if text != "Traceback (most recent call last):"]   # Ray's wrapper
+    if not raised:
+        return None
+    name, text = raised[-1]
+    return text if name.endswith(".EdgeError") else f"{name.rpartition('.')[2]}: {text}"
+
+
+def _serve_on_ray(model: str, replicas: int, address: str | None, host: str, port: int,
+                  threads: int | None, parallel: int | None, queue_size: int,
+                  load_options: dict, app_options: dict, drafter) -> None:
+    """`replicas` replicas of `model` (edgellama/server/fleet.py) on the Ray cluster at
+    `address` (None: Ray's default), its proxy at host:port, until Ctrl-C or SIGTERM;
+    then the application is deleted (a cluster this command started stops with it)."""
+    import ray
+    from ray import serve as ray_serve
+    from ray.serve.exceptions import RayServeException
+
+    from edgellama.errors import EdgeError
+    from edgellama.server import fleet
+
+    try:
+        ray.init(address=address)
+    except (ConnectionError, ValueError) as e:
+        raise EdgeError(f"cannot join the Ray cluster at {address}: {e}") from None
+    # SIGTERM as Ctrl-C (after ray.init, which sets its own): the replicas are Ray's
+    # actors, and outlive this process unless it deletes them
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        cpus = ray.cluster_resources().get("CPU", 0)
+        if replicas * (threads or 1) > cpus:
+            click.echo(f"warning: {replicas} replicas of {threads or 1} CPU"
+                       f"{'s' if (threads or 1) > 1 else ''} need {replicas * (threads or 1)}, "
+                       f"and the Ray cluster has {cpus:g}: the rest wait for CPUs to join",
+                       err=True)
+        ray_serve.start(http_options={"host": host, "port": port})
+        try:
+            handle = ray_serve.run(fleet.application(
+                model, load_options, app_options, replicas=replicas, threads=threads,
+                parallel=parallel, queue_size=queue_size, drafter=drafter),
+                name=fleet.APP, route_prefix="/")
+        except RuntimeError as e:   # a replica's constructor failed (Ray retried it)
+            app = ray_serve.status().applications.get(fleet.APP)
+            why = _replica_failure(app.deployments[fleet.APP].message if app else "") or e
+            ray_serve.delete(fleet.APP)
+            raise EdgeError(f"the replicas did not start: {why}") from None
+        about = handle.describe.remote().result(timeout_s=60)
+        shown = f"[{host}]" if ":" in host else host
+        click.echo(f"{replicas} replica{'s' if replicas > 1 else ''} on Ray "
+                   f"({ray.get_runtime_context().gcs_address}), {about['parallel']} slot"
+                   f"{'s' if about['parallel'] > 1 else ''} each of ctx {about['ctx']}: "
+                   f"KV cache up to {about['kv_cache_bytes'] / 2**20:.0f} MiB a replica",
+                   err=True)
+        click.echo(f"serving {one_line(about['model_id'])} (ctx {about['ctx']}, parallel "
+                   f"{about['parallel']}, queue {queue_size}, replicas 1..{replicas}) on "
+                   f"http://{shown}:{port}/v1", err=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        click.echo("stopping the replicas", err=True)
+        try:
+            ray_serve.delete(fleet.APP)
+        except RayServeException:   # interrupted before Serve started: nothing to delete
+            pass
+    finally:
+        ray.shutdown()
