@@ -30,7 +30,7 @@ import numpy as np
 
 from edgellama.errors import EdgeError
 from edgellama.tokenizer import (BYTE, CONTROL, MAX_HELD_CHARS, NORMAL, STOP_TOKEN_TEXTS, UNKNOWN,
-                                 USER_DEFINED, _check_special_tokens, _meta)
+                                 USER_DEFINED, TokenTable, _check_special_tokens, _meta)
 
 SPACE = "\u2581"
 # End-of-turn tokens llama.cpp stops at by their text (its special_eog_ids list), beyond
@@ -43,7 +43,7 @@ _SPECIAL_ID_KEYS = ("bos", "eos", "eot", "eom", "unknown", "padding", "seperator
 _DEFAULT_IDS = {"bos": 1, "eos": 2, "unknown": 0}
 
 
-class SentencePieceTokenizer:
+class SentencePieceTokenizer(TokenTable):
     """Encode/decode for a "llama" (SentencePiece) GGUF vocabulary; the same interface as
     edgellama.tokenizer.Tokenizer. Build with `from_metadata`."""
 
@@ -254,28 +254,14 @@ class SentencePieceTokenizer:
 
     # -- decoding -------------------------------------------------------------------------
 
-    def token_bytes(self, token_id: int) -> bytes:
-        """Raw bytes of one token (special tokens give their text)."""
-        return self._bytes[token_id]
-
-    def decode(self, ids: Iterable[int], special: bool = False) -> str:
-        """Text of `ids`; control tokens are left out unless `special`."""
-        return self.decode_bytes(ids, special).decode("utf-8", errors="replace")
-
     def decode_bytes(self, ids: Iterable[int], special: bool = False) -> bytes:
-        table = self._bytes if special else self._shown
         ids = list(ids)
-        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
-            raise IndexError(f"token id out of range 0..{self.vocab_size - 1}")
-        out = b"".join([table[i] for i in ids])
+        out = super().decode_bytes(ids, special)
         # the space add_space_prefix put before the text (llama.cpp's detokenize drops it)
+        table = self._bytes if special else self._shown
         if self.add_space_prefix and ids and table[ids[0]][:1] == b" ":
             out = out[1:]
         return out
-
-    def shown_bytes(self, token_id: int) -> bytes:
-        """Bytes a user sees for one token: nothing for control and stop tokens."""
-        return b"" if token_id in self.stop_ids else self._shown[token_id]
 
 
 def _partition(text: str, specials: list[tuple[str, int]]) -> list[str | int]:

@@ -115,7 +115,37 @@ def _meta(meta: Mapping[str, Any], key: str, kind: type, default: Any = _MISSING
     return v
 
 
-class Tokenizer:
+class TokenTable:
+    """Decoding, shared by both tokenizers (Tokenizer, spm.SentencePieceTokenizer): a
+    subclass sets vocab_size, stop_ids, _bytes (each token's bytes) and _shown (the bytes
+    a user sees: none for control tokens)."""
+
+    vocab_size: int
+    stop_ids: frozenset[int]
+    _bytes: list[bytes]
+    _shown: list[bytes]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """Raw bytes of one token (special tokens give their text)."""
+        return self._bytes[token_id]
+
+    def decode(self, ids: Iterable[int], special: bool = False) -> str:
+        """Text of `ids`; control tokens are left out unless `special`."""
+        return self.decode_bytes(ids, special).decode("utf-8", errors="replace")
+
+    def decode_bytes(self, ids: Iterable[int], special: bool = False) -> bytes:
+        table = self._bytes if special else self._shown
+        ids = list(ids)
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            raise IndexError(f"token id out of range 0..{self.vocab_size - 1}")
+        return b"".join([table[i] for i in ids])
+
+    def shown_bytes(self, token_id: int) -> bytes:
+        """Bytes a user sees for one token: nothing for control and stop tokens."""
+        return b"" if token_id in self.stop_ids else self._shown[token_id]
+
+
+class Tokenizer(TokenTable):
     """Encode/decode for one GGUF vocabulary. Build with `from_metadata`."""
 
     def __init__(self, tokens: list[str], token_types: np.ndarray, merges: list[str], pre: str,
@@ -346,27 +376,6 @@ class Tokenizer:
         if ranks and max(ranks) >= self.vocab_size:
             return [r for r in ranks if r < self.vocab_size]
         return ranks
-
-    # -- decoding -------------------------------------------------------------------------
-
-    def token_bytes(self, token_id: int) -> bytes:
-        """Raw bytes of one token (special tokens give their text)."""
-        return self._bytes[token_id]
-
-    def decode(self, ids: Iterable[int], special: bool = False) -> str:
-        """Text of `ids`; control tokens are left out unless `special`."""
-        return self.decode_bytes(ids, special).decode("utf-8", errors="replace")
-
-    def decode_bytes(self, ids: Iterable[int], special: bool = False) -> bytes:
-        table = self._bytes if special else self._shown
-        ids = list(ids)
-        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
-            raise IndexError(f"token id out of range 0..{self.vocab_size - 1}")
-        return b"".join([table[i] for i in ids])
-
-    def shown_bytes(self, token_id: int) -> bytes:
-        """Bytes a user sees for one token: nothing for control and stop tokens."""
-        return b"" if token_id in self.stop_ids else self._shown[token_id]
 
 
 class StreamDecoder:
