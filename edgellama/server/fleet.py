@@ -6,9 +6,10 @@ of one Ray Serve deployment, behind Ray's HTTP proxy: the same OpenAI API.
     serve.run(app, name=APP, route_prefix="/")
 
 Each replica is a Ray actor (Replica) that loads the model in its constructor and
-compiles its kernels before it takes requests. edgellama.load maps the GGUF read-only, so
-the replicas on one node share the file's pages; each has its own KV caches, slots and
-engine thread. Every node runs the proxy; it sends a request to a replica with room
+compiles its kernels before it takes requests. edgellama.load maps the weights from
+files (the GGUF, and its repacked tiles in the cache folder: tile_cache.py), so the
+replicas on one node share those pages; each has its own KV caches, slots and engine
+thread. Every node runs the proxy; it sends a request to a replica with room
 (Ray's max_ongoing_requests: the replica's slots and its queue, what one
 `edgellama serve` takes) and holds the rest, at most as many as all N replicas take,
 answering 503 beyond that. (It holds every request until a replica is picked, so a
