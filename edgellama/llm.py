@@ -19,16 +19,16 @@ import numpy as np
 from . import prompt_cache
 from .args import ModelArgs
 from .chat_template import ChatFormat, start_renderer, template_kwargs
-from .constrain import Constraint, sample
+from .constrain import Constraint
 from .errors import EdgeError
+from .generation import Generation, step
 from .gguf import GGUFFile
 from .kv_cache import DEFAULT_CACHE_TYPE
 from .machine import ThreadPolicy
 from .model import DEFAULT_BATCH, Transformer
 from .sampling import Sampler, SamplingParams
 from .sequence import Sequence
-from .speculative import (DRAFT_MAX, DRAFT_MIN, DraftCounts, Drafter, DraftModel,
-                          check_same_vocabulary, speculative_decode)
+from .speculative import DRAFT_MAX, DRAFT_MIN, Drafter, DraftModel, check_same_vocabulary
 from .tokenizer import Tokenizer
 
 DEFAULT_CTX = 8192
@@ -139,8 +139,7 @@ class LLM:
         max_tokens, or when the context is full. Closing the iterator early (or
         Ctrl-C) keeps the sequence consistent (its tokens are those of its cache).
         grammar (edgellama.constrain: json_schema_grammar(schema), ...): the reply is a
-        sentence of it. pick(logits, history) -> token replaces sampling and grammar
-        (the server's per-request hook: grammar masks, logprobs).
+        sentence of it. pick(logits, history) -> token replaces sampling and grammar.
 
         shifted: `ids` may leave out a run of the cached tokens (Sequence.reuse_shifted).
         shift_keep: when the context fills, keep its first shift_keep tokens, drop half
@@ -149,61 +148,52 @@ class LLM:
 
         drafter (load_draft, or speculative.PromptLookup()): speculative decoding, the
         same tokens at temperature 0, the same distribution otherwise; a reply that fills
-        the context ends there (no shift)."""
-        if drafter is not None and (grammar is not None or pick is not None):
-            raise EdgeError("speculative decoding does not combine with a grammar or a "
-                            "custom pick; leave out the drafter")
-        sampler = Sampler(sampling or self.default_sampling())
-        if pick is None:
-            constraint = None if grammar is None else Constraint(self.tokenizer, grammar)
+        the context ends there (no shift). Under a grammar only at temperature 0.
 
-            def pick(logits: np.ndarray, history: list[int]) -> int:
-                left = max_tokens - (len(history) - len(ids))   # a grammar steers to its end
-                return sample(sampler, logits, history, constraint, left)[0]
-        stops = self.tokenizer.stop_ids if stop_ids is None else stop_ids
+        The tokens come from generation.step: a grammar ends the reply as soon as only
+        a stop token can follow (no pass for it)."""
+        sampling = sampling or self.default_sampling()
+        if drafter is not None and (pick is not None or
+                                    (grammar is not None and sampling.temperature > 0)):
+            raise EdgeError("speculative decoding does not combine with a custom pick, nor "
+                            "with a grammar when sampling (temperature > 0); leave out the "
+                            "drafter")
+        constraint = None if grammar is None or pick is not None \
+            else Constraint(self.tokenizer, grammar)
         logits = self._prefill(list(ids), shifted)
         if prompt_read is not None:
             prompt_read()
-        history = list(ids)
+        g = Generation(seq=self.seq, history=list(ids), sampler=Sampler(sampling),
+                       max_tokens=max_tokens, constraint=constraint, pick=pick,
+                       stops=self.tokenizer.stop_ids if stop_ids is None else stop_ids,
+                       full="context full", shift_keep=None if drafter else shift_keep,
+                       logits=logits.copy())
         t0 = time.perf_counter()
-        st, seq = self.stats, self.seq
-        st.stop_reason = "length"
+        st, costs = self.stats, None
         if drafter is not None:
-            drafter.start(history)      # a draft model's prefill, counted as the prompt's
+            g.drafter, g.length = drafter, drafter.length_for(self.model)
+            drafter.start(g.history)    # a draft model's prefill, counted as the prompt's
+            g.draft_started, costs = True, g.length.costs
             t1 = time.perf_counter()
             st.prompt_seconds += t1 - t0
-            t0, counts = t1, DraftCounts()
-            try:
-                for tok in speculative_decode(self.model, seq, logits.copy(), history, sampler,
-                                              drafter, drafter.length_for(self.model),
-                                              max_tokens, stops, counts):
-                    if isinstance(tok, str):
-                        st.stop_reason = tok
-                        return
+            t0 = t1
+        try:
+            while not g.done and max_tokens > 0:
+                n = len(g.history)
+                step([g], self.model, costs=costs, alone=True)
+                if g.error is not None:
+                    raise g.error
+                for tok in g.history[n:]:
                     st.gen_tokens += 1
                     yield tok
-            finally:
-                st.gen_seconds = time.perf_counter() - t0
-                st.drafted, st.accepted = counts.drafted, counts.accepted
-            return
-        try:
-            for _ in range(max_tokens):
-                tok = pick(logits, history)
-                if tok in stops:
-                    st.stop_reason = "stop"
-                    break
-                yield tok
-                if seq.pos >= seq.ctx:
-                    if shift_keep is None or seq.pos - shift_keep < 2 or not seq.cache.can_shift:
-                        st.stop_reason = "context full"
-                        break
-                    seq.shift(shift_keep, (seq.pos - shift_keep) // 2, self.model.inv_freq)
-                    st.shifts += 1
-                history.append(tok)
-                logits = self.model.forward([tok], seq)
-                st.gen_tokens += 1
+            if drafter is None and g.finish_reason == "length":
+                # the whole reply in the cache, as plain generate has always left it: the
+                # next turn's prompt reuses it
+                self.model.forward([g.history[-1]], self.seq)
         finally:
             st.gen_seconds = time.perf_counter() - t0
+            st.stop_reason = g.finish_reason or "length"
+            st.drafted, st.accepted, st.shifts = g.drafted, g.accepted, g.shifts
 
     def save_prompt(self, path: str | Path, chat: dict | None = None) -> Path:
         """Write the cache and tokens of llm.seq to path (prompt_cache.py; `chat`, a

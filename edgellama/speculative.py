@@ -1,7 +1,8 @@
 """Speculative decoding: a drafter proposes the next few tokens, the target model checks
-them all in one pass over its weights (Transformer.verify) and keeps the longest prefix
-it agrees with, plus one token of its own. Decode reads every weight once per step, so
-checking k tokens costs little more than producing one.
+them all in one pass over its weights (Transformer.verify's rows, in the step's
+Transformer.decode) and keeps the longest prefix it agrees with, plus one token of its
+own. Decode reads every weight once per step, so checking k tokens costs little more
+than producing one.
 
 Two drafters: DraftModel (a smaller model with the same vocabulary, its own KV cache)
 and PromptLookup (tokens copied from where the latest n-gram of the text last occurred
@@ -18,15 +19,11 @@ min-p/penalty processing (Sampler.distribution), so every token is distributed a
 target's. Prompt lookup's proposals are a point mass (q(d) = 1).
 
 Adaptive length (DraftLength) keeps each step's draft length where the measured
-acceptance and costs say it pays, and drafts nothing when it would not. In the server,
-where proposals share a pass with other sequences' tokens, plan_step makes that choice
-for a whole batched step.
+acceptance and costs say it pays, and drafts nothing when it would not. plan_step makes
+that choice for a whole step, whose proposals may share a pass with other sequences'
+tokens (the server's); generation.step, the one decode loop, runs the checks.
 """
 from __future__ import annotations
-
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -296,17 +293,19 @@ class DraftLength:
                     for k in range(1, self.draft_max + 1)), default=0.0)
         return self.PROBE_EVERY if best > 1 / c.step else self.PROBE_RARE
 
+    def probe(self, k: int) -> bool:
+        """Whether a step that plan_step gave k proposals probes: one proposal compared
+        with the token the plain step chooses (what its check would accept at temperature
+        0), every probe_interval-th step in a row that drafts nothing."""
+        self._off_steps = 0 if k else self._off_steps + 1
+        return not k and self._off_steps % self.probe_interval == 0
+
     def choose(self) -> int:
+        """The next step's draft length for one sequence alone (plan_step), 1 on a probe."""
         if self.costs.step is None:       # measure a plain step first
             return self.draft_min
-        best = max(range(max(1, self.draft_min), self.draft_max + 1), key=self.expected_speed)
-        if self.draft_min == 0 and self.expected_speed(best) <= self.expected_speed(0):
-            self._off_steps += 1
-            if self._off_steps % self.probe_interval:
-                return 0
-            return 1
-        self._off_steps = 0
-        return best
+        k = plan_step([self], [self.draft_max], self.costs)[0]
+        return 1 if self.probe(k) else k
 
 
 def plan_step(lengths: list[DraftLength | None], room: list[int], costs: PassCost) -> list[int]:
@@ -341,16 +340,6 @@ def plan_step(lengths: list[DraftLength | None], room: list[int], costs: PassCos
     return ks
 
 
-@dataclass
-class DraftCounts:
-    drafted: int = 0      # tokens proposed and checked
-    accepted: int = 0     # of them, kept
-
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-
 def rejection_test(sampler: Sampler, logits: np.ndarray, history: list[int], d: int,
                    q: np.ndarray | None) -> tuple[bool, int | None]:
     """Whether proposal d, drawn from q (V,) (None: a point mass), is accepted where the
@@ -365,67 +354,3 @@ def rejection_test(sampler: Sampler, logits: np.ndarray, history: list[int], d: 
     else:
         residual = np.maximum(p - q, 0.0)
     return False, sampler.draw(residual / residual.sum())
-
-
-def speculative_decode(model: Transformer, seq: Sequence, logits: np.ndarray, history: list[int],
-                       sampler: Sampler, drafter: Drafter, length: DraftLength,
-                       max_tokens: int, stops: set[int], counts: DraftCounts) -> Iterator[int | str]:
-    """Yield generated tokens, then a stop reason ("stop", "length", "context full").
-
-    seq holds `history` (the prompt and reply so far; extended in place), `logits` are
-    the target's for the next token. On return, or when the caller closes the iterator,
-    seq holds exactly the history (its rejected positions are dropped)."""
-    greedy = sampler.p.temperature == 0
-    pending = None                    # a token already chosen: a rejection's resample
-    produced = 0
-    try:
-        while produced < max_tokens:
-            tok = sampler(logits, history) if pending is None else pending
-            if tok in stops:
-                yield "stop"
-                return
-            history.append(tok)
-            yield tok
-            produced += 1
-            if seq.pos >= seq.ctx:
-                yield "context full"
-                return
-            if produced >= max_tokens:
-                break
-            k = min(length.choose(), max_tokens - produced, seq.ctx - seq.pos - 1)
-            t0 = time.perf_counter()
-            drafts, q = drafter.propose(history, k, sampler) if k > 0 else ([], None)
-            t1 = time.perf_counter()
-            rows = model.verify([tok] + drafts, seq)
-            length.observe_verify(1 + len(drafts), time.perf_counter() - t1)
-            length.observe_draft(len(drafts), t1 - t0)
-            pending, accepted, stopped = None, 0, False
-            for i, d in enumerate(drafts):
-                if greedy:
-                    choice = sampler(rows[i], history)
-                    ok = choice == d
-                else:
-                    ok, choice = rejection_test(sampler, rows[i], history, d,
-                                                None if q is None else q[i])
-                if not ok:
-                    pending = choice
-                    break
-                accepted += 1
-                if d in stops:
-                    stopped = True
-                    break
-                history.append(d)
-                yield d
-                produced += 1
-            counts.drafted += len(drafts)
-            counts.accepted += accepted
-            length.observe_acceptance(len(drafts), accepted)
-            seq.truncate(len(history))
-            if stopped:
-                yield "stop"
-                return
-            if pending is None:       # all accepted: the last row is the next token's
-                logits = rows[accepted].copy()
-        yield "length"
-    finally:
-        seq.truncate(min(seq.pos, len(history)))
