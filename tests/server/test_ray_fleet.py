@@ -13,6 +13,7 @@ replicas, a new one in the killed one's place. Every wait is bounded.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import signal
@@ -42,13 +43,19 @@ def _serve(model, *args: str, env: dict | None = None) -> subprocess.CompletedPr
                           text=True, timeout=120, env=env)
 
 
+# a valid --ray-replicas first checks that Ray imports: the checks after it need Ray
+_WITH_RAY = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                               reason='Ray is the optional extra: pip install "edgellama[ray]"')
+
+
 @pytest.mark.parametrize("args, message", [
     (["--ray-replicas", "0"], "'--ray-replicas': 0 is not in the range 1<=x<=64"),
     (["--ray-replicas", "65"], "'--ray-replicas': 65 is not in the range 1<=x<=64"),
     (["--ray-address", "10.0.0.1:6379"], "--ray-address needs --ray-replicas"),
-    (["--ray-replicas", "2", "--port", "0"], "--ray-replicas needs a --port"),
-    (["--ray-replicas", "2", "--slot-save-path", "."],
-     "--slot-save-path does not work with --ray-replicas"),
+    pytest.param(["--ray-replicas", "2", "--port", "0"], "--ray-replicas needs a --port",
+                 marks=_WITH_RAY),
+    pytest.param(["--ray-replicas", "2", "--slot-save-path", "."],
+                 "--slot-save-path does not work with --ray-replicas", marks=_WITH_RAY),
 ])
 def test_options_are_checked_before_anything_starts(smollm2_gguf, args, message):
     r = _serve(smollm2_gguf, *args)
