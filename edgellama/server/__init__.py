@@ -16,8 +16,8 @@ The modules (llama.cpp's server splits the same way: server-task, server-context
 server-http):
 - params.py: what a client sends, checked: ApiError (an error answer), the body (JSON,
   its size and nesting), each field, and Params (what a request asks of the engine).
-- job.py: one request's generation: Job (its state, the events it sends), sample_token
-  (the per-token step), StopMatcher.
+- job.py: one request's generation: Job (its Generation, the events it sends),
+  StopMatcher. The per-token step is generation.step's, as LLM.generate's.
 - engine.py: the thread that runs the model: Engine (slots, continuous batching, prefix
   reuse, slot files and spilling, speculative decoding), Slot.
 - app.py: the HTTP side: create_app (the Starlette app, its routes and error handlers),

@@ -34,20 +34,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from .. import prompt_cache
-from ..constrain import GrammarError
 from ..errors import EdgeError
+from ..generation import step
 from ..llm import LLM
 from ..machine import available_memory
 from ..scratch import Scratch
 from ..sequence import Sequence
 from ..slot_files import SPILL_MIN, BadFileName, NoSuchFile, SlotFiles, StorageError
-from ..speculative import (DraftLength, DraftModel, Drafter, PassCost, plan_step,
-                           rejection_test)
-from ..tokenizer import StreamDecoder
-from .job import Job, _record_logprobs, sample_token
+from ..speculative import DraftLength, DraftModel, Drafter, PassCost
+from .job import Job
 from .metrics import EngineCounters
 from .params import ApiError, _bad
 
@@ -72,7 +68,6 @@ class Slot:
     last_used: int = 0    # admission count when it last took a job
     drafter: Drafter | None = None       # speculative decoding: its own (a draft model's
     length: DraftLength | None = None    # KV cache), with its acceptance measured
-    off_steps: int = 0    # steps since it last drafted or probed
 
 
 def shared_prefix(cached: list[int], ids: list[int]) -> int:
@@ -151,7 +146,6 @@ class Engine:
             for slot in self.slots:
                 slot.drafter = drafter if slot.index == 0 else drafter.copy()
                 slot.length = DraftLength(*drafter.bounded(llm.ctx), costs=self.costs)
-        self._stop_ids = llm.tokenizer.stop_ids
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._active: list[Job] = []     # in admission order
@@ -291,8 +285,8 @@ class Engine:
             slot = max(free, key=lambda s: (_reusable(s.seq.tokens, job.ids), -s.last_used))
             free.remove(slot)
             self._admitted += 1
-            slot.job, slot.last_used, job.slot = job, self._admitted, slot
-            job.decoder = StreamDecoder(self.llm.tokenizer)
+            slot.job, slot.last_used = job, self._admitted
+            job.start(slot, self.llm.tokenizer)
             self._active.append(job)
             admitted.append(job)
         return admitted
@@ -434,121 +428,31 @@ class Engine:
         self.llm.model.forward(job.ids[seq.pos:end], seq)
 
     def _decode(self, jobs: list[Job]) -> None:
-        """One token for each job, all in one pass over the weights; with a drafter, a
-        job may also check proposals in that pass, and take each one accepted."""
-        drafts = self._drafts(jobs) if self.costs else [([], None, None)] * len(jobs)
-        counts = [1 + len(d) for d, _, _ in drafts]
+        """One token for each job, all in one pass over the weights (generation.step);
+        with a drafter, a job may also check proposals in that pass, and take each one
+        accepted. Their text is sent as it comes; a finished job is done."""
         t0 = time.perf_counter()
         for job in jobs:
             if job.t_generating is None:   # its prompt is read: this step feeds its last token
                 self.counters.on_prompt(job, t0)
         self.counters.on_pass(len(self._active))
-        logits = self.llm.model.decode(
-            [j.slot.seq for j in jobs],
-            [t for j, (d, _, _) in zip(jobs, drafts) for t in [j.next_token, *d]],
-            self.scratch, counts)
-        if self.costs:
-            self.costs.observe(sum(counts), time.perf_counter() - t0)
-        start = 0
-        for job, (d, q, probe), n in zip(jobs, drafts, counts):
-            rows, start = logits[start:start + n], start + n
-            try:
-                self._take(job, rows, d, q, probe)
-            except GrammarError as e:   # its grammar gave up mid-reply: this request
+        step([j.gen for j in jobs], self.llm.model, self.scratch, self.costs)
+        for job in jobs:
+            g = job.gen
+            if g.error is not None:   # its grammar gave up mid-reply: this request
                 # fails, not the others of the step
-                job.emit("error", ApiError(400, str(e), job.params.grammar_param,
+                job.emit("error", ApiError(400, str(g.error), job.params.grammar_param,
                                            "invalid_grammar"))
                 self._release(job, None)
+            elif g.finish_reason is not None:
+                self._finish(job)
 
-    def _drafts(self, jobs: list[Job]) -> list[tuple[list[int], np.ndarray | None, int | None]]:
-        """Each job's proposals for this step (plan_step's lengths), the distributions
-        they were drawn from (None: a point mass), and a probe (a proposal to compare
-        with the plain step's token, not fed) or None."""
-        lengths = [j.slot.length if j.may_draft else None for j in jobs]
-        room = [min(j.max_tokens - j.count, j.slot.seq.ctx - j.slot.seq.pos) - 1 for j in jobs]
-        room = [r if j.params.draft_max is None else min(r, j.params.draft_max)
-                for j, r in zip(jobs, room)]
-        out = []
-        for job, L, k in zip(jobs, lengths, plan_step(lengths, room, self.costs)):
-            slot = job.slot
-            slot.off_steps = 0 if k else slot.off_steps + 1
-            probe = L is not None and not k and slot.off_steps % L.probe_interval == 0
-            if not (k or probe):
-                out.append(([], None, None))
-                continue
-            if not job.draft_started:   # a draft model reads the prompt: not a draft's cost
-                slot.drafter.start(job.history)
-                job.draft_started = True
-            if probe:   # not timed: a draft model catches up on the steps since the last
-                d, _ = slot.drafter.propose(job.history, 1, job.sampler)
-                out.append(([], None, d[0] if d else None))
-                continue
-            t0 = time.perf_counter()
-            d, q = slot.drafter.propose(job.history, k, job.sampler)
-            L.observe_draft(len(d), time.perf_counter() - t0)
-            out.append((d, q, None))
-        return out
-
-    def _take(self, job: Job, rows: np.ndarray, drafts: list[int], q: np.ndarray | None,
-              probe: int | None) -> None:
-        """The job's tokens from its rows of the step: each row's token as plain decoding
-        would choose it (at temperature 0, sample_token's own choice; with sampling, a
-        proposal passes speculative.rejection_test), as long as the proposals fed after
-        it are the tokens chosen; the cache is cut back to the last one kept."""
-        seq, slot = job.slot.seq, job.slot
-        base = seq.pos - len(rows)      # where next_token went
-        accepted = 0
-        job.drafted += len(drafts)      # counted before a token ends the reply (usage)
-        for i, row in enumerate(rows):
-            d = drafts[i] if i < len(drafts) else None
-            if d is not None and job.params.sampling.temperature > 0:
-                ok, tok = rejection_test(job.sampler, row, job.history, d,
-                                         None if q is None else q[i])
-                tok = d if ok else tok
-                if job.params.top_logprobs is not None:
-                    _record_logprobs(job, tok, job.sampler.adjusted(row, job.history))
-            else:
-                tok = sample_token(job, row, job.history)
-                ok = tok == d
-            accepted += ok
-            job.accepted += ok
-            self._advance(job, tok, base + 1 + i)
-            if not ok or slot.job is not job:   # rejected, or the reply ended
-                break
-        seq.truncate(base + 1 + accepted)   # the rows after the last token kept
-        if drafts:
-            slot.length.observe_acceptance(len(drafts), accepted)
-        elif probe is not None:
-            slot.length.observe_acceptance(1, int(tok == probe))
-
-    def _advance(self, job: Job, tok: int, cached: int) -> None:
-        """Take the sampled token (`cached`: the positions its slot's cache holds before
-        it): stream its text, or end the reply."""
-        if tok in self._stop_ids:
-            self._finish(job, "stop")
-            return
-        job.count += 1
-        job.history.append(tok)
-        text, hit = job.matcher.push(job.decoder.push(tok))
-        if text:
-            job.emit("text", text, job.take_logprobs(job.count, self.llm.tokenizer))
-        if hit:
-            self._finish(job, "stop", flush=False)
-        elif job.constraint is not None and job.constraint.finished:
-            self._finish(job, "stop")   # its end: no step for the stop token, whatever the budget
-        elif job.count >= job.max_tokens or cached >= job.slot.seq.ctx:
-            self._finish(job, "length")
-        else:
-            job.next_token = tok
-
-    def _finish(self, job: Job, finish: str, flush: bool = True) -> None:
-        if flush:   # text held back by the decoder (a partial character) or the matcher
-            text, hit = job.matcher.push(job.decoder.flush())
-            text += "" if hit else job.matcher.flush()
-            rest = job.take_logprobs(job.count, self.llm.tokenizer)
-            if text or rest:
-                job.emit("text", text, rest)
-            finish = "stop" if hit else finish
+    def _finish(self, job: Job) -> None:
+        g = job.gen
+        if g.tail is not None:   # text held back by the decoder (a partial character) or
+            rest = job.take_logprobs(g.count, self.llm.tokenizer)   # the stop matcher
+            if g.tail or rest:
+                job.emit("text", g.tail, rest)
         prompt = len(job.ids)
         usage = {"prompt_tokens": prompt, "completion_tokens": job.count,
                  "total_tokens": prompt + job.count,
@@ -558,7 +462,7 @@ class Engine:
                 "accepted_prediction_tokens": job.accepted,
                 "rejected_prediction_tokens": job.drafted - job.accepted}
         self._release(job, None)   # first: a client that has its reply finds the slot free
-        job.emit("done", finish, usage)
+        job.emit("done", g.finish_reason, usage)
 
     def _release(self, job: Job, event: str | None) -> None:
         """Free the job's slot (its cache stays, for prefix reuse); tell the client `event`."""

@@ -1,7 +1,7 @@
-"""One request's generation: Job (its per-token state and the events it sends the
-event loop), sample_token (the one per-token step: penalties, the job's grammar mask, its
-sampler, logprobs) and StopMatcher. Which jobs run, in which slot and pass, is the
-engine's (engine.py); nothing here runs the model.
+"""One request's generation: Job (the request's side of it: its Generation, made when it
+takes a slot, and the events it sends the event loop) and StopMatcher. Which jobs run, in
+which slot and pass, is the engine's (engine.py); the tokens are generation.step's;
+nothing here runs the model.
 
 Stop strings are matched on the decoded text across token boundaries. Text that could
 be the start of a stop string is held back until it is known not to be one, so no part
@@ -14,10 +14,9 @@ import contextlib
 import threading
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from ..constrain import Constraint, sample
-from ..sampling import Sampler, log_probs
+from ..constrain import Constraint
+from ..generation import Generation
+from ..sampling import Sampler
 from ..tokenizer import StreamDecoder
 from .params import Params
 
@@ -62,44 +61,54 @@ class Job:
     """One request's generation; the engine thread reports to the event loop as events:
     ("text", str, logprobs), ("done", finish_reason, usage), ("error", ApiError),
     ("cancelled",). logprobs: the entries (OpenAI's chat shape) of the tokens the text
-    completes, [] unless asked for.
-
-    Its per-token state is here, so one function (sample_token) picks its next token
-    whatever else the engine decodes in the same step: the sampler (its own random
-    stream), the grammar position, the logprobs recorded."""
+    completes, [] unless asked for."""
 
     def __init__(self, ids: list[int], max_tokens: int, params: Params,
                  constraint: Constraint | None = None):
         self.ids, self.max_tokens, self.params = ids, max_tokens, params
-        self.sampler = Sampler(params.sampling)
         self.constraint = constraint
-        self.logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []
         self._logprobs_sent = 0
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self._loop = asyncio.get_running_loop()
         # generation state, touched by the engine thread only
-        self.history = list(ids)       # what the repetition penalty looks back on
         self.slot: Slot | None = None
         self.reused = 0                # prompt tokens the slot's cache already held
-        self.count = 0                 # tokens generated
-        self.next_token = ids[-1]      # fed to the next decode step: the prompt's last,
-                                       # then each sampled one
-        self.decoder: StreamDecoder | None = None
         self.matcher = StopMatcher(params.stops)
-        self.drafted = self.accepted = 0   # speculative decoding: tokens proposed, kept
-        self.draft_started = False     # the slot's drafter has read the prompt
+        self.gen: Generation | None = None   # from when it takes a slot (start)
         self.t_admitted = 0.0          # perf_counter when it took its slot, and when its
         self.t_generating: float | None = None   # prompt was read (None: not yet): /metrics
 
+    def start(self, slot: Slot, tokenizer) -> None:
+        """Take `slot`: the reply's Generation on its sequence (and drafter), fed the
+        prompt's last token in its first step, its text sent as it comes."""
+        p = self.params
+        self.slot = slot
+        self.gen = Generation(
+            seq=slot.seq, history=list(self.ids), sampler=Sampler(p.sampling),
+            max_tokens=self.max_tokens, stops=tokenizer.stop_ids, constraint=self.constraint,
+            top_logprobs=p.top_logprobs, decoder=StreamDecoder(tokenizer),
+            matcher=self.matcher, drafter=slot.drafter, length=slot.length,
+            draft_max=p.draft_max, next_token=self.ids[-1],
+            on_text=lambda text: self.emit("text", text,
+                                           self.take_logprobs(self.gen.count, tokenizer)))
+
+    # the reply so far, for usage: its tokens, and proposals checked and kept
     @property
-    def may_draft(self) -> bool:
-        """Whether proposals can be checked for this reply: at temperature 0 any reply
-        (each check is sample_token's own choice, grammar and logprobs included); with
-        sampling not under a grammar (rejection sampling knows no mask); not when the
-        request asked for none (speculative.n_max 0)."""
-        return (self.constraint is None or self.params.sampling.temperature == 0) \
-            and self.params.draft_max != 0
+    def history(self) -> list[int]:
+        return self.gen.history if self.gen else self.ids
+
+    @property
+    def count(self) -> int:
+        return self.gen.count if self.gen else 0
+
+    @property
+    def drafted(self) -> int:
+        return self.gen.drafted if self.gen else 0
+
+    @property
+    def accepted(self) -> int:
+        return self.gen.accepted if self.gen else 0
 
     @property
     def reading(self) -> bool:
@@ -114,29 +123,9 @@ class Job:
     def take_logprobs(self, upto: int, tokenizer) -> list[dict]:
         """The logprob entries of tokens [sent, upto) in OpenAI's chat shape."""
         out = [_logprob_entry(tokenizer, tok, lp, top)
-               for tok, lp, top in self.logprobs[self._logprobs_sent:upto]]
+               for tok, lp, top in self.gen.logprobs[self._logprobs_sent:upto]]
         self._logprobs_sent = max(self._logprobs_sent, upto)
         return out
-
-
-def sample_token(job: Job, logits: np.ndarray, history: list[int]) -> int:
-    """The next token of `job` from its next-token logits (V,): the repetition penalty,
-    the job's grammar mask (-inf on what the grammar forbids), its sampler; records the
-    token's logprobs if asked (from these adjusted logits, before temperature: see
-    sampling.log_probs) and advances the grammar past the token."""
-    tok, adjusted = sample(job.sampler, logits, history, job.constraint,
-                           job.max_tokens - job.count)
-    _record_logprobs(job, tok, adjusted)
-    return tok
-
-
-def _record_logprobs(job: Job, tok: int, adjusted: np.ndarray) -> None:
-    top = job.params.top_logprobs
-    if top is not None:
-        lp = log_probs(adjusted)
-        best = np.argsort(-lp, kind="stable")[:top] if top else []
-        job.logprobs.append((tok, float(lp[tok]), [(int(i), float(lp[i])) for i in best
-                                                   if np.isfinite(lp[i])]))
 
 
 def _logprob_entry(tokenizer, tok: int, lp: float, top: list[tuple[int, float]]) -> dict:
