@@ -78,9 +78,12 @@ def _prompt(model_arg, prompt_arg, prompt, prompt_file) -> tuple[str | None, str
 @click.option("--context-shift/--no-context-shift", default=True, show_default=True,
               help="When the context fills, drop the older half of what follows the prompt "
                    "and go on, instead of stopping.")
+@click.option("--ignore-eos", is_flag=True,
+              help="Go on past the model's end-of-generation tokens, to --max-tokens or a "
+                   "full context (llama.cpp's --ignore-eos: long runs, speed tests).")
 @chat_template_options
 def generate(model, hf_repo, ctx, threads, activations, cache_type_k, cache_type_v, model_arg, prompt_arg, prompt, prompt_file, max_tokens,
-             raw, system, prompt_cache, context_shift, draft, lookup, draft_min, draft_max,
+             raw, system, prompt_cache, context_shift, ignore_eos, draft, lookup, draft_min, draft_max,
              template_kwargs, **sampling):
     """Complete PROMPT with the model and print the reply as it is generated.
 
@@ -142,7 +145,8 @@ def generate(model, hf_repo, ctx, threads, activations, cache_type_k, cache_type
     # the prompt, or the first half of the context of a longer one, stays when it fills
     keep = min(len(ids), llm.ctx // 2) if context_shift else None
     for tok in llm.generate(ids, max_tokens=max_tokens, sampling=params, shift_keep=keep,
-                            prompt_read=save, drafter=drafter):
+                            prompt_read=save, drafter=drafter,
+                            stop_ids=set() if ignore_eos else None):
         out.write(llm.tokenizer.shown_bytes(tok))
     out.finish()
     for note in notes:
