@@ -519,8 +519,10 @@ def cache_type_lines(r: dict) -> list[str]:
     for name, c in m["by_cache_type"].items():
         fits = "fits" if c["predicted_total"] <= budget else "does not fit"
         longest = c["longest_ctx"]
+        # a sliding-window model's local layers stop at their ring: the mean per token
+        per = c["kv_cache"] / r["ctx"]
         lines.append(
-            f"  {name:<10} {c['bytes_per_token'] / 1024:6.1f} KiB/token x {r['ctx']} = "
+            f"  {name:<10} {per / 1024:6.1f} KiB/token x {r['ctx']} = "
             f"{c['kv_cache'] / GiB:6.2f} GiB -> {c['predicted_total'] / GiB:6.2f} GiB, {fits}; "
             f"longest context in budget: {longest}"
             + (" (the model's whole window)" if longest >= m["train_ctx"] else ""))
