@@ -57,6 +57,7 @@ class Shape:
     arch: str = "llama"              # general.architecture (edgellama/models)
     head_dim: int | None = None      # attention.key_length where not dim / heads
     window: int = 0                  # attention.sliding_window (gemma3)
+    rope_scale: float = 1.0          # linear rope.scaling.factor (gemma3 4B: the global layers')
 
     def args(self) -> ModelArgs:
         """The hyperparameters a file of this shape has (for checks made before it exists)."""
@@ -65,7 +66,8 @@ class Shape:
                          norm_eps=1e-5, rope_theta=self.theta,
                          rope_dim=self.head_dim or self.dim // self.heads,
                          train_ctx=self.train_ctx, tied_output=True, family=FAMILIES[self.arch],
-                         key_length=self.head_dim, sliding_window=self.window)
+                         key_length=self.head_dim, sliding_window=self.window,
+                         rope_scale=self.rope_scale)
 
 
 SHAPE_TYPES = tuple(t for t in WRITABLE if t not in ("F32", "BF16"))   # --type for --shape
@@ -80,13 +82,15 @@ SHAPES = {
        for name, d, n, h, f in (("qwen3-0.6b", 1024, 28, 16, 3072),
                                 ("qwen3-1.7b", 2048, 28, 16, 6144),
                                 ("qwen3-4b", 2560, 36, 32, 9728))},
-    # Gemma 3 (HF configs): head dim 256, five sliding-window layers to a global one; their
+    # Gemma 3 (HF configs; llama.cpp's GGUFs keep the tokenizer's 262,144 rows of the 4B's
+    # 262,208-row embedding): head dim 256, five sliding-window layers to a global one; their
     # ring keeps window + 512 positions, so at 32,768 the 1B's f16 cache is 4 global layers
     # x 1 KV head x 256 x 2 x 2 bytes = 4 KiB a token (128 MiB) + 22 rings x 1,024 (22 MiB)
     "gemma3-1b": Shape(dim=1152, layers=26, heads=4, kv_heads=1, ffn=6912, vocab=262144,
                        theta=1e6, train_ctx=32768, arch="gemma3", head_dim=256, window=512),
     "gemma3-4b": Shape(dim=2560, layers=34, heads=8, kv_heads=4, ffn=10240, vocab=262144,
-                       theta=1e6, train_ctx=131072, arch="gemma3", head_dim=256, window=1024),
+                       theta=1e6, train_ctx=131072, arch="gemma3", head_dim=256, window=1024,
+                       rope_scale=8.0),
 }
 
 
@@ -196,6 +200,9 @@ def shape_file(name: str, qtype: str, quiet: bool = False, progress=None) -> Pat
                 (f"{a}.attention.layer_norm_rms_epsilon", V.FLOAT32, 1e-6 if qwen else 1e-5),
                 (f"{a}.vocab_size", V.UINT32, s.vocab),
                 *([(f"{a}.attention.sliding_window", V.UINT32, s.window)] if s.window else []),
+                *([(f"{a}.rope.scaling.type", V.STRING, "linear"),
+                   (f"{a}.rope.scaling.factor", V.FLOAT32, s.rope_scale)]
+                  if s.rope_scale != 1 else []),
             ]:
                 w.kv(key, vtype, value)
             for tname, rows, cols, t, _ in tensors:

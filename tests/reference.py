@@ -63,9 +63,10 @@ def exact_product(x, W, name):
     return x @ W[name].T
 
 
-def reference_forward(meta, W, tokens, product=exact_product, cache=None):
+def reference_forward(meta, W, tokens, product=exact_product, cache=None, gelu=gelu_tanh):
     """Logits (T, V) for tokens at positions 0..T-1. product(x, W, name) is each matrix
-    product x W[name]^T (a model of how a runtime rounds x can stand in). cache: a dict
+    product x W[name]^T (a model of how a runtime rounds x can stand in); gelu, Gemma's
+    activation (a model of a runtime's GELU can stand in). cache: a dict
     {"k": [...], "v": [...]} of each layer's stored K (roped) and V, (n, KV, hd) f32 of
     f16 values, for positions 0..n-1: the tokens then sit at n..n+T-1, see those
     positions too, and their K/V are appended (an empty dict starts one). Gemma 3's
@@ -129,7 +130,7 @@ def reference_forward(meta, W, tokens, product=exact_product, cache=None):
         h = rmsnorm(x, W[p + "ffn_norm.weight"], eps)
         g = product(h, W, p + "ffn_gate.weight")
         u = product(h, W, p + "ffn_up.weight")
-        o = product((gelu_tanh(g) if gemma else g / (1 + np.exp(-g))) * u, W, p + "ffn_down.weight")
+        o = product((gelu(g) if gemma else g / (1 + np.exp(-g))) * u, W, p + "ffn_down.weight")
         if gemma:
             o = rmsnorm(o, W[p + "post_ffw_norm.weight"], eps)
         x = x + o

@@ -247,6 +247,8 @@ def test_the_real_270m_against_llama_cpp(gemma_q4_k_m_gguf):
     kl, top = _kl_rows(theirs[:1500], ours), theirs[:1500].argmax(-1) == ours.argmax(-1)
     print(f"first 512: mean KL {kl[:512].mean():.4f}, top-1 {top[:512].mean():.3f}; "
           f"512..1500: {kl[512:].mean():.4f}, {top[512:].mean():.3f}")
+    # 0.008: two NumPy runs of this file with llama.cpp's int8 rounding, one with ggml's
+    # f16 GELU table, differ by 0.0065 (bench/results/fidelity_gemma3_270m_q4_k_m.json)
     assert kl[:512].mean() < 0.008 and top[:512].mean() > 0.93
     assert kl[512:].mean() < 0.008 and top[512:].mean() > 0.93
     kd = _kl_rows(theirs[1500:1600], decoded)
@@ -255,6 +257,36 @@ def test_the_real_270m_against_llama_cpp(gemma_q4_k_m_gguf):
     # 15 local layers of 1,024 positions, 3 global ones of 2,000
     c, per = seq.cache, kv_cache.KVCache.bytes_per_token(m.args) // 18
     assert c.swa.cap == 1024 and c.swa.nbytes == 15 * 1024 * per and c.full.nbytes == 3 * N * per
+
+
+@pytest.mark.slow
+@LLAMA_CPP
+def test_the_real_270m_is_closer_to_its_weights_than_llama_cpp(gemma_q4_k_m_gguf):
+    # the truth: the NumPy forward pass of the file's weights dequantized, float32 products,
+    # over 256 tokens of English (llama.cpp's tokens). Ours with int8 activations must be
+    # no farther from it than llama.cpp (whose int8 x for every product makes most of its
+    # distance; our prefill multiplies float x for Q5_0, most of this file's matrices),
+    # and with fine activations within float rounding of it
+    import llama_cpp
+    from pathlib import Path
+    text = (Path(__file__).parents[2] / "bench" / "data" / "alice.txt").read_text()
+    N = 256
+    L = llama_cpp.Llama(model_path=str(gemma_q4_k_m_gguf), n_ctx=N, n_batch=N,
+                        logits_all=True, verbose=False, n_threads=2)
+    toks = L.tokenize(text[:10000].encode(), add_bos=True)[:N]
+    L.eval(toks)
+    theirs = np.array(L.scores[:N], np.float32)
+    del L
+    meta, W = load_reference(gemma_q4_k_m_gguf)
+    truth = reference_forward(meta, W, toks)
+    del W
+    kl = {}
+    for mode in ("int8", "fine"):
+        m = Transformer(GGUFFile(gemma_q4_k_m_gguf), ctx=N, activations=mode)
+        kl[mode] = _kl_rows(truth, m.forward(toks, m.new_sequence(), all_logits=True)).mean()
+    kl["llama.cpp"] = _kl_rows(truth, theirs).mean()
+    print({k: round(float(v), 5) for k, v in kl.items()})
+    assert kl["int8"] < kl["llama.cpp"] and kl["fine"] < 1e-4
 
 
 def test_bench_shapes_count_the_rings():
@@ -267,3 +299,24 @@ def test_bench_shapes_count_the_rings():
     assert kv_cache.KVCache.bytes_needed(a, 32768) == (4 * 32768 + 22 * 1024) * 1024
     a = benchmark.SHAPES["gemma3-4b"].args()
     assert kv_cache.KVCache.bytes_needed(a, 131072) == (5 * 131072 + 29 * 1536) * 4096
+
+
+def test_the_4b_bench_shape_is_its_hf_config(monkeypatch, tmp_path):
+    # google/gemma-3-4b-it's text_config: 34 layers of 2,560, 8 heads, 4 KV heads of 256,
+    # FFN 10,240, window 1,024, rope 1e6 with linear scaling 8 on the global layers (the
+    # local ones keep 10,000 unscaled); llama.cpp's GGUF keeps 262,144 embedding rows. The
+    # shape file as written reads back to the same hyperparameters
+    import dataclasses
+
+    from edgellama import benchmark
+    s = benchmark.SHAPES["gemma3-4b"]
+    assert (s.layers, s.vocab, s.train_ctx) == (34, 262144, 131072)
+    monkeypatch.setattr(benchmark, "bench_dir", lambda: tmp_path)
+    monkeypatch.setitem(benchmark.SHAPES, "g", dataclasses.replace(s, layers=6, vocab=512))
+    a = ModelArgs.from_gguf(GGUFFile(benchmark.shape_file("g", "q8_0", quiet=True)))
+    assert (a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.ffn_dim) == (2560, 8, 4, 256, 10240)
+    assert (a.sliding_window, a.rope_theta, a.rope_scale, a.rope_theta_swa) == (1024, 1e6, 8, 1e4)
+    assert a.local_layers == benchmark.SHAPES["g"].args().local_layers
+    i = np.arange(0, 256, 2)
+    assert np.allclose(a.inv_freq(local=False), 1 / (1e6 ** (i / 256) * 8), rtol=1e-6)
+    assert np.allclose(a.inv_freq(local=True), 1 / 1e4 ** (i / 256), rtol=1e-6)
