@@ -17,6 +17,17 @@ by several percent when near-ties round the other way). Needs `pip install -e ".
 
 JSON to --out (default bench/results/fidelity.json), a markdown table on stdout
 (`--table JSON` prints it again from a run's JSON).
+
+    python bench/bench_fidelity.py --file GGUF [--tokens 512] [--out FILE]
+
+A published file with no F32 source (Gemma 3 270M's Q4_K_M): the truth is the NumPy
+forward pass of its weights dequantized exactly (tests/reference.py, float32 products),
+the tokens llama.cpp's. Each run (llama.cpp; ours prefill and decode in each mode) is
+scored against it, and so are two NumPy models of llama.cpp's rounding: x rounded to
+Q8_0 (f16 scale, blocks of 32) before a Q8_0 or Q5_0 product and to Q8_K (f32 scale,
+blocks of 256) before a K-quant one, once with the exact GELU and once with ggml's f16
+GELU table as well. How far those two are from each other is the band within which
+two equally exact int8 runs differ.
 """
 from __future__ import annotations
 
@@ -140,6 +151,87 @@ def table(rows: list[dict], tokens: int, text: str, cpu: str) -> str:
     return "\n".join(out)
 
 
+def ggml_gelu_f16(g: np.ndarray) -> np.ndarray:
+    """ggml's CPU GELU (GGML_GELU_FP16): gelu(x) read from a table of f16 inputs and f16
+    outputs for -10 < x < 10; 0 below, x above."""
+    from reference import gelu_tanh
+    g = np.asarray(g, np.float32)
+    table = gelu_tanh(g.astype(np.float16).astype(np.float32)).astype(np.float32)
+    table = table.astype(np.float16).astype(np.float32)
+    return np.where(g <= -10, 0, np.where(g >= 10, g, table)).astype(np.float32)
+
+
+def int8_rounded(x: np.ndarray, block: int, f16_scale: bool) -> np.ndarray:
+    # x (T, n) -> x as llama.cpp's q8_0 (block 32, f16 scale) / q8_K (256, f32) hold it
+    x = np.asarray(x, np.float32)
+    xb = x.reshape(x.shape[0], -1, block)
+    d = np.abs(xb).max(-1, keepdims=True) / np.float32(127)
+    q = np.round(xb / np.where(d > 0, d, 1))
+    if f16_scale:
+        d = d.astype(np.float16).astype(np.float32)
+    return (q * d).reshape(x.shape)
+
+
+def llama_cpp_product(types: dict[str, str]):
+    """reference_forward's product(x, W, name) with x rounded as llama.cpp's CPU matrix
+    products round it for the weight's type (its vec_dot_type)."""
+    def product(x, W, name):
+        t = types[name]
+        if t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+            x = int8_rounded(x, 32, True)
+        elif t.endswith("_K"):
+            x = int8_rounded(x, 256, False)
+        return np.asarray(x, np.float32) @ W[name].T
+    return product
+
+
+def file_against_truth(path: Path, text: str, tokens: int, threads: int) -> dict:
+    """--file: every run of a GGUF against the NumPy forward pass of its weights."""
+    import llama_cpp
+    from gguf import GGUFReader
+    from reference import load_reference, reference_forward
+    L = llama_cpp.Llama(model_path=str(path), n_ctx=tokens + 8, vocab_only=True, verbose=False)
+    ids = L.tokenize(text.encode(), add_bos=True)[:tokens]
+    if len(ids) < tokens:
+        sys.exit(f"the text has {len(ids)} tokens: fewer than --tokens {tokens}")
+    del L
+    meta, W = load_reference(path)
+    types = {t.name: t.tensor_type.name for t in GGUFReader(str(path)).tensors}
+    truth = log_softmax(reference_forward(meta, W, ids))
+    product = llama_cpp_product(types)
+    emulated = {"NumPy, llama.cpp's int8 x": reference_forward(meta, W, ids, product),
+                "NumPy, llama.cpp's int8 x and f16 GELU":
+                    reference_forward(meta, W, ids, product, gelu=ggml_gelu_f16)}
+    del W
+    runs = {"llama.cpp": llama_cpp_logits(path, ids, threads)}
+    for mode in ACTIVATIONS:
+        runs[f"ours, {mode}, prefill"], runs[f"ours, {mode}, decode"] = \
+            our_logits(path, ids, threads, mode)
+    runs.update(emulated)
+    rows = {k: compare(truth, v) for k, v in runs.items()}
+    a, b = emulated.values()
+    pairs = {"llama.cpp || ours, int8, prefill":
+                 compare(log_softmax(runs["llama.cpp"]), runs["ours, int8, prefill"]),
+             "llama.cpp || ours, int8, decode":
+                 compare(log_softmax(runs["llama.cpp"]), runs["ours, int8, decode"]),
+             "the two NumPy int8 models (the band)": compare(log_softmax(a), b)}
+    return {"file": path.name, "vs_truth": rows, "pairs": pairs}
+
+
+def file_table(r: dict) -> str:
+    out = [f"{r['file']}: mean KL(truth || run) over {r['tokens']} tokens of {r['text']} "
+           f"(llama.cpp's tokens), teacher-forced; truth: the NumPy float32 forward pass of "
+           f"the file's weights dequantized ({r['cpu']}).\n",
+           "| run | mean KL | 99% KL | same top token |", "|---|---|---|---|"]
+    for name, m in r["vs_truth"].items():
+        out.append(f"| {name} | {m['kl']:.5f} | {m['kl_p99']:.4f} | {m['top1']:.3f} |")
+    out += ["\nBetween runs: mean KL(a || b)\n", "| a ‖ b | mean KL | same top token |",
+            "|---|---|---|"]
+    for name, m in r["pairs"].items():
+        out.append(f"| {name.replace('||', '‖')} | {m['kl']:.5f} | {m['top1']:.3f} |")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--text", default=str(ROOT / "bench/data/alice.txt"))
@@ -151,10 +243,21 @@ def main() -> None:
                     help="rows for --types only, without our F32 and the published Q4_1")
     ap.add_argument("--out", default=str(ROOT / "bench/results/fidelity.json"))
     ap.add_argument("--table", metavar="JSON", help="print the table of an earlier run's JSON")
+    ap.add_argument("--file", help="a GGUF to read against the NumPy forward pass of its weights")
     args = ap.parse_args()
     if args.table:
         r = json.loads(Path(args.table).read_text())
-        print(table(r["rows"], r["tokens"], r["text"], r["cpu"]))
+        print(file_table(r) if "vs_truth" in r else table(r["rows"], r["tokens"], r["text"],
+                                                             r["cpu"]))
+        return
+    if args.file:
+        quiet_llama_cpp()
+        r = file_against_truth(Path(args.file), Path(args.text).read_text("utf-8"),
+                               args.tokens, args.threads)
+        r.update(cpu=cpu_name(), text=Path(args.text).name, tokens=args.tokens,
+                 date=time.strftime("%Y-%m-%d"))
+        print(file_table(r))
+        Path(args.out).write_text(json.dumps(r, indent=1) + "\n")
         return
 
     quiet_llama_cpp()
