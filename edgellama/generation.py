@@ -10,7 +10,8 @@ each reply takes its tokens from its rows: the token plain decoding would choose
 each row (at temperature 0 the sampler's greedy choice; with sampling a proposal passes
 speculative.rejection_test), as long as the proposals fed after it are the tokens
 chosen. The cache is cut back to the tokens kept, so between steps a reply's sequence
-holds its history but the last token, and a caller may stop after any step.
+holds its history but the last token (less a run a context shift dropped), and a caller
+may stop after any step.
 
 A reply ends ("finish_reason") at a stop token (not part of it, "stop"), a stop string
 (the text before it, "stop"), its grammar's end (at once: only a stop token can follow,
