@@ -120,7 +120,8 @@ def worker_llamacpp(path: str, threads: int, depth: int, pp: int, tg: int) -> di
 def with_tokenizer(path: str) -> str:
     """A copy of a random-weight shape file with a tokenizer added (llama.cpp refuses a
     model without one): a synthetic byte-level vocabulary (GPT-2 pre-tokenizer) of the
-    model's size, no merges. Written once beside the original, as <name>-tok.gguf."""
+    model's size, no merges. Written once beside the original, as <name>-tok.gguf. A
+    file with a tokenizer of its own (--file) is returned as it is."""
     from pathlib import Path
 
     from gguf.constants import GGUFValueType as V
@@ -134,6 +135,8 @@ def with_tokenizer(path: str) -> str:
     if dst.is_file():
         return str(dst)
     g = GGUFFile(src)
+    if "tokenizer.ggml.model" in g.metadata:     # a real file (--file): loads as it is
+        return path
     n_vocab = g.tensors["token_embd.weight"].shape[0]
     tokens = list(byte_to_unicode().values()) + [f"<|t{i}|>" for i in range(256, n_vocab)]
     tmp = dst.with_suffix(".tmp")
