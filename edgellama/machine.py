@@ -173,7 +173,11 @@ class ThreadPolicy:
     own CPU time. Why: every matrix product ends at a barrier, so a thread that shares
     its core with someone else's busy process stalls all the others at every barrier;
     on 2 cores with one busy neighbour, 2 threads ran at a third of 1 thread's speed.
-    Applies to Numba's threads (per calling thread) and to NumPy's BLAS (prefill).
+    Applies to Numba's threads (per calling thread). NumPy's BLAS, which runs the
+    products of the prefill formats that multiply float x (Q5_0, Q5_1, IQ4_NL/XS, Q2_K,
+    Q3_K), keeps one thread: its workers and Numba's spin-wait against each other between
+    a chunk's dequantization and its product ("BLAS threads",
+    bench/results/design_measurements.json).
     """
     PERIOD = 0.5    # seconds between measurements (/proc/stat counts in 10 ms ticks)
 
@@ -211,7 +215,7 @@ class ThreadPolicy:
         if self.auto:
             self._measure()
         numba.set_num_threads(self.current)
-        _blas_threads(self.current)
+        _blas_threads(1)
         return self.current
 
 

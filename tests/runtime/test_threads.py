@@ -19,6 +19,18 @@ def test_fixed_count_is_applied_and_never_changes(monkeypatch):
     assert all(lib["num_threads"] == 1 for lib in blas if lib["user_api"] == "blas")
 
 
+def test_blas_keeps_one_thread_beside_numbas(monkeypatch):
+    # NumPy's BLAS and Numba's OpenMP workers on the same cores spin-wait against each
+    # other: BLAS runs single-threaded whatever count Numba takes
+    monkeypatch.setattr(machine, "_blas_n", None)
+    import threadpoolctl
+    n = min(2, numba.config.NUMBA_NUM_THREADS)
+    with threadpoolctl.threadpool_limits(limits=4, user_api="blas"):
+        assert ThreadPolicy(n).apply() == n and numba.get_num_threads() == n
+        blas = threadpoolctl.threadpool_info()
+        assert all(lib["num_threads"] == 1 for lib in blas if lib["user_api"] == "blas")
+
+
 class _Clock:
     """Scripted /proc/stat, our CPU time and the wall clock."""
 
