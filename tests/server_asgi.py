@@ -5,13 +5,20 @@ request, and what the app raised or logged collected for the test to check.
     app = ServerUnderTest(tiny_model_path)
     r = app.request("POST", "/v1/completions", {"prompt": "hi"})   # r.status, r.json()
     app.close()
+
+    with served_over_http(app.app) as origin:     # "http://127.0.0.1:PORT", for real clients
+        ...
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import socket
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +27,26 @@ from edgellama.server import create_app
 from tiny_gguf import TINY_VOCAB, write_tiny_gguf
 
 HOST = "127.0.0.1:8080"
+
+
+@contextlib.contextmanager
+def served_over_http(app) -> Iterator[str]:
+    """`app` served by uvicorn on a free loopback port for the with block; its origin."""
+    import uvicorn
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start in 30 s"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 def tiny_chat_model(directory: Path) -> Path:

@@ -12,9 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
-import threading
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +20,7 @@ from edgellama.reasoning import ReasoningSplitter
 from edgellama.server.anthropic import Messages, _content, _messages
 from edgellama.server.params import MAX_BODY_DEPTH
 from edgellama.tool_calls import ToolCallStream
-from server_asgi import ServerUnderTest
+from server_asgi import ServerUnderTest, served_over_http
 from test_chat_template import LLAMA32_TEMPLATE
 from tiny_gguf import CHATML, TINY_VOCAB, write_tiny_gguf
 
@@ -63,20 +60,8 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(tiny):
     """The official client against `tiny`'s app, served by uvicorn on a free port."""
-    uvicorn = pytest.importorskip("uvicorn")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(tiny.app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    yield anthropic.Anthropic(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}",
-                              api_key="none", max_retries=0, timeout=60)
-    server.should_exit = True
-    thread.join(10)
+    with served_over_http(tiny.app) as origin:
+        yield anthropic.Anthropic(base_url=origin, api_key="none", max_retries=0, timeout=60)
 
 
 def ask(client, content="hello there", **kw):

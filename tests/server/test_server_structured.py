@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
-import threading
 import time
 
 import numpy as np
@@ -26,7 +24,7 @@ from edgellama.server.app import _one_call_per_message
 from edgellama.server.params import _messages
 from edgellama.tokenizer import Tokenizer
 from edgellama.tool_calls import ToolCall, ToolCallStream, parse_tool_calls, tool_call_schema
-from server_asgi import ServerUnderTest
+from server_asgi import ServerUnderTest, served_over_http
 from test_chat_template import LLAMA32_TEMPLATE
 from tiny_gguf import TINY_VOCAB, write_tiny_gguf
 
@@ -801,19 +799,8 @@ def test_bad_structure_requests_while_another_reply_streams(tiny):
 
 @pytest.fixture(scope="module")
 def url(tiny):
-    uvicorn = pytest.importorskip("uvicorn")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(tiny.app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-    server.should_exit = True
-    thread.join(10)
+    with served_over_http(tiny.app) as origin:
+        yield f"{origin}/v1"
 
 
 def test_openai_client(url):
