@@ -15,7 +15,7 @@ from edgellama.gguf import GGUFFile
 from edgellama.gguf_write import GGUFStreamWriter
 from edgellama.quant.convert import convert
 from edgellama.quant.mix import MIXES, plan
-from test_convert_mixes import _DRY_LINE, _same_file, llama_quantize, summarize
+from test_convert_mixes import _same_file, check_dry_runs, llama_quantize, summarize
 from hf_fixtures import write_safetensors
 from test_convert_qwen3 import write_tiny_qwen3
 
@@ -102,10 +102,7 @@ def sparse_f32_qwen3(path, shape_name):
 def test_plan_is_llama_quantize_plan(tmp_path, shape_name):
     path = tmp_path / "f32.gguf"
     sparse_f32_qwen3(path, shape_name)
-    for mix_name in MIXES:
-        log = llama_quantize(path, tmp_path / "unused.gguf", mix_name, dry_run=True)
-        theirs = [(m.group(1), (m.group(2) or "f32").upper()) for m in _DRY_LINE.finditer(log)]
-        assert [(c.name, c.type) for c in _plan(shape_name, mix_name)] == theirs, mix_name
+    check_dry_runs(path, tmp_path, lambda mix_name: _plan(shape_name, mix_name))
 
 
 @pytest.fixture(scope="module")
