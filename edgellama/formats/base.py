@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numba
@@ -34,6 +35,29 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from numba import njit, prange
 
 from ..scratch import Scratch
+
+_blas_pool: ThreadPoolExecutor | None = None
+
+
+def _blas_matmul(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+    """out (T, m) = x (T, n) @ w (n, m), BLAS (one thread: machine.ThreadPolicy) on as many
+    column slices as Numba has threads, each slice on a thread of our own. BLAS's own
+    workers spin-wait after a product and contend with Numba's between the chunks'
+    dequantizations ("BLAS threads", bench/results/design_measurements.json); ours wait
+    on the result without spinning."""
+    global _blas_pool
+    parts = min(numba.get_num_threads(), out.shape[1] // 64)
+    if parts < 2:
+        np.matmul(x, w, out=out)
+        return
+    if _blas_pool is None:
+        _blas_pool = ThreadPoolExecutor(numba.config.NUMBA_NUM_THREADS, "edgellama-blas")
+    cut = np.linspace(0, out.shape[1], parts + 1).astype(int)
+    jobs = [_blas_pool.submit(np.matmul, x, w[:, a:b], out=out[:, a:b])
+            for a, b in zip(cut[:-1], cut[1:])]
+    for job in jobs:
+        job.result()
+
 
 _CHUNK_FLOATS = 1 << 20        # prefill dequantizes ~4 MB of W at a time (at least
 _CHUNK_MIN_ROWS = 256          # 256 rows: narrower products run BLAS below its best)
@@ -157,7 +181,7 @@ class Linear:
         wbuf = (scratch or Scratch()).get("dequant", (n * step,))
         for r0 in range(0, d, step):
             r1 = min(d, r0 + step)
-            np.matmul(x, self._dequant_rows_t(r0, r1, wbuf), out=out[:, r0:r1])
+            _blas_matmul(x, self._dequant_rows_t(r0, r1, wbuf), out[:, r0:r1])
 
     def rows(self, ids: np.ndarray, out: np.ndarray) -> None:
         """out (T, in_features) f32 = W[ids], ids (T,) int."""
