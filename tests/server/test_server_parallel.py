@@ -239,11 +239,16 @@ def test_prefix_reuse_per_slot_keeps_interleaved_conversations(llm):
 def test_a_full_queue_is_503_and_status_counts_slots(llm):
     async def work(engine):
         jobs = [Job(encode(llm, p), 100, params(100)) for p in PROMPTS[:4]]
-        for job in jobs:
-            engine.submit(job)                 # 2 run, 2 wait (--queue 2)
-        with pytest.raises(ApiError) as e:
-            engine.submit(Job(encode(llm, "x"), 1, params(1)))
-        status, slots = engine.status(), engine.slot_status()
+        # the engine's lock held: its thread neither takes nor ends a job meanwhile, so
+        # no job can finish (a 100-token reply of this model takes ~30 ms) before the
+        # fifth arrives; 2 for the free slots, 2 queued (--queue 2)
+        with engine._cond:
+            for job in jobs:
+                engine.submit(job)
+            with pytest.raises(ApiError) as e:
+                engine.submit(Job(encode(llm, "x"), 1, params(1)))
+            status = engine.status()
+        slots = engine.slot_status()
         for job in jobs:
             engine.cancel(job)
         for job in jobs:
