@@ -152,6 +152,20 @@ def test_logits_after_shift_match_the_reference_of_a_shift(tmp_path, rope_scalin
     assert np.abs(got - want).max() / np.abs(want).max() < 2e-2
 
 
+def shift_against_fresh(m, A, B, C, D, sabotage=lambda seq: None) -> float:
+    """How far D's logits after reading A+B+C and shifting B out are from reading A+C
+    afresh (max error over the largest logit); `sabotage(seq)` runs before the shift."""
+    fresh = m.new_sequence()
+    m.forward(A + C, fresh)
+    want = m.forward(D, fresh, all_logits=True).copy()
+    seq = m.new_sequence()
+    m.forward(A + B + C, seq)
+    sabotage(seq)
+    seq.shift(len(A), len(B), m.inv_freq)
+    got = m.forward(D, seq, all_logits=True)
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
 def test_one_layer_shift_equals_reading_the_shorter_text(tmp_path):
     """With one layer K/V depend on their token and position only, so a shift must give
     what reading A+C afresh gives, but for the f16 rounding of the turned K: the two

@@ -14,6 +14,7 @@ from edgellama.errors import EdgeError
 from edgellama.gguf import GGUFFile
 from edgellama.model import Transformer
 from reference import load_reference, reference_forward
+from test_context_shift import shift_against_fresh
 from tiny_gguf import TINY_VOCAB, write_tiny_gguf
 
 TOKENS = np.random.default_rng(7).integers(0, 256, 1000)
@@ -160,18 +161,11 @@ def test_shift_before_the_ring_wraps_turns_each_layer_by_its_own_base(tmp_path):
     # local base (10,000), not the global one
     m = Transformer(GGUFFile(gemma_file(tmp_path / "g.gguf", layers=1, window=64)), ctx=1024)
     A, B, C, D = [1, 2, 3], list(range(40, 80)), [90, 91, 92, 93], [7, 8]
-    fresh = m.new_sequence()
-    m.forward(A + C, fresh)
-    want = m.forward(D, fresh, all_logits=True).copy()
-    seq = m.new_sequence()
-    m.forward(A + B + C, seq)
-    seq.shift(len(A), len(B), m.inv_freq)
-    assert _rel_err(m.forward(D, seq, all_logits=True), want) < 1e-3
-    seq = m.new_sequence()
-    m.forward(A + B + C, seq)
-    seq.cache._inv_local = m.inv_freq
-    seq.shift(len(A), len(B), m.inv_freq)
-    assert _rel_err(m.forward(D, seq, all_logits=True), want) > 1e-2
+    assert shift_against_fresh(m, A, B, C, D) < 1e-3
+
+    def global_base(seq):
+        seq.cache._inv_local = m.inv_freq
+    assert shift_against_fresh(m, A, B, C, D, global_base) > 1e-2
 
 
 def test_softcap_and_the_local_rope_base_from_the_file(tmp_path):

@@ -17,6 +17,7 @@ from edgellama.model import Transformer
 from edgellama.sampling import SamplingParams
 from edgellama.speculative import PromptLookup
 from reference import load_reference, reference_forward
+from test_context_shift import shift_against_fresh
 from tiny_gguf import TINY_VOCAB, write_tiny_gguf
 
 TOL = {"F32": 1e-4, "Q8_0": 2e-2, "Q4_K": 4e-2}    # test_model.py's, per type
@@ -110,19 +111,12 @@ def test_one_layer_shift_equals_reading_the_shorter_text(tmp_path):
     # turned by adjacent pairs instead, the error is tens of times larger
     m = Transformer(GGUFFile(qwen3_file(tmp_path / "q.gguf", layers=1)), ctx=64, batch=8)
     A, B, C, D = [1, 2, 3], [40, 41, 42, 43, 44], [90, 91, 92, 93], [7, 8]
-    fresh = m.new_sequence()
-    m.forward(A + C, fresh)
-    want = m.forward(D, fresh, all_logits=True).copy()
-    seq = m.new_sequence()
-    m.forward(A + B + C, seq)
-    seq.shift(len(A), len(B), m.inv_freq)
-    assert _rel_err(m.forward(D, seq, all_logits=True), want) < 1e-3
+    assert shift_against_fresh(m, A, B, C, D) < 1e-3
     from edgellama import kernels
-    seq = m.new_sequence()
-    m.forward(A + B + C, seq)
-    seq.cache._rope = kernels.rope
-    seq.shift(len(A), len(B), m.inv_freq)
-    assert _rel_err(m.forward(D, seq, all_logits=True), want) > 1e-2
+
+    def adjacent_pairs(seq):
+        seq.cache._rope = kernels.rope
+    assert shift_against_fresh(m, A, B, C, D, adjacent_pairs) > 1e-2
 
 
 def test_greedy_speculative_equals_plain(tmp_path):
