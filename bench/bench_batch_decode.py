@@ -60,7 +60,7 @@ def main() -> None:
     from edgellama.gguf import GGUFFile
     from edgellama.machine import ThreadPolicy, cpu_name
     from edgellama.model import Transformer
-    from edgellama.amx import kernels_name
+    from edgellama.kernels.amx import kernels_name
 
     path = shape_file(a.shape, a.type)
     counts = [int(v) for v in a.n.split(",")]

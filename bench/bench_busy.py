@@ -35,7 +35,7 @@ def main() -> None:
 
     from edgellama.benchmark import shape_file
     from edgellama.machine import cpu_name
-    from edgellama.simd import ISA, ISA_NAMES
+    from edgellama.kernels.simd import ISA, ISA_NAMES
     path = str(shape_file(a.shape, a.type))
     got = {name: [] for name, _, _ in CASES}
     for rep in range(a.reps):

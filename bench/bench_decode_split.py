@@ -49,7 +49,7 @@ def count_regions(run_one_token) -> tuple[int, dict[str, int]]:
     """How many parallel kernels (each one region: start the workers, join them) one call
     of run_one_token launches from Python, by kernel name: the package's parallel kernels
     are wrapped with a counter for the call (jit.kernels_replaced)."""
-    from edgellama.jit import kernels_replaced
+    from edgellama.kernels.jit import kernels_replaced
     counts: dict[str, int] = {}
 
     def counted(kernel):
@@ -94,8 +94,8 @@ def split(m, depth: int, reps: int, T: int = 1) -> dict:
     """The parts of a pass of T tokens (1: a decode step) of Transformer m at `depth`,
     seconds per token each (medians)."""
     import numpy as np
-    from edgellama import kernels as K
-    from edgellama import attention as A
+    from edgellama.kernels import rows as K
+    from edgellama.kernels import attention as A
     import numba
 
     a = m.args
@@ -205,9 +205,9 @@ def main() -> None:
     from edgellama.benchmark import decode_bytes, shape_file
     from edgellama.gguf import GGUFFile
     from edgellama.machine import ThreadPolicy, cpu_name, default_threads
-    from edgellama.membw import measure_read_bandwidth
+    from edgellama.kernels.membw import measure_read_bandwidth
     from edgellama.model import Transformer
-    from edgellama.amx import kernels_name
+    from edgellama.kernels.amx import kernels_name
 
     cores = default_threads()
     if args.threads:

@@ -1,6 +1,6 @@
 """Attention alone, one layer of Llama 3.2 3B's shape (24 heads, 8 KV heads, head dim 128):
-decode (1 token) and prefill (512 tokens) at depth, for main's f16 kernel (today's,
-loaded from git) beside ours for each cache type pair, interleaved in one process.
+decode (1 token) and prefill (512 tokens) at depth, for each cache type pair beside the
+f16 cache, interleaved in one process.
 
     python bench/bench_kv_attention.py [--depths 0,8192,32768] [--reps 5] [--json out.json]
 
@@ -10,18 +10,15 @@ all of them alike; the ratios are the result.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numba
 import numpy as np
 
-from edgellama import attention as A
+from edgellama.kernels import attention as A
 from edgellama.kv_cache import KVCache
 
 H, KV, HD = 24, 8, 128
@@ -31,27 +28,9 @@ class _Args:
     n_layers, n_kv_heads, head_dim = 1, KV, HD
 
 
-def main_kernels():
-    """main's kernels.py (before the cache types), loaded as a module of its own: its
-    relative imports resolve to this package's unchanged fp.py and simd.py."""
-    src = subprocess.run(["git", "show", "main:edgellama/kernels.py"], capture_output=True,
-                         text=True, check=True, cwd=Path(__file__).parent).stdout
-    if "def attention(" not in src:
-        return None
-    d = Path(tempfile.mkdtemp(prefix="edgellama-main-kernels-"))
-    path = d / "kernels.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location("edgellama._main_kernels", path)
-    mod = importlib.util.module_from_spec(spec)
-    mod.__package__ = "edgellama"
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def run(depths, reps, tokens=(1, 512)):
     rng = np.random.default_rng(0)
     threads = numba.config.NUMBA_NUM_THREADS
-    old = main_kernels()
     pairs = [("f16", "f16"), ("q8_0", "q8_0"), ("q8_0", "f16"), ("q4_0", "q4_0")]
     results = []
     for depth in depths:
@@ -68,13 +47,6 @@ def run(depths, reps, tokens=(1, 512)):
                 scr = tuple(np.zeros(s, dt) for s, dt in A.attention_scratch_shapes(threads, H, KV, HD))
                 fns[f"{tk}/{tv}"] = (lambda c=c, scr=scr: c.attend(0, depth, q.copy(),
                                                                    np.float32(HD ** -0.5), out, scr))
-            if old is not None:
-                c = KVCache(_Args, ctx)
-                for p0 in range(0, ctx, 4096):
-                    c.write(0, p0, k[p0:p0 + 4096].copy(), v[p0:p0 + 4096].copy())
-                oscr = old.attention_scratch(threads, H, KV, ctx, HD)
-                kb, vb = c.arrays["k"][0], c.arrays["v"][0]
-                fns["main f16"] = lambda: old.attention(q, kb, vb, depth, np.float32(HD ** -0.5), out, oscr)
             for f in fns.values():
                 f()                              # compile, warm
             times = {n: [] for n in fns}
@@ -84,9 +56,9 @@ def run(depths, reps, tokens=(1, 512)):
                     f()
                     times[n].append(time.perf_counter() - t0)
             med = {n: float(np.median(t)) for n, t in times.items()}
-            base = med.get("main f16", med["f16/f16"])
+            base = med["f16/f16"]
             row = {"depth": depth, "tokens": T, "seconds": med,
-                   "speedup_vs_main_f16": {n: base / s for n, s in med.items()}}
+                   "speedup_vs_f16": {n: base / s for n, s in med.items()}}
             results.append(row)
             print(f"depth {depth:6d} T {T:4d}: " + "  ".join(
                 f"{n} {s * 1e3:8.2f} ms ({base / s:.2f}x)" for n, s in med.items()), flush=True)

@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from edgellama.benchmark import random_weights  # noqa: E402  (after the sys.path line)
 from edgellama.formats import FORMATS, WRITABLE, Linear, linear  # noqa: E402
-from edgellama.membw import measure_read_bandwidth  # noqa: E402
+from edgellama.kernels.membw import measure_read_bandwidth  # noqa: E402
 from edgellama.scratch import Scratch  # noqa: E402
 
 TYPES = {t: FORMATS[t].type_id for t in WRITABLE}   # those we can make random tensors of

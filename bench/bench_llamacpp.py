@@ -84,7 +84,7 @@ def worker_ceiling(threads: int | None) -> dict:
     """The read bandwidth of a parallel float32 sum over 2 GiB (the decode ceiling)."""
     import numba
 
-    from edgellama.membw import measure_read_bandwidth
+    from edgellama.kernels.membw import measure_read_bandwidth
     if threads:
         numba.set_num_threads(threads)
     return {"gb_s": measure_read_bandwidth(2 << 30)}
@@ -177,7 +177,7 @@ def instruction_sets() -> dict:
     or NUMBA_CPU_NAME / NUMBA_CPU_FEATURES: an AVX2 CPU can be stood in for that way,
     beside a llama.cpp built with -DGGML_NATIVE=OFF -DGGML_AVX512=OFF)."""
     import llama_cpp
-    from edgellama.simd import ISA, ISA_NAMES
+    from edgellama.kernels.simd import ISA, ISA_NAMES
     feats = llama_cpp.llama_print_system_info().decode().replace("|", " ").split()
     simd = [f for f, v in zip(feats, feats[2:])       # "AVX2 = 1 | F16C = 1 | ..."
             if v == "1" and f.startswith(("AVX", "FMA", "F16C"))]

@@ -93,7 +93,7 @@ def smollm2_files() -> dict[str, Path]:
 def ours(paths: dict[str, Path], tokens: int, rounds: int) -> dict:
     """Each way `rounds` times, interleaved (the machine is shared: its load drifts),
     the best speed of each."""
-    from edgellama import jit
+    from edgellama.kernels import jit
     llm = edgellama.load(paths["target"], ctx=2048)
     draft = llm.load_draft(paths["draft"])
     jit.warm_up(llm.model)

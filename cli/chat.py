@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from edgellama import jit
+from edgellama.kernels import jit
 from edgellama.chat_session import ChatSession
 from edgellama.default_model import cache_dir
 from edgellama.errors import EdgeError

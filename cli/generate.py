@@ -94,7 +94,7 @@ def generate(model, hf_repo, ctx, threads, activations, cache_type_k, cache_type
     or a Hugging Face reference (llama3.2:1b, OWNER/REPO[:QUANT]), or if -p or -f gives
     the prompt; otherwise it is the PROMPT (use -p for a prompt that reads as a model).
     """
-    from edgellama import jit
+    from edgellama.kernels import jit
 
     from .progress import KernelProgress
 

@@ -118,8 +118,9 @@ def _version(ctx, param, value):
 
     import numba
 
-    from edgellama import jit, threading_layer   # noqa: F401  (jit sets Numba up first)
-    from edgellama.amx import kernels_name
+    from edgellama import threading_layer
+    from edgellama.kernels import jit   # noqa: F401  (jit sets Numba up first)
+    from edgellama.kernels.amx import kernels_name
     click.echo(f"edgellama {version('edgellama')} (Numba {numba.__version__}, "
                f"{kernels_name()} kernels, threading layer {threading_layer.name()})")
     if note := threading_layer.note():
@@ -136,7 +137,8 @@ def main(ctx, debug):
     """edgellama: run quantized Llama models on a CPU."""
     ctx.ensure_object(dict)["debug"] = debug
     if ctx.invoked_subcommand not in _NO_KERNELS:
-        from edgellama import jit, threading_layer   # imports numba, which sets up the kernel cache
+        from edgellama import threading_layer
+        from edgellama.kernels import jit   # imports numba, which sets up the kernel cache
         if jit.cache_note:
             click.echo(f"note: {jit.cache_note}", err=True)
         if note := threading_layer.note():

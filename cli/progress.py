@@ -7,7 +7,7 @@ import time
 
 import click
 
-from edgellama import jit
+from edgellama.kernels import jit
 
 
 class StatusLine:

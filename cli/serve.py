@@ -168,7 +168,7 @@ def serve(model, ctx, threads, activations, cache_type_k, cache_type_v, host, po
     from web pages on other origins (403) unless --allowed-host / --cors allow them."""
     import uvicorn
 
-    from edgellama import jit
+    from edgellama.kernels import jit
     from edgellama.server import create_app
 
     from .progress import KernelProgress

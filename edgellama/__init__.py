@@ -26,12 +26,12 @@ def __getattr__(name):
 
 
 class _KernelCacheSetup(importlib.abc.MetaPathFinder):
-    """Points Numba's cache at ours (jit.prepare_numba) once numba and our jit module are
+    """Points Numba's cache at ours (kernels/jit.py: prepare_numba) once numba and that module are
     imported, before any module with kernels defines them. Importing numba here instead
     would cost every import of edgellama (and `edgellama --help`) a third of a second."""
 
     def __init__(self):
-        self.jit = f"{__name__}.jit"
+        self.jit = f"{__name__}.kernels.jit"
         self.waiting = {"numba", self.jit}
 
     def find_spec(self, name, path=None, target=None):
@@ -62,7 +62,7 @@ class _KernelCacheSetup(importlib.abc.MetaPathFinder):
 
 
 if "numba" in sys.modules:
-    from .jit import prepare_numba as _prepare_numba
+    from .kernels.jit import prepare_numba as _prepare_numba
     _prepare_numba()
 else:
     sys.meta_path.insert(0, _KernelCacheSetup())

@@ -26,16 +26,16 @@ from gguf.constants import GGUFValueType as V
 
 from . import threading_layer
 from .args import ModelArgs
-from .amx import kernels_name
+from .kernels.amx import kernels_name
 from .default_model import cache_dir
 from .errors import EdgeError
 from .formats import FORMATS, WRITABLE, quantize
 from .gguf import GGUFFile
 from .gguf_write import GGUFStreamWriter
-from .jit import Compiling, warm_up
+from .kernels.jit import Compiling, warm_up
 from .machine import (ThreadPolicy, cpu_name, peak_resident_memory, reset_peak_resident_memory,
                       resident_memory, total_memory)
-from .membw import measure_read_bandwidth
+from .kernels.membw import measure_read_bandwidth
 from .kv_cache import DEFAULT_CACHE_TYPE, TYPE_PAIRS, KVCache, longest_context
 from .model import Transformer
 from .models import FAMILIES

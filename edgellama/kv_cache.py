@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import attention as A
+from .kernels import attention as A
 from .args import ModelArgs
 from .errors import EdgeError
 from .formats.base import anon_array
-from .kernels import rope, rope_neox
+from .kernels.rows import rope, rope_neox
 
 CACHE_TYPES = ("f16", "q8_0", "q4_0")
 DEFAULT_CACHE_TYPE = "f16"     # for K and V (docs/usage.md, KV cache types: why)

@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING
 import numba
 import numpy as np
 
-from . import kernels as K
+from .kernels import rows as K
 from .arch import Family, T as WT
 from .args import ModelArgs
 from .errors import EdgeError
 from .gguf import GGUFFile
 from .kv_cache import KVCache, check_cache_type, fit_advice, make_cache
-from . import attention as A
+from .kernels import attention as A
 from .formats import SUPPORTED, Linear, block_shape, type_name
 from .formats.records import RecordLinear
 from .machine import ThreadPolicy, available_memory

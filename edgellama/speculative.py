@@ -31,7 +31,7 @@ from .errors import EdgeError
 from .gguf import GGUFFile
 from .model import Transformer
 from .sampling import Sampler
-from .simd import TOKENS
+from .kernels.simd import TOKENS
 from .sequence import Sequence
 
 DRAFT_MAX = 16        # llama.cpp's --draft-max default

@@ -72,7 +72,7 @@ def enabled() -> bool:
 
 def _key(path: Path) -> tuple[str, dict]:
     """(file name, source identity) for the GGUF at path."""
-    from .jit import kernel_cache_dir        # the same digest of the kernel sources
+    from .kernels.jit import kernel_cache_dir        # the same digest of the kernel sources
     st = path.stat()
     source = {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
               "inode": st.st_ino}

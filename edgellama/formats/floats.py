@@ -9,7 +9,7 @@ import numpy as np
 from gguf.constants import LlamaFileType
 from numba import njit, prange
 
-from ..fp import bf16_to_f32, f16_bits, f16_to_f32
+from ..kernels.fp import bf16_to_f32, f16_bits, f16_to_f32
 from .base import Linear, WeightFormat, release_pages
 
 f32 = np.float32

@@ -28,7 +28,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..fp import f16_to_f32, get_f16, nearest_int, put_f16
+from ..kernels.fp import f16_to_f32, get_f16, nearest_int, put_f16
 from .base import (
     TiledLinear,
     WeightFormat,
@@ -37,7 +37,7 @@ from .base import (
     repack_bytes,
     repack_halves,
 )
-from ..simd import ir_ptr, splat
+from ..kernels.simd import ir_ptr, splat
 from .records import prep_q8_x
 
 f32 = np.float32

@@ -28,7 +28,7 @@ import numpy as np
 from gguf.constants import LlamaFileType
 from numba import njit, prange
 
-from ..fp import f16_to_f32, get_f16, nearest_int, put_f16
+from ..kernels.fp import f16_to_f32, get_f16, nearest_int, put_f16
 from .base import TiledLinear, WeightFormat, block_sizes, release_pages, repack_halves
 
 f32 = np.float32

@@ -13,8 +13,8 @@ import numpy as np
 from gguf.constants import LlamaFileType
 from numba import njit, prange
 
-from ..fp import get_f16, put_f16, wrap_u8
-from ..simd import KIND_Q4_0, KIND_Q4_1
+from ..kernels.fp import get_f16, put_f16, wrap_u8
+from ..kernels.simd import KIND_Q4_0, KIND_Q4_1
 from .base import WeightFormat, block_sizes
 from .records import BlocksLinear
 

@@ -27,8 +27,8 @@ import numpy as np
 from gguf.constants import LlamaFileType
 from numba import njit, prange
 
-from ..fp import get_f16, nearest_int, put_f16
-from ..simd import (ISA, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH, Q5K_RECORD,
+from ..kernels.fp import get_f16, nearest_int, put_f16
+from ..kernels.simd import (ISA, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH, Q5K_RECORD,
                     RECORD_ROWS, TOKENS, q4k_gemm)
 from .base import WeightFormat, block_sizes
 from .records import RecordLinear, prep_q8_x

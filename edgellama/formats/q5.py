@@ -23,7 +23,7 @@ import numpy as np
 from gguf.constants import LlamaFileType
 from numba import njit, prange
 
-from ..fp import f16_to_f32, get_f16, put_f16, wrap_u8
+from ..kernels.fp import f16_to_f32, get_f16, put_f16, wrap_u8
 from .base import TiledLinear, WeightFormat, block_sizes, release_pages, repack_halves
 from .q4 import signed_absmax
 from .records import prep_q8_x

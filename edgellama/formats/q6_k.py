@@ -27,8 +27,8 @@ import numpy as np
 from gguf.constants import LlamaFileType
 from numba import njit, prange
 
-from ..fp import get_f16, nearest_int, put_f16
-from ..simd import ISA, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS, TOKENS, q6_gemm
+from ..kernels.fp import get_f16, nearest_int, put_f16
+from ..kernels.simd import ISA, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS, TOKENS, q6_gemm
 from .base import WeightFormat, block_sizes
 from .records import RecordLinear, prep_q8_x
 

@@ -11,8 +11,8 @@ import numpy as np
 from gguf.constants import LlamaFileType
 from numba import njit, prange
 
-from ..fp import get_f16, put_f16, wrap_u8
-from ..simd import KIND_Q8_0
+from ..kernels.fp import get_f16, put_f16, wrap_u8
+from ..kernels.simd import KIND_Q8_0
 from .base import WeightFormat, block_sizes
 from .records import BlocksLinear
 

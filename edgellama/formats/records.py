@@ -20,10 +20,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .. import amx
-from ..amx import AMX_TOKENS, GROUPS, amx_blocks_gemm
-from ..fp import get_f16
-from ..simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, RECORD_ROWS,
+from ..kernels import amx
+from ..kernels.amx import AMX_TOKENS, GROUPS, amx_blocks_gemm
+from ..kernels.fp import get_f16
+from ..kernels.simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, RECORD_ROWS,
                     TOKENS, blocks_gemm)
 from ..scratch import Scratch
 from .base import TiledLinear, release_pages

@@ -40,7 +40,7 @@ from ray import serve
 
 import edgellama
 
-from .. import jit
+from ..kernels import jit
 from ..errors import EdgeError
 from ..llm import LLM
 from ..speculative import Drafter

@@ -12,8 +12,8 @@ from edgellama.cli.main import main
 from tiny_gguf import write_tiny_gguf
 
 import edgellama.benchmark as B
-from edgellama.jit import kernel_cache_dir
-from edgellama.membw import measure_read_bandwidth
+from edgellama.kernels.jit import kernel_cache_dir
+from edgellama.kernels.membw import measure_read_bandwidth
 
 TINY = B.Shape(dim=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=256, train_ctx=256)
 

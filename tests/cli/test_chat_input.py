@@ -11,7 +11,7 @@ import pytest
 from edgellama.cli.chat_input import Assembler, clean, typed_lines
 from test_chat_cli import EXE, PROMPT, _say, _spawn
 
-from edgellama.jit import kernel_cache_dir
+from edgellama.kernels.jit import kernel_cache_dir
 
 PASTE = "\x1b[200~{}\x1b[201~"
 

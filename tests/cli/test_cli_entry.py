@@ -54,7 +54,7 @@ def test_importing_edgellama_defers_numba_but_kernels_still_use_the_user_cache(t
     code = ("import sys, edgellama\n"
             "assert not {'numba', 'numpy', 'huggingface_hub'} & set(sys.modules)\n"
             "assert edgellama.hub.parse_ref('llama3.2:1b')[1] == 'Q4_K_M'\n"
-            "import edgellama.kernels as k\n"
+            "import edgellama.kernels.rows as k\n"
             "print(k.rmsnorm._cache._cache_path)\n"
             "print(edgellama.load.__module__, edgellama.SamplingParams.__name__)\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,

@@ -16,7 +16,7 @@ import pexpect
 import pytest
 
 from edgellama.cli import chat_input
-from edgellama.jit import kernel_cache_dir
+from edgellama.kernels.jit import kernel_cache_dir
 
 EXE = shutil.which("edgellama")
 ENV = dict(os.environ, NUMBA_NUM_THREADS="2")

@@ -478,7 +478,7 @@ def _python(code: str, **env) -> subprocess.CompletedProcess:
 
 
 def test_compiled_kernels_live_in_the_user_cache(tmp_path):
-    res = _python("import edgellama.kernels as k; print(k.rmsnorm._cache._cache_path)",
+    res = _python("import edgellama.kernels.rows as k; print(k.rmsnorm._cache._cache_path)",
                   EDGELLAMA_CACHE=str(tmp_path))
     assert res.returncode == 0, res.stderr
     assert Path(res.stdout.strip()).is_relative_to(tmp_path / "numba")
@@ -488,8 +488,8 @@ def test_kernel_cache_is_keyed_by_the_kernel_sources(tmp_path):
     # numba/<digest of fp.py, simd.py, kernels.py, formats/...>: a change to an intrinsic
     # must not reuse kernels compiled against the old one; other versions' kernels go
     # once unused for jit.UNUSED_SECONDS (another install may still use them)
-    from edgellama import jit
-    code = ("import edgellama.jit as j, edgellama.kernels as k; "
+    from edgellama.kernels import jit
+    code = ("import edgellama.kernels.jit as j, edgellama.kernels.rows as k; "
             "print(j.kernel_cache_dir()); print(k.rmsnorm._cache._cache_path)")
     stale = tmp_path / "numba" / "0123456789abcdef"
     stale.mkdir(parents=True)
@@ -506,7 +506,7 @@ def test_kernel_cache_is_keyed_by_the_kernel_sources(tmp_path):
 
 
 def test_kernel_cache_changes_with_an_intrinsic(monkeypatch):
-    from edgellama import jit
+    from edgellama.kernels import jit
     before = jit.kernel_cache_dir()
     assert jit.kernel_cache_dir() == before                 # stable
     read = Path.read_bytes
@@ -522,7 +522,7 @@ def test_unwritable_cache_and_home_still_run(tiny_chat, tmp_path):
     home.write_text("not a directory: nothing can be created under it, not even by root")
     env = {k: v for k, v in ENV.items() if k not in ("EDGELLAMA_CACHE", "XDG_CACHE_HOME")}
     env["HOME"] = str(home)
-    res = subprocess.run([sys.executable, "-c", "import edgellama.kernels as k; "
+    res = subprocess.run([sys.executable, "-c", "import edgellama.kernels.rows as k; "
                           "print(type(k.rmsnorm._cache).__name__)"],
                          capture_output=True, text=True, timeout=600, env=env)
     assert res.stdout.strip() == "NullCache", res.stderr     # nothing written beside the sources

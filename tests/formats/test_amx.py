@@ -17,9 +17,9 @@ import pytest
 from gguf import GGMLQuantizationType as G
 from gguf.quants import quantize
 
-from edgellama import amx
+from edgellama.kernels import amx
 from edgellama.formats import linear, records
-from edgellama.simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, ISA, ISA_NAMES, KIND_Q4_0, KIND_Q4_1,
+from edgellama.kernels.simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, ISA, ISA_NAMES, KIND_Q4_0, KIND_Q4_1,
                             KIND_Q8_0, RECORD_ROWS, TOKENS)
 
 f32, f64 = np.float32, np.float64
@@ -254,7 +254,7 @@ def test_no_tile_instructions_in_the_target_falls_back(monkeypatch):
 
 def _fresh_process(env_extra):
     env = dict(os.environ, **env_extra)
-    code = "from edgellama import amx; print(amx.enabled(), amx.kernels_name())"
+    code = "from edgellama.kernels import amx; print(amx.enabled(), amx.kernels_name())"
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           check=True, cwd=Path(__file__).parents[2]).stdout.strip()
 

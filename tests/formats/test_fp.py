@@ -7,8 +7,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from edgellama.fp import _f32_to_f16_native, f16_bits, half_to_float_ir
-from edgellama.target import HALF_NATIVE
+from edgellama.kernels.fp import _f32_to_f16_native, f16_bits, half_to_float_ir
+from edgellama.kernels.target import HALF_NATIVE
 
 ALL_HALVES = np.arange(65536, dtype=np.uint32).astype(np.uint16)
 

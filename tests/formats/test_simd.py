@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from numba import literally, njit
 
-from edgellama.simd import (AVX2, BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, GENERIC, ISA, KIND_Q4_0, KIND_Q4_1,
+from edgellama.kernels.simd import (AVX2, BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, GENERIC, ISA, KIND_Q4_0, KIND_Q4_1,
                             KIND_Q8_0, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH,
                             Q5K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS, TOKENS,
                             VNNI512, ISA_NAMES, blocks_gemm, q4k_gemm, q6_gemm, target_isa)
-from edgellama.target import FEATURES as _F
+from edgellama.kernels.target import FEATURES as _F
 
 
 RUNS = {GENERIC: True, AVX2: "avx2" in _F, VNNI512: {"avx512vnni", "avx512bw"} <= _F}
@@ -44,7 +44,7 @@ ISA_PROBE = """
 import numpy as np
 from edgellama.benchmark import random_weights
 from edgellama.formats import FORMATS, linear
-from edgellama.simd import ISA, ISA_NAMES
+from edgellama.kernels.simd import ISA, ISA_NAMES
 rng = np.random.default_rng(0)
 raw = random_weights(rng, 32, 256, "Q4_0", 1.0)
 w = linear(FORMATS["Q4_0"].type_id, [(raw, (32, 256))])

@@ -7,7 +7,7 @@ from gguf.constants import GGMLQuantizationType as QT
 from gguf.quants import dequantize, quantize
 from scipy.linalg import hadamard as hadamard_matrix
 
-from edgellama import attention as A
+from edgellama.kernels import attention as A
 from edgellama.kv_cache import CACHE_TYPES, KVCache
 
 rng = np.random.default_rng(0)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import edgellama
-from edgellama import kernels as K
+from edgellama.kernels import rows as K
 from edgellama.args import ModelArgs
 from edgellama.chat_session import ChatSession
 from edgellama.gguf import GGUFFile

@@ -4,8 +4,8 @@ import numba
 import numpy as np
 import pytest
 
-from edgellama import attention as A
-from edgellama import kernels as K
+from edgellama.kernels import attention as A
+from edgellama.kernels import rows as K
 from edgellama.kv_cache import KVCache
 
 rng = np.random.default_rng(0)

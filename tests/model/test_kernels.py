@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from edgellama import kernels as K
-from edgellama.target import FEATURES
+from edgellama.kernels import rows as K
+from edgellama.kernels.target import FEATURES
 
 rng = np.random.default_rng(0)
 

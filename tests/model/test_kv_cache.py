@@ -14,11 +14,11 @@ from tiny_gguf import TINY_VOCAB, write_tiny_gguf
 import edgellama
 import edgellama.benchmark as B
 import edgellama.model as M
-from edgellama import attention as A
+from edgellama.kernels import attention as A
 from edgellama.args import ModelArgs
 from edgellama.errors import EdgeError
 from edgellama.gguf import GGUFFile
-from edgellama.kernels import rope
+from edgellama.kernels.rows import rope
 from edgellama.kv_cache import CACHE_TYPES, KVCache, fit_advice, longest_context
 from test_attention import DEFAULT_PAIRS, Args
 

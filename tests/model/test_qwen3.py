@@ -112,7 +112,7 @@ def test_one_layer_shift_equals_reading_the_shorter_text(tmp_path):
     m = Transformer(GGUFFile(qwen3_file(tmp_path / "q.gguf", layers=1)), ctx=64, batch=8)
     A, B, C, D = [1, 2, 3], [40, 41, 42, 43, 44], [90, 91, 92, 93], [7, 8]
     assert shift_against_fresh(m, A, B, C, D) < 1e-3
-    from edgellama import kernels
+    from edgellama.kernels import rows as kernels
 
     def adjacent_pairs(seq):
         seq.cache._rope = kernels.rope

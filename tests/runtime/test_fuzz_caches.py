@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from numba.core import caching
 
-from edgellama import jit
+from edgellama.kernels import jit
 from edgellama import tile_cache as tc
 from edgellama.gguf import GGUFFile
 from edgellama.model import Transformer

@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgellama import benchmark, jit
+from edgellama import benchmark
+from edgellama.kernels import jit
 from edgellama import tile_cache as tc
 from test_tile_cache import _logits, load
 from tiny_gguf import write_tiny_gguf
@@ -27,7 +28,7 @@ ENV.pop("NUMBA_CACHE_DIR", None)
 
 # One small kernel, compiled (or loaded from the cache) in a fresh process.
 KERNEL = """
-import numpy as np, edgellama.kernels as k
+import numpy as np, edgellama.kernels.rows as k
 x = np.ones((2, 8), np.float32); out = np.empty_like(x)
 k.rmsnorm(x, np.ones(8, np.float32), np.float32(1e-5), out)
 print("ok", out[0, 0])

@@ -8,8 +8,8 @@ from numba.core.dispatcher import Dispatcher
 from tiny_gguf import write_tiny_gguf
 
 import edgellama
-from edgellama import jit
-from edgellama import kernels as K
+from edgellama.kernels import jit
+from edgellama.kernels import rows as K
 
 
 def test_dry_run_finds_the_kernels_and_warm_up_leaves_nothing_to_compile(tmp_path):

@@ -20,16 +20,16 @@ from numba.core import event as numba_event
 from numba.core.dispatcher import Dispatcher
 from numba.core.event import Listener
 
-from . import threading_layer
-from .default_model import cache_dir
+from .. import threading_layer
+from ..default_model import cache_dir
 
 # Why kernels compile in memory, when the cache cannot be written (the CLI says so once).
 cache_note: str | None = None
 
 
-# Every file holding kernels, the intrinsics they inline (fp.py, simd.py, amx.py) or the target
-# features their instructions follow (target.py).
-_KERNEL_SOURCES = ("target.py", "fp.py", "simd.py", "amx.py", "kernels.py", "attention.py", "membw.py", "formats/*.py")
+# Every file holding kernels, the intrinsics they inline (kernels/fp.py, simd.py, amx.py) or
+# the target features their instructions follow (kernels/target.py), from the package root.
+_KERNEL_SOURCES = ("kernels/*.py", "formats/*.py")
 
 
 def kernel_cache_dir() -> Path:
@@ -37,7 +37,7 @@ def kernel_cache_dir() -> Path:
     cached kernel by its own file only: a change to an intrinsic in simd.py would
     otherwise leave records.py's kernels running stale machine code."""
     h = hashlib.sha256(numba.__version__.encode())
-    root = Path(__file__).parent
+    root = Path(__file__).parent.parent
     for pattern in _KERNEL_SOURCES:
         for f in sorted(root.glob(pattern)):
             h.update(f.name.encode() + f.read_bytes())

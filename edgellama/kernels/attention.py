@@ -30,9 +30,9 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .formats.records import prep_q8_x
+from ..formats.records import prep_q8_x
 from .fp import f16_to_f32, f32_to_f16, half_to_float_ir
-from .kernels import _AVX512, _MIN_LOGIT, _PREFETCH, _exp_neg, _fma, _scores, _weighted
+from .rows import _AVX512, _MIN_LOGIT, _PREFETCH, _exp_neg, _fma, _scores, _weighted
 from .simd import ISA, _dot, ir_ptr, prefetch_ir, splat
 
 F32 = np.float32
