@@ -34,13 +34,14 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .fp import half_to_float_ir
-from .simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, ISA, ISA_NAMES, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0,
-                   RECORD_ROWS, call_llvm, ir_ptr, prefetch_ir, splat)
-from .target import _ARCH, FEATURES
+from .simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, RECORD_ROWS,
+                   call_llvm, ir_ptr, prefetch_ir, splat)
+from .target import _ARCH, FEATURES, TARGET
 
-# Numba's target has the tile instructions (else the kernels compile to nothing and
-# enabled() is False: LLVM aborts on an intrinsic its target lacks)
-COMPILED = {"amx-tile", "amx-int8"} <= FEATURES and _ARCH == "x86_64"
+# Numba's target has the tile instructions on top of the chosen instruction set (isa.py's
+# row: its `tiles`), else the kernels compile to nothing and enabled() is False: LLVM
+# aborts on an intrinsic its target lacks
+COMPILED = TARGET.has_tiles(FEATURES) and _ARCH == "x86_64"
 AMX_TOKENS = 16             # rows of x per A tile (a tile's 16 rows)
 
 SYS_ARCH_PRCTL = 158        # x86-64
@@ -90,7 +91,7 @@ def use(on: bool) -> bool:
 
 def kernels_name() -> str:
     """The instructions the matrix products run on, for reports."""
-    name = ISA_NAMES[ISA]
+    name = TARGET.name
     return name + " + AMX (tdpbssd/tdpbsud) prefill" if enabled() else name
 
 

@@ -12,9 +12,12 @@ Q5_K, `q6_gemm` for Q6_K (5- and 6-bit values rebuilt in registers from nibbles 
     AVX2            vpmaddubsw (u8 x i8 pairs -> int16) then vpmaddwd (-> int32)
     anything else   target-independent IR (widen, multiply, add), which LLVM lowers
 
-The instruction set is chosen once, from the features Numba compiles for: the host CPU's
-unless NUMBA_CPU_NAME / NUMBA_CPU_FEATURES say otherwise (Numba's kernel cache is keyed
-by both, so a cache is never used on a CPU it was not built for).
+Nothing here branches on which: the intrinsics read the row's fields (rows per vector,
+weight_sums, pairs_per_dot) and call its dot. A new instruction set is a row of isa.py's
+table, ISAS, and its lowering functions there (isa.py's docstring says what else), not
+an edit here. The row is chosen once (target.py), from the features Numba compiles for:
+the host CPU's unless NUMBA_CPU_NAME / NUMBA_CPU_FEATURES say otherwise (Numba's kernel
+cache is keyed by both, so a cache is never used on a CPU it was not built for).
 
 The weights' layout: records, one per strip of 16 rows (RECORD_ROWS) and run of blocks
 (a super-block of 256 weights for the K-quants), a strip's records in a row, each
@@ -34,21 +37,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .fp import half_to_float_ir
-from .target import FEATURES
-
-GENERIC, AVX2, VNNI512 = 0, 1, 2
-
-
-def target_isa(features: set[str]) -> int:
-    if {"avx512vnni", "avx512bw"} <= features:
-        return VNNI512
-    if "avx2" in features:
-        return AVX2
-    return GENERIC
-
-
-ISA = target_isa(FEATURES)
-ISA_NAMES = {GENERIC: "generic", AVX2: "AVX2 (vpmaddubsw)", VNNI512: "AVX-512 VNNI (vpdpbusd)"}   # reports
+from .isa import AVX2, GENERIC, ISA_NAMES, ISAS, VNNI512, call_llvm, splat, target_isa  # noqa: F401
+from .target import ISA  # noqa: F401  (the intrinsics' isa constant for this target)
 
 
 def ir_ptr(context, builder, aty, arr, off, ty):
@@ -57,86 +47,23 @@ def ir_ptr(context, builder, aty, arr, off, ty):
     return builder.bitcast(builder.gep(data, [off]), ty.as_pointer())
 
 
-def call_llvm(builder, name, ret, args):
-    """A call of the LLVM function or intrinsic `name` returning `ret`."""
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]),
-                                        name)
-    return builder.call(fn, args)
-
-
-def splat(builder, scalar, n):
-    """<n x type>: scalar in every lane."""
-    vt = ir.VectorType(scalar.type, n)
-    one = builder.insert_element(ir.Constant(vt, None), scalar, ir.Constant(ir.IntType(32), 0))
-    return builder.shuffle_vector(one, ir.Constant(vt, None),
-                                  ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n))
-
-
-def _vnni_sum_w(builder, n, ws):
-    """<n x i32>: per 32-bit lane, the sum of the int8 weight bytes of all of ws."""
-    wide = ir.VectorType(ir.IntType(32), n)
-    ones = ir.Constant(wide, [0x01010101] * n)
-    sum_w = ir.Constant(wide, None)
-    for w in ws:
-        sum_w = call_llvm(builder, "llvm.x86.avx512.vpdpbusd.512", wide, [sum_w, ones, w])
-    return sum_w
-
-
-def _dot(builder, kind, n, pairs, signed, sum_w=None):
+def _dot(builder, isa, n, pairs, signed, sum_w=None):
     """<n x i32>: per 32-bit lane, the sum over `pairs` (w <n x i32> of 4 weight bytes per
-    lane, x i32 of 4 int8 activations, broadcast) of the 4 byte products. Weights are
-    u8 (< 16) or, if signed, i8; sum_w: _vnni_sum_w of the pairs' weights, if the
-    caller has it (VNNI, signed)."""
-    i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
-    wide, b4 = ir.VectorType(i32, n), ir.VectorType(i8, 4 * n)
-    if kind == VNNI512:
-        name = "llvm.x86.avx512.vpdpbusd.512"
-        total = ir.Constant(wide, None)
-        if not signed:
-            for w, x in pairs:
-                total = call_llvm(builder, name, wide, [total, w, splat(builder, x, n)])
-            return total
-        # vpdpbusd takes u8 x i8: (x + 128) . w, less 128 sum(w) (a second vpdpbusd by 1s)
-        for w, x in pairs:
-            xu = builder.xor(x, ir.Constant(i32, 0x80808080 - (1 << 32)))
-            total = call_llvm(builder, name, wide, [total, splat(builder, xu, n), w])
-        if sum_w is None:
-            sum_w = _vnni_sum_w(builder, n, [w for w, _ in pairs])
-        return builder.sub(total, builder.shl(sum_w, ir.Constant(wide, [7] * n)))
-    if kind == AVX2:    # 256-bit instructions: 16 lanes go as two halves of 8
-        if n == 16:
-            lo, hi = ([(builder.shuffle_vector(w, w, ir.Constant(ir.VectorType(i32, 8),
-                                                                 list(range(h, h + 8)))), x)
-                       for w, x in pairs] for h in (0, 8))
-            return builder.shuffle_vector(_dot(builder, kind, 8, lo, signed),
-                                          _dot(builder, kind, 8, hi, signed),
-                                          ir.Constant(ir.VectorType(i32, 16), list(range(16))))
-        b32, h16 = ir.VectorType(i8, 32), ir.VectorType(i16, 16)
-        ones16 = ir.Constant(h16, [1] * 16)
-        total, s = None, None
-        for w, x in pairs:
-            wb, xb = builder.bitcast(w, b32), builder.bitcast(splat(builder, x, n), b32)
-            if signed:   # u8 |w| x i8 x sign(w), as llama.cpp: pairs within 2 * 128 * 127
-                xb = call_llvm(builder, "llvm.x86.avx2.psign.b", b32, [xb, wb])
-                wb = call_llvm(builder, "llvm.abs.v32i8", b32, [wb, ir.Constant(ir.IntType(1), 0)])
-            pr = call_llvm(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, [wb, xb])
-            if signed:   # two pairs could pass int16: widen each to int32
-                pr = call_llvm(builder, "llvm.x86.avx2.pmadd.wd", wide, [pr, ones16])
-                total = pr if total is None else builder.add(total, pr)
-            else:        # nibbles: 8 pairs of 2 * 15 * 128 per lane stay below 2^15
-                s = pr if s is None else builder.add(s, pr)
-        return total if signed else call_llvm(builder, "llvm.x86.avx2.pmadd.wd", wide, [s, ones16])
-    # generic: widen, multiply, add; then the 4 sums of each 32-bit lane
-    w4 = ir.VectorType(i32, 4 * n)
-    s = ir.Constant(w4, None)
-    for w, x in pairs:
-        wv = builder.bitcast(w, b4)
-        wv = builder.sext(wv, w4) if signed else builder.zext(wv, w4)
-        xv = builder.sext(builder.bitcast(splat(builder, x, n), b4), w4)
-        s = builder.add(s, builder.mul(wv, xv))
+    lane, x i32 of 4 int8 activations, broadcast) of the 4 byte products, in the
+    instructions of row `isa` of isa.ISAS (attention.py's scores take it so). Weights
+    are u8 (no more pairs than the row's pairs_per_dot of their largest value) or, if
+    signed, i8; sum_w: the row's weight_sums of the pairs' weights, if the caller has
+    them."""
+    return ISAS[isa].dot(builder, n, pairs, signed, sum_w)
+
+
+def _dot_bounded(builder, row, n, pairs, wmax):
+    """_dot of unsigned weights up to wmax: pairs in runs of row.pairs_per_dot(wmax), the
+    runs' int32 sums added."""
+    step = row.pairs_per_dot(wmax) or len(pairs)
     total = None
-    for k in range(4):
-        part = builder.shuffle_vector(s, s, ir.Constant(wide, [4 * i + k for i in range(n)]))
+    for p0 in range(0, len(pairs), step):
+        part = row.dot(builder, n, pairs[p0:p0 + step], False)
         total = part if total is None else builder.add(total, part)
     return total
 
@@ -145,7 +72,7 @@ TOKENS = 4       # rows of x per call of the _gemm intrinsics (prefill)
 
 
 class _GemmFrame:
-    """What the _gemm intrinsics share: rows per vector (n) for the instruction set, their
+    """What the _gemm intrinsics share: the instruction set's row and rows per vector (n), their
     int and float vector types, the tile height R (acc holds `tokens` rows of R), the
     elements per row of x (32 per block), a pointer maker, and loads of n f16 scales."""
 
@@ -153,11 +80,8 @@ class _GemmFrame:
         self.builder = builder
         self.k64 = lambda v: ir.Constant(args[nb_i].type, v)
         self.ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
-        # rows per vector: AVX2 decode too takes a strip's 16 at once, as two halves of
-        # 8, to read each line of a record once and load x once (1B Q4_0 matvec, one
-        # thread: 1.25x the bytes/s of 8 rows); prefill's 4 tokens of 16 rows would
-        # not fit AVX2's 16 registers (0.75x)
-        self.n = n = 16 if isa == VNNI512 or (isa == AVX2 and tokens == 1) else 8
+        self.isa = row = ISAS[isa]
+        self.n = n = row.rows[0 if tokens == 1 else 1]         # rows per vector
         self.wide, self.vf = ir.VectorType(ir.IntType(32), n), ir.VectorType(ir.FloatType(), n)
         acc_n = context.make_array(sig.args[acc_i])(context, builder, args[acc_i]).nitems
         self.R = builder.udiv(acc_n, self.k64(tokens))
@@ -292,7 +216,7 @@ def blocks_gemm(typingctx, q, x8, xd, xs8, xsum, acc, nb, group, t0, tokens, kin
                                  align=1)
                 ws += [w] if signed else [builder.and_(w, mask),
                                           builder.and_(builder.lshr(w, four), mask)]
-            sum_w = _vnni_sum_w(builder, n, ws) if signed and ISA_ == VNNI512 else None
+            sum_w = fr.isa.weight_sums(builder, n, ws) if signed and fr.isa.weight_sums else None
             halves = builder.add(rec, builder.mul(lane, k64(2)))
             dv = fr.f16s(0, builder.add(halves, at(k, 32, 0)))
             mins = builder.add(halves, builder.mul(ga, k64(32)))     # Q4_1's m after the d
@@ -301,10 +225,10 @@ def blocks_gemm(typingctx, q, x8, xd, xs8, xsum, acc, nb, group, t0, tokens, kin
                 tok = builder.add(t0a, k64(t))
                 xw = _x_words(builder, fr, tok, b)
                 if signed:
-                    pairs = list(zip(ws, xw))
+                    dot = fr.isa.dot(builder, n, list(zip(ws, xw)), True, sum_w)
                 else:       # low nibbles with x words 0..3, high ones with 4..7
                     pairs = [(ws[2 * j + h], xw[4 * h + j]) for j in range(4) for h in (0, 1)]
-                dot = _dot(builder, ISA_, n, pairs, signed, sum_w)
+                    dot = _dot_bounded(builder, fr.isa, n, pairs, 15)
                 si = builder.add(builder.mul(tok, nba), b)
                 if KIND == KIND_Q4_0:
                     off = builder.mul(builder.load(ptr(3, si, i32)), ir.Constant(i32, 8))
@@ -375,11 +299,7 @@ def q4k_gemm(typingctx, q, x8, xd, xsum, acc, nsub, t0, tokens, bits, isa):
                 xw = _x_words(builder, fr, tok, u)
                 # low nibbles with x words 0..3, high ones with 4..7
                 pairs = [(ws[2 * g + h], xw[4 * h + g]) for g in range(4) for h in (0, 1)]
-                if five and kind == AVX2:   # vpmaddubsw pairs of 2 * 31 * 127: 4 in int16
-                    dot = builder.add(_dot(builder, kind, n, pairs[:4], False),
-                                      _dot(builder, kind, n, pairs[4:], False))
-                else:
-                    dot = _dot(builder, kind, n, pairs, False)
+                dot = _dot_bounded(builder, fr.isa, n, pairs, 31 if five else 15)
                 si = builder.add(builder.mul(tok, nsa), u)
                 dx = splat(builder, builder.load(ptr(2, si, f32)), n)
                 a1, a2 = sums[0][t], sums[1][t]
@@ -429,20 +349,13 @@ def _q6_offsets(builder, n, xs):
     return [splat(builder, builder.shl(v, ir.Constant(ir.IntType(32), 5)), n) for v in xs]
 
 
-def _q6_sum(builder, kind, n, lo, hi, xw, offs, scs):
+def _q6_sum(builder, row, n, lo, hi, xw, offs, scs):
     """<n x i32>: sc0 (S0 - off0) + sc1 (S1 - off1), S0 and S1 the exact sums of lo and
     hi (_q6_values) times the x words xw (8 i32 of 4 int8), offs _q6_offsets, scs the
-    rows' two int8 scales (<n x i32>)."""
-    # AVX2 adds vpmaddubsw's int16 pairs before widening: two of 2 * 63 * 127 stay
-    # below 2^15, four would not
-    step = 2 if kind == AVX2 else 4
+    rows' two int8 scales (<n x i32>); row the instruction set's isa.Isa."""
     res = None
     for h, qs in enumerate((lo, hi)):
-        pairs = [(qs[g], xw[4 * h + g]) for g in range(4)]
-        s = None
-        for p0 in range(0, 4, step):
-            part = _dot(builder, kind, n, pairs[p0:p0 + step], False)
-            s = part if s is None else builder.add(s, part)
+        s = _dot_bounded(builder, row, n, [(qs[g], xw[4 * h + g]) for g in range(4)], 63)
         term = builder.mul(scs[h], builder.sub(s, offs[h]))
         res = term if res is None else builder.add(res, term)
     return res
@@ -499,7 +412,7 @@ def q6_gemm(typingctx, q, x8, xd, xs16, acc, nsub, t0, tokens, isa):
                 si = builder.add(builder.mul(tok, nsa), u)
                 xs = [builder.load(ptr(3, builder.add(builder.mul(si, k64(2)), k64(h)), i32))
                       for h in range(2)]
-                dot = _q6_sum(builder, kind, n, lo, hi, _x_words(builder, fr, tok, u),
+                dot = _q6_sum(builder, fr.isa, n, lo, hi, _x_words(builder, fr, tok, u),
                               _q6_offsets(builder, n, xs), scs)
                 dx = splat(builder, builder.load(ptr(2, si, f32)), n)
                 a = sums[0][t]

@@ -9,9 +9,10 @@ call that Numba's JIT cannot link.
 """
 from __future__ import annotations
 
-import llvmlite.binding as llvm
 from numba.core import config
 from numba.core.codegen import get_host_cpu_features
+
+from .isa import ARCH, ISAS, target_isa
 
 
 def target_features() -> set[str]:
@@ -21,8 +22,10 @@ def target_features() -> set[str]:
 
 
 FEATURES = target_features()
-_ARCH = llvm.get_process_triple().split("-")[0]
-# f16 <-> f32 in one instruction: F16C on x86 (it needs AVX's encoding: NUMBA_ENABLE_AVX=0
-# turns it off in LLVM), always on AArch64
-HALF_NATIVE = {"f16c", "avx"} <= FEATURES if _ARCH in ("x86_64", "i386", "i686") \
-    else _ARCH in ("aarch64", "arm64")
+_ARCH = ARCH
+# The instruction set the kernels lower to (isa.py's table): its index, the constant the
+# tile intrinsics take, and its row
+ISA = target_isa(FEATURES)
+TARGET = ISAS[ISA]
+# f16 <-> f32 in one instruction (fp.py): F16C on x86, always on AArch64
+HALF_NATIVE = TARGET.half_native(FEATURES)

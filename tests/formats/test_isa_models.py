@@ -1,17 +1,19 @@
-"""The integer steps of simd._dot on every instruction set, modelled in NumPy.
+"""The integer steps of every row of isa.ISAS (its pair-dot lowering), modelled in NumPy.
 
 test_simd runs the kernels only where Numba's target has the instructions (this machine
-may lack AVX-512 VNNI, or AVX2). These models follow each path lane by lane — byte
+may lack AVX-512 VNNI, or AVX2). These models follow each lowering lane by lane — byte
 products, the int16 pair sums vpmaddubsw saturates, the int16 additions of several of
 them before widening, vpdpbusd's u8 x i8 with the x + 128 trick for signed weights — and
 are checked against the exact dot over the extreme operands of every caller: Q8_0's
 signed bytes, Q4's nibbles, Q5_K's 5-bit and Q6_K's 6-bit values, with the pair counts
-simd.py adds in int16. A model that saturates or wraps shows the caller's bound wrong.
+the row lets one dot take (Isa.pairs_per_dot). A model that saturates or wraps shows the
+caller's bound wrong. A new row needs its model in MODELS.
 """
 import numpy as np
 import pytest
 
 from edgellama.formats.records import prep_q8_x
+from edgellama.kernels import isa
 
 
 def _sat16(v):
@@ -50,12 +52,21 @@ def avx2_dot(w, x, signed, per_int16):
     return total
 
 
-# (weight range, pairs per _dot call, pairs added in int16 on AVX2), as simd.py calls _dot
+def generic_dot(w, x, signed, per_int16):
+    """Widened to int32 before any sum: exact for any count of pairs."""
+    return int((w.astype(np.int64) * x).sum())
+
+
+# each row's model, by its lowering: (w, x, signed, pairs summed in int16) -> the sum
+MODELS = {isa._dot_vnni: lambda w, x, signed, per16: vnni_dot(w, x, signed),
+          isa._dot_avx2: avx2_dot, isa._dot_generic: generic_dot}
+
+# (weight range, pairs the caller has per block and half), as simd.py calls the row's dot
 CALLERS = {
-    "Q8_0": ((-128, 127), 8, 1),
-    "Q4 nibbles": ((0, 15), 8, 8),        # blocks_gemm, q4k_gemm bits 4
-    "Q5_K": ((0, 31), 8, 4),              # q4k_gemm bits 5: two calls of 4 on AVX2
-    "Q6_K": ((0, 63), 4, 2),              # _q6_sum: step 2 on AVX2
+    "Q8_0": ((-128, 127), 8),
+    "Q4 nibbles": ((0, 15), 8),           # blocks_gemm, q4k_gemm bits 4
+    "Q5_K": ((0, 31), 8),                 # q4k_gemm bits 5
+    "Q6_K": ((0, 63), 4),                 # _q6_sum, per half
 }
 
 
@@ -71,15 +82,25 @@ def _extremes(lo, hi, pairs, rng):
     return cases
 
 
+def test_every_row_has_a_model():
+    assert all(row.pair_dot in MODELS for row in isa.ISAS)
+
+
+@pytest.mark.parametrize("row", [pytest.param(r, id=r.name) for r in isa.ISAS])
 @pytest.mark.parametrize("caller", CALLERS)
-def test_every_isa_model_is_exact_at_the_callers_bounds(caller):
-    (lo, hi), pairs, per16 = CALLERS[caller]
+def test_every_isa_model_is_exact_at_the_callers_bounds(caller, row):
+    (lo, hi), pairs = CALLERS[caller]
     signed = lo < 0
+    # simd._dot_bounded: unsigned pairs in runs of pairs_per_dot, each run one dot (one
+    # int16 sum on AVX2); signed ones all in one dot, which widens each pair (AVX2: 1)
+    step = pairs if signed else row.pairs_per_dot(hi) or pairs
+    model = MODELS[row.pair_dot]
     rng = np.random.default_rng(0)
     for w, x in _extremes(lo, hi, pairs, rng):
         exact = int((w.astype(np.int64) * x).sum())
-        assert vnni_dot(w, x, signed) == exact
-        assert avx2_dot(w, x, signed, per16) == exact
+        got = sum(model(w[p0:p0 + step], x[p0:p0 + step], signed, 1 if signed else step)
+                  for p0 in range(0, pairs, step))
+        assert got == exact
 
 
 def test_the_models_see_a_bound_broken():

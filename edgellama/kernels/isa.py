@@ -1,0 +1,191 @@
+"""The instruction sets the kernels lower to: one table, ISAS, from which the CPU's row
+is chosen once (target.py: ISA, TARGET, from the features Numba compiles for).
+
+A row (Isa) says everything the kernels ask of an instruction set: its name for
+reports, the target features it needs, the integer pair-dot lowering (`dot`: per
+32-bit lane, the sum of 4 weight bytes times 4 int8 activations, over a list of
+pairs), how wide its vectors are and how many rows of weights the tile intrinsics
+take per vector, whether its unsigned pair sums pass through int16 (so callers split
+their pairs: `pairs_per_dot`), how halves convert to f32 (`half_native`), and
+whether AMX tiles can come on top (`has_tiles`). simd.py's intrinsics, attention.py's
+quantized scores and amx.py read these fields; none of them branches on the name.
+
+A new instruction set (Arm's sdot, say): one row at the end of ISAS (after the rows it
+beats), with its `needs`; its lowering functions here beside _dot_vnni / _dot_avx2 /
+_dot_generic (the pair-dot, and weight sums if its signed dot wants them once per
+block); and its integer model in tests/formats/test_isa_models.py (MODELS), which
+checks each row's model against the exact sums at every caller's bounds.
+tests/formats/test_isa.py checks every row has what the kernels use and lowers to
+valid IR.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import llvmlite.binding as llvm
+from llvmlite import ir
+from numba.core import cgutils
+
+ARCH = llvm.get_process_triple().split("-")[0]
+
+
+def call_llvm(builder, name, ret, args):
+    """A call of the LLVM function or intrinsic `name` returning `ret`."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]),
+                                        name)
+    return builder.call(fn, args)
+
+
+def splat(builder, scalar, n):
+    """<n x type>: scalar in every lane."""
+    vt = ir.VectorType(scalar.type, n)
+    one = builder.insert_element(ir.Constant(vt, None), scalar, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(one, ir.Constant(vt, None),
+                                  ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n))
+
+
+# --- the pair-dot lowerings: dot(builder, n, pairs, signed, sum_w) -> <n x i32> ---------
+# pairs: (w <n x i32> of 4 weight bytes per lane, x i32 of 4 int8 activations, broadcast);
+# weights u8 (unsigned, < 64) or i8 (signed); x in [-127, 127] (records.prep_q8_x).
+
+def _vnni_sum_w(builder, n, ws):
+    """<n x i32>: per 32-bit lane, the sum of the int8 weight bytes of all of ws."""
+    wide = ir.VectorType(ir.IntType(32), n)
+    ones = ir.Constant(wide, [0x01010101] * n)
+    sum_w = ir.Constant(wide, None)
+    for w in ws:
+        sum_w = call_llvm(builder, "llvm.x86.avx512.vpdpbusd.512", wide, [sum_w, ones, w])
+    return sum_w
+
+
+def _dot_vnni(builder, n, pairs, signed, sum_w):
+    """vpdpbusd: 64 u8 x i8 products summed into 16 int32 lanes, one instruction."""
+    i32 = ir.IntType(32)
+    wide = ir.VectorType(i32, n)
+    name = "llvm.x86.avx512.vpdpbusd.512"
+    total = ir.Constant(wide, None)
+    if not signed:
+        for w, x in pairs:
+            total = call_llvm(builder, name, wide, [total, w, splat(builder, x, n)])
+        return total
+    # vpdpbusd takes u8 x i8: (x + 128) . w, less 128 sum(w) (a second vpdpbusd by 1s)
+    for w, x in pairs:
+        xu = builder.xor(x, ir.Constant(i32, 0x80808080 - (1 << 32)))
+        total = call_llvm(builder, name, wide, [total, splat(builder, xu, n), w])
+    if sum_w is None:
+        sum_w = _vnni_sum_w(builder, n, [w for w, _ in pairs])
+    return builder.sub(total, builder.shl(sum_w, ir.Constant(wide, [7] * n)))
+
+
+def _dot_avx2(builder, n, pairs, signed, sum_w):
+    """vpmaddubsw (u8 x i8 pairs -> int16, saturating) then vpmaddwd (-> int32); n = 8.
+    Unsigned: all the pairs' int16 sums added before one widening (the caller keeps
+    them below 2^15: pairs_per_dot)."""
+    i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+    wide = ir.VectorType(i32, n)
+    b32, h16 = ir.VectorType(i8, 32), ir.VectorType(i16, 16)
+    ones16 = ir.Constant(h16, [1] * 16)
+    total, s = None, None
+    for w, x in pairs:
+        wb, xb = builder.bitcast(w, b32), builder.bitcast(splat(builder, x, n), b32)
+        if signed:   # u8 |w| x i8 x sign(w), as llama.cpp: pairs within 2 * 128 * 127
+            xb = call_llvm(builder, "llvm.x86.avx2.psign.b", b32, [xb, wb])
+            wb = call_llvm(builder, "llvm.abs.v32i8", b32, [wb, ir.Constant(ir.IntType(1), 0)])
+        pr = call_llvm(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, [wb, xb])
+        if signed:   # two pairs could pass int16: widen each to int32
+            pr = call_llvm(builder, "llvm.x86.avx2.pmadd.wd", wide, [pr, ones16])
+            total = pr if total is None else builder.add(total, pr)
+        else:        # the caller's bound keeps the int16 sum exact
+            s = pr if s is None else builder.add(s, pr)
+    return total if signed else call_llvm(builder, "llvm.x86.avx2.pmadd.wd", wide, [s, ones16])
+
+
+def _dot_generic(builder, n, pairs, signed, sum_w):
+    """Target-independent IR (widen, multiply, add; then the 4 sums of each 32-bit
+    lane), which LLVM lowers to whatever the target has."""
+    i8, i32 = ir.IntType(8), ir.IntType(32)
+    wide, b4, w4 = ir.VectorType(i32, n), ir.VectorType(i8, 4 * n), ir.VectorType(i32, 4 * n)
+    s = ir.Constant(w4, None)
+    for w, x in pairs:
+        wv = builder.bitcast(w, b4)
+        wv = builder.sext(wv, w4) if signed else builder.zext(wv, w4)
+        xv = builder.sext(builder.bitcast(splat(builder, x, n), b4), w4)
+        s = builder.add(s, builder.mul(wv, xv))
+    total = None
+    for k in range(4):
+        part = builder.shuffle_vector(s, s, ir.Constant(wide, [4 * i + k for i in range(n)]))
+        total = part if total is None else builder.add(total, part)
+    return total
+
+
+X_MAX = 127           # |x8| at most (prep_q8_x never gives -128)
+F16C = frozenset({"f16c", "avx"})   # x86's one-instruction f16 <-> f32 (F16C needs AVX's encoding)
+
+
+@dataclass(frozen=True)
+class Isa:
+    """One instruction set: what the kernels ask of it (module docstring)."""
+    name: str                      # for reports (ISA_NAMES, amx.kernels_name, --version)
+    needs: frozenset[str]          # target features it needs, all of them
+    pair_dot: Callable             # (builder, n, pairs, signed, sum_w) -> <n x i32>, n <= lanes
+    lanes: int | None              # int32 lanes per vector register; None: LLVM splits any n
+    rows: tuple[int, int]          # rows of weights per vector: decode (1 token), prefill (TOKENS)
+    half: frozenset[str] | None    # features that make f16 -> f32 one instruction; None: never
+    weight_sums: Callable | None = None   # (builder, n, ws): a signed dot's sum_w, once per block
+    int16_pairs: bool = False      # unsigned pair sums are added in int16 before widening
+    tiles: frozenset[str] = frozenset()   # features of AMX tiles on top (amx.py); empty: none
+
+    def dot(self, builder, n, pairs, signed, sum_w=None):
+        """<n x i32>: per 32-bit lane, the sum over pairs of the 4 byte products (the
+        lowering's conventions above); n twice the lanes goes as two halves."""
+        if self.lanes is not None and n == 2 * self.lanes:
+            i32 = ir.IntType(32)
+            half = lambda v, h: builder.shuffle_vector(
+                v, v, ir.Constant(ir.VectorType(i32, self.lanes), list(range(h, h + self.lanes))))
+            parts = [self.dot(builder, self.lanes, [(half(w, h), x) for w, x in pairs], signed,
+                              None if sum_w is None else half(sum_w, h))
+                     for h in (0, self.lanes)]
+            return builder.shuffle_vector(parts[0], parts[1],
+                                          ir.Constant(ir.VectorType(i32, n), list(range(n))))
+        return self.pair_dot(builder, n, pairs, signed, sum_w)
+
+    def pairs_per_dot(self, wmax: int) -> int | None:
+        """Unsigned pairs of weights up to wmax one dot may sum exactly: vpmaddubsw's
+        int16 pair sums (2 wmax X_MAX each) added in int16 stay below 2^15; None: any."""
+        return (2 ** 15 - 1) // (2 * wmax * X_MAX) if self.int16_pairs else None
+
+    def half_native(self, features) -> bool:
+        """Whether f16 -> f32 is one instruction (fp.half_to_float_ir's fpext): else the
+        integer steps, as fpext would become a library call Numba cannot link."""
+        return self.half is not None and self.half <= set(features)
+
+    def has_tiles(self, features) -> bool:
+        """Whether the AMX tile products (amx.py) can be compiled on top of this row."""
+        return bool(self.tiles) and self.tiles <= set(features)
+
+
+# f16 conversion without AVX2: F16C on x86, always on AArch64, else the integer steps
+_GENERIC_HALF = {"x86_64": F16C, "i386": F16C, "i686": F16C,
+                 "aarch64": frozenset(), "arm64": frozenset()}.get(ARCH)
+
+# Plainest first: target_isa takes the last row whose needs the target has, so a new
+# row goes after those it beats (and the existing rows keep their indices).
+ISAS = (
+    Isa("generic", frozenset(), _dot_generic, lanes=None, rows=(8, 8), half=_GENERIC_HALF),
+    # AVX2 decode too takes a strip's 16 rows at once, as two halves of 8, to read each
+    # line of a record once and load x once (1B Q4_0 matvec, one thread: 1.25x the bytes/s
+    # of 8 rows); prefill's 4 tokens of 16 rows would not fit AVX2's 16 registers (0.75x)
+    Isa("AVX2 (vpmaddubsw)", frozenset({"avx2"}), _dot_avx2, lanes=8, rows=(16, 8), half=F16C,
+        int16_pairs=True),
+    Isa("AVX-512 VNNI (vpdpbusd)", frozenset({"avx512vnni", "avx512bw"}), _dot_vnni, lanes=16,
+        rows=(16, 16), half=F16C, weight_sums=_vnni_sum_w,
+        tiles=frozenset({"amx-tile", "amx-int8"})),
+)
+GENERIC, AVX2, VNNI512 = 0, 1, 2           # indices into ISAS: the intrinsics' isa constant
+ISA_NAMES = {i: row.name for i, row in enumerate(ISAS)}
+
+
+def target_isa(features) -> int:
+    """The index in ISAS of the best row a target with these features can run."""
+    return max(i for i, row in enumerate(ISAS) if row.needs <= set(features))

@@ -1,0 +1,97 @@
+"""isa.py's table: every row has what the kernels use, lowers its pair-dot with no more
+than the features it needs, and the choice from a feature set is the one the kernels
+made before the table (VNNI needs BW's bytes too, AVX2 alone, else generic; f16 in one
+instruction with F16C and AVX on x86; AMX tiles on top of the VNNI row)."""
+import llvmlite.binding as llvm
+import pytest
+from llvmlite import ir
+
+from edgellama.kernels import isa
+from edgellama.kernels.isa import AVX2, GENERIC, ISA_NAMES, ISAS, VNNI512, target_isa
+from edgellama.kernels.simd import RECORD_ROWS, TOKENS
+from edgellama.kernels.target import FEATURES, HALF_NATIVE, ISA, TARGET
+
+ROWS = [pytest.param(row, id=row.name) for row in ISAS]
+
+
+@pytest.mark.parametrize("row", ROWS)
+def test_every_row_has_what_the_kernels_use(row):
+    assert row.name and ISA_NAMES[ISAS.index(row)] == row.name
+    assert isinstance(row.needs, frozenset) and isinstance(row.tiles, frozenset)
+    assert row.half is None or isinstance(row.half, frozenset)
+    assert callable(row.pair_dot) and (row.weight_sums is None or callable(row.weight_sums))
+    # the tile intrinsics take rows[0] rows a vector for one token, rows[1] for TOKENS,
+    # whole vectors of a strip; dot takes its lanes or twice them (attention: 16)
+    assert len(row.rows) == 2 and TOKENS > 1
+    for n in (*row.rows, 16):
+        assert RECORD_ROWS % n == 0
+        assert row.lanes is None or n in (row.lanes, 2 * row.lanes)
+    # the unsigned callers' bounds: 8 nibble, 4 five-bit, 2 six-bit pairs a dot (or all)
+    bounds = [row.pairs_per_dot(w) for w in (15, 31, 63)]
+    assert bounds == ([8, 4, 2] if row.int16_pairs else [None] * 3)
+
+
+def _lowered(row, n, signed):
+    """The machine code of row.dot over two pairs for a target with just row.needs."""
+    i32 = ir.IntType(32)
+    wide = ir.VectorType(i32, n)
+    m = ir.Module()
+    fn = ir.Function(m, ir.FunctionType(wide, [wide, wide, i32, i32]), "f")
+    b = ir.IRBuilder(fn.append_basic_block())
+    w0, w1, x0, x1 = fn.args
+    sum_w = row.weight_sums(b, n, [w0, w1]) if signed and row.weight_sums else None
+    b.ret(row.dot(b, n, [(w0, x0), (w1, x1)], signed, sum_w))
+    mod = llvm.parse_assembly(str(m))
+    mod.verify()
+    tm = llvm.Target.from_default_triple().create_target_machine(
+        cpu="generic", features=",".join("+" + f for f in sorted(row.needs)))
+    return tm.emit_assembly(mod)
+
+
+@pytest.mark.parametrize("row", ROWS)
+def test_every_row_lowers_with_only_the_features_it_needs(row):
+    # LLVM aborts the process on an intrinsic its target lacks: a row whose dot used more
+    # than its needs would kill every run on a CPU with just those. Rows of another
+    # architecture than this LLVM's host are checked where they run.
+    if not row.needs <= set(llvm.get_host_cpu_features()):
+        pytest.skip(f"{row.name}: features of another architecture")
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    for n in sorted({*row.rows, 16}):
+        for signed in (False, True):
+            asm = _lowered(row, n, signed)
+            if "(" in row.name:     # the instruction its reports name, e.g. vpdpbusd
+                assert row.name.split("(")[1].rstrip(")") in asm
+
+
+@pytest.mark.parametrize("features,want", [
+    (set(), GENERIC),
+    ({"sse4.2", "avx", "fma", "f16c"}, GENERIC),
+    ({"avx", "avx2", "fma"}, AVX2),
+    ({"avx2", "avx512f", "avx512bw"}, AVX2),                  # Skylake-X: no VNNI
+    ({"avx2", "avx512f", "avx512vnni"}, AVX2),                # VNNI without BW's bytes
+    ({"avx2", "avx512f", "avx512bw", "avx512vnni"}, VNNI512),
+    ({"avx512bw", "avx512vnni", "amx-tile", "amx-int8"}, VNNI512),
+])
+def test_the_choice_from_features_is_as_before_the_table(features, want):
+    assert target_isa(features) == want
+
+
+@pytest.mark.parametrize("features", [set(), {"avx"}, {"f16c"}, {"avx", "f16c"},
+                                      {"avx2", "f16c", "avx"}, {"avx2", "avx"},
+                                      {"avx512vnni", "avx512bw", "avx", "f16c"},
+                                      {"avx512vnni", "avx512bw", "avx2"}])
+def test_half_conversion_and_tiles_as_before_the_table(features):
+    row = ISAS[target_isa(features)]
+    if isa.ARCH in ("x86_64", "i386", "i686"):
+        assert row.half_native(features) == ({"f16c", "avx"} <= features)
+    elif isa.ARCH in ("aarch64", "arm64"):
+        assert row.half_native(features)
+    amx = {"amx-tile", "amx-int8"}
+    assert not row.has_tiles(features)
+    assert row.has_tiles(features | amx) == (target_isa(features | amx) == VNNI512)
+
+
+def test_this_target_is_the_tables_choice():
+    assert TARGET is ISAS[ISA] and ISA == target_isa(FEATURES)
+    assert HALF_NATIVE == TARGET.half_native(FEATURES)
