@@ -29,7 +29,7 @@ from numba import njit, prange
 
 from ..kernels.fp import get_f16, nearest_int, put_f16
 from ..kernels.simd import (ISA, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH, Q5K_RECORD,
-                    RECORD_ROWS, TOKENS, q4k_gemm)
+                    RECORD_ROWS, TOKENS, K_GROUP, Q8X, q4k_gemm, tile)
 from .base import WeightFormat, block_sizes
 from .records import RecordLinear, prep_q8_x
 
@@ -328,11 +328,12 @@ def matvec_k(q, x8, xd, xsum, out, acc, bits):
     # W (nt*R, n) Q4_K (bits 4) or Q5_K (bits 5) tiles @ x (prep_q8_x) -> out (d,);
     # acc (nt, R) f32 per-tile sums
     R = acc.shape[1]
+    x = Q8X(x8, xd, None, xsum)
     for t in prange(q.shape[0]):
         if bits == 4:
-            q4k_gemm(q[t], x8, xd, xsum, acc[t], xd.size, 0, 1, 4, ISA)
+            q4k_gemm(q[t], x, acc[t], tile(xd.size, K_GROUP, 0, 1, 4), ISA)
         else:
-            q4k_gemm(q[t], x8, xd, xsum, acc[t], xd.size, 0, 1, 5, ISA)
+            q4k_gemm(q[t], x, acc[t], tile(xd.size, K_GROUP, 0, 1, 5), ISA)
         n = min(R, out.size - t * R)
         out[t * R:t * R + n] = acc[t, :n]
 
@@ -344,16 +345,16 @@ def matmul_k(q, x8, xd, xsum, out, acc, bits):
     T = out.shape[0]
     R = acc.shape[2]
     nsub = xd.shape[1]
-    xdf, xsumf = xd.reshape(-1), xsum.reshape(-1)
+    x = Q8X(x8, xd.reshape(-1), None, xsum.reshape(-1))
     for t in prange(q.shape[0]):
         a = acc[t]
         c0 = t * R
         nc = min(R, out.shape[1] - c0)
         for t0 in range(0, T, TOKENS):
             if bits == 4:
-                q4k_gemm(q[t], x8, xdf, xsumf, a.reshape(-1), nsub, t0, TOKENS, 4, ISA)
+                q4k_gemm(q[t], x, a.reshape(-1), tile(nsub, K_GROUP, t0, TOKENS, 4), ISA)
             else:
-                q4k_gemm(q[t], x8, xdf, xsumf, a.reshape(-1), nsub, t0, TOKENS, 5, ISA)
+                q4k_gemm(q[t], x, a.reshape(-1), tile(nsub, K_GROUP, t0, TOKENS, 5), ISA)
             for k in range(min(TOKENS, T - t0)):
                 out[t0 + k, c0:c0 + nc] = a[k, :nc]
 

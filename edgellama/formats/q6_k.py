@@ -28,7 +28,8 @@ from gguf.constants import LlamaFileType
 from numba import njit, prange
 
 from ..kernels.fp import get_f16, nearest_int, put_f16
-from ..kernels.simd import ISA, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS, TOKENS, q6_gemm
+from ..kernels.simd import (ISA, K_GROUP, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, Q8X, RECORD_ROWS, TOKENS,
+                            q6_gemm, tile)
 from .base import WeightFormat, block_sizes
 from .records import RecordLinear, prep_q8_x
 
@@ -237,8 +238,9 @@ def matvec_q6_k(q, x8, xd, xs16, out, acc):
     # W (nt*R, n) Q6_K tiles @ x (records.prep_q8_x, xs16 its sums per 16) -> out (d,);
     # acc (nt, R) f32 per-tile sums
     R = acc.shape[1]
+    x = Q8X(x8, xd, xs16, None)
     for t in prange(q.shape[0]):
-        q6_gemm(q[t], x8, xd, xs16, acc[t], xd.size, 0, 1, ISA)
+        q6_gemm(q[t], x, acc[t], tile(xd.size, K_GROUP, 0, 1, 6), ISA)
         n = min(R, out.size - t * R)
         out[t * R:t * R + n] = acc[t, :n]
 
@@ -250,13 +252,13 @@ def matmul_q6_k(q, x8, xd, xs16, out, acc):
     T = out.shape[0]
     R = acc.shape[2]
     nsub = xd.shape[1]
-    xdf = xd.reshape(-1)
+    x = Q8X(x8, xd.reshape(-1), xs16, None)
     for t in prange(q.shape[0]):
         a = acc[t]
         c0 = t * R
         nc = min(R, out.shape[1] - c0)
         for t0 in range(0, T, TOKENS):
-            q6_gemm(q[t], x8, xdf, xs16, a.reshape(-1), nsub, t0, TOKENS, ISA)
+            q6_gemm(q[t], x, a.reshape(-1), tile(nsub, K_GROUP, t0, TOKENS, 6), ISA)
             for k in range(min(TOKENS, T - t0)):
                 out[t0 + k, c0:c0 + nc] = a[k, :nc]
 

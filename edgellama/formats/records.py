@@ -24,7 +24,7 @@ from ..kernels import amx
 from ..kernels.amx import AMX_TOKENS, GROUPS, amx_blocks_gemm
 from ..kernels.fp import get_f16
 from ..kernels.simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, RECORD_ROWS,
-                    TOKENS, blocks_gemm)
+                    TOKENS, Q8X, blocks_gemm, tile)
 from ..scratch import Scratch
 from .base import TiledLinear, release_pages
 
@@ -95,7 +95,7 @@ def matmul_blocks(q, x8, xd, xs8, xsum, out, acc, G, kind):
     T = out.shape[0]
     R = acc.shape[2]
     nb = xd.shape[1]
-    xdf, xs8f, xsumf = xd.reshape(-1), xs8.reshape(-1), xsum.reshape(-1)
+    x = Q8X(x8, xd.reshape(-1), xs8.reshape(-1), xsum.reshape(-1))
     for t in prange(q.shape[0]):
         a = acc[t]
         af = a.reshape(-1)
@@ -103,11 +103,11 @@ def matmul_blocks(q, x8, xd, xs8, xsum, out, acc, G, kind):
         nc = min(R, out.shape[1] - c0)
         for t0 in range(0, T, TOKENS):
             if kind == KIND_Q4_0:
-                blocks_gemm(q[t], x8, xdf, xs8f, xsumf, af, nb, G, t0, TOKENS, KIND_Q4_0, ISA)
+                blocks_gemm(q[t], x, af, tile(nb, G, t0, TOKENS, KIND_Q4_0), ISA)
             elif kind == KIND_Q4_1:
-                blocks_gemm(q[t], x8, xdf, xs8f, xsumf, af, nb, G, t0, TOKENS, KIND_Q4_1, ISA)
+                blocks_gemm(q[t], x, af, tile(nb, G, t0, TOKENS, KIND_Q4_1), ISA)
             else:
-                blocks_gemm(q[t], x8, xdf, xs8f, xsumf, af, nb, G, t0, TOKENS, KIND_Q8_0, ISA)
+                blocks_gemm(q[t], x, af, tile(nb, G, t0, TOKENS, KIND_Q8_0), ISA)
             for k in range(min(TOKENS, T - t0)):
                 out[t0 + k, c0:c0 + nc] = a[k, :nc]
 
@@ -120,19 +120,20 @@ def matmul_blocks_amx(q, xa, xda, xsuma, nb, out, acc, G, kind):
     T = out.shape[0]
     R = acc.shape[2]
     span = GROUPS * AMX_TOKENS
+    x = Q8X(xa, xda, None, xsuma)
     for t in prange(q.shape[0]):
         a = acc[t]
         af = a.reshape(-1)
         c0 = t * R
         nc = min(R, out.shape[1] - c0)
         for t0 in range(0, T, span):
-            ng = min(GROUPS, (T - t0 + AMX_TOKENS - 1) // AMX_TOKENS)
+            rows = min(GROUPS, (T - t0 + AMX_TOKENS - 1) // AMX_TOKENS) * AMX_TOKENS
             if kind == KIND_Q4_0:
-                amx_blocks_gemm(q[t], xa, xda, xsuma, af, nb, G, t0, ng, KIND_Q4_0)
+                amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q4_0))
             elif kind == KIND_Q4_1:
-                amx_blocks_gemm(q[t], xa, xda, xsuma, af, nb, G, t0, ng, KIND_Q4_1)
+                amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q4_1))
             else:
-                amx_blocks_gemm(q[t], xa, xda, xsuma, af, nb, G, t0, ng, KIND_Q8_0)
+                amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q8_0))
             for k in range(min(span, T - t0)):
                 out[t0 + k, c0:c0 + nc] = a[k, :nc]
 
@@ -283,13 +284,14 @@ def matvec_blocks(q, x8, xd, xs8, xsum, out, acc, G, kind):
     # W (nt*R, n) records of a per-32-block format @ x (prep_q8_x) -> out (d,);
     # acc (nt, R) f32 per-tile sums
     R = acc.shape[1]
+    x = Q8X(x8, xd, xs8, xsum)
     for t in prange(q.shape[0]):
         if kind == KIND_Q4_0:
-            blocks_gemm(q[t], x8, xd, xs8, xsum, acc[t], xd.size, G, 0, 1, KIND_Q4_0, ISA)
+            blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q4_0), ISA)
         elif kind == KIND_Q4_1:
-            blocks_gemm(q[t], x8, xd, xs8, xsum, acc[t], xd.size, G, 0, 1, KIND_Q4_1, ISA)
+            blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q4_1), ISA)
         else:
-            blocks_gemm(q[t], x8, xd, xs8, xsum, acc[t], xd.size, G, 0, 1, KIND_Q8_0, ISA)
+            blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q8_0), ISA)
         n = min(R, out.size - t * R)
         out[t * R:t * R + n] = acc[t, :n]
 

@@ -35,7 +35,7 @@ from numba.extending import intrinsic
 
 from .fp import half_to_float_ir
 from .simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, RECORD_ROWS,
-                   call_llvm, ir_ptr, prefetch_ir, splat)
+                   Operands, call_llvm, splat, tile_constants)
 from .target import _ARCH, FEATURES, TARGET
 
 # Numba's target has the tile instructions on top of the chosen instruction set (isa.py's
@@ -116,20 +116,19 @@ def tile_config() -> list[int]:
 
 
 @intrinsic(prefer_literal=True)
-def amx_blocks_gemm(typingctx, q, xa, xd, xsum, acc, nb, group, t0, ng, kind):
-    """One tile of a per-32-block format's records (q: R rows of nb blocks, `group`
-    blocks a record, simd.py's layout) times ng * AMX_TOKENS rows t0.. of x (ng <=
-    GROUPS, t0 a multiple of AMX_TOKENS): acc[k R + r] (f32, R = acc.size // (GROUPS *
-    AMX_TOKENS)) = row r . x_{t0+k}, every bit as simd.blocks_gemm gives it. xa: x8 as
-    A tiles, flat (Tp/16, nb, 16, 32) int8 (group, block, token, byte); xd, xsum flat
-    (Tp*nb,) f32; kind a constant. Per strip of 16 rows and record: a Q4 record's
+def amx_blocks_gemm(typingctx, q, x, acc, shape):
+    """One tile of a per-32-block format's records (q: R rows of shape.nb blocks,
+    shape.group blocks a record, simd.py's layout) times shape.tokens rows t0.. of x (a
+    multiple of AMX_TOKENS, at most GROUPS of them; t0 a multiple of AMX_TOKENS):
+    acc[k R + r] (f32, R = acc.size // (GROUPS * AMX_TOKENS)) = row r . x_{t0+k}, every
+    bit as simd.blocks_gemm gives it. x: simd.Q8X of x8 as A tiles, flat (Tp/16, nb, 16,
+    32) int8 (group, block, token, byte), xd, xsum flat (Tp*nb,) f32; shape.kind a
+    constant. Per strip of 16 rows and record: a Q4 record's
     blocks unpacked to B bytes once; per token group, each block's 16 x 16 int32
     products by one tile multiply (two blocks in flight), stored to a buffer of the
     record's blocks; then the float sums, block by block (blocks_gemm's order), the
     16 tokens' sums in registers."""
-    if not isinstance(kind, types.IntegerLiteral):
-        return None
-    KIND = kind.literal_value
+    _, KIND, _ = tile_constants("amx_blocks_gemm", shape, constant_tokens=False)
 
     def codegen(context, builder, sig, args):
         if not COMPILED:        # never called (enabled() is False): nothing to emit
@@ -137,10 +136,12 @@ def amx_blocks_gemm(typingctx, q, xa, xd, xsum, acc, nb, group, t0, ng, kind):
         i8, i16, i32, i64, f32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
                                   ir.FloatType())
         void, i8p = ir.VoidType(), ir.IntType(8).as_pointer()
-        nba, ga, t0a, nga = args[5], args[6], args[7], args[8]
+        ops = Operands(context, builder, sig, args)
+        nba, ga, t0a = ops.nb, ops.group, ops.t0
         k64 = lambda v: ir.Constant(i64, v)
+        nga = builder.udiv(ops.tokens, k64(AMX_TOKENS))        # token groups
         tile = lambda v: ir.Constant(i8, v)
-        ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
+        ptr = ops.ptr
         vf, vi = ir.VectorType(f32, 16), ir.VectorType(i32, 16)
         v64 = ir.VectorType(i8, 64)
         fma = lambda a, b, c: call_llvm(builder, "llvm.fma.v16f32", vf, [a, b, c])
@@ -160,7 +161,7 @@ def amx_blocks_gemm(typingctx, q, xa, xd, xsum, acc, nb, group, t0, ng, kind):
         wbase = builder.bitcast(wbuf, v64.as_pointer())
         sums = [cgutils.alloca_once(builder, vf) for _ in range(AMX_TOKENS)]
 
-        acc_n = context.make_array(sig.args[4])(context, builder, args[4]).nitems
+        acc_n = ops.nitems("acc")
         R = builder.udiv(acc_n, k64(GROUPS * AMX_TOKENS))
         nsb = builder.udiv(nba, ga)                           # records per strip
         record = builder.mul(ga, k64(BLOCK_BYTES[KIND]))
@@ -171,14 +172,15 @@ def amx_blocks_gemm(typingctx, q, xa, xd, xsum, acc, nb, group, t0, ng, kind):
             """Block k of the record times token group tg, into tile set tset's C."""
             ta, tb, tc = tset
             if KIND == KIND_Q8_0:
-                bptr = ptr(0, builder.add(builder.add(rec, head), builder.mul(k, k64(BLOCK_QUADS[KIND]))), i8)
+                bptr = ptr("q", builder.add(builder.add(rec, head), builder.mul(k, k64(BLOCK_QUADS[KIND]))),
+                           i8)
             else:
                 bptr = builder.bitcast(builder.gep(wbase, [builder.mul(k, k64(8))]), i8p)
             b = builder.add(builder.mul(sb, ga), k)
             xo = builder.mul(builder.add(builder.mul(builder.add(builder.udiv(t0a, k64(AMX_TOKENS)), tg),
                                                      nba), b), k64(32 * AMX_TOKENS))
             amx("tileloadd64", tile(tb), bptr, k64(64))
-            amx("tileloadd64", tile(ta), ptr(1, xo, i8), k64(32))
+            amx("tileloadd64", tile(ta), ptr("x8", xo, i8), k64(32))
             amx("tilezero", tile(tc))
             amx(tdp, tile(tc), tile(ta), tile(tb))
 
@@ -219,23 +221,24 @@ def amx_blocks_gemm(typingctx, q, xa, xd, xsum, acc, nb, group, t0, ng, kind):
                 k = k_loop.index
                 b = builder.add(builder.mul(sb, ga), k)
                 halves = builder.add(rec, builder.mul(k, k64(32)))
-                dv = half_to_float_ir(builder, builder.load(ptr(0, halves, ir.VectorType(i16, 16)), align=2))
+                dv = half_to_float_ir(builder, builder.load(ptr("q", halves, ir.VectorType(i16, 16)),
+                                                            align=2))
                 if KIND == KIND_Q4_1:
                     mv = half_to_float_ir(builder, builder.load(
-                        ptr(0, builder.add(halves, builder.mul(ga, k64(32))), ir.VectorType(i16, 16)),
+                        ptr("q", builder.add(halves, builder.mul(ga, k64(32))), ir.VectorType(i16, 16)),
                         align=2))
                 crow = builder.add(hb, builder.mul(k, k64(AMX_TOKENS)))
                 for t, s_ in enumerate(sums):
                     c = builder.load(builder.gep(cbase, [builder.add(crow, k64(t))]), align=64)
                     si = builder.add(builder.mul(builder.add(builder.mul(gi, nba), b), k64(AMX_TOKENS)), k64(t))
-                    dx = splat(builder, builder.load(ptr(2, si, f32)), 16)
+                    dx = splat(builder, builder.load(ptr("xd", si, f32)), 16)
                     total = fma(builder.sitofp(c, vf), builder.fmul(dv, dx), builder.load(s_))
                     if KIND == KIND_Q4_1:
-                        total = fma(mv, splat(builder, builder.load(ptr(3, si, f32)), 16), total)
+                        total = fma(mv, splat(builder, builder.load(ptr("xsum", si, f32)), 16), total)
                     builder.store(total, s_)
             arow = builder.mul(tg, k64(AMX_TOKENS))
             for t, s_ in enumerate(sums):
-                p = ptr(4, builder.add(builder.mul(R, builder.add(arow, k64(t))), r0), vf)
+                p = ptr("acc", builder.add(builder.mul(R, builder.add(arow, k64(t))), r0), vf)
                 builder.store(builder.fadd(builder.load(p, align=4), builder.load(s_)), p, align=4)
 
         with cgutils.for_range(builder, builder.udiv(R, k64(RECORD_ROWS))) as strip_loop:
@@ -243,7 +246,7 @@ def amx_blocks_gemm(typingctx, q, xa, xd, xsum, acc, nb, group, t0, ng, kind):
             r0 = builder.mul(strip, k64(RECORD_ROWS))
             with cgutils.for_range(builder, builder.mul(nga, k64(AMX_TOKENS))) as t_loop:
                 builder.store(ir.Constant(vf, None),
-                              ptr(4, builder.add(builder.mul(R, t_loop.index), r0), vf), align=4)
+                              ptr("acc", builder.add(builder.mul(R, t_loop.index), r0), vf), align=4)
             with cgutils.for_range(builder, nsb) as sb_loop:
                 sb = sb_loop.index
                 rec = builder.mul(builder.add(builder.mul(strip, nsb), sb), record)
@@ -251,14 +254,14 @@ def amx_blocks_gemm(typingctx, q, xa, xd, xsum, acc, nb, group, t0, ng, kind):
                     k = k_loop.index
                     ahead = builder.add(builder.add(rec, record), builder.mul(k, k64(BLOCK_BYTES[KIND])))
                     for line in range(0, BLOCK_BYTES[KIND], 64):   # the next record, a block's share
-                        prefetch_ir(context, builder, sig.args[0], args[0], builder.add(ahead, k64(line)))
+                        ops.prefetch(builder.add(ahead, k64(line)))
                     if KIND != KIND_Q8_0:
                         # nibble quads -> B rows 0..3 (elements 0..15), 4..7 (16..31)
                         quads = builder.add(builder.add(rec, head), builder.mul(k, k64(BLOCK_QUADS[KIND])))
                         lo_mask = ir.Constant(v64, [0x0F] * 64)
                         wk = builder.mul(k, k64(8))
                         for g in range(4):
-                            w = builder.load(ptr(0, builder.add(quads, k64(64 * g)), v64), align=1)
+                            w = builder.load(ptr("q", builder.add(quads, k64(64 * g)), v64), align=1)
                             lo, hi = builder.and_(w, lo_mask), builder.lshr(w, ir.Constant(v64, [4] * 64))
                             if KIND == KIND_Q4_0:   # q - 8 as s8: C is S - 8 xs8 itself
                                 eight = ir.Constant(v64, [8] * 64)
@@ -277,4 +280,4 @@ def amx_blocks_gemm(typingctx, q, xa, xd, xsum, acc, nb, group, t0, ng, kind):
         amx("tilerelease")
         return context.get_dummy_value()
 
-    return types.void(q, xa, xd, xsum, acc, nb, group, t0, ng, kind), codegen
+    return types.void(q, x, acc, shape), codegen

@@ -6,7 +6,10 @@ loops, so the tile intrinsics emit LLVM IR for the whole product of one tile of 
 with 1 row of x (decode) or 4 (prefill), scales applied, the float sums in registers:
 `blocks_gemm` for the per-32-block formats (Q4_0, Q4_1, Q8_0), `q4k_gemm` for Q4_K and
 Q5_K, `q6_gemm` for Q6_K (5- and 6-bit values rebuilt in registers from nibbles and
-1-bit or 2-bit fields). The instructions:
+1-bit or 2-bit fields). Each takes the weights q, the activations as one Q8X (x8, xd,
+xs, xsum), the output acc, the call's shape as one Tile made by tile(nb, group, t0,
+tokens, kind) (tokens and kind compile-time constants), and the instruction set: an
+index of isa.ISAS, ISA for this target. The instructions:
 
     VNNI (AVX-512)  vpdpbusd: 64 u8 x i8 products summed into 16 int32 lanes, 1 instruction
     AVX2            vpmaddubsw (u8 x i8 pairs -> int16) then vpmaddwd (-> int32)
@@ -31,9 +34,12 @@ side, so one 32-bit lane of a vector holds 4 bytes of one row,
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
+from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 from .fp import half_to_float_ir
@@ -71,22 +77,111 @@ def _dot_bounded(builder, row, n, pairs, wmax):
 TOKENS = 4       # rows of x per call of the _gemm intrinsics (prefill)
 
 
-class _GemmFrame:
-    """What the _gemm intrinsics share: the instruction set's row and rows per vector (n), their
-    int and float vector types, the tile height R (acc holds `tokens` rows of R), the
-    elements per row of x (32 per block), a pointer maker, and loads of n f16 scales."""
+class Q8X(NamedTuple):
+    """The activation side of a weight product: x quantized to int8 per block of 32
+    (records.prep_q8_x / prep_q8_rows, the K-quants' sums from it), flat over the Tp rows
+    of x. x8 (Tp*32nb,) int8 (amx: in A-tile order, records.amx_a_tiles); xd (Tp*nb,)
+    f32 the block scales; xs int32 sums of x8, per block (xs8: Q4_0) or per 16 (xs16:
+    Q6_K); xsum (Tp*nb,) f32 the sum of x as quantized, xd xs8 (Q4_1, Q4_K, Q5_K's
+    mins). A field an intrinsic does not read may be None."""
+    x8: object
+    xd: object
+    xs: object
+    xsum: object
 
-    def __init__(self, context, builder, sig, args, isa, acc_i, nb_i, tokens=TOKENS):
-        self.builder = builder
-        self.k64 = lambda v: ir.Constant(args[nb_i].type, v)
-        self.ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
+
+class Tile(NamedTuple):
+    """The shape of one call of a weight-product intrinsic, made by tile() in kernels:
+    nb blocks of 32 per row (of x and the weights), `group` blocks per record
+    (BlocksLinear's G; K_GROUP for the K-quants), first row t0 of x, `tokens` rows of x
+    (a constant, but for amx_blocks_gemm: a multiple of its AMX_TOKENS), `kind` the
+    format (KIND_* for blocks_gemm and amx; 4 or 5 bits for q4k_gemm; 6 for q6_gemm), a
+    constant. The constants stay compile-time in its type: the codegen unrolls over
+    tokens and picks the format's code by kind."""
+    nb: int
+    group: int
+    t0: int
+    tokens: int
+    kind: int
+
+
+K_GROUP = 8      # blocks of 32 per K-quant record: one super-block of 256
+
+
+@intrinsic(prefer_literal=True)
+def tile(typingctx, nb, group, t0, tokens, kind):
+    # Tile(nb, group, t0, tokens, kind), a literal kind (and tokens, where literal) kept
+    # in the tuple's type; Tile(...) itself would forget them
+    if not isinstance(kind, types.IntegerLiteral):
+        raise TypingError("tile(): kind must be a compile-time constant")
+    fields = (types.intp, types.intp, types.intp,
+              tokens if isinstance(tokens, types.IntegerLiteral) else types.intp, kind)
+    ret = types.NamedTuple(fields, Tile)
+
+    def codegen(context, builder, sig, args):
+        vals = [context.cast(builder, v, ty, to) for v, ty, to in zip(args, sig.args, fields)]
+        return context.make_tuple(builder, ret, vals)
+    return ret(nb, group, t0, tokens, kind), codegen
+
+
+def tile_constants(name, tile_ty, isa=None, constant_tokens=True):
+    """(tokens, kind, isa) of an intrinsic's Tile type and isa argument, as Python ints
+    (tokens None unless constant_tokens, isa None if not given); a TypingError saying
+    what is wrong if the shape is not tile()'s or a needed constant is not one."""
+    lit = lambda t: isinstance(t, types.IntegerLiteral)
+    if not (isinstance(tile_ty, types.BaseNamedTuple) and tile_ty.instance_class is Tile
+            and lit(tile_ty.types[4]) and (lit(tile_ty.types[3]) or not constant_tokens)):
+        what = "tokens and kind" if constant_tokens else "kind"
+        raise TypingError(f"{name}: the shape must come from simd.tile(...) with constant {what}")
+    if isa is not None and not lit(isa):
+        raise TypingError(f"{name}: isa must be a compile-time constant (an index of isa.ISAS)")
+    return (tile_ty.types[3].literal_value if constant_tokens else None,
+            tile_ty.types[4].literal_value, None if isa is None else isa.literal_value)
+
+
+class Operands:
+    """The arguments (q, x: Q8X, acc, shape: Tile[, isa]) of a weight-product intrinsic
+    inside its codegen: ptr(name, off, ty) to element off of array q, x8, xd, xs, xsum
+    or acc as a ty*; nb, group, t0 (and tokens where it is not a constant) as IR
+    integers."""
+
+    def __init__(self, context, builder, sig, args):
+        self.context, self.builder = context, builder
+        q_ty, x_ty, acc_ty, tile_ty = sig.args[:4]
+        self.arrays = {"q": (q_ty, args[0]), "acc": (acc_ty, args[2])}
+        for i, name in enumerate(Q8X._fields):
+            self.arrays[name] = (x_ty.types[i], builder.extract_value(args[1], i))
+        self.nb, self.group, self.t0, self.tokens = (builder.extract_value(args[3], i)
+                                                     for i in range(4))
+        self.k64 = lambda v: ir.Constant(self.nb.type, v)
+
+    def ptr(self, name, off, ty):
+        aty, arr = self.arrays[name]
+        return ir_ptr(self.context, self.builder, aty, arr, off, ty)
+
+    def nitems(self, name):
+        aty, arr = self.arrays[name]
+        return self.context.make_array(aty)(self.context, self.builder, arr).nitems
+
+    def prefetch(self, off):
+        """prefetch_ir of the line holding q[off]."""
+        aty, arr = self.arrays["q"]
+        prefetch_ir(self.context, self.builder, aty, arr, off)
+
+
+class _GemmFrame(Operands):
+    """What the _gemm intrinsics share: their operands, the instruction set's row and rows
+    per vector (n), their int and float vector types, the tile height R (acc holds
+    `tokens` rows of R), the elements per row of x (32 per block), and loads of n f16
+    scales."""
+
+    def __init__(self, context, builder, sig, args, isa, tokens):
+        super().__init__(context, builder, sig, args)
         self.isa = row = ISAS[isa]
-        self.n = n = row.rows[0 if tokens == 1 else 1]         # rows per vector
+        self.n = n = row.rows[0 if tokens == 1 else 1]
         self.wide, self.vf = ir.VectorType(ir.IntType(32), n), ir.VectorType(ir.FloatType(), n)
-        acc_n = context.make_array(sig.args[acc_i])(context, builder, args[acc_i]).nitems
-        self.R = builder.udiv(acc_n, self.k64(tokens))
-        self.acc_i = acc_i
-        self.ncol = builder.mul(args[nb_i], self.k64(32))   # elements per row of x
+        self.R = builder.udiv(self.nitems("acc"), self.k64(tokens))
+        self.ncol = builder.mul(self.nb, self.k64(32))   # elements per row of x
 
     def at(self, i, stride, const):
         """The offset const + i * stride, i an IR integer."""
@@ -95,10 +190,10 @@ class _GemmFrame:
     def fma(self, a, b, c):
         return call_llvm(self.builder, f"llvm.fma.v{self.n}f32", self.vf, [a, b, c])
 
-    def f16s(self, k, off):
-        """n f16 values of argument k at off -> <n x float>."""
+    def f16s(self, name, off):
+        """n f16 values of array `name` at off -> <n x float>."""
         b = self.builder
-        v = b.load(self.ptr(k, off, ir.VectorType(ir.IntType(16), self.n)), align=2)
+        v = b.load(self.ptr(name, off, ir.VectorType(ir.IntType(16), self.n)), align=2)
         return half_to_float_ir(b, v)
 
 
@@ -118,12 +213,11 @@ Q5K_QH = Q4K_RECORD
 Q5K_RECORD = Q5K_QH + 8 * 64                         # 2880 bytes, 45 cache lines
 
 
-def _over_records(context, builder, sig, args, fr, nsub, group, block_bytes, tokens,
-                  sums_per_token, block, finish):
+def _over_records(builder, fr, block_bytes, tokens, sums_per_token, block, finish):
     """The loops of the record intrinsics (blocks_gemm, q4k_gemm, q6_gemm) over a tile of
-    records of `group` blocks of 32 weights, block_bytes each (group an IR integer,
-    block_bytes a constant): per vector of n rows (lanes lane.. of their strip) and
-    record, with rec its byte offset in q (argument 0): zero `sums_per_token` f32 vectors
+    records of fr.group blocks of 32 weights, block_bytes each (a constant), fr.nb
+    blocks a row: per vector of n rows (lanes lane.. of their strip) and record, with
+    rec its byte offset in q: zero `sums_per_token` f32 vectors
     per token (sums[j][t]); for its blocks k (an IR loop index), prefetch the block's
     share of the next record and call block(g, k, rec, lane, sums) (g the record's
     index in the row, so block g * group + k of it); then finish(rec, lane, sums,
@@ -131,9 +225,9 @@ def _over_records(context, builder, sig, args, fr, nsub, group, block_bytes, tok
     stored to acc[t R + row] at the end. The blocks are a loop, not unrolled, and the
     prefetch of the next record is spread over them: both measured faster ("records
     loop and prefetch", bench/results/design_measurements.json)."""
-    k64, n, vf = fr.k64, fr.n, fr.vf
+    k64, n, vf, group = fr.k64, fr.n, fr.vf, fr.group
     per_strip = RECORD_ROWS // n                        # row vectors per strip
-    nsb = builder.udiv(nsub, group)                     # records per strip
+    nsb = builder.udiv(fr.nb, group)                    # records per strip
     record = builder.mul(group, k64(block_bytes))
     with cgutils.for_range(builder, builder.udiv(fr.R, k64(n))) as vec:
         strip = builder.udiv(vec.index, k64(per_strip))
@@ -152,20 +246,19 @@ def _over_records(context, builder, sig, args, fr, nsub, group, block_bytes, tok
                 k = blk.index
                 ahead = builder.add(builder.add(rec, record), fr.at(k, block_bytes, 0))
                 for line in range(0, block_bytes, 64):
-                    prefetch_ir(context, builder, sig.args[0], args[0],
-                                builder.add(ahead, k64(line)))
+                    fr.prefetch(builder.add(ahead, k64(line)))
                 block(sb, k, rec, lane, sums)
             finish(rec, lane, sums, totals)
         r0 = builder.mul(vec.index, k64(n))
         for t, a in enumerate(totals):
             builder.store(builder.load(a),
-                          fr.ptr(fr.acc_i, builder.add(builder.mul(fr.R, k64(t)), r0), vf), align=4)
+                          fr.ptr("acc", builder.add(builder.mul(fr.R, k64(t)), r0), vf), align=4)
 
 
 def _x_words(builder, fr, tok, u):
-    """The 8 i32 words (4 int8 each) of block u of row tok of x8 (argument 1)."""
+    """The 8 i32 words (4 int8 each) of block u of row tok of x8."""
     xo = builder.add(builder.mul(tok, fr.ncol), builder.mul(u, fr.k64(32)))
-    return [builder.load(fr.ptr(1, builder.add(xo, fr.k64(4 * g)), ir.IntType(32)), align=1)
+    return [builder.load(fr.ptr("x8", builder.add(xo, fr.k64(4 * g)), ir.IntType(32)), align=1)
             for g in range(8)]
 
 
@@ -182,27 +275,26 @@ BLOCK_BYTES = tuple(h + q for h, q in zip(BLOCK_HEAD, BLOCK_QUADS))   # per bloc
 
 
 @intrinsic(prefer_literal=True)
-def blocks_gemm(typingctx, q, x8, xd, xs8, xsum, acc, nb, group, t0, tokens, kind, isa):
-    """One tile of a per-32-block format's records (q: R rows of nb blocks, `group`
-    blocks a record, layout above) times `tokens` rows t0.. of x (x8 flat (Tp*32nb,)
-    int8; xd, xs8, xsum flat (Tp*nb,)): acc[k R + r] (f32, R = acc.size // tokens) =
-    row r . x_{t0+k} = sum over blocks b of, with S the exact int32 sum of q x8:
+def blocks_gemm(typingctx, q, x, acc, shape, isa):
+    """One tile of a per-32-block format's records (q: R rows of shape.nb blocks,
+    shape.group blocks a record, layout above) times shape.tokens rows t0.. of x (Q8X:
+    x8, xd, xs = xs8, xsum): acc[k R + r] (f32, R = acc.size // tokens) = row r . x_{t0+k}
+    = sum over blocks b of, with S the exact int32 sum of q x8:
         KIND_Q4_0  d dx (S - 8 xs8)     KIND_Q4_1  d dx S + m xsum     KIND_Q8_0  d dx S
-    tokens, kind and isa constants. Each block's weights are loaded and unpacked once
-    for the tokens, and the f32 sums of a vector of rows stay in registers over the
-    whole row. Q4_0 from DRAM (16 x 16384 x 2048, this VM): 1.06-1.11x the bytes/s of
-    the tiles the records replaced (per block 16 R bytes of quads, d apart, the pair-dot
-    in passes over the rows), 2 threads, 1.10-1.11x with one."""
-    if not all(isinstance(v, types.IntegerLiteral) for v in (tokens, kind, isa)):
-        return None
-    TOK, KIND, ISA_ = tokens.literal_value, kind.literal_value, isa.literal_value
+    shape.kind, shape.tokens and isa (an index of isa.ISAS) constants. Each block's
+    weights are loaded and unpacked once for the tokens, and the f32 sums of a vector of
+    rows stay in registers over the whole row. Q4_0 from DRAM (16 x 16384 x 2048, this
+    VM): 1.06-1.11x the bytes/s of the tiles the records replaced (per block 16 R bytes
+    of quads, d apart, the pair-dot in passes over the rows), 2 threads, 1.10-1.11x with
+    one."""
+    TOK, KIND, ISA_ = tile_constants("blocks_gemm", shape, isa)
     signed = KIND == KIND_Q8_0
 
     def codegen(context, builder, sig, args):
         i32, f32 = ir.IntType(32), ir.FloatType()
-        nba, ga, t0a = args[6], args[7], args[8]
-        fr = _GemmFrame(context, builder, sig, args, ISA_, acc_i=5, nb_i=6, tokens=TOK)
+        fr = _GemmFrame(context, builder, sig, args, ISA_, TOK)
         k64, ptr, n, wide, vf, fma, at = fr.k64, fr.ptr, fr.n, fr.wide, fr.vf, fr.fma, fr.at
+        nba, ga, t0a, row = fr.nb, fr.group, fr.t0, fr.isa
         mask = ir.Constant(wide, [0x0F0F0F0F] * n)
         four = ir.Constant(wide, [4] * n)
         head = builder.mul(ga, k64(BLOCK_HEAD[KIND]))      # the record's scales
@@ -212,77 +304,75 @@ def blocks_gemm(typingctx, q, x8, xd, xs8, xsum, acc, nb, group, t0, tokens, kin
             quads = builder.add(builder.add(rec, head), builder.mul(lane, k64(4)))
             ws = []
             for j in range(BLOCK_QUADS[KIND] // 64):
-                w = builder.load(ptr(0, builder.add(quads, at(k, BLOCK_QUADS[KIND], 64 * j)), wide),
+                w = builder.load(ptr("q", builder.add(quads, at(k, BLOCK_QUADS[KIND], 64 * j)), wide),
                                  align=1)
                 ws += [w] if signed else [builder.and_(w, mask),
                                           builder.and_(builder.lshr(w, four), mask)]
-            sum_w = fr.isa.weight_sums(builder, n, ws) if signed and fr.isa.weight_sums else None
+            sum_w = row.weight_sums(builder, n, ws) if signed and row.weight_sums else None
             halves = builder.add(rec, builder.mul(lane, k64(2)))
-            dv = fr.f16s(0, builder.add(halves, at(k, 32, 0)))
+            dv = fr.f16s("q", builder.add(halves, at(k, 32, 0)))
             mins = builder.add(halves, builder.mul(ga, k64(32)))     # Q4_1's m after the d
-            mv = fr.f16s(0, builder.add(mins, at(k, 32, 0))) if KIND == KIND_Q4_1 else None
+            mv = fr.f16s("q", builder.add(mins, at(k, 32, 0))) if KIND == KIND_Q4_1 else None
             for t, a in enumerate(sums[0]):
                 tok = builder.add(t0a, k64(t))
                 xw = _x_words(builder, fr, tok, b)
                 if signed:
-                    dot = fr.isa.dot(builder, n, list(zip(ws, xw)), True, sum_w)
+                    dot = row.dot(builder, n, list(zip(ws, xw)), True, sum_w)
                 else:       # low nibbles with x words 0..3, high ones with 4..7
                     pairs = [(ws[2 * j + h], xw[4 * h + j]) for j in range(4) for h in (0, 1)]
-                    dot = _dot_bounded(builder, fr.isa, n, pairs, 15)
+                    dot = _dot_bounded(builder, row, n, pairs, 15)
                 si = builder.add(builder.mul(tok, nba), b)
                 if KIND == KIND_Q4_0:
-                    off = builder.mul(builder.load(ptr(3, si, i32)), ir.Constant(i32, 8))
+                    off = builder.mul(builder.load(ptr("xs", si, i32)), ir.Constant(i32, 8))
                     dot = builder.sub(dot, splat(builder, off, n))
-                dx = splat(builder, builder.load(ptr(2, si, f32)), n)
+                dx = splat(builder, builder.load(ptr("xd", si, f32)), n)
                 total = fma(builder.sitofp(dot, vf), builder.fmul(dv, dx), builder.load(a))
                 if mv is not None:
-                    total = fma(mv, splat(builder, builder.load(ptr(4, si, f32)), n), total)
+                    total = fma(mv, splat(builder, builder.load(ptr("xsum", si, f32)), n), total)
                 builder.store(total, a)
 
         def finish(rec, lane, sums, totals):
             for a, s_ in zip(totals, sums[0]):
                 builder.store(builder.fadd(builder.load(a), builder.load(s_)), a)
 
-        _over_records(context, builder, sig, args, fr, nba, ga, BLOCK_BYTES[KIND], TOK, 1,
-                      block, finish)
+        _over_records(builder, fr, BLOCK_BYTES[KIND], TOK, 1, block, finish)
         return context.get_dummy_value()
 
-    return types.void(q, x8, xd, xs8, xsum, acc, nb, group, t0, tokens, kind, isa), codegen
+    return types.void(q, x, acc, shape, isa), codegen
 
 
 @intrinsic(prefer_literal=True)
-def q4k_gemm(typingctx, q, x8, xd, xsum, acc, nsub, t0, tokens, bits, isa):
-    """One tile of Q4_K records (bits 4) or Q5_K records (bits 5) (q: R rows of nsub
-    sub-blocks of 32, layout above) times `tokens` rows t0.. of x (x8 flat (Tp*32nsub,)
-    int8; xd, xsum flat (Tp*nsub,) f32): acc[k R + r] (f32, R = acc.size // tokens) =
+def q4k_gemm(typingctx, q, x, acc, shape, isa):
+    """One tile of Q4_K records (shape.kind 4 bits) or Q5_K records (5) (q: R rows of
+    shape.nb sub-blocks of 32, layout above; shape.group K_GROUP) times shape.tokens rows
+    t0.. of x (Q8X: x8, xd, xsum): acc[k R + r] (f32, R = acc.size // tokens) =
     row r . x_{t0+k} = sum over super-blocks of
         d sum_u sc_u dx_u S_u - dmin sum_u m_u xsum_u,   S_u the exact int32 sum(q x8).
     tokens (1 for decode, TOKENS for prefill), bits and isa constants. Each sub-block's
     values are unpacked once for the tokens (Q5_K's fifth bits or-ed in as Q6_K's
     crumbs are), and the f32 sums of a vector of rows stay in registers over the whole
     row."""
-    if not all(isinstance(v, types.IntegerLiteral) for v in (tokens, bits, isa)):
-        return None
-    kind, TOK, five = isa.literal_value, tokens.literal_value, bits.literal_value == 5
+    TOK, bits, kind = tile_constants("q4k_gemm", shape, isa)
+    five = bits == 5
 
     def codegen(context, builder, sig, args):
         i8, f32 = ir.IntType(8), ir.FloatType()
-        nsa, t0a = args[5], args[6]
-        fr = _GemmFrame(context, builder, sig, args, kind, acc_i=4, nb_i=5, tokens=TOK)
+        fr = _GemmFrame(context, builder, sig, args, kind, TOK)
         k64, ptr, n, wide, vf, fma, at = fr.k64, fr.ptr, fr.n, fr.wide, fr.vf, fr.fma, fr.at
+        nsa, t0a = fr.nb, fr.t0
         c = lambda v: ir.Constant(wide, [v] * n)
 
         def u8s(off):                                       # n u8 bytes of q -> <n x float>
-            return builder.uitofp(builder.load(ptr(0, off, ir.VectorType(i8, n)), align=1), vf)
+            return builder.uitofp(builder.load(ptr("q", off, ir.VectorType(i8, n)), align=1), vf)
 
         def block(sb, k, rec, lane, sums):                  # sums: scale (a1), min (a2)
             u = builder.add(builder.mul(sb, k64(8)), k)
             quads = builder.add(rec, builder.mul(lane, k64(4)))
             if five:
-                hb = builder.load(ptr(0, builder.add(quads, at(k, 64, Q5K_QH)), wide), align=1)
+                hb = builder.load(ptr("q", builder.add(quads, at(k, 64, Q5K_QH)), wide), align=1)
             ws = []
             for g in range(4):
-                w = builder.load(ptr(0, builder.add(quads, at(k, 256, Q4K_QS + 64 * g)), wide),
+                w = builder.load(ptr("q", builder.add(quads, at(k, 256, Q4K_QS + 64 * g)), wide),
                                  align=1)
                 for h, v in enumerate((builder.and_(w, c(0x0F0F0F0F)),
                                        builder.and_(builder.lshr(w, c(4)), c(0x0F0F0F0F)))):
@@ -299,28 +389,27 @@ def q4k_gemm(typingctx, q, x8, xd, xsum, acc, nsub, t0, tokens, bits, isa):
                 xw = _x_words(builder, fr, tok, u)
                 # low nibbles with x words 0..3, high ones with 4..7
                 pairs = [(ws[2 * g + h], xw[4 * h + g]) for g in range(4) for h in (0, 1)]
-                dot = _dot_bounded(builder, fr.isa, n, pairs, 31 if five else 15)
+                dot = _dot_bounded(builder, fr.isa, n, pairs, (1 << bits) - 1)
                 si = builder.add(builder.mul(tok, nsa), u)
-                dx = splat(builder, builder.load(ptr(2, si, f32)), n)
+                dx = splat(builder, builder.load(ptr("xd", si, f32)), n)
                 a1, a2 = sums[0][t], sums[1][t]
                 builder.store(fma(builder.sitofp(dot, vf), builder.fmul(scv, dx),
                                   builder.load(a1)), a1)
-                xs = splat(builder, builder.load(ptr(3, si, f32)), n)
+                xs = splat(builder, builder.load(ptr("xsum", si, f32)), n)
                 builder.store(fma(mv, xs, builder.load(a2)), a2)
 
         def finish(rec, lane, sums, totals):
             halves = builder.add(rec, builder.mul(lane, k64(2)))
-            dv = fr.f16s(0, builder.add(halves, k64(Q4K_D)))
-            mnv = fr.f16s(0, builder.add(halves, k64(Q4K_DMIN)))
+            dv = fr.f16s("q", builder.add(halves, k64(Q4K_D)))
+            mnv = fr.f16s("q", builder.add(halves, k64(Q4K_DMIN)))
             for t, a in enumerate(totals):
                 total = fma(dv, builder.load(sums[0][t]), builder.load(a))
                 builder.store(fma(builder.fneg(mnv), builder.load(sums[1][t]), total), a)
 
-        _over_records(context, builder, sig, args, fr, nsa, k64(8),
-                      (Q5K_RECORD if five else Q4K_RECORD) // 8, TOK, 2, block, finish)
+        _over_records(builder, fr, (Q5K_RECORD if five else Q4K_RECORD) // 8, TOK, 2, block, finish)
         return context.get_dummy_value()
 
-    return types.void(q, x8, xd, xsum, acc, nsub, t0, tokens, bits, isa), codegen
+    return types.void(q, x, acc, shape, isa), codegen
 
 
 def _q6_values(builder, n, quad):
@@ -379,55 +468,51 @@ Q6K_RECORD = Q6K_QS + 8 * 384                        # 3392 bytes, 53 cache line
 
 
 @intrinsic(prefer_literal=True)
-def q6_gemm(typingctx, q, x8, xd, xs16, acc, nsub, t0, tokens, isa):
-    """One tile of Q6_K records (q: R rows of nsub blocks of 32, layout above) times
-    `tokens` rows t0.. of x (x8 flat (Tp*32nsub,) int8, xd (Tp*nsub,) f32 its scales,
-    xs16 (Tp*2nsub,) int32 its sums per 16): acc[k R + r] (f32, R = acc.size // tokens)
-    = row r . x_{t0+k} = sum over super-blocks of d sum over their blocks u of dx_u S_u,
-    S_u = sum over u's two halves of scale * sum((q - 32) x8), exact in int32 (|S_u| <=
-    2 * 128 * 16 * 32 * 127). tokens (1 for decode, TOKENS for prefill) and isa
-    constants. Each block's 6-bit values are built once for the tokens, and the f32
+def q6_gemm(typingctx, q, x, acc, shape, isa):
+    """One tile of Q6_K records (q: R rows of shape.nb blocks of 32, layout above;
+    shape.group K_GROUP, shape.kind 6) times shape.tokens rows t0.. of x (Q8X: x8, xd,
+    xs = xs16 (Tp*2nb,) int32 its sums per 16): acc[k R + r] (f32, R = acc.size //
+    tokens) = row r . x_{t0+k} = sum over super-blocks of d sum over their blocks u of
+    dx_u S_u, S_u = sum over u's two halves of scale * sum((q - 32) x8), exact in int32
+    (|S_u| <= 2 * 128 * 16 * 32 * 127). tokens (1 for decode, TOKENS for prefill) and
+    isa constants. Each block's 6-bit values are built once for the tokens, and the f32
     sums of a vector of rows stay in registers over the whole row."""
-    if not isinstance(isa, types.IntegerLiteral) or not isinstance(tokens, types.IntegerLiteral):
-        return None
-    kind, TOK = isa.literal_value, tokens.literal_value
+    TOK, _, kind = tile_constants("q6_gemm", shape, isa)
 
     def codegen(context, builder, sig, args):
         i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
-        nsa, t0a = args[5], args[6]
-        fr = _GemmFrame(context, builder, sig, args, kind, acc_i=4, nb_i=5, tokens=TOK)
+        fr = _GemmFrame(context, builder, sig, args, kind, TOK)
         k64, ptr, n, wide, vf, fma = fr.k64, fr.ptr, fr.n, fr.wide, fr.vf, fr.fma
-        at = fr.at
+        at, nsa, t0a = fr.at, fr.nb, fr.t0
 
         def block(sb, k, rec, lane, sums):
             u = builder.add(builder.mul(sb, k64(8)), k)
             quads = builder.add(rec, builder.mul(lane, k64(4)))
             lo, hi = _q6_values(builder, n, lambda j: builder.load(
-                ptr(0, builder.add(quads, at(k, 384, Q6K_QS + 64 * j)), wide), align=1))
+                ptr("q", builder.add(quads, at(k, 384, Q6K_QS + 64 * j)), wide), align=1))
             scs = _q6_scales(builder, n, lambda h: builder.load(
-                ptr(0, builder.add(builder.add(rec, lane), at(k, 32, Q6K_SC + 16 * h)),
+                ptr("q", builder.add(builder.add(rec, lane), at(k, 32, Q6K_SC + 16 * h)),
                     ir.VectorType(i8, n)), align=1))
             for t in range(TOK):
                 tok = builder.add(t0a, k64(t))
                 si = builder.add(builder.mul(tok, nsa), u)
-                xs = [builder.load(ptr(3, builder.add(builder.mul(si, k64(2)), k64(h)), i32))
+                xs = [builder.load(ptr("xs", builder.add(builder.mul(si, k64(2)), k64(h)), i32))
                       for h in range(2)]
                 dot = _q6_sum(builder, fr.isa, n, lo, hi, _x_words(builder, fr, tok, u),
                               _q6_offsets(builder, n, xs), scs)
-                dx = splat(builder, builder.load(ptr(2, si, f32)), n)
+                dx = splat(builder, builder.load(ptr("xd", si, f32)), n)
                 a = sums[0][t]
                 builder.store(fma(builder.sitofp(dot, vf), dx, builder.load(a)), a)
 
         def finish(rec, lane, sums, totals):
-            dv = fr.f16s(0, builder.add(rec, builder.add(k64(Q6K_D), builder.mul(lane, k64(2)))))
+            dv = fr.f16s("q", builder.add(rec, builder.add(k64(Q6K_D), builder.mul(lane, k64(2)))))
             for t, a in enumerate(totals):
                 builder.store(fma(dv, builder.load(sums[0][t]), builder.load(a)), a)
 
-        _over_records(context, builder, sig, args, fr, nsa, k64(8), Q6K_RECORD // 8, TOK, 1,
-                      block, finish)
+        _over_records(builder, fr, Q6K_RECORD // 8, TOK, 1, block, finish)
         return context.get_dummy_value()
 
-    return types.void(q, x8, xd, xs16, acc, nsub, t0, tokens, isa), codegen
+    return types.void(q, x, acc, shape, isa), codegen
 
 
 def prefetch_ir(context, builder, aty, arr, off):

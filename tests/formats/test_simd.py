@@ -13,7 +13,8 @@ from numba import literally, njit
 from edgellama.kernels.simd import (AVX2, BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, GENERIC, ISA, KIND_Q4_0, KIND_Q4_1,
                             KIND_Q8_0, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH,
                             Q5K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS, TOKENS,
-                            VNNI512, ISA_NAMES, blocks_gemm, q4k_gemm, q6_gemm, target_isa)
+                            VNNI512, ISA_NAMES, K_GROUP, Q8X, blocks_gemm, q4k_gemm, q6_gemm,
+                            target_isa, tile)
 from edgellama.kernels.target import FEATURES as _F
 
 
@@ -79,7 +80,7 @@ def test_kernels_follow_numba_target_not_host(tmp_path, env):
 @njit
 def _blocks(q, x8, xd, xs8, xsum, acc, nb, group, t0, tokens, kind, isa):
     # literally: one compiled entry per constant combination the intrinsic needs
-    blocks_gemm(q, x8, xd, xs8, xsum, acc, nb, group, t0, literally(tokens), literally(kind),
+    blocks_gemm(q, Q8X(x8, xd, xs8, xsum), acc, tile(nb, group, t0, literally(tokens), literally(kind)),
                 literally(isa))
 
 
@@ -164,7 +165,8 @@ def test_blocks_gemm_matches_twin(isa, kind, R, group, tokens, case):
 
 @njit
 def _gemm6(q, x8, xd, xs16, acc, nsub, t0, tokens, isa):
-    q6_gemm(q, x8, xd, xs16, acc, nsub, t0, literally(tokens), literally(isa))
+    q6_gemm(q, Q8X(x8, xd, xs16, None), acc, tile(nsub, K_GROUP, t0, literally(tokens), 6),
+            literally(isa))
 
 
 def q6_records(d, sc, vals):
@@ -253,7 +255,8 @@ def test_q6_gemm_matches_twin(isa, R, tokens, case):
 
 @njit
 def _gemm4k(q, x8, xd, xsum, acc, nsub, t0, tokens, bits, isa):
-    q4k_gemm(q, x8, xd, xsum, acc, nsub, t0, literally(tokens), literally(bits), literally(isa))
+    q4k_gemm(q, Q8X(x8, xd, None, xsum), acc, tile(nsub, K_GROUP, t0, literally(tokens), literally(bits)),
+             literally(isa))
 
 
 def k_records(d, dmin, sc, m, vals, bits):
