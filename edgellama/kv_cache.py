@@ -140,6 +140,10 @@ class KVCache:
         a, none = self.arrays, np.zeros((L, 0), np.uint16)   # f16 has no scales
         self._k, self._ks = a.get("k", a.get("kq")), a.get("ks", none)
         self._v, self._vs = a.get("v", a.get("vq")), a.get("vs", none)
+        # per layer, the flat views the kernels take (made once: a decoded token asks
+        # for them in every layer)
+        self._flat = [tuple(x[i].reshape(-1) for x in (self._k, self._ks, self._v, self._vs))
+                      for i in range(L)]
 
     @property
     def length(self) -> int:
@@ -188,22 +192,22 @@ class KVCache:
         self._write_k(layer, pos, k)
         if self.rot_v:
             A.hadamard(v, self.rot_v)
-        vf = self._v[layer].reshape(-1)
+        _, _, vf, vs = self._flat[layer]
         if self.type_v == "f16":
             _store(A.store_f16_v_heads, A.store_f16_v, v, vf, self.cap, pos, v)
         else:
-            _store(A.store_q_v_heads, A.store_q_v, v, vf, self._vs[layer].reshape(-1), self.cap,
-                   pos, v, self.type_v == "q4_0")
+            _store(A.store_q_v_heads, A.store_q_v, v, vf, vs, self.cap, pos, v,
+                   self.type_v == "q4_0")
 
     def _write_k(self, layer: int, pos: int, k: np.ndarray) -> None:
         if self.rot_k:
             A.hadamard(k, self.rot_k)
-        kf = self._k[layer].reshape(-1)
+        kf, ks, _, _ = self._flat[layer]
         if self.type_k == "f16":
             _store(A.store_f16_k_heads, A.store_f16_k, k, kf, self.cap, pos, k)
         else:
-            _store(A.store_q_k_heads, A.store_q_k, k, kf, self._ks[layer].reshape(-1), self.cap,
-                   pos, k, self.type_k == "q4_0")
+            _store(A.store_q_k_heads, A.store_q_k, k, kf, ks, self.cap, pos, k,
+                   self.type_k == "q4_0")
 
     def attend(self, layer: int, pos: int, q: np.ndarray, scale, out: np.ndarray,
                scratch: tuple) -> None:
@@ -212,10 +216,8 @@ class KVCache:
         q = np.ascontiguousarray(q)          # as write()'s k and v
         if self.rot_k:
             A.hadamard(q, self.rot_k)
-        A.attention(q, self._k[layer].reshape(-1), self._ks[layer].reshape(-1),
-                    self._v[layer].reshape(-1), self._vs[layer].reshape(-1), self.n_kv_heads,
-                    self.cap, pos,
-                    scale, out, *scratch, self.window)
+        A.attention(q, *self._flat[layer], self.n_kv_heads, self.cap, pos, scale, out, *scratch,
+                    self.window)
         if self.rot_v:
             A.hadamard(out, self.rot_v)
 

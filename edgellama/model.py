@@ -75,6 +75,9 @@ def _linear(x: np.ndarray, w: Linear, out: np.ndarray, sc: Scratch, decode: bool
 
 def _linears(x: np.ndarray, ws: list[Linear], out: np.ndarray, sc: Scratch, decode: bool) -> None:
     # x (T, in) -> out (T, Σ out_features): each stacked Linear fills its columns
+    if len(ws) == 1:
+        _linear(x, ws[0], out, sc, decode)
+        return
     c = 0
     for w in ws:
         _linear(x, w, out[:, c:c + w.out_features], sc, decode)
@@ -331,22 +334,22 @@ class Transformer:
         self.embed.rows(tokens, x)
         if a.family.embed_scale:
             x *= np.float32(np.sqrt(a.dim))
+        q3 = qkv[:, :qd].reshape(T, a.n_heads, hd)
+        k3 = qkv[:, qd:qd + kvd].reshape(T, a.n_kv_heads, hd)
+        v3 = qkv[:, qd + kvd:].reshape(T, a.n_kv_heads, hd)
+        # each sequence's cache, first position and rows (r0:r1 of the batch)
+        runs = [(s.cache, s.pos, slice(r0, r0 + n)) for s, r0, n in zip(seqs, starts, counts)]
         for li, layer in enumerate(self.layers):
             cos, sin = rot[local[li]]
             E.rmsnorm(x, layer.attn_norm, a.norm_eps, h)
             _linears(h, layer.wqkv, qkv, sc, decode)
-            q3 = qkv[:, :qd].reshape(T, a.n_heads, hd)
-            k3 = qkv[:, qd:qd + kvd].reshape(T, a.n_kv_heads, hd)
-            v3 = qkv[:, qd + kvd:].reshape(T, a.n_kv_heads, hd)
             if qk_norm:
                 E.head_norm(qkv, 0, a.n_heads, layer.q_norm, a.norm_eps)
                 E.head_norm(qkv, qd, a.n_kv_heads, layer.k_norm, a.norm_eps)
             rope(q3, cos, sin)
             rope(k3, cos, sin)
-            for s, r0, n in zip(seqs, starts, counts):
-                r1 = r0 + n
-                s.cache.step(li, s.pos, q3[r0:r1], k3[r0:r1], v3[r0:r1], scale, att3[r0:r1],
-                             att_scratch)
+            for cache, p0, r in runs:
+                cache.step(li, p0, q3[r], k3[r], v3[r], scale, att3[r], att_scratch)
             _linear(att, layer.wo, o, sc, decode)
             self._residual(E, x, o, h, layer.post_attn_norm)
             E.rmsnorm(x, layer.ffn_norm, a.norm_eps, h)

@@ -128,6 +128,9 @@ class Linear:
         self.splits = list(splits)
         self.out_features = sum(splits)
         self.nbytes = self.out_features * fmt.row_bytes(in_features)
+        # Linears with one key can share decode buffers (a tuple made once: every
+        # matvec looks its buffers up by it)
+        self.scratch_key = type(self), self.type_id, in_features, self.out_features
 
     # --- what a format implements ---------------------------------------------------
 
@@ -157,11 +160,6 @@ class Linear:
     def split(self, out: np.ndarray) -> list[np.ndarray]:
         """Views of out (..., out_features) per stacked tensor, in order."""
         return np.split(out, np.cumsum(self.splits)[:-1], axis=-1)
-
-    @property
-    def scratch_key(self) -> tuple:
-        """Linears with one key can share decode buffers."""
-        return type(self), self.type_id, self.in_features, self.out_features
 
     def _buffers(self, scratch: Scratch | None) -> tuple:
         return self.decode_buffers() if scratch is None else scratch.linear(self)
