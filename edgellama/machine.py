@@ -111,26 +111,65 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+# Where Linux lists a hybrid Intel CPU's efficiency cores (Alder Lake and later); and
+# each logical CPU's core
+_ATOM_CPUS = "/sys/devices/cpu_atom/cpus"
+_CPUINFO = "/proc/cpuinfo"
+
+
 def default_threads() -> int:
-    """Physical cores available to us (decode is bandwidth bound: SMT siblings don't help)."""
+    """The physical cores we may run on, performance cores only on a hybrid CPU. Decode
+    is bandwidth bound, so SMT siblings add nothing; and every matrix product ends at a
+    barrier, so a thread on a slower efficiency core would hold up the others at each
+    one (llama.cpp's default counts the same way)."""
     try:
-        logical = len(os.sched_getaffinity(0))
+        cpus = set(os.sched_getaffinity(0))
     except AttributeError:
-        logical = os.cpu_count() or 1
+        return os.cpu_count() or 1
+    cpus = (cpus - efficiency_cpus()) or cpus
+    core = _cpu_cores()
+    return max(1, len({core.get(c, c) for c in cpus}))
+
+
+def efficiency_cpus() -> set[int]:
+    """The logical CPUs of a hybrid CPU's efficiency cores (empty where there are none,
+    or Linux does not say)."""
     try:
-        cores = {(phys, core) for phys, core in _core_ids()}
-        return max(1, min(logical, len(cores) or logical))
-    except OSError:
-        return logical
+        with open(_ATOM_CPUS) as f:
+            return _cpu_list(f.read())
+    except (OSError, ValueError):
+        return set()
 
 
-def _core_ids():
-    phys = None
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("physical id"):
-            phys = line.split(":")[1].strip()
-        elif line.startswith("core id"):
-            yield phys, line.split(":")[1].strip()
+def _cpu_list(text: str) -> set[int]:
+    # Linux's cpulist format: "0-3,8,10-11"
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _cpu_cores() -> dict[int, tuple[str, str]]:
+    """Logical CPU -> (physical id, core id), from /proc/cpuinfo; CPUs it does not place
+    (no such file, Arm's cpuinfo) are missing, and count as cores of their own."""
+    core: dict[int, tuple[str, str]] = {}
+    cpu = phys = None
+    try:
+        with open(_CPUINFO) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key, value = key.strip(), value.strip()
+                if key == "processor":
+                    cpu, phys = int(value), None
+                elif key == "physical id":
+                    phys = value
+                elif key == "core id" and cpu is not None:
+                    core[cpu] = (phys or "0", value)
+    except (OSError, ValueError):
+        return {}
+    return core
 
 
 def set_threads(threads: int | None) -> int:
