@@ -15,8 +15,9 @@ beats), with its `needs`; its lowering functions here beside _dot_vnni / _dot_av
 _dot_generic (the pair-dot, and weight sums if its signed dot wants them once per
 block); and its integer model in tests/formats/test_isa_models.py (MODELS), which
 checks each row's model against the exact sums at every caller's bounds.
-tests/formats/test_isa.py checks every row has what the kernels use and lowers to
-valid IR.
+tests/formats/test_isa.py checks every row has what the kernels use and lowers its dot
+to machine code with only the features it needs; test_simd.py runs the intrinsics of
+every row this CPU can run against NumPy twins.
 """
 from __future__ import annotations
 
