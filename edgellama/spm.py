@@ -30,7 +30,8 @@ import numpy as np
 
 from edgellama.errors import EdgeError
 from edgellama.tokenizer import (BYTE, CONTROL, MAX_HELD_CHARS, NORMAL, STOP_TOKEN_TEXTS, UNKNOWN,
-                                 USER_DEFINED, TokenTable, _check_special_tokens, _meta)
+                                 USER_DEFINED, TokenTable, _check_special_tokens, _meta,
+                                 vocab_tokens)
 
 SPACE = "\u2581"
 # End-of-turn tokens llama.cpp stops at by their text (its special_eog_ids list), beyond
@@ -64,10 +65,7 @@ class SentencePieceTokenizer(TokenTable):
             raise EdgeError("tokenizer.ggml.add_bos_token is set but the file has no bos_token_id")
 
         # Every token takes part in merges, whatever its type (as in llama.cpp).
-        self._vocab = dict(zip(tokens, range(len(tokens))))
-        if len(self._vocab) != len(tokens):
-            raise EdgeError(f"tokenizer.ggml.tokens has {len(tokens) - len(self._vocab)} "
-                            "duplicate tokens")
+        self._vocab = dict(zip(tokens, range(len(tokens))))   # tokens are distinct: vocab_tokens
         self._scores = scores.astype(np.float64).tolist()
         self._max_len = max(map(len, tokens))
         self._bytes = _token_bytes_table(tokens, token_types)
@@ -93,11 +91,7 @@ class SentencePieceTokenizer(TokenTable):
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any]) -> SentencePieceTokenizer:
         """Build from GGUF metadata; every value is type-checked (the file is untrusted)."""
-        tokens = _meta(meta, "tokenizer.ggml.tokens", list)
-        if not tokens:
-            raise EdgeError("tokenizer.ggml.tokens is empty")
-        if "" in tokens:   # llama.cpp's name for an empty token
-            tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        tokens = vocab_tokens(meta)
         n = len(tokens)
         types = _meta(meta, "tokenizer.ggml.token_type", np.ndarray, None)
         types = np.full(n, NORMAL, np.int32) if types is None else types.astype(np.int32)

@@ -115,6 +115,21 @@ def _meta(meta: Mapping[str, Any], key: str, kind: type, default: Any = _MISSING
     return v
 
 
+def vocab_tokens(meta: Mapping[str, Any]) -> list[str]:
+    """tokenizer.ggml.tokens, checked as llama.cpp loads every vocabulary: not empty, no
+    token twice (a text -> id map would lose one), an empty token named [EMPTY_<id>] (an
+    empty special token would match everywhere: tiktoken's regex of them never ends)."""
+    tokens = _meta(meta, "tokenizer.ggml.tokens", list)
+    if not tokens:
+        raise EdgeError("tokenizer.ggml.tokens is empty")
+    if "" in tokens:
+        tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+    twice = len(tokens) - len(set(tokens))
+    if twice:
+        raise EdgeError(f"tokenizer.ggml.tokens has {twice} duplicate tokens")
+    return tokens
+
+
 class TokenTable:
     """Decoding, shared by both tokenizers (Tokenizer, spm.SentencePieceTokenizer): a
     subclass sets vocab_size, stop_ids, _bytes (each token's bytes) and _shown (the bytes
@@ -211,9 +226,7 @@ class Tokenizer(TokenTable):
         if pre not in PRE_TOKENIZERS:
             raise EdgeError(f"unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre); "
                             f"supported: {', '.join(PRE_TOKENIZERS)}")
-        tokens = _meta(meta, "tokenizer.ggml.tokens", list)
-        if not tokens:
-            raise EdgeError("tokenizer.ggml.tokens is empty")
+        tokens = vocab_tokens(meta)
         types = _meta(meta, "tokenizer.ggml.token_type", np.ndarray, None)
         types = np.full(len(tokens), NORMAL, np.int32) if types is None else types.astype(np.int32)
         if len(types) != len(tokens):

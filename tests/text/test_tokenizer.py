@@ -369,6 +369,33 @@ def test_malformed_vocabularies_are_errors(smollm2_gguf):
                                  if k != "tokenizer.ggml.bos_token_id"})
 
 
+def _smol_meta_plus(smollm2_gguf, token: str, token_type: int) -> dict:
+    """SmolLM2's metadata with one more token at the end (no merge refers to it)."""
+    meta = smollm2_metadata(smollm2_gguf)
+    types = np.append(np.array(meta["tokenizer.ggml.token_type"]), token_type)
+    return _smol_meta_with(smollm2_gguf, tokens=list(meta["tokenizer.ggml.tokens"]) + [token],
+                           token_type=types)
+
+
+@pytest.mark.parametrize("token_type", [1, CONTROL, USER_DEFINED])
+def test_empty_token_gets_llama_cpps_name(smollm2_gguf, smol, token_type):
+    """An empty token is llama.cpp's [EMPTY_<id>], as in the SentencePiece vocabulary: an
+    empty control token in tiktoken's special-token regex matched everywhere and
+    encode_special never returned."""
+    tok = Tokenizer.from_metadata(_smol_meta_plus(smollm2_gguf, "", token_type))
+    assert tok.tokens[-1] == f"[EMPTY_{smol.vocab_size}]"
+    text = "<|im_start|>user\nhello<|im_end|>"
+    assert tok.encode_special(text) == smol.encode_special(text)
+    assert tok.encode("hello") == smol.encode("hello")
+
+
+@pytest.mark.parametrize("token_type", [1, CONTROL])
+def test_duplicate_tokens_are_an_error(smollm2_gguf, token_type):
+    # llama.cpp refuses such a vocabulary (its token -> id map would lose one)
+    with pytest.raises(EdgeError, match="tokenizer.ggml.tokens has 1 duplicate tokens"):
+        Tokenizer.from_metadata(_smol_meta_plus(smollm2_gguf, "<|im_start|>", token_type))
+
+
 @pytest.mark.parametrize("count,length", [(20000, 8), (3, 100000), (2100, 128)])
 def test_special_tokens_beyond_what_a_regex_takes_are_refused(smollm2_gguf, count, length):
     """Control tokens become one regex; a hostile vocabulary must not make it take seconds
