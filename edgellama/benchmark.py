@@ -339,7 +339,7 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
     seq.reset()
     model.forward(prompt[:1], seq)
     t0 = time.perf_counter()
-    model.forward(prompt[1:2], seq)
+    model.forward(prompt[:1], seq)           # at position 1: a prompt may be one token
     step = time.perf_counter() - t0          # one decode step: the basis of the estimates
     # a prefill dequantizes every weight (about 8 decode steps), then runs BLAS
     steps = {"pp": reps * (8 + n_prompt / 4) * step, "tg": reps * n_gen * step}

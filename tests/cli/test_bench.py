@@ -109,6 +109,17 @@ def test_quick_json_has_no_suite_figures(tmp_path):
     assert r["memory"]["rss_peak"] >= r["memory"]["rss_after_load"]
 
 
+def test_a_one_token_prompt_and_reply_are_measured(tmp_path):
+    # -p 1 -n 1 is the smallest run: it once stopped on an internal error (the decode step
+    # it times took the prompt's second token, which a 1-token prompt does not have)
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "Q8_0", ctx=256)
+    res = CliRunner().invoke(main, ["bench", "-m", str(path), "--ctx", "64", "-p", "1", "-n", "1",
+                                    "--json"])
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.stdout)
+    assert r["n_prompt"] == 1 and r["speed"]["pp_tps"] > 0 and r["speed"]["tg_tps"] > 0
+
+
 def test_depth_and_repetitions_need_full(tmp_path):
     path = str(write_tiny_gguf(tmp_path / "t.gguf"))
     res = CliRunner().invoke(main, ["bench", "-m", path, "--depth", "8"])
