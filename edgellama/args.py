@@ -1,6 +1,7 @@
 """ModelArgs: every hyperparameter, read once from GGUF metadata, nothing hard-coded."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -126,7 +127,7 @@ class ModelArgs:
                             f"tensors, but the file has {len(g.tensors)} tensors in all")
         eps = float(num("attention.layer_norm_rms_epsilon", FLOAT))
         theta = float(num("rope.freq_base", FLOAT, default=10000.0))
-        if not (0 < eps < 1) or not theta > 0:
+        if not (0 < eps < 1) or not 0 < theta < math.inf:
             raise EdgeError(f"{g.path}: rms epsilon {eps} or rope base {theta} out of range")
         window = num("attention.sliding_window", default=0) if family.swa_pattern else 0
         theta_swa = float(num("rope.freq_base_swa", FLOAT, default=family.swa_rope_base))
@@ -134,7 +135,8 @@ class ModelArgs:
         if g.metadata.get(f"{arch}.rope.scaling.type") == "linear":
             scale = float(num("rope.scaling.factor", FLOAT, default=1.0))
         softcap = float(num("final_logit_softcapping", FLOAT, default=0.0))
-        if not theta_swa > 0 or not scale > 0 or softcap < 0:
+        # finite: c tanh(x / c) of an infinite or NaN softcap is NaN in every logit
+        if not (0 < theta_swa < math.inf and 0 < scale < math.inf and 0 <= softcap < math.inf):
             raise EdgeError(f"{g.path}: rope.freq_base_swa {theta_swa}, rope.scaling.factor "
                             f"{scale} or final_logit_softcapping {softcap} out of range")
         # llama.cpp's Gemma 27B (62 layers) scales queries by 1/sqrt(E / H), not the head dim

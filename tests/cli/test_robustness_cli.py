@@ -104,6 +104,20 @@ def test_truncated_model(tmp_path, tiny_chat):
     assert_user_error(invoke("generate", "-m", p, "-p", "hi"), "half.gguf", "truncated")
 
 
+@pytest.mark.parametrize("metadata, needle", [
+    (dict(softcap=float("nan")), "final_logit_softcapping nan"),
+    (dict(softcap=float("inf")), "final_logit_softcapping inf"),
+    (dict(theta=float("inf")), "rope base inf"),
+    (dict(theta_swa=float("inf")), "rope.freq_base_swa inf"),
+])
+def test_non_finite_gemma3_metadata_is_refused_at_load(tmp_path, metadata, needle):
+    # a NaN or infinite softcap made every logit NaN: the run failed at its first token,
+    # blaming "corrupt weights"; an infinite rope base ran on with meaningless positions
+    p = write_tiny_gguf(tmp_path / "g.gguf", "F32", arch="gemma3", vocab=TINY_VOCAB,
+                        tokenizer=True, rope_scaling=False, **metadata)
+    assert_user_error(invoke("generate", "-m", p, "-p", "hi", "-n", 2), "g.gguf", needle)
+
+
 # -- engine options ----------------------------------------------------------------
 def test_context_larger_than_the_model(tiny_chat):
     assert_user_error(invoke("generate", "-m", tiny_chat, "-p", "hi", "--ctx", 65), "--ctx 65", "64 tokens")
