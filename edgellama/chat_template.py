@@ -201,6 +201,12 @@ def template_kwargs(value: str | Mapping[str, Any] | None,
     if taken:
         raise EdgeError(f"{what} may not set {taken[0]!r}: edgellama sets it from the "
                         f"conversation")
+    # templates test it with `is false`: any other value, "false" included, leaves
+    # thinking on (llama-server refuses a string too)
+    thinking = parsed.get("enable_thinking", False)
+    if not isinstance(thinking, bool):
+        raise EdgeError(f"{what}: enable_thinking must be true or false, got "
+                        f"{_one_line(json.dumps(thinking, ensure_ascii=False), 60)}")
     return parsed
 
 

@@ -388,7 +388,8 @@ def test_chat_template_kwargs_reach_the_template(tmp_path_factory):
                         ).json()["usage"]["prompt_tokens"] == usage[0]   # the request wins
         finally:
             app.llm.chat.template_kwargs = None
-        for bad in ("enable_thinking", ["x"], {"messages": []}, {"a": [[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]}):
+        for bad in ("enable_thinking", ["x"], {"messages": []}, {"a": [[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]},
+                    {"enable_thinking": "false"}, {"enable_thinking": None}):
             r = chat(app, "ok", chat_template_kwargs=bad)
             assert r.status == 400 and r.error()["param"] == "chat_template_kwargs", bad
         assert not app.log.records

@@ -168,6 +168,11 @@ def test_generate_reasoning_budget_0_and_kwargs(model):
     (["--chat-template-kwargs", '{"enable_thinking": true}', "--reasoning-budget", "0"],
      "--reasoning-budget 0 turns thinking off, but --chat-template-kwargs sets enable_thinking to true"),
     (["--raw", "--reasoning-budget", "0"], "which --raw leaves out"),
+    # a string is true to the template: "false" left thinking on, silently (llama-server
+    # refuses it too)
+    (["--chat-template-kwargs", '{"enable_thinking": "false"}'],
+     'enable_thinking must be true or false, got "false"'),
+    (["--chat-template-kwargs", '{"enable_thinking": 0}'], "enable_thinking must be true or false, got 0"),
 ])
 def test_bad_options_are_usage_errors_before_loading(args, message):
     for cmd in (["generate", "-p", "Hi"], ["chat"]):
