@@ -12,7 +12,8 @@ text), system, stop_sequences, temperature (0 to 1), top_p, top_k, stream, tools
 description, input_schema), tool_choice (auto, any, tool, none;
 disable_parallel_tool_use), output_config.format (a JSON schema the reply follows, as
 response_format), thinking (disabled: the template variable enable_thinking false, as
-llama-server's chat_template_kwargs, which is taken too), metadata (ignored). A
+llama-server's chat_template_kwargs, which is taken too; budget_tokens is checked, not
+applied), metadata (ignored). A
 tool_use block becomes an assistant message's tool call, each tool_result a "tool"
 message, so any template that shows OpenAI tool calls shows them. Thinking blocks sent
 back are dropped, as chat templates drop past reasoning.
@@ -115,6 +116,10 @@ def _tool_result(block: dict, param: str) -> dict:
             "content": "" if content is None else _text_blocks(content, f"{param}.content")}
 
 
+# a thinking block sent back, and the field holding its text
+THOUGHT_FIELDS = {"thinking": "thinking", "redacted_thinking": "data"}
+
+
 def _message(m: Any, i: int) -> list[dict]:
     """One Anthropic message as the chat template's messages: a user turn's tool_result
     blocks are "tool" messages (in their order among its text), an assistant turn's
@@ -144,6 +149,11 @@ def _message(m: Any, i: int) -> list[dict]:
             text.append(_text(block, where))
         elif kind == "tool_use":
             calls.append(_tool_use(block, where))
+        elif kind in THOUGHT_FIELDS:   # dropped, as templates drop past reasoning, but checked
+            field = THOUGHT_FIELDS[kind]
+            if not isinstance(block.get(field), str):
+                raise _bad(f"{where}.{field} must be a string, got {_show(block.get(field))}",
+                           f"{where}.{field}")
         elif kind == "tool_result":
             if text:
                 out.append({"role": "user", "content": "\n".join(text)})
@@ -250,6 +260,8 @@ def _template_kwargs(body: dict) -> Any:
     if kind not in ("enabled", "disabled", "adaptive"):
         raise _bad('thinking must be {"type": "enabled" | "disabled" | "adaptive"}, got '
                    f"{_show(thinking)}", "thinking")
+    # a reply's thinking is not cut at a budget; the field is checked as Anthropic's is
+    _integer(thinking, "budget_tokens", 1, "thinking.budget_tokens")
     given = body.get("chat_template_kwargs")
     if given is not None and not isinstance(given, dict):
         return given   # params.py names what is wrong with it

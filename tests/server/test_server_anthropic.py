@@ -435,6 +435,14 @@ BAD = [
     ({"max_tokens": 8, "messages": USER, "stream": "yes"}, "stream must be true or false"),
     ({"max_tokens": 8, "messages": USER, "metadata": "x"}, "metadata must be an object"),
     ({"max_tokens": 8, "messages": USER, "thinking": {"type": "on"}}, "thinking must be"),
+    ({"max_tokens": 8, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": "x"}},
+     "thinking.budget_tokens must be an integer"),
+    ({"max_tokens": 8, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": -5}},
+     "thinking.budget_tokens must be at least 1"),
+    ({"max_tokens": 8, "messages": [{"role": "assistant", "content": [
+        {"type": "thinking", "thinking": 5}]}]}, "content[0].thinking must be a string"),
+    ({"max_tokens": 8, "messages": [{"role": "assistant", "content": [
+        {"type": "redacted_thinking", "data": ["x"]}]}]}, "content[0].data must be a string"),
     ({"max_tokens": 8, "messages": USER, "thinking": {"type": "disabled"},
       "chat_template_kwargs": [1]}, "chat_template_kwargs must be an object"),
     ({"max_tokens": 8, "messages": USER, "output_config": {"format": {"type": "json_schema"}}},
