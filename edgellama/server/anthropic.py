@@ -417,7 +417,7 @@ class Messages:
     async def create(self, request: Request):
         server = self.server
         ids, params = await self._request(request, generate=True)
-        reasoning = server._reasoning(ids)
+        reasoning = server._reasoning(ids, params)
         reader = None if params.tool_choice == "none" or not params.tools else \
             ToolCallStream({t["function"]["name"] for t in params.tools},
                            params.parallel_tool_calls)

@@ -43,12 +43,11 @@ from .engine import DEFAULT_QUEUE, Engine
 from .guard import LOOPBACK_HOSTS, _Guard, _RequireKey
 from .job import Job
 from .metrics import METRICS_TYPE, Metrics
-from .params import (ApiError, Params, _bad, _clean, _detokenize_body, _messages, _params,
-                     _read_json, _show, _tokenize_body)
+from .params import (REASONING_FORMATS, ApiError, Params, _bad, _clean, _detokenize_body,
+                     _messages, _params, _read_json, _show, _tokenize_body)
 
 log = logging.getLogger("edgellama.server")
 
-REASONING_FORMATS = ("none", "deepseek")   # llama-server's --reasoning-format, the ones we do
 try:   # /props' build_info: llama-server gives its build number and commit
     _BUILD = f"edgellama-{importlib.metadata.version('edgellama')}"
 except importlib.metadata.PackageNotFoundError:   # run from a source tree, not installed
@@ -261,7 +260,7 @@ class Server:
         shown = None if params.top_logprobs is None else \
             {"content": logprobs} if chat else _completion_logprobs(logprobs)
         choice = {"index": 0, "logprobs": shown, "finish_reason": finish}
-        splitter = self._reasoning(ids) if chat else None
+        splitter = self._reasoning(ids, params) if chat else None
         thought = {}
         if splitter is not None:
             (r1, c1), (r2, c2) = splitter.push(text), splitter.finish()
@@ -276,10 +275,11 @@ class Server:
                           if chat else {"text": text})
         return JSONResponse({**head, "choices": [choice], "usage": usage})
 
-    def _reasoning(self, ids: list[int]) -> ReasoningSplitter | None:
-        """A reader of a chat reply's <think> block (--reasoning-format deepseek), told
-        whether the prompt `ids` leaves one open; None (format none): all is content."""
-        if self.reasoning_format == "none":
+    def _reasoning(self, ids: list[int], params: Params) -> ReasoningSplitter | None:
+        """A reader of a chat reply's <think> block (reasoning format deepseek: the
+        request's, else --reasoning-format), told whether the prompt `ids` leaves one
+        open; None (format none): all is content."""
+        if (params.reasoning_format or self.reasoning_format) == "none":
             return None
         tail = self.llm.tokenizer.decode(ids[-_PROMPT_TAIL:], special=True)
         return ReasoningSplitter(opens_reasoning(tail))
@@ -320,7 +320,7 @@ class Server:
         # rest streams as it comes). Its reasoning (a <think> block) streams as
         # reasoning_content deltas, apart.
         reader = _call_reader(params) if chat else None
-        splitter = self._reasoning(job.ids) if chat else None
+        splitter = self._reasoning(job.ids, params) if chat else None
         held, held_logprobs = "", []
         waiting: list = []   # logprobs of text the splitter holds back
 

@@ -45,6 +45,8 @@ ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error",
                     429: "rate_limit_error", 503: "overloaded_error"}
 # Parameters whose non-default values would change the answer in ways we do not
 # implement: refused rather than silently ignored. Everything else unknown is ignored.
+REASONING_FORMATS = ("none", "deepseek")   # llama-server's reasoning formats, the ones we do
+
 UNSUPPORTED = {
     "functions": ([],), "function_call": ("none", "auto"),
     "logit_bias": ({},), "presence_penalty": (0, 0.0),
@@ -409,6 +411,7 @@ class Params:
     parallel_tool_calls: bool = True       # False: at most one call per reply
     draft_max: int | None = None           # speculative.n_max: proposals a step, at most
     template_kwargs: dict | None = None    # chat_template_kwargs: over the server's own
+    reasoning_format: str | None = None    # over the server's --reasoning-format
 
 
 def _params(body: dict, defaults: SamplingParams, chat: bool,
@@ -470,7 +473,17 @@ def _params(body: dict, defaults: SamplingParams, chat: bool,
         grammar_param = "tools"
     return Params(stream, include_usage, max_tokens, sampling, _stops(body), max_param,
                   _logprobs(body, chat), grammar, grammar_param, tools, choice, parallel,
-                  draft_max, _chat_template_kwargs(body) if chat else None)
+                  draft_max, _chat_template_kwargs(body) if chat else None,
+                  _reasoning_format(body) if chat else None)
+
+
+def _reasoning_format(body: dict) -> str | None:
+    """A chat request's reasoning_format (llama-server's field), one we do."""
+    v = body.get("reasoning_format")
+    if v is not None and v not in REASONING_FORMATS:
+        raise _bad(f"reasoning_format must be {' or '.join(REASONING_FORMATS)}, got {_show(v)}",
+                   "reasoning_format")
+    return v
 
 
 # -- the request body ---------------------------------------------------------------------------

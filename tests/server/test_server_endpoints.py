@@ -339,6 +339,21 @@ def test_reasoning_apart_from_content(app, plain):
     assert message == {"role": "assistant", "content": "No thinking here."}
 
 
+def test_a_requests_reasoning_format_wins(app, plain):
+    # llama-server's per-request field: it was ignored, whatever it said
+    message = chat(app, THOUGHT, reasoning_format="none").json()["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": THOUGHT}
+    events = streamed(chat(app, THOUGHT, stream=True, reasoning_format="none"))
+    assert deltas(events, "reasoning_content") == "" and deltas(events, "content") == THOUGHT
+    message = chat(plain, THOUGHT, reasoning_format="deepseek").json()["choices"][0]["message"]
+    assert message["reasoning_content"] == "First the weather, then the answer."
+    for bad in ("bogus", 5, ["none"]):
+        r = chat(app, THOUGHT, reasoning_format=bad)
+        assert r.status == 400 and r.error()["param"] == "reasoning_format", r.body
+        assert "reasoning_format must be none or deepseek" in r.error()["message"]
+    assert not app.log.records
+
+
 @pytest.mark.parametrize("cut", [None, 20, 8])
 def test_streamed_reasoning_is_the_whole_replys(app, plain, cut):
     """Streamed deltas add up to the unstreamed reply's parts, with a reply cut inside
