@@ -55,13 +55,17 @@ except importlib.metadata.PackageNotFoundError:   # run from a source tree, not 
 _PROMPT_TAIL = 8    # prompt tokens enough to see whether it ends in an open <think>
 
 
-async def _tokenize(encode, text: Any) -> list[int]:
-    """encode(text) off the event loop. The tokenizer's own failures (tiktoken's regex
+async def _tokenize(encode, text: Any, param: str, refusal: str = "") -> list[int]:
+    """encode(text) off the event loop. An EdgeError (a template refusing the messages,
+    text a SentencePiece vocabulary without byte tokens cannot spell) is a 400 naming
+    `param`, its message after `refusal`. The tokenizer's own failures (tiktoken's regex
     engine panics on some very long inputs: a PanicException, which is not an Exception)
     become one log line and a clean 500, not a traceback and a dropped connection."""
     try:
         return await run_in_threadpool(encode, text)
-    except (EdgeError, asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+    except EdgeError as e:
+        raise _bad(f"{refusal}{e}", param) from None
+    except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # noqa: BLE001
         log.error("tokenizing a request failed: %s: %s", type(e).__name__,
@@ -182,12 +186,9 @@ class Server:
             raise _bad("this model's chat template has no tool calling (it does not show the "
                        "model a tool list); send the request without tools", "tools",
                        "tools_not_supported")
-        try:
-            return await _tokenize(lambda m: self.llm.chat.encode_messages(
-                m, tools=tools, chat_template_kwargs=params.template_kwargs), messages)
-        except EdgeError as e:   # the template refused these messages
-            raise _bad(f"cannot render these messages with the model's chat template: {e}",
-                       "messages") from None
+        return await _tokenize(lambda m: self.llm.chat.encode_messages(
+            m, tools=tools, chat_template_kwargs=params.template_kwargs), messages, "messages",
+            "cannot render these messages with the model's chat template: ")
 
     async def _template_tool_support(self) -> tuple[bool, bool]:
         if self._template_tools is None:
@@ -220,7 +221,7 @@ class Server:
         def encode(text: str) -> list[int]:
             ids = tok.encode(text)
             return [tok.bos_id] + ids if tok.add_bos and tok.bos_id is not None else ids
-        ids = await _tokenize(encode, _clean(prompt))
+        ids = await _tokenize(encode, _clean(prompt), "prompt")
         return await self._run(request, ids, params, "prompt", chat=False)
 
     async def _submit(self, request: Request, ids: list[int], params: Params,
@@ -441,7 +442,7 @@ class Server:
         def encode(text: str) -> list[int]:
             ids = tok.encode_special(text) if parse_special else tok.encode(text)
             return [tok.bos_id] + ids if add_special and tok.add_bos else ids
-        ids = await _tokenize(encode, content)
+        ids = await _tokenize(encode, content, "content")
         if not with_pieces:
             return JSONResponse({"tokens": ids})
         pieces = []

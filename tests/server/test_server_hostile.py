@@ -14,9 +14,11 @@ import signal
 import threading
 import time
 
+import numpy as np
 import openai
 import pytest
 
+from edgellama.tokenizer import Tokenizer
 from server_asgi import ServerUnderTest, tiny_chat_model
 from test_server import KEY, MSG, Served, models  # noqa: F401 - the fixture, shared
 
@@ -213,6 +215,21 @@ def test_extreme_repeat_penalty_answers(app):
         r = app.request("POST", CHAT, {"messages": M, "max_tokens": 4, "temperature": 1,
                                        "repeat_penalty": rp})
         assert r.raised is None and r.status == 200, (rp, r.status, r.body[:300])
+    assert_clean(app)
+
+
+def test_text_the_vocabulary_cannot_spell_is_400(app, monkeypatch):
+    """A SentencePiece vocabulary without byte tokens cannot spell some characters: the
+    request's text is refused naming its field (it was a 500, "internal server error")."""
+    spm = Tokenizer.from_metadata({
+        "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>", "a", "▁"],
+        "tokenizer.ggml.token_type": np.array([2, 3, 3, 1, 1], np.int32),
+        "tokenizer.ggml.scores": np.zeros(5, np.float32)})
+    monkeypatch.setattr(app.llm, "tokenizer", spm)
+    for path, body, param in [("/tokenize", {"content": "aé"}, "content"),
+                              (COMPLETIONS, {"prompt": "aé", "max_tokens": 2}, "prompt")]:
+        err = refused(app.request("POST", path, body), 400, param)
+        assert "no token for 'é'" in err["message"], err
     assert_clean(app)
 
 
