@@ -37,7 +37,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core import cgutils
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
@@ -75,6 +75,14 @@ def _dot_bounded(builder, row, n, pairs, wmax):
 
 
 TOKENS = 4       # rows of x per call of the _gemm intrinsics (prefill)
+
+# prefetch_ir's localities (LLVM's): into L1 and every level (x86 prefetcht0), or into
+# L2 and beyond (prefetcht1)
+L1, L2 = 3, 2
+# Records ahead that a record loop prefetches, into L2: one record ahead into L1 streamed
+# 1B's decode products at 0.64x the read ceiling on one thread of the AVX-512 Xeon, two
+# into L2 at 0.75x ("records prefetch into L2", bench/results/design_measurements.json)
+RECORDS_AHEAD = 2
 
 
 class Q8X(NamedTuple):
@@ -163,10 +171,10 @@ class Operands:
         aty, arr = self.arrays[name]
         return self.context.make_array(aty)(self.context, self.builder, arr).nitems
 
-    def prefetch(self, off):
+    def prefetch(self, off, locality=L1):
         """prefetch_ir of the line holding q[off]."""
         aty, arr = self.arrays["q"]
-        prefetch_ir(self.context, self.builder, aty, arr, off)
+        prefetch_ir(self.context, self.builder, aty, arr, off, locality)
 
 
 class _GemmFrame(Operands):
@@ -218,12 +226,12 @@ def _over_records(builder, fr, block_bytes, tokens, sums_per_token, block, finis
     records of fr.group blocks of 32 weights, block_bytes each (a constant), fr.nb
     blocks a row: per vector of n rows (lanes lane.. of their strip) and record, with
     rec its byte offset in q: zero `sums_per_token` f32 vectors
-    per token (sums[j][t]); for its blocks k (an IR loop index), prefetch the block's
-    share of the next record and call block(g, k, rec, lane, sums) (g the record's
+    per token (sums[j][t]); for its blocks k (an IR loop index), prefetch into L2 the
+    block's share of the record RECORDS_AHEAD on and call block(g, k, rec, lane, sums) (g the record's
     index in the row, so block g * group + k of it); then finish(rec, lane, sums,
     totals), totals[t] one f32 vector per token that block or finish adds to and that is
     stored to acc[t R + row] at the end. The blocks are a loop, not unrolled, and the
-    prefetch of the next record is spread over them: both measured faster ("records
+    prefetch of the record ahead is spread over them: both measured faster ("records
     loop and prefetch", bench/results/design_measurements.json)."""
     k64, n, vf, group = fr.k64, fr.n, fr.vf, fr.group
     per_strip = RECORD_ROWS // n                        # row vectors per strip
@@ -244,9 +252,10 @@ def _over_records(builder, fr, block_bytes, tokens, sums_per_token, block, finis
                 builder.store(ir.Constant(vf, None), a)
             with cgutils.for_range(builder, group) as blk:
                 k = blk.index
-                ahead = builder.add(builder.add(rec, record), fr.at(k, block_bytes, 0))
+                ahead = builder.add(builder.add(rec, builder.mul(record, k64(RECORDS_AHEAD))),
+                                    fr.at(k, block_bytes, 0))
                 for line in range(0, block_bytes, 64):
-                    fr.prefetch(builder.add(ahead, k64(line)))
+                    fr.prefetch(builder.add(ahead, k64(line)), L2)
                 block(sb, k, rec, lane, sums)
             finish(rec, lane, sums, totals)
         r0 = builder.mul(vec.index, k64(n))
@@ -515,29 +524,12 @@ def q6_gemm(typingctx, q, x, acc, shape, isa):
     return types.void(q, x, acc, shape, isa), codegen
 
 
-def prefetch_ir(context, builder, aty, arr, off):
-    """llvm.prefetch (read, keep in all cache levels) of the line holding arr[off] (a 1-d
-    array of Numba type aty); off may lie past the end: a prefetch never faults."""
+def prefetch_ir(context, builder, aty, arr, off, locality=L1):
+    """llvm.prefetch (read) of the line holding arr[off] (a 1-d array of Numba type aty)
+    into the cache levels `locality` says; off may lie past the end: a prefetch never
+    faults."""
     i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
     data = context.make_array(aty)(context, builder, arr).data
     call_llvm(builder, "llvm.prefetch.p0", ir.VoidType(),
               [builder.bitcast(builder.gep(data, [off]), i8p), ir.Constant(i32, 0),
-               ir.Constant(i32, 3), ir.Constant(i32, 1)])
-
-
-@intrinsic
-def prefetch(typingctx, arr, idx):
-    # prefetch_ir of arr[idx], 1-d arr
-    def codegen(context, builder, sig, args):
-        prefetch_ir(context, builder, sig.args[0], args[0], args[1])
-        return context.get_dummy_value()
-    return types.void(arr, idx), codegen
-
-
-@njit(cache=True, inline="always")
-def prefetch_run(a, lo, n):
-    # prefetch the bytes a[lo:lo+n] (clipped to a), a 1-d u8 array: one call per 64 bytes.
-    # The K-quant kernels prefetch the next sub-block ("sub-block prefetch",
-    # bench/results/design_measurements.json).
-    for i in range(lo, min(lo + n, a.size), 64):
-        prefetch(a, i)
+               ir.Constant(i32, locality), ir.Constant(i32, 1)])
