@@ -157,6 +157,11 @@ def _one_line(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def _not_json(name: str):
+    """json.loads' hook for NaN and Infinity, which Python reads and JSON has not."""
+    raise ValueError(f"{name} is not JSON")
+
+
 def template_kwargs(value: str | Mapping[str, Any] | None,
                     what: str = "chat template kwargs") -> dict[str, Any]:
     """Extra chat template variables, checked: a JSON object (its text, or a dict of JSON
@@ -172,7 +177,7 @@ def template_kwargs(value: str | Mapping[str, Any] | None,
             raise EdgeError(f"{what} must be a JSON object of variable names and values, "
                             f"got {type(value).__name__}")
         try:
-            text = json.dumps(value, ensure_ascii=False)
+            text = json.dumps(value, ensure_ascii=False, allow_nan=False)
         except (TypeError, ValueError, RecursionError) as exc:
             raise EdgeError(f"{what} must hold only JSON values (strings, numbers, true, "
                             f"false, null, lists, objects): {_one_line(str(exc), 120)}") from None
@@ -181,7 +186,7 @@ def template_kwargs(value: str | Mapping[str, Any] | None,
                         f"{MAX_KWARGS_CHARS} allowed")
     too_deep = EdgeError(f"{what} nests more than {MAX_KWARGS_DEPTH} levels deep")
     try:
-        parsed = json.loads(text)
+        parsed = json.loads(text, parse_constant=_not_json)
     except RecursionError:
         raise too_deep from None
     except ValueError as exc:

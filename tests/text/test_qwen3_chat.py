@@ -173,6 +173,8 @@ def test_generate_reasoning_budget_0_and_kwargs(model):
     (["--chat-template-kwargs", '{"enable_thinking": "false"}'],
      'enable_thinking must be true or false, got "false"'),
     (["--chat-template-kwargs", '{"enable_thinking": 0}'], "enable_thinking must be true or false, got 0"),
+    (["--chat-template-kwargs", '{"x": NaN}'], "the value is not valid JSON: NaN is not JSON"),
+    (["--chat-template-kwargs", '{"x": [-Infinity]}'], "-Infinity is not JSON"),
 ])
 def test_bad_options_are_usage_errors_before_loading(args, message):
     for cmd in (["generate", "-p", "Hi"], ["chat"]):
@@ -188,3 +190,5 @@ def test_load_takes_the_kwargs(model):
     assert llm.chat.render([{"role": "user", "content": "Hi"}]).endswith(EMPTY_THINK)
     with pytest.raises(EdgeError, match="chat template kwargs must be a JSON object"):
         edgellama.load("/nonexistent/model.gguf", chat_template_kwargs="[true]")
+    with pytest.raises(EdgeError, match="must hold only JSON values"):
+        edgellama.load("/nonexistent/model.gguf", chat_template_kwargs={"x": float("nan")})
