@@ -79,9 +79,9 @@ TOKENS = 4       # rows of x per call of the _gemm intrinsics (prefill)
 # prefetch_ir's localities (LLVM's): into L1 and every level (x86 prefetcht0), or into
 # L2 and beyond (prefetcht1)
 L1, L2 = 3, 2
-# Records ahead that a record loop prefetches, into L2: one record ahead into L1 streamed
-# 1B's decode products at 0.64x the read ceiling on one thread of the AVX-512 Xeon, two
-# into L2 at 0.75x ("records prefetch into L2", bench/results/design_measurements.json)
+# Records ahead that a record loop prefetches, into L2: into L1, its few fill buffers cap
+# the misses a core keeps in flight, and one record is less than the memory's latency
+# ahead ("records prefetch into L2", bench/results/design_measurements.json)
 RECORDS_AHEAD = 2
 
 
