@@ -77,7 +77,7 @@ def test_a_damaged_kernel_cache_entry_is_discarded_and_rebuilt(compiled, tmp_pat
     cache = tmp_path / "cache"
     shutil.copytree(compiled, cache, symlinks=True)
     (victim := tmp_path / "victim.nbc").write_bytes(b"the user's")
-    files = sorted(cache.rglob(f"kernels.rmsnorm-*.{kind}"))
+    files = sorted(cache.rglob(f"rows.rmsnorm-*.{kind}"))
     assert files
     _damage(files[0], how)
     res = run_kernel(cache)
