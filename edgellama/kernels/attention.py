@@ -34,7 +34,7 @@ from numba.extending import intrinsic, overload
 from ..formats.records import prep_q8_x
 from .fp import f16_to_f32, f32_to_f16, half_to_float_ir
 from .rows import _AVX512, _MIN_LOGIT, _VREGS, _exp_neg, _fma, _scores, _weighted
-from .simd import ISA, L2, _dot, call_llvm, ir_ptr, prefetch_ir, splat
+from .simd import ISA, _dot, call_llvm, ir_ptr, splat
 
 F32 = np.float32
 KV_BLOCK = 16        # positions per block of K (one vector lane each)
@@ -45,9 +45,8 @@ _SPLIT_CHUNKS = 4    # chunks of positions a decoded token's work item covers at
 _MAX_SPLITS = 32     # splits of a decoded token's positions at most (longer ones cover more)
 KIND_Q8, KIND_Q4 = 0, 1
 _PREFETCH_Q = 16384  # bytes ahead that the quantized kernels prefetch K and V, into L2
-                     # (prefetcht1: L1's few fill buffers would cap the misses in flight);
-                     # 4 KiB, or into L1, left q8_0's decode at depth 32768 waiting on
-                     # memory (bench/bench_kv_attention.py --layers 8)
+                     # (bench/bench_kv_attention.py --layers 8: 4 KiB, or prefetches into
+                     # L1 too, left q8_0's decode at depth 32768 waiting on memory)
 _TB = 16             # query tokens per work item of prefill: they share each K/V chunk
                      # while it is in L2, so at depth the cache is read from memory T/_TB times
 _GMAX = 8             # query rows per call of a register kernel (1.._GMAX; more go in
@@ -63,6 +62,17 @@ _BATCH_Q = 8 if _AVX512 else 3
 def kv_capacity(ctx: int) -> int:
     """Positions the KV cache holds for a context of ctx: whole blocks of K."""
     return -(-ctx // KV_BLOCK) * KV_BLOCK
+
+
+def _prefetch_l2(context, builder, aty, arr, off):
+    # llvm.prefetch of the line holding arr[off] (off may lie past the end) into L2
+    # (locality 2: prefetcht1 on x86), not L1: K and V are read once a token, and L1's
+    # few fill buffers would cap the misses in flight
+    data = context.make_array(aty)(context, builder, arr).data
+    i32 = ir.IntType(32)
+    call_llvm(builder, "llvm.prefetch.p0", ir.VoidType(),
+              [builder.bitcast(builder.gep(data, [off]), ir.IntType(8).as_pointer()),
+               ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
 
 
 # -- register kernels of the quantized types ----------------------------------------------
@@ -99,8 +109,8 @@ def _scores_q16(typingctx, kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, 
                 b = blk.index
                 at = builder.add(kbase, builder.mul(b, k64(bbytes)))
                 for line in range(0, bbytes, 64):
-                    prefetch_ir(context, builder, sig.args[0], args[0],
-                                builder.add(at, k64(_PREFETCH_Q + line)), L2)
+                    _prefetch_l2(context, builder, sig.args[0], args[0],
+                                 builder.add(at, k64(_PREFETCH_Q + line)))
                 dk = half_to_float_ir(builder, builder.load(
                     ptr(2, builder.add(sbase, builder.mul(b, k64(16))),
                         ir.VectorType(ir.IntType(16), 16)), align=2))
@@ -182,8 +192,7 @@ def _weighted_q16(typingctx, vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff,
                 with cgutils.for_range(builder, na) as pos:
                     row = builder.add(builder.add(voa, builder.mul(pos.index, rbytes)),
                                       builder.mul(b0, k64(bbytes)))
-                    prefetch_ir(context, builder, sig.args[0], args[0], builder.add(row, k64(_PREFETCH_Q)),
-                                L2)
+                    _prefetch_l2(context, builder, sig.args[0], args[0], builder.add(row, k64(_PREFETCH_Q)))
                     dvp = builder.add(dva, builder.add(builder.mul(pos.index, nbk), b0))
                     vals = []
                     for bi in range(bp):
