@@ -313,6 +313,11 @@ def sample(sampler: Sampler, logits: np.ndarray, history: list[int],
     if constraint is not None:
         constraint.mask(adjusted, left)
     tok = sampler.pick(adjusted)
+    if constraint is not None and not constraint.leaves_an_end(tok, left):
+        # drawn freely, the token would open more than the budget can close: steer now
+        adjusted = sampler.adjusted(logits, history)
+        constraint.mask(adjusted, left, steer=True)
+        tok = sampler.pick(adjusted)
     if constraint is not None:
         constraint.advance(tok)
     return tok, adjusted
@@ -326,8 +331,11 @@ class Constraint:
     the grammar forces, else the first allowed of a few closing bytes, a string's end
     inside one) is followed once the budget is within CLOSE_MARGIN tokens of the tokens
     it takes, only tokens whose bytes begin it allowed, and only a stop token once the
-    output is complete. So a JSON reply closes, and parses, where the budget can hold
-    its end; one whose budget cannot is not steered (it ends cut, "length")."""
+    output is complete. Near that point a token drawn freely is checked first: one that
+    would leave an end the margin no longer holds (a new key cut inside a UTF-8
+    character takes several byte tokens to close) is drawn again, steered. So a JSON
+    reply closes, and parses, where the budget can hold its end; one whose budget cannot
+    is not steered (it ends cut, "length")."""
 
     def __init__(self, tokenizer: Tokenizer, grammar: str):
         self.tokenizer = tokenizer
@@ -336,6 +344,7 @@ class Constraint:
         self._longest_end: int | None = None   # the longest end found: look for one
                                                # within CLOSE_WINDOW tokens of it
         self._retry_at: int | None = None  # no end was found: look again at this budget
+        self._near = False                 # this step found an end, not yet steered to
         _token_tables(tokenizer)           # built here, off the server's engine thread
         lltok = grammar_tokenizer(tokenizer)
         self.vocab_size = lltok.vocab_size
@@ -361,13 +370,15 @@ class Constraint:
         self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         return np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.vocab_size].view(bool)
 
-    def mask(self, logits: np.ndarray, left: int | None = None) -> None:
+    def mask(self, logits: np.ndarray, left: int | None = None, steer: bool = False) -> None:
         """Set the logits (V,) of forbidden tokens to -inf, in place (V may exceed the
         tokenizer's vocabulary: the padding rows are forbidden too). `left`: the tokens
-        the reply may still take, this one included (None: no bound)."""
+        the reply may still take, this one included (None: no bound). `steer`: follow
+        an end found now even though the margin would still allow a free token."""
         allowed = self.allowed()
         self._check("the grammar failed while generating", GrammarError)
-        end = None if left is None else self._steer(left)
+        self._near = False
+        end = None if left is None else self._steer(left, steer)
         if end is not None:
             steered = allowed & self._beginning(end)
             if steered.any():   # else the grammar asks for a token the end does not begin
@@ -387,8 +398,18 @@ class Constraint:
         self._end = self._end[len(data):] if self._end and self._end.startswith(data) \
             else None
 
-    def _steer(self, left: int) -> bytes | None:
-        """The end to steer to now (b"": only a stop token), or None to sample freely."""
+    def leaves_an_end(self, token: int, left: int | None) -> bool:
+        """Whether, after `token` drawn freely where mask() found an end it did not yet
+        steer to, an end is still found that leaves the margin: its tokens plus
+        CLOSE_MARGIN fewer than `left` (the budget this token included)."""
+        if left is None or not self._near:
+            return True
+        end = self.closing(after=token)
+        return end is not None and self._tokens_for(end) + CLOSE_MARGIN < left
+
+    def _steer(self, left: int, force: bool = False) -> bytes | None:
+        """The end to steer to now (b"": only a stop token), or None to sample freely
+        (never where `force`, if an end that fits is found)."""
         if self._end is None:
             if (self._longest_end is not None and left > self._longest_end + CLOSE_WINDOW) \
                     or (self._retry_at is not None and left > self._retry_at):
@@ -404,7 +425,8 @@ class Constraint:
                 self._retry_at = left - _CLOSE_RETRY
                 return None
             self._retry_at = None
-            if need + CLOSE_MARGIN < left:
+            if need + CLOSE_MARGIN < left and not force:
+                self._near = True
                 return None
             self._end = end
         return self._end
@@ -431,15 +453,20 @@ class Constraint:
             out[by_bytes.get(end[:k], [])] = True
         return out
 
-    def closing(self) -> bytes | None:
+    def closing(self, after: int | None = None) -> bytes | None:
         """A short way to complete the output from here (b"" if it is complete), as
-        bytes, or None if none was found within CLOSE_MAX bytes. Greedy: the bytes the
+        bytes, or None if none was found within CLOSE_MAX bytes; from after the token
+        `after` if given (which the grammar must allow here). Greedy: the bytes the
         grammar forces, else the first allowed of _INSIDE inside a JSON string and of
         _OUTSIDE out of one (a closer before a separator before the shortest values),
         else the lowest allowed byte."""
         single, _ = _token_tables(self.tokenizer)
         m = self.matcher.deep_copy()
         state, out = self._string, bytearray()
+        if after is not None:
+            if not m.consume_token(after):
+                return None
+            state = _in_string(state, self.tokenizer.token_bytes(after))
         while not m.is_accepting():
             step = m.compute_ff_bytes()
             if not step:

@@ -19,8 +19,9 @@ import re
 import pytest
 
 from edgellama.constrain import (ARRAY_BOUND, CLOSE_MARGIN, INTEGER_BOUND, STRING_BOUND,
-                                 Constraint, bounded_schema, gbnf_grammar, json_schema_grammar)
-from edgellama.sampling import SamplingParams
+                                 Constraint, bounded_schema, gbnf_grammar, json_object_grammar,
+                                 json_schema_grammar, sample)
+from edgellama.sampling import Sampler, SamplingParams
 from server_asgi import ServerUnderTest
 from test_chat_template import LLAMA32_TEMPLATE
 from tiny_gguf import TINY_VOCAB, write_tiny_gguf
@@ -104,14 +105,9 @@ NESTED = {"type": "object", "properties": {
     (CHAT, {"json_schema": NESTED}, NESTED),
     (COMPLETIONS, {"json_schema": {"type": "array", "items": {"type": "number"}}},
      {"type": "array", "items": {"type": "number"}}),
-    # Known defect, open: at max_tokens 110 seed 2 ends cut inside a key string
-    # (finish_reason length) on the 2-core Xeon since 2026-11-26 (and at the round's
-    # earlier commits there: the path depends on the float rounding of the BLAS products
-    # of this F32 model). closing() finds an end from that state; the steering (_steer)
-    # is what misses it.
-    pytest.param(CHAT, {"response_format": {"type": "json_object"}}, {"type": "object"},
-                 marks=pytest.mark.xfail(reason="known defect: a json_object reply can end "
-                                         "cut inside a key string", strict=False)),
+    # at max_tokens 110, seed 2 (on the 2-core Xeon) a token drawn freely 7 tokens from
+    # the end opened a key cut inside a UTF-8 character, whose end no longer fitted
+    (CHAT, {"response_format": {"type": "json_object"}}, {"type": "object"}),
 ], ids=["chat schema", "completions schema", "json_schema field", "array of numbers",
         "json_object"])
 @pytest.mark.parametrize("max_tokens", [110, 300])
@@ -249,6 +245,25 @@ def test_the_mask_steers_only_when_the_budget_runs_short(tok):
     stop = np.zeros(c.vocab_size, np.float32)
     c.mask(stop, left=1)
     assert set(np.flatnonzero(np.isfinite(stop)).tolist()) <= set(tok.stop_ids)
+
+
+@pytest.mark.parametrize("written, far, near", [
+    ('{"a": 1', b",", b"}"),         # a comma opens a key: its end takes 8 tokens, not 1
+    ('{"a": 1, "', b"\xe4", b'"'),  # a key cut inside a UTF-8 character: 8, not 6
+])
+def test_a_free_token_the_margin_cannot_close_is_drawn_again_steered(tok, written, far, near):
+    import numpy as np
+    ids = {tok.token_bytes(i): i for i in range(tok.vocab_size)}
+    logits = np.zeros(tok.vocab_size, np.float32)
+    logits[ids[far]] = 50.0                      # what the model wants
+    greedy = Sampler(SamplingParams(temperature=0))
+    c = walk(tok, json_object_grammar(), written)
+    need = c._tokens_for(c.closing())
+    left = need + CLOSE_MARGIN + 1               # the mask leaves this step free
+    assert sample(greedy, logits, [], c, left)[0] == ids[near]
+    assert c._tokens_for(c.closing()) < need      # and it brought the end nearer
+    c = walk(tok, json_object_grammar(), written)
+    assert sample(greedy, logits, [], c, left + 8)[0] == ids[far]   # room to close it
 
 
 def test_a_gbnf_grammar_that_cannot_close_in_time_still_runs(tok):
