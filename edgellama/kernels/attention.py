@@ -12,8 +12,9 @@ K and V are read in their stored type, never copied out dequantized:
     q8_0  K: q quantized per block of 32 to int8 (as llama.cpp's q8_0 activations), the
     q4_0  score an exact int32 pair-dot per block (simd._dot: vpdpbusd on AVX-512 VNNI,
           vpmaddubsw + vpmaddwd on AVX2, plain IR elsewhere) times the two block scales;
-          V: each block's 32 values widened to f32 in registers and multiply-added with
-          weight x scale.
+          V: each block's 32 values widened to f32 in registers, times the block's
+          scale (a chunk's scales widened beforehand), and multiply-added with each
+          head's weight.
 The cache layouts (kv_cache.py): K in blocks of 16 positions (one vector lane per
 position), for q8_0 each block's int8 as quads (4 dims of one position in a 32-bit lane,
 byte 4g + i of position l of head-dim block b at 512 b + 64 g + 4 l + i), for q4_0 its
@@ -32,8 +33,8 @@ from numba.extending import intrinsic, overload
 
 from ..formats.records import prep_q8_x
 from .fp import f16_to_f32, f32_to_f16, half_to_float_ir
-from .rows import _AVX512, _MIN_LOGIT, _PREFETCH, _exp_neg, _fma, _scores, _weighted
-from .simd import ISA, _dot, ir_ptr, prefetch_ir, splat
+from .rows import _AVX512, _MIN_LOGIT, _VREGS, _exp_neg, _fma, _scores, _weighted
+from .simd import ISA, L2, _dot, call_llvm, ir_ptr, prefetch_ir, splat
 
 F32 = np.float32
 KV_BLOCK = 16        # positions per block of K (one vector lane each)
@@ -43,6 +44,10 @@ _NO_MAX = F32(-1e30)  # the running max before the first chunk
 _SPLIT_CHUNKS = 4    # chunks of positions a decoded token's work item covers at depth
 _MAX_SPLITS = 32     # splits of a decoded token's positions at most (longer ones cover more)
 KIND_Q8, KIND_Q4 = 0, 1
+_PREFETCH_Q = 16384  # bytes ahead that the quantized kernels prefetch K and V, into L2
+                     # (prefetcht1: L1's few fill buffers would cap the misses in flight);
+                     # 4 KiB, or into L1, left q8_0's decode at depth 32768 waiting on
+                     # memory (bench/bench_kv_attention.py --layers 8)
 _TB = 16             # query tokens per work item of prefill: they share each K/V chunk
                      # while it is in L2, so at depth the cache is read from memory T/_TB times
 _GMAX = 8             # query rows per call of a register kernel (1.._GMAX; more go in
@@ -95,7 +100,7 @@ def _scores_q16(typingctx, kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, 
                 at = builder.add(kbase, builder.mul(b, k64(bbytes)))
                 for line in range(0, bbytes, 64):
                     prefetch_ir(context, builder, sig.args[0], args[0],
-                                builder.add(at, k64(_PREFETCH + line)))
+                                builder.add(at, k64(_PREFETCH_Q + line)), L2)
                 dk = half_to_float_ir(builder, builder.load(
                     ptr(2, builder.add(sbase, builder.mul(b, k64(16))),
                         ir.VectorType(ir.IntType(16), 16)), align=2))
@@ -131,62 +136,85 @@ def _scores_q16(typingctx, kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, 
                       kind), codegen
 
 
+def _vblocks(g):
+    # head-dim blocks of 32 columns (2 vectors) per pass of _weighted_q16: 2 g sums and 2
+    # values per block in registers; two blocks give AVX-512 12 sums for g = 3, enough
+    # independent FMA chains to keep both FMA units busy
+    return max(1, min(2, _VREGS // (2 * (g + 1))))
+
+
 @intrinsic(prefer_literal=True)
-def _weighted_q16(typingctx, vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, g, kind):
+def _weighted_q16(typingctx, vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, g,
+                  kind):
     """out[ooff + j ostride + c] += sum_p w[j wstride + p] dv(p, c/32) V(p, c) for c < hd,
     j < g (a constant), over the n positions p from byte voff of vq (q8_0: int8 rows of hd,
-    q4_0: ggml nibble rows of hd/2) and scale voff vsoff of vs (f16 bits, hd/32 a row):
-    one head-dim block of 32 columns a pass over the positions, its g x 2 vector sums in
-    registers; each position's block widened to f32 once for the g heads."""
+    q4_0: ggml nibble rows of hd/2), dv(p, b) = dvf[dvoff + p hd/32 + b] (f32, the block
+    scales widened beforehand): _vblocks(g) head-dim blocks of 32 columns a pass over the
+    positions, their 2 g vector sums per block in registers. Each position's block is
+    widened to f32 and scaled once, dv V, for the g heads (one multiply by a broadcast
+    load), whose weights are broadcast loads into the FMAs."""
     if not isinstance(g, types.IntegerLiteral) or not isinstance(kind, types.IntegerLiteral):
         return None
     G, KIND = g.literal_value, kind.literal_value
+    BP = _vblocks(G)
 
     def codegen(context, builder, sig, args):
-        voa, vsa, hda, wsa, na, ooa, osa = (args[i] for i in (1, 3, 4, 6, 7, 9, 10))
-        i8, i16, f32 = ir.IntType(8), ir.IntType(16), ir.FloatType()
+        voa, dva, hda, wsa, na, ooa, osa = (args[i] for i in (1, 3, 4, 6, 7, 9, 10))
+        i8, f32 = ir.IntType(8), ir.FloatType()
         v16, b16, w16 = ir.VectorType(f32, 16), ir.VectorType(i8, 16), ir.VectorType(ir.IntType(32), 16)
         k64 = lambda v: ir.Constant(voa.type, v)
         ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
         nbk = builder.udiv(hda, k64(QBLOCK))
         rbytes = hda if KIND == KIND_Q8 else builder.udiv(hda, k64(2))
         bbytes = 32 if KIND == KIND_Q8 else 16
-        accs = [[cgutils.alloca_once(builder, v16) for _ in range(2)] for _ in range(G)]
-        with cgutils.for_range(builder, nbk) as blk:
-            b = blk.index
-            outs = [[ptr(8, builder.add(builder.add(ooa, builder.mul(k64(j), osa)),
-                                        builder.add(builder.mul(b, k64(QBLOCK)), k64(16 * h))), v16)
-                     for h in range(2)] for j in range(G)]
-            for j in range(G):
-                for h in range(2):
-                    builder.store(builder.load(outs[j][h], align=4), accs[j][h])
-            with cgutils.for_range(builder, na) as pos:
-                row = builder.add(builder.add(voa, builder.mul(pos.index, rbytes)),
-                                  builder.mul(b, k64(bbytes)))
-                prefetch_ir(context, builder, sig.args[0], args[0], builder.add(row, k64(_PREFETCH)))
-                dv = half_to_float_ir(builder, builder.load(
-                    ptr(2, builder.add(vsa, builder.add(builder.mul(pos.index, nbk), b)), i16)))
-                if KIND == KIND_Q8:
-                    vals = [builder.sitofp(builder.sext(builder.load(
-                        ptr(0, builder.add(row, k64(16 * h)), b16), align=1), w16), v16) for h in range(2)]
-                else:
-                    raw = builder.zext(builder.load(ptr(0, row, b16), align=1), w16)
-                    eight = ir.Constant(w16, [8] * 16)
-                    lo = builder.sub(builder.and_(raw, ir.Constant(w16, [15] * 16)), eight)
-                    hi = builder.sub(builder.lshr(raw, ir.Constant(w16, [4] * 16)), eight)
-                    vals = [builder.sitofp(lo, v16), builder.sitofp(hi, v16)]
+
+        def passes(first, count, bp):
+            # `count` passes of bp blocks each, from block `first`
+            accs = [[cgutils.alloca_once(builder, v16) for _ in range(2 * bp)] for _ in range(G)]
+            with cgutils.for_range(builder, count) as grp:
+                b0 = builder.add(first, builder.mul(grp.index, k64(bp)))
+                outs = [[ptr(8, builder.add(builder.add(ooa, builder.mul(k64(j), osa)),
+                                            builder.add(builder.mul(b0, k64(QBLOCK)), k64(16 * h))),
+                             v16) for h in range(2 * bp)] for j in range(G)]
                 for j in range(G):
-                    wj = builder.load(ptr(5, builder.add(builder.mul(k64(j), wsa), pos.index), f32))
-                    c = splat(builder, builder.fmul(wj, dv), 16)
-                    for h in range(2):
-                        a = accs[j][h]
-                        builder.store(_fma(builder, c, vals[h], builder.load(a)), a)
-            for j in range(G):
-                for h in range(2):
-                    builder.store(builder.load(accs[j][h]), outs[j][h], align=4)
+                    for h in range(2 * bp):
+                        builder.store(builder.load(outs[j][h], align=4), accs[j][h])
+                with cgutils.for_range(builder, na) as pos:
+                    row = builder.add(builder.add(voa, builder.mul(pos.index, rbytes)),
+                                      builder.mul(b0, k64(bbytes)))
+                    prefetch_ir(context, builder, sig.args[0], args[0], builder.add(row, k64(_PREFETCH_Q)),
+                                L2)
+                    dvp = builder.add(dva, builder.add(builder.mul(pos.index, nbk), b0))
+                    vals = []
+                    for bi in range(bp):
+                        at = builder.add(row, k64(bi * bbytes))
+                        if KIND == KIND_Q8:
+                            ints = [builder.sext(builder.load(ptr(0, builder.add(at, k64(16 * h)), b16),
+                                                              align=1), w16) for h in range(2)]
+                        else:
+                            raw = builder.zext(builder.load(ptr(0, at, b16), align=1), w16)
+                            eight = ir.Constant(w16, [8] * 16)
+                            ints = [builder.sub(builder.and_(raw, ir.Constant(w16, [15] * 16)), eight),
+                                    builder.sub(builder.lshr(raw, ir.Constant(w16, [4] * 16)), eight)]
+                        dv = splat(builder, builder.load(ptr(2, builder.add(dvp, k64(bi)), f32)), 16)
+                        vals += [builder.fmul(builder.sitofp(x, v16), dv) for x in ints]
+                    for j in range(G):
+                        wj = splat(builder, builder.load(
+                            ptr(5, builder.add(builder.mul(k64(j), wsa), pos.index), f32)), 16)
+                        for h, a in enumerate(accs[j]):
+                            builder.store(_fma(builder, wj, vals[h], builder.load(a)), a)
+                for j in range(G):
+                    for h in range(2 * bp):
+                        builder.store(builder.load(accs[j][h]), outs[j][h], align=4)
+
+        full = builder.udiv(nbk, k64(BP))
+        passes(k64(0), full, BP)
+        if BP > 1:
+            done = builder.mul(full, k64(BP))
+            passes(done, builder.sub(nbk, done), 1)     # the blocks left over
         return context.get_dummy_value()
 
-    return types.void(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, g, kind), codegen
+    return types.void(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, g, kind), codegen
 
 
 @nb.njit(cache=True, inline="always")
@@ -229,42 +257,68 @@ def _scores_q(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk
 
 
 @nb.njit(cache=True, inline="always")
-def _weighted_q(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, g, kind):
+def _weighted_q(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, g, kind):
     # _weighted_q16 with g and kind as constants, g 1.._GMAX
     if kind == KIND_Q8:
         if g == 4:
-            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 4, 0)
+            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 4, 0)
         elif g == 3:
-            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 3, 0)
+            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 3, 0)
         elif g == 8:
-            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 8, 0)
+            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 8, 0)
         elif g == 2:
-            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 2, 0)
+            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 2, 0)
         elif g == 1:
-            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 1, 0)
+            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 1, 0)
         elif g == 6:
-            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 6, 0)
+            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 6, 0)
         elif g == 5:
-            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 5, 0)
+            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 5, 0)
         elif g == 7:
-            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 7, 0)
+            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 7, 0)
     else:
         if g == 4:
-            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 4, 1)
+            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 4, 1)
         elif g == 3:
-            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 3, 1)
+            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 3, 1)
         elif g == 8:
-            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 8, 1)
+            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 8, 1)
         elif g == 2:
-            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 2, 1)
+            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 2, 1)
         elif g == 1:
-            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 1, 1)
+            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 1, 1)
         elif g == 6:
-            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 6, 1)
+            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 6, 1)
         elif g == 5:
-            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 5, 1)
+            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 5, 1)
         elif g == 7:
-            _weighted_q16(vq, voff, vs, vsoff, hd, w, wstride, n, out, ooff, ostride, 7, 1)
+            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 7, 1)
+
+
+@intrinsic
+def _max_of(typingctx, s, off, n):
+    """max of s[off:off + n], f32, n >= 1: 16 lanes a step (LLVM leaves a max reduction
+    scalar), then the rest one by one."""
+    def codegen(context, builder, sig, args):
+        oa, na = args[1], args[2]
+        f32 = ir.FloatType()
+        v16 = ir.VectorType(f32, 16)
+        k64 = lambda v: ir.Constant(oa.type, v)
+        ptr = lambda off, ty: ir_ptr(context, builder, sig.args[0], args[0], off, ty)
+        acc = cgutils.alloca_once_value(builder, splat(builder, builder.load(ptr(oa, f32)), 16))
+        nv = builder.udiv(na, k64(16))
+        with cgutils.for_range(builder, nv) as it:
+            x = builder.load(ptr(builder.add(oa, builder.mul(it.index, k64(16))), v16), align=4)
+            builder.store(call_llvm(builder, "llvm.maxnum.v16f32", v16, [builder.load(acc), x]), acc)
+        m = cgutils.alloca_once_value(builder, call_llvm(
+            builder, "llvm.vector.reduce.fmax.v16f32", f32, [builder.load(acc)]))
+        rest = builder.add(oa, builder.mul(nv, k64(16)))
+        with cgutils.for_range(builder, builder.sub(na, builder.mul(nv, k64(16)))) as it:
+            x = builder.load(ptr(builder.add(rest, it.index), f32))
+            builder.store(call_llvm(builder, "llvm.maxnum.f32", f32, [builder.load(m), x]), m)
+        return builder.load(m)
+
+    return types.float32(s, types.intp, types.intp), codegen
 
 
 # -- f16 with a head dim not a multiple of 16: plain loops (functions of their own: inlined
@@ -301,7 +355,7 @@ def _chunk_scores(kq, ks, hd, cap, kvh, c0, n, q32, q8, qd, qs8, r, s, soff, g, 
     raise NotImplementedError
 
 
-def _chunk_weighted(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g, gm):
+def _chunk_weighted(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g, gm, dvf):
     """V's weighted sum over n positions from c0 (njit only: see the overload)."""
     raise NotImplementedError
 
@@ -335,10 +389,11 @@ def _ov_chunk_scores(kq, ks, hd, cap, kvh, c0, n, q32, q8, qd, qs8, r, s, soff, 
 
 
 @overload(_chunk_weighted, inline="always")
-def _ov_chunk_weighted(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g, gm):
+def _ov_chunk_weighted(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g, gm, dvf):
     # out[ooff + j hd + c] += sum_{p<n} w[woff + j _CHUNK + p] v_{c0+p, c}, j < g
+    # (dvf (_CHUNK hd/32,) f32 scratch: a quantized V's scales of the n positions, widened)
     if vq.dtype == types.uint16:
-        def f16(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g, gm):
+        def f16(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g, gm, dvf):
             base = kvh * cap * hd + c0 * hd
             if hd % 16 == 0:
                 for j0 in range(0, g, gm):
@@ -349,13 +404,15 @@ def _ov_chunk_weighted(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g, gm):
         return f16
     kind = KIND_Q8 if vq.dtype == types.int8 else KIND_Q4
 
-    def quant(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g, gm):
+    def quant(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g, gm, dvf):
         nbk = hd // QBLOCK
         row = hd if kind == KIND_Q8 else hd // 2
+        src = vs[(kvh * cap + c0) * nbk:(kvh * cap + c0 + n) * nbk]
+        for i in range(src.size):              # from 0: vectorised (vcvtph2ps)
+            dvf[i] = f16_to_f32(src[i])
         for j0 in range(0, g, gm):
-            _weighted_q(vq, (kvh * cap + c0) * row, vs, (kvh * cap + c0) * nbk, hd,
-                        w[woff + j0 * _CHUNK:], _CHUNK, n, out, ooff + j0 * hd, hd,
-                        min(gm, g - j0), kind)
+            _weighted_q(vq, (kvh * cap + c0) * row, dvf, 0, hd, w[woff + j0 * _CHUNK:], _CHUNK,
+                        n, out, ooff + j0 * hd, hd, min(gm, g - j0), kind)
     return quant
 
 
@@ -411,6 +468,7 @@ def attention(q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si, sp, wind
         qd = buf[G * (_CHUNK + hd + 2):G * (_CHUNK + hd + 2) + G * nbk]
         xsum = buf[G * (_CHUNK + hd + 2) + G * nbk:G * (_CHUNK + hd + 2) + 2 * G * nbk]
         o32 = buf[G * (_CHUNK + hd + 2) + 2 * G * nbk:G * (_CHUNK + 2 * hd + 2) + 2 * G * nbk]
+        dvf = buf[G * (_CHUNK + 2 * hd + 2) + 2 * G * nbk:]
         q8, qs8 = s8[nb.get_thread_id()], si[nb.get_thread_id()]
         for tt in range(nt):
             for j in range(g):
@@ -463,9 +521,7 @@ def attention(q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si, sp, wind
                             sj[p] = F32(0.0)
                         if m0 >= n:
                             continue
-                    mx = sj[m0]
-                    for p in range(m0, n):
-                        mx = max(mx, sj[p])
+                    mx = _max_of(s, r * _CHUNK + m0, n - m0)
                     if mx > mrow[r]:
                         d = mrow[r] - mx
                         f = _exp_neg(max(d, _MIN_LOGIT)) if d > _MIN_LOGIT else F32(0.0)
@@ -475,21 +531,22 @@ def attention(q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si, sp, wind
                         mrow[r] = mx
                     m = mrow[r]
                     tot = F32(0.0)
-                    for p in range(m0, n):
-                        x = sj[p] - m
+                    sv = sj[m0:]          # a loop from 0 vectorises (no negative indices)
+                    for p in range(sv.size):
+                        x = sv[p] - m
                         e = _exp_neg(max(x, _MIN_LOGIT))
                         e = e if x > _MIN_LOGIT else F32(0.0)
-                        sj[p] = e
+                        sv[p] = e
                         tot += e
                     lrow[r] += tot
             if whole:
-                _chunk_weighted(vq, vs, hd, cap, kvh, pc, _CHUNK, s, 0, o32, 0, nt * g, gv)
+                _chunk_weighted(vq, vs, hd, cap, kvh, pc, _CHUNK, s, 0, o32, 0, nt * g, gv, dvf)
             else:
                 for tt in range(nt):
                     n = min(pos0 + t0 + tt + 1, c0 + _CHUNK) - c0
                     if n > 0:
                         _chunk_weighted(vq, vs, hd, cap, kvh, pc, n, s, tt * g * _CHUNK, o32,
-                                        tt * g * hd, g, gv)
+                                        tt * g * hd, g, gv, dvf)
         if nsplit > 1:                               # the split's part, merged below
             part = sp[kvh * nsplit + split]
             for j in range(g):
@@ -541,7 +598,7 @@ def attention_scratch_shapes(n_threads: int, n_heads: int, n_kv_heads: int,
     g = n_heads // n_kv_heads
     G = _TB * g
     nbk = head_dim // QBLOCK
-    return [((n_threads, G * (_CHUNK + 2 * head_dim + 2) + 2 * G * nbk), np.float32),
+    return [((n_threads, G * (_CHUNK + 2 * head_dim + 2) + 2 * G * nbk + _CHUNK * nbk), np.float32),
             ((n_threads, max(1, G * head_dim)), np.int8),
             ((n_threads, max(1, G * nbk)), np.int32),
             ((n_kv_heads * _MAX_SPLITS, g * (head_dim + 2)), np.float32)]

@@ -179,6 +179,7 @@ SHAPES = [
     (20, 600, 24, 8, 128, 1),  # whole chunks scored for a block's 48 rows at once, then
                                # the diagonal token by token; a second, short block
     (18, 700, 10, 2, 32, 1),  # 80 rows of a whole chunk in groups, 5 heads a group
+    (3, 280, 6, 2, 96, 1),    # 3 blocks of 32: a quantized V's pass of 2, then 1 left over
 ]
 F16_ONLY = [
     (70, 0, 4, 4, 8, 1), (2, 50, 10, 2, 16, 1), (2, 60, 8, 1, 8, 1),
@@ -220,6 +221,26 @@ def test_attention_matches_numpy(type_k, type_v, T, pos0, H, KV, hd, qscale):
     ref = numpy_attention(q64, c.k_values(0, 0, n).astype(np.float64),
                           c.v_values(0, 0, n).astype(np.float64), pos0)
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-5 * qscale)
+
+
+@numba.njit
+def _max_of(s, off, n):
+    return A._max_of(s, off, n)
+
+
+def test_max_of_matches_numpy():
+    # the softmax's running max: 16 lanes a step, then the rest; any offset and length,
+    # the largest value first, last (in the rest when n is not a multiple of 16) or
+    # between. A wrong max would not show in attention's result (the softmax cancels
+    # it) unless it were too small by enough to overflow, so it is checked on its own
+    base = rng.standard_normal(300).astype(np.float32) - 5
+    for off in (0, 1, 3, 17, 38):
+        for n in (1, 2, 15, 16, 17, 31, 32, 33, 100, 262 - off):
+            for at in {off, off + n - 1, off + n // 2}:
+                s = base.copy()
+                s[at] = 2.0
+                assert _max_of(s, off, n) == 2.0, (off, n, at)
+            assert _max_of(base, off, n) == base[off:off + n].max(), (off, n)
 
 
 @pytest.mark.parametrize("type_k,type_v", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "f16")])
