@@ -1,6 +1,6 @@
 """edgellama beside llama.cpp on the same GGUF files, same thread counts, same depths.
 
-    python bench/bench_llamacpp.py [--shape llama-3.2-1b] [--type q4_0] [--threads 1,2]
+    python bench/bench_llamacpp.py [--shape llama-3.2-1b] [--type q4_0|q4_k_m|...] [--threads 1,2]
                                    [--depth 0] [--busy 0,1] [--reps 2] [--json OUT]
                                    [--baseline DIR]
 
@@ -31,7 +31,8 @@ Cases:
   with the given count, as a user would run it.
 
 The weights are random with the real shapes (speed does not depend on values; files
-from `edgellama.benchmark.shape_file`). llama.cpp fills its cache at depth by really
+from `edgellama.benchmark.shape_file`; --type q4_k_m is llama.cpp's own quantizer's
+Q4_K_M of the shape's F16 file, made once). llama.cpp fills its cache at depth by really
 prefilling `depth` tokens (untimed); edgellama fills it with synthetic K/V.
 """
 from __future__ import annotations
@@ -221,6 +222,24 @@ def run_one(engine: str, path: str, threads: int | None, depth: int, pp: int, tg
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def llamacpp_q4_k_m(shape: str) -> str:
+    """llama.cpp's own Q4_K_M of the shape's random F16 file (its quantizer's mix of Q4_K,
+    Q6_K and the rest), made once beside it."""
+    import ctypes
+    import llama_cpp
+    from edgellama.benchmark import shape_file
+    src = shape_file(shape, "F16")
+    dst = src.with_name(src.name.replace("-f16", "-q4_k_m-llamacpp"))
+    if not dst.is_file():
+        p = llama_cpp.llama_model_quantize_default_params()
+        p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+        tmp = dst.with_suffix(".part")
+        if llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(p)):
+            raise SystemExit(f"llama.cpp could not quantize {src} to Q4_K_M")
+        tmp.replace(dst)
+    return str(dst)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="llama-3.2-1b")
@@ -248,7 +267,12 @@ def main() -> None:
 
     from edgellama.benchmark import shape_file
     from edgellama.machine import cpu_name
-    path = a.file or str(shape_file(a.shape, a.type))
+    if a.file:
+        path = a.file
+    elif a.type.lower() == "q4_k_m":
+        path = llamacpp_q4_k_m(a.shape)
+    else:
+        path = str(shape_file(a.shape, a.type))
     engines = (*ENGINES, "baseline") if a.baseline else ENGINES
     rows = []
     for busy in (int(b) for b in a.busy.split(",")):
