@@ -46,7 +46,9 @@ def test_multi_turn_conversation_with_commands(smollm2_gguf):
 
 
 def test_ctrl_c_stops_the_reply_and_keeps_the_conversation(smollm2_gguf):
-    c = _spawn(smollm2_gguf, "-n", "400")
+    # -n 3000: the story runs 25 s unless stopped (with 400, 2.5 s: on a loaded machine it
+    # could end before the Ctrl-C arrived, and the test waited for "(reply stopped)")
+    c = _spawn(smollm2_gguf, "-n", "3000")
     ask = "Write a very long story about a dragon who learns to paint."
     c.sendline(ask)
     c.expect_exact(ask + "\r\n")      # the echo of the typed line
