@@ -1,5 +1,6 @@
 """AMX (Advanced Matrix Extensions) int8 tile products for prefill of the per-32-block
-formats (Q4_0, Q4_1, Q8_0), bit-identical to simd.blocks_gemm's VNNI products.
+formats (Q4_0, Q4_1, Q8_0) and of Q4_K, bit-identical to simd.blocks_gemm's (and
+simd.q4k_gemm's) VNNI products.
 
 One tdpbssd / tdpbsud multiplies a tile of 16 rows of x (A: 16 tokens x the 32 int8
 of one block, packed 512 bytes in a row by records.amx_a_tiles) by one block of a strip
@@ -13,7 +14,11 @@ The int32 result C[t][r] is the exact S of blocks_gemm: tdpbssd (s8 x s8) for Q8
 for Q4_0 the nibbles less 8 (-8..7, s8), so C = S - 8 xs8 with no correction; for
 Q4_1 tdpbsud (s8 x u8 nibbles). The scales then go on in the float operations of
 blocks_gemm, in its order (per record of G blocks: s = fma(float(S), d dx, s) block by
-block [+ fma(m, xsum, s)], then total += s), so every output has the same bits.
+block [+ fma(m, xsum, s)], then total += s), so every output has the same bits. A Q4_K
+record (a super-block of 16 rows) holds its 8 sub-blocks' nibbles as the same quads:
+tdpbsud per sub-block, then q4k_gemm's operations (s = fma(float(S), sc dx, s), mn =
+fma(m, xsum, mn) sub-block by sub-block, then total = fma(d, s, total), total =
+fma(-dmin, mn, total)).
 
 Linux hands out the tile state only to a process that asked for it
 (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)); without it the first tile
@@ -34,7 +39,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .fp import half_to_float_ir
-from .simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, RECORD_ROWS,
+from .simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, Q4K_D, Q4K_DMIN,
+                   Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, RECORD_ROWS,
                    Operands, call_llvm, splat, tile_constants)
 from .target import _ARCH, FEATURES, TARGET
 
@@ -43,6 +49,7 @@ from .target import _ARCH, FEATURES, TARGET
 # aborts on an intrinsic its target lacks
 COMPILED = TARGET.has_tiles(FEATURES) and _ARCH == "x86_64"
 AMX_TOKENS = 16             # rows of x per A tile (a tile's 16 rows)
+KIND_Q4_K = 3               # amx_blocks_gemm's kind for Q4_K records (simd.py's Q4K_* layout)
 
 SYS_ARCH_PRCTL = 158        # x86-64
 ARCH_GET_XCOMP_PERM, ARCH_REQ_XCOMP_PERM = 0x1022, 0x1023
@@ -118,10 +125,11 @@ def tile_config() -> list[int]:
 @intrinsic(prefer_literal=True)
 def amx_blocks_gemm(typingctx, q, x, acc, shape):
     """One tile of a per-32-block format's records (q: R rows of shape.nb blocks,
-    shape.group blocks a record, simd.py's layout) times shape.tokens rows t0.. of x (a
-    multiple of AMX_TOKENS, at most GROUPS of them; t0 a multiple of AMX_TOKENS):
+    shape.group blocks a record, simd.py's layout), or of Q4_K's (kind KIND_Q4_K: a
+    record a super-block, its 8 sub-blocks the blocks), times shape.tokens rows t0.. of x
+    (a multiple of AMX_TOKENS, at most GROUPS of them; t0 a multiple of AMX_TOKENS):
     acc[k R + r] (f32, R = acc.size // (GROUPS * AMX_TOKENS)) = row r . x_{t0+k}, every
-    bit as simd.blocks_gemm gives it. x: simd.Q8X of x8 as A tiles, flat (Tp/16, nb, 16,
+    bit as simd.blocks_gemm (simd.q4k_gemm) gives it. x: simd.Q8X of x8 as A tiles, flat (Tp/16, nb, 16,
     32) int8 (group, block, token, byte), xd, xsum flat (Tp*nb,) f32; shape.kind a
     constant. Per strip of 16 rows and record: a Q4 record's
     blocks unpacked to B bytes once; per token group, each block's 16 x 16 int32
@@ -160,20 +168,25 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
         cbase = builder.bitcast(cbuf, vi.as_pointer())
         wbase = builder.bitcast(wbuf, v64.as_pointer())
         sums = [cgutils.alloca_once(builder, vf) for _ in range(AMX_TOKENS)]
+        mins = [cgutils.alloca_once(builder, vf) for _ in range(AMX_TOKENS)] if KIND == KIND_Q4_K else []
 
         acc_n = ops.nitems("acc")
         R = builder.udiv(acc_n, k64(GROUPS * AMX_TOKENS))
         nsb = builder.udiv(nba, ga)                           # records per strip
-        record = builder.mul(ga, k64(BLOCK_BYTES[KIND]))
-        head = builder.mul(ga, k64(BLOCK_HEAD[KIND]))
-        tdp = "tdpbsud" if KIND == KIND_Q4_1 else "tdpbssd"
+        if KIND == KIND_Q4_K:
+            record, share = k64(Q4K_RECORD), Q4K_RECORD // 8      # share: a block's, to prefetch
+            quads_at = lambda rec, k: builder.add(builder.add(rec, k64(Q4K_QS)), builder.mul(k, k64(256)))
+        else:
+            record, share = builder.mul(ga, k64(BLOCK_BYTES[KIND])), BLOCK_BYTES[KIND]
+            quads_at = lambda rec, k: builder.add(builder.add(rec, builder.mul(ga, k64(BLOCK_HEAD[KIND]))),
+                                                  builder.mul(k, k64(BLOCK_QUADS[KIND])))
+        tdp = "tdpbsud" if KIND in (KIND_Q4_1, KIND_Q4_K) else "tdpbssd"
 
         def tile_block(rec, sb, tg, k, tset):
             """Block k of the record times token group tg, into tile set tset's C."""
             ta, tb, tc = tset
             if KIND == KIND_Q8_0:
-                bptr = ptr("q", builder.add(builder.add(rec, head), builder.mul(k, k64(BLOCK_QUADS[KIND]))),
-                           i8)
+                bptr = ptr("q", quads_at(rec, k), i8)
             else:
                 bptr = builder.bitcast(builder.gep(wbase, [builder.mul(k, k64(8))]), i8p)
             b = builder.add(builder.mul(sb, ga), k)
@@ -210,9 +223,44 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
                         store_block(hb, k0, SETS[0])
                         store_block(hb, k1, SETS[1])
 
+        def float_sums_k(rec, sb, r0, tg):
+            """acc rows of token group tg += the Q4_K record's float sums, q4k_gemm's
+            operations in its order: per sub-block fma(S, sc dx, s) and fma(m, xsum,
+            mn), then once a record acc + d s - dmin mn."""
+            for a in (*sums, *mins):
+                builder.store(ir.Constant(vf, None), a)
+            gi = builder.add(builder.udiv(t0a, k64(AMX_TOKENS)), tg)
+            hb = half(tg)
+            u8s = lambda off: builder.uitofp(builder.load(ptr("q", off, ir.VectorType(i8, 16)),
+                                                          align=1), vf)
+            with cgutils.for_range(builder, ga) as k_loop:
+                k = k_loop.index
+                b = builder.add(builder.mul(sb, ga), k)
+                scv = u8s(builder.add(rec, builder.add(k64(Q4K_SC), builder.mul(k, k64(16)))))
+                mv = u8s(builder.add(rec, builder.add(k64(Q4K_M), builder.mul(k, k64(16)))))
+                crow = builder.add(hb, builder.mul(k, k64(AMX_TOKENS)))
+                for t, (s_, m_) in enumerate(zip(sums, mins)):
+                    c = builder.load(builder.gep(cbase, [builder.add(crow, k64(t))]), align=64)
+                    si = builder.add(builder.mul(builder.add(builder.mul(gi, nba), b), k64(AMX_TOKENS)), k64(t))
+                    dx = splat(builder, builder.load(ptr("xd", si, f32)), 16)
+                    builder.store(fma(builder.sitofp(c, vf), builder.fmul(scv, dx), builder.load(s_)), s_)
+                    xs = splat(builder, builder.load(ptr("xsum", si, f32)), 16)
+                    builder.store(fma(mv, xs, builder.load(m_)), m_)
+            dv = half_to_float_ir(builder, builder.load(ptr("q", builder.add(rec, k64(Q4K_D)),
+                                                            ir.VectorType(i16, 16)), align=2))
+            mnv = builder.fneg(half_to_float_ir(builder, builder.load(
+                ptr("q", builder.add(rec, k64(Q4K_DMIN)), ir.VectorType(i16, 16)), align=2)))
+            arow = builder.mul(tg, k64(AMX_TOKENS))
+            for t, (s_, m_) in enumerate(zip(sums, mins)):
+                p = ptr("acc", builder.add(builder.mul(R, builder.add(arow, k64(t))), r0), vf)
+                total = fma(dv, builder.load(s_), builder.load(p, align=4))
+                builder.store(fma(mnv, builder.load(m_), total), p, align=4)
+
         def float_sums(rec, sb, r0, tg):
             """acc rows of token group tg += the record's float sums, blocks_gemm's
             operations in its order."""
+            if KIND == KIND_Q4_K:
+                return float_sums_k(rec, sb, r0, tg)
             for s_ in sums:
                 builder.store(ir.Constant(vf, None), s_)
             gi = builder.add(builder.udiv(t0a, k64(AMX_TOKENS)), tg)     # token group in x
@@ -252,12 +300,12 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
                 rec = builder.mul(builder.add(builder.mul(strip, nsb), sb), record)
                 with cgutils.for_range(builder, ga) as k_loop:
                     k = k_loop.index
-                    ahead = builder.add(builder.add(rec, record), builder.mul(k, k64(BLOCK_BYTES[KIND])))
-                    for line in range(0, BLOCK_BYTES[KIND], 64):   # the next record, a block's share
+                    ahead = builder.add(builder.add(rec, record), builder.mul(k, k64(share)))
+                    for line in range(0, share, 64):   # the next record, a block's share
                         ops.prefetch(builder.add(ahead, k64(line)))
                     if KIND != KIND_Q8_0:
                         # nibble quads -> B rows 0..3 (elements 0..15), 4..7 (16..31)
-                        quads = builder.add(builder.add(rec, head), builder.mul(k, k64(BLOCK_QUADS[KIND])))
+                        quads = quads_at(rec, k)
                         lo_mask = ir.Constant(v64, [0x0F] * 64)
                         wk = builder.mul(k, k64(8))
                         for g in range(4):

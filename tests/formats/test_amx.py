@@ -1,4 +1,5 @@
-"""AMX prefill of the per-32-block formats (amx.py, records.matmul_blocks_amx).
+"""AMX prefill of the per-32-block formats (amx.py, records.matmul_blocks_amx) and of
+Q4_K (q4_k.matmul_k_amx).
 
 A NumPy twin of the tile arithmetic (tdpbssd / tdpbsud on the B tiles the kernel makes
 of the records, then blocks_gemm's float operations in its order) is checked against
@@ -18,9 +19,11 @@ from gguf import GGMLQuantizationType as G
 from gguf.quants import quantize
 
 from edgellama.kernels import amx
-from edgellama.formats import linear, records
+from edgellama import formats
+from edgellama.formats import linear, q4_k, records
 from edgellama.kernels.simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, ISA, ISA_NAMES, KIND_Q4_0, KIND_Q4_1,
-                            KIND_Q8_0, RECORD_ROWS, TOKENS)
+                            KIND_Q8_0, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC,
+                            RECORD_ROWS, TOKENS)
 
 f32, f64 = np.float32, np.float64
 KINDS = {"Q4_0": (G.Q4_0, KIND_Q4_0), "Q4_1": (G.Q4_1, KIND_Q4_1), "Q8_0": (G.Q8_0, KIND_Q8_0)}
@@ -91,12 +94,51 @@ def twin_matmul(lin, x8, xd, xsum, T):
     return out
 
 
+def twin_matmul_k(lin, x8, xd, xsum, T):
+    """out (T, out_features) of a Q4_K Linear as the AMX kernel computes it: per strip
+    and record (a super-block), per sub-block k the int32 C of tdpbsud (x8 by the
+    sub-block's unsigned nibbles, B rows 0..3 the low ones) and q4k_gemm's f32 steps:
+    s = fma(float(C), sc dx, s), mn = fma(m, xsum, mn), then total = fma(d, s, total),
+    total = fma(-dmin, mn, total) record by record."""
+    R = lin.R
+    Tp, nsub = xd.shape
+    out = np.zeros((T, lin.out_features), f32)
+    for t in range(lin.nt):
+        for strip in range(R // RECORD_ROWS):
+            r0 = t * R + strip * RECORD_ROWS
+            total = np.zeros((Tp, RECORD_ROWS), f32)
+            for sb in range(nsub // 8):
+                o = (strip * (nsub // 8) + sb) * Q4K_RECORD
+                rec = lin.q[t, o:o + Q4K_RECORD]
+                s = np.zeros((Tp, RECORD_ROWS), f32)
+                mn = np.zeros((Tp, RECORD_ROWS), f32)
+                for k in range(8):
+                    b = sb * 8 + k
+                    quads = rec[Q4K_QS + 256 * k:Q4K_QS + 256 * (k + 1)]
+                    B = np.concatenate([quads & 15, quads >> 4]).reshape(8, 64)
+                    C = np.concatenate([tdp(x8[g:g + 16, 32 * b:32 * b + 32], B) for g in range(0, Tp, 16)])
+                    scv = rec[Q4K_SC + 16 * k:Q4K_SC + 16 * k + 16].astype(f32)
+                    mv = rec[Q4K_M + 16 * k:Q4K_M + 16 * k + 16].astype(f32)
+                    s = fma(C.astype(f32), scv[None] * xd[:, b:b + 1], s)
+                    mn = fma(np.broadcast_to(mv[None], s.shape), np.broadcast_to(xsum[:, b:b + 1], s.shape), mn)
+                dv = rec[Q4K_D:Q4K_D + 32].view(np.float16).astype(f32)
+                mnv = rec[Q4K_DMIN:Q4K_DMIN + 32].view(np.float16).astype(f32)
+                total = fma(np.broadcast_to(dv[None], s.shape), s, total)
+                total = fma(np.broadcast_to(-mnv[None], s.shape), mn, total)
+            n = min(RECORD_ROWS, lin.out_features - r0)
+            if n > 0:
+                out[:, r0:r0 + n] = total[:T, :n]
+    return out
+
+
 def make(name, shape, seed):
-    type_, _ = KINDS[name]
+    """A Linear of random weights in `name` (gguf-py's quantizer; Q4_K ours, which is
+    bit-exact with ggml's: gguf-py has none) and the file bytes."""
+    type_ = G.Q4_K if name == "Q4_K" else KINDS[name][0]
     rng = np.random.default_rng(seed)
     w = rng.standard_normal(shape).astype(np.float32)
     w[1, :] *= 1e-6                         # f16 subnormal block scales
-    data = quantize(w, type_)
+    data = formats.quantize(w, "Q4_K") if name == "Q4_K" else quantize(w, type_)
     return linear(int(type_), [(data, shape)]), data
 
 
@@ -189,6 +231,18 @@ def test_twin_has_the_vnni_kernels_bits(name, shape, T, vnni_only):
     lin.matmul(x, got)
     x8, xd, _, xsum = prep(x)
     assert np.array_equal(got.view(np.int32), twin_matmul(lin, x8, xd, xsum, T).view(np.int32))
+
+
+@pytest.mark.parametrize("shape,T", [((300, 256), 17), ((48, 512), 5), ((16, 256), 1)])
+def test_q4_k_twin_has_the_vnni_kernels_bits(shape, T, vnni_only):
+    # the same for Q4_K's records: the twin of its AMX kernel gives q4k_gemm's bits
+    lin, _ = make("Q4_K", shape, T)
+    x = np.random.default_rng(T).standard_normal((T, shape[1])).astype(f32)
+    x[0, :32] = 0                                 # a zero block of x (xd = 0)
+    got = np.empty((T, shape[0]), f32)
+    lin.matmul(x, got)
+    x8, xd, _, xsum = prep(x)
+    assert np.array_equal(got.view(np.int32), twin_matmul_k(lin, x8, xd, xsum, T).view(np.int32))
 
 
 # --- permission and fallback ------------------------------------------------------------------
@@ -300,18 +354,21 @@ def _both(lin, x, fine=False):
     lin.matmul(x, out[0])
     amx._enabled = True
     calls = []
-    real = records.matmul_blocks_amx
-    records.matmul_blocks_amx = lambda *a: (calls.append(1), real(*a))
+    module, name = (q4_k, "matmul_k_amx") if isinstance(lin, q4_k.Q4KLinear) else \
+        (records, "matmul_blocks_amx")
+    real = getattr(module, name)
+    setattr(module, name, lambda *a: (calls.append(1), real(*a)))
     try:
         lin.matmul(x, out[1])
     finally:
-        records.matmul_blocks_amx = real
+        setattr(module, name, real)
     assert calls, "the AMX kernel did not run"
     return out
 
 
-@pytest.mark.parametrize("name", list(KINDS))
-@pytest.mark.parametrize("shape", [(300, 256), (100, 96), (48, 64)])   # G = 8, 1, 2
+@pytest.mark.parametrize("name, shape", [(n, s) for n in KINDS
+                                         for s in [(300, 256), (100, 96), (48, 64)]]  # G = 8, 1, 2
+                         + [("Q4_K", s) for s in [(300, 256), (48, 2048), (16, 512)]])
 def test_amx_prefill_has_the_vnni_bits(name, shape, on_amx):
     lin, _ = make(name, shape, 5)
     rng = np.random.default_rng(6)
@@ -322,10 +379,10 @@ def test_amx_prefill_has_the_vnni_bits(name, shape, on_amx):
         assert np.array_equal(vnni.view(np.int32), got.view(np.int32)), (T, np.abs(vnni - got).max())
 
 
-@pytest.mark.parametrize("name", list(KINDS))
+@pytest.mark.parametrize("name", [*KINDS, "Q4_K"])
 def test_amx_fine_activations_have_the_vnni_bits(name, on_amx):
-    lin, _ = make(name, (80, 128), 7)
-    x = np.random.default_rng(8).standard_normal((9, 128)).astype(f32)
+    lin, _ = make(name, (80, 256 if name == "Q4_K" else 128), 7)
+    x = np.random.default_rng(8).standard_normal((9, lin.in_features)).astype(f32)
     vnni, got = _both(lin, x, fine=True)
     assert np.array_equal(vnni.view(np.int32), got.view(np.int32))
 
