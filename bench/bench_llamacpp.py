@@ -178,11 +178,11 @@ def instruction_sets() -> dict:
     or NUMBA_CPU_NAME / NUMBA_CPU_FEATURES: an AVX2 CPU can be stood in for that way,
     beside a llama.cpp built with -DGGML_NATIVE=OFF -DGGML_AVX512=OFF)."""
     import llama_cpp
-    from edgellama.kernels.simd import ISA, ISA_NAMES
+    from edgellama.kernels.amx import kernels_name
     feats = llama_cpp.llama_print_system_info().decode().replace("|", " ").split()
     simd = [f for f, v in zip(feats, feats[2:])       # "AVX2 = 1 | F16C = 1 | ..."
-            if v == "1" and f.startswith(("AVX", "FMA", "F16C"))]
-    return {"edgellama kernels": ISA_NAMES[ISA], "llama.cpp kernels": " ".join(simd)}
+            if v == "1" and f.startswith(("AVX", "FMA", "F16C", "AMX"))]
+    return {"edgellama kernels": kernels_name(), "llama.cpp kernels": " ".join(simd)}
 
 
 @contextlib.contextmanager
