@@ -17,8 +17,8 @@ resident (4.5 in the file). Decode and prefill are one intrinsic, simd.q4k_gemm:
 sub-block the exact int32 sum(q x8) (x8 from records.prep_q8_x), weighted by sc and m in f32
 registers, then by d and dmin once per super-block. Where AMX runs (amx.enabled()), a
 Q4_K prefill of records.AMX_MIN_ROWS or more rows takes each sub-block's sums from a tile
-instruction instead (amx.amx_blocks_gemm with kind KIND_Q4_K, matmul_k_amx), the same
-bits; Q5_K stays on q4k_gemm.
+instruction instead (amx.amx_blocks_gemm with kind KIND_Q4_K, records.matmul_blocks_amx),
+the same bits; Q5_K stays on q4k_gemm.
 Why records: a strip of 16 rows reads one address-ordered run holding everything its
 sums need; the earlier tiles (per sub-block 16 R bytes of quads then sc and m, a
 pair-dot pass over the rows and the scales applied in a second pass) were slower
@@ -30,14 +30,12 @@ import numpy as np
 from gguf.constants import LlamaFileType
 from numba import njit, prange
 
-from ..kernels import amx
-from ..kernels.amx import AMX_TOKENS, GROUPS, KIND_Q4_K, amx_blocks_gemm
+from ..kernels.amx import AMX_TOKENS, GROUPS, KIND_Q4_K
 from ..kernels.fp import get_f16, nearest_int, put_f16
 from ..kernels.simd import (ISA, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH, Q5K_RECORD,
                     RECORD_ROWS, TOKENS, K_GROUP, Q8X, q4k_gemm, tile)
 from .base import WeightFormat, block_sizes
-from . import records
-from .records import RecordLinear, amx_a_tiles, prep_q8_x
+from .records import RecordLinear, prep_q8_x
 
 f32 = np.float32
 QK_K, Q4K_BYTES = block_sizes("Q4_K")   # weights and bytes per super-block
@@ -396,27 +394,6 @@ def rows_k(q, ids, out, record):
                     y[16 + e] = ds * f32(hi) - ms
 
 
-@njit(cache=True, parallel=True)
-def matmul_k_amx(q, xa, xda, xsuma, nsub, out, acc):
-    # matmul_k of Q4_K on AMX tiles (amx.amx_blocks_gemm, kind KIND_Q4_K; amx.enabled()
-    # must be True), the same bits: xa, xda, xsuma flat, as records.amx_a_tiles lays
-    # them out (Tp a multiple of AMX_TOKENS); acc (nt, GROUPS * AMX_TOKENS, R)
-    T = out.shape[0]
-    R = acc.shape[2]
-    span = GROUPS * AMX_TOKENS
-    x = Q8X(xa, xda, None, xsuma)
-    for t in prange(q.shape[0]):
-        a = acc[t]
-        af = a.reshape(-1)
-        c0 = t * R
-        nc = min(R, out.shape[1] - c0)
-        for t0 in range(0, T, span):
-            rows = min(GROUPS, (T - t0 + AMX_TOKENS - 1) // AMX_TOKENS) * AMX_TOKENS
-            amx_blocks_gemm(q[t], x, af, tile(nsub, K_GROUP, t0, rows, KIND_Q4_K))
-            for k in range(min(span, T - t0)):
-                out[t0 + k, c0:c0 + nc] = a[k, :nc]
-
-
 class Q4KLinear(RecordLinear):
     """Q4_K in records of 16 rows and one super-block (simd.py's Q4K_* layout); Q5_K
     (q5_k.py) is this with BITS 5 (its fifth bits after the nibbles)."""
@@ -433,19 +410,12 @@ class Q4KLinear(RecordLinear):
         prep_q8_x(x, x8, xd, xs8, xsum)
         matvec_k(self.q, x8, xd, xsum, out, acc, self.BITS)
 
-    def _tokens(self, rows):
-        if self.BITS == 4 and rows >= records.AMX_MIN_ROWS and amx.enabled():
-            return AMX_TOKENS, GROUPS * AMX_TOKENS
-        return TOKENS, TOKENS
+    def _amx_kind(self):
+        return KIND_Q4_K if self.BITS == 4 else None     # Q5_K: no AMX kernel
 
     def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
         if acc.shape[1] == GROUPS * AMX_TOKENS:    # _tokens chose the AMX tiles
-            Tp, nsub = xd.shape
-            xa = sc.get("amx_xa", (Tp // AMX_TOKENS, nsub, AMX_TOKENS, 32), np.int8)
-            xda = sc.get("amx_xda", (Tp // AMX_TOKENS, nsub, AMX_TOKENS))
-            xsuma = sc.get("amx_xsuma", (Tp // AMX_TOKENS, nsub, AMX_TOKENS))
-            amx_a_tiles(x8.reshape(Tp, -1), xd, xsum, xa, xda, xsuma)
-            matmul_k_amx(self.q, xa.reshape(-1), xda.reshape(-1), xsuma.reshape(-1), nsub, out, acc)
+            self._gemm_amx(x8, xd, xsum, out, acc, sc, K_GROUP)
         else:
             matmul_k(self.q, x8, xd, xsum, out, acc, self.BITS)
 

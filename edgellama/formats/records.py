@@ -21,7 +21,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..kernels import amx
-from ..kernels.amx import AMX_TOKENS, GROUPS, amx_blocks_gemm
+from ..kernels.amx import AMX_TOKENS, GROUPS, KIND_Q4_K, amx_blocks_gemm
 from ..kernels.fp import get_f16
 from ..kernels.simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, RECORD_ROWS,
                     TOKENS, Q8X, blocks_gemm, tile)
@@ -114,8 +114,8 @@ def matmul_blocks(q, x8, xd, xs8, xsum, out, acc, G, kind):
 
 @njit(cache=True, parallel=True)
 def matmul_blocks_amx(q, xa, xda, xsuma, nb, out, acc, G, kind):
-    # matmul_blocks on AMX tiles (amx.amx_blocks_gemm; amx.enabled() must be True), the
-    # same bits: xa, xda, xsuma flat, x8, xd, xsum as amx_a_tiles lays them out (Tp a
+    # matmul_blocks (or q4_k.matmul_k, kind KIND_Q4_K, G 8) on AMX tiles (amx.amx_blocks_gemm;
+    # amx.enabled() must be True), the same bits: xa, xda, xsuma flat, x8, xd, xsum as amx_a_tiles lays them out (Tp a
     # multiple of AMX_TOKENS, nb blocks a row); acc (nt, GROUPS * AMX_TOKENS, R)
     T = out.shape[0]
     R = acc.shape[2]
@@ -132,6 +132,8 @@ def matmul_blocks_amx(q, xa, xda, xsuma, nb, out, acc, G, kind):
                 amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q4_0))
             elif kind == KIND_Q4_1:
                 amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q4_1))
+            elif kind == KIND_Q4_K:
+                amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q4_K))
             else:
                 amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q8_0))
             for k in range(min(span, T - t0)):
@@ -202,10 +204,28 @@ class RecordLinear(TiledLinear):
         """out (out_features,) = W @ x with x quantized to int8 per block of 32 (prep_q8_x)."""
         raise NotImplementedError
 
+    def _amx_kind(self) -> int | None:
+        """The kind amx.amx_blocks_gemm takes for these records, or None: no AMX kernel."""
+        return None
+
     def _tokens(self, rows: int) -> tuple[int, int]:
         """For a product of `rows` rows of x: the rows its kernel takes at a time (x is
-        padded with zero rows to a multiple) and the height of the per-tile sums."""
+        padded with zero rows to a multiple) and the height of the per-tile sums: AMX's
+        where these records have tiles, the rows are enough and AMX runs."""
+        if self._amx_kind() is not None and rows >= AMX_MIN_ROWS and amx.enabled():
+            return AMX_TOKENS, GROUPS * AMX_TOKENS
         return TOKENS, TOKENS
+
+    def _gemm_amx(self, x8, xd, xsum, out, acc, sc, group):
+        """_gemm on AMX tiles (where _tokens chose them): x8, xd, xsum laid out as A tiles
+        (amx_a_tiles), then matmul_blocks_amx with records of `group` blocks."""
+        Tp, nb = xd.shape
+        xa = sc.get("amx_xa", (Tp // AMX_TOKENS, nb, AMX_TOKENS, 32), np.int8)
+        xda = sc.get("amx_xda", (Tp // AMX_TOKENS, nb, AMX_TOKENS))
+        xsuma = sc.get("amx_xsuma", (Tp // AMX_TOKENS, nb, AMX_TOKENS))
+        amx_a_tiles(x8.reshape(Tp, -1), xd, xsum, xa, xda, xsuma)
+        matmul_blocks_amx(self.q, xa.reshape(-1), xda.reshape(-1), xsuma.reshape(-1), nb, out, acc,
+                          group, self._amx_kind())
 
     def matmul(self, x, out, scratch=None):
         T, n = x.shape
@@ -347,20 +367,12 @@ class BlocksLinear(RecordLinear):
         prep_q8_x(x, x8, xd, xs8, xsum)
         matvec_blocks(self.q, x8, xd, xs8, xsum, out, acc, self.group, self.kind)
 
-    def _tokens(self, rows):
-        if rows >= AMX_MIN_ROWS and amx.enabled():
-            return AMX_TOKENS, GROUPS * AMX_TOKENS
-        return TOKENS, TOKENS
+    def _amx_kind(self):
+        return self.kind
 
     def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
         if acc.shape[1] == GROUPS * AMX_TOKENS:    # _tokens chose the AMX tiles
-            Tp, nb = xd.shape
-            xa = sc.get("amx_xa", (Tp // AMX_TOKENS, nb, AMX_TOKENS, 32), np.int8)
-            xda = sc.get("amx_xda", (Tp // AMX_TOKENS, nb, AMX_TOKENS))
-            xsuma = sc.get("amx_xsuma", (Tp // AMX_TOKENS, nb, AMX_TOKENS))
-            amx_a_tiles(x8.reshape(Tp, -1), xd, xsum, xa, xda, xsuma)
-            matmul_blocks_amx(self.q, xa.reshape(-1), xda.reshape(-1), xsuma.reshape(-1), nb, out, acc,
-                              self.group, self.kind)
+            self._gemm_amx(x8, xd, xsum, out, acc, sc, self.group)
         else:
             matmul_blocks(self.q, x8, xd, xs8, xsum, out, acc, self.group, self.kind)
 

@@ -1,5 +1,4 @@
-"""AMX prefill of the per-32-block formats (amx.py, records.matmul_blocks_amx) and of
-Q4_K (q4_k.matmul_k_amx).
+"""AMX prefill of the per-32-block formats and of Q4_K (amx.py, records.matmul_blocks_amx).
 
 A NumPy twin of the tile arithmetic (tdpbssd / tdpbsud on the B tiles the kernel makes
 of the records, then blocks_gemm's float operations in its order) is checked against
@@ -20,7 +19,7 @@ from gguf.quants import quantize
 
 from edgellama.kernels import amx
 from edgellama import formats
-from edgellama.formats import linear, q4_k, records
+from edgellama.formats import linear, records
 from edgellama.kernels.simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, ISA, ISA_NAMES, KIND_Q4_0, KIND_Q4_1,
                             KIND_Q8_0, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC,
                             RECORD_ROWS, TOKENS)
@@ -354,14 +353,12 @@ def _both(lin, x, fine=False):
     lin.matmul(x, out[0])
     amx._enabled = True
     calls = []
-    module, name = (q4_k, "matmul_k_amx") if isinstance(lin, q4_k.Q4KLinear) else \
-        (records, "matmul_blocks_amx")
-    real = getattr(module, name)
-    setattr(module, name, lambda *a: (calls.append(1), real(*a)))
+    real = records.matmul_blocks_amx
+    records.matmul_blocks_amx = lambda *a: (calls.append(1), real(*a))
     try:
         lin.matmul(x, out[1])
     finally:
-        setattr(module, name, real)
+        records.matmul_blocks_amx = real
     assert calls, "the AMX kernel did not run"
     return out
 
