@@ -114,9 +114,10 @@ def matmul_blocks(q, x8, xd, xs8, xsum, out, acc, G, kind):
 
 @njit(cache=True, parallel=True)
 def matmul_blocks_amx(q, xa, xda, xsuma, nb, out, acc, G, kind):
-    # matmul_blocks (or q4_k.matmul_k, kind KIND_Q4_K, G 8) on AMX tiles (amx.amx_blocks_gemm;
-    # amx.enabled() must be True), the same bits: xa, xda, xsuma flat, x8, xd, xsum as amx_a_tiles lays them out (Tp a
-    # multiple of AMX_TOKENS, nb blocks a row); acc (nt, GROUPS * AMX_TOKENS, R)
+    # matmul_blocks (or q4_k.matmul_k: kind KIND_Q4_K, G 8) on AMX tiles
+    # (amx.amx_blocks_gemm; amx.enabled() must be True), the same bits: xa, xda, xsuma
+    # flat, x8, xd, xsum as amx_a_tiles lays them out (Tp a multiple of AMX_TOKENS, nb
+    # blocks a row); acc (nt, GROUPS * AMX_TOKENS, R)
     T = out.shape[0]
     R = acc.shape[2]
     span = GROUPS * AMX_TOKENS

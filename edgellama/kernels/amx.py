@@ -129,9 +129,9 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
     record a super-block, its 8 sub-blocks the blocks), times shape.tokens rows t0.. of x
     (a multiple of AMX_TOKENS, at most GROUPS of them; t0 a multiple of AMX_TOKENS):
     acc[k R + r] (f32, R = acc.size // (GROUPS * AMX_TOKENS)) = row r . x_{t0+k}, every
-    bit as simd.blocks_gemm (simd.q4k_gemm) gives it. x: simd.Q8X of x8 as A tiles, flat (Tp/16, nb, 16,
-    32) int8 (group, block, token, byte), xd, xsum flat (Tp*nb,) f32; shape.kind a
-    constant. Per strip of 16 rows and record: a Q4 record's
+    bit as simd.blocks_gemm (simd.q4k_gemm) gives it. x: simd.Q8X of x8 as A tiles,
+    flat (Tp/16, nb, 16, 32) int8 (group, block, token, byte), xd, xsum flat (Tp*nb,)
+    f32; shape.kind a constant. Per strip of 16 rows and record: a Q4 record's
     blocks unpacked to B bytes once; per token group, each block's 16 x 16 int32
     products by one tile multiply (two blocks in flight), stored to a buffer of the
     record's blocks; then the float sums, block by block (blocks_gemm's order), the

@@ -49,6 +49,9 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_conversation(smollm2_gguf):
     # -n 3000: the story runs 25 s unless stopped (with 400, 2.5 s: on a loaded machine it
     # could end before the Ctrl-C arrived, and the test waited for "(reply stopped)")
     c = _spawn(smollm2_gguf, "-n", "3000")
+    # a first reply compiles what the kernel cache lacks (a clean clone): its status line
+    # ("Compiling kernels ...") would match the reply's pattern below
+    _say(c, "Hi")
     ask = "Write a very long story about a dragon who learns to paint."
     c.sendline(ask)
     c.expect_exact(ask + "\r\n")      # the echo of the typed line
