@@ -113,10 +113,15 @@ def chat(model, ctx, threads, activations, cache_type_k, cache_type_v, max_token
                    f"that off)", err=True)
     out = Output(sys.stdout)
     term_signal = signal.signal(signal.SIGTERM, _exit_on_signal)   # restore the terminal
+    # Ctrl-C stops a reply even where the parent ignored SIGINT (a job a shell started with
+    # &, which Python then leaves ignored): in a terminal the keys are the user's
+    int_signal = signal.signal(signal.SIGINT, signal.default_int_handler) if reader.tty else None
     try:
         _converse(llm, session, reader, out, max_tokens)
     finally:
         signal.signal(signal.SIGTERM, term_signal)
+        if int_signal is not None:
+            signal.signal(signal.SIGINT, int_signal)
         reader.save_history(lambda msg: click.echo(f"({msg})", err=True))
 
 
