@@ -234,9 +234,12 @@ def llamacpp_q4_k_m(shape: str) -> str:
         p = llama_cpp.llama_model_quantize_default_params()
         p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
         tmp = dst.with_suffix(".part")
-        if llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(p)):
-            raise SystemExit(f"llama.cpp could not quantize {src} to Q4_K_M")
-        tmp.replace(dst)
+        try:
+            if llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(p)):
+                raise SystemExit(f"llama.cpp could not quantize {src} to Q4_K_M")
+            tmp.replace(dst)
+        finally:
+            tmp.unlink(missing_ok=True)      # a failed or interrupted run leaves no part file
     return str(dst)
 
 
