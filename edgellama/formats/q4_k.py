@@ -18,7 +18,7 @@ sub-block the exact int32 sum(q x8) (x8 from records.prep_q8_x), weighted by sc 
 registers, then by d and dmin once per super-block. Where AMX runs (amx.enabled()), a
 Q4_K prefill of records.AMX_MIN_ROWS or more rows takes each sub-block's sums from a tile
 instruction instead (amx.amx_blocks_gemm with kind KIND_Q4_K, records.matmul_blocks_amx),
-the same bits; Q5_K stays on q4k_gemm.
+the same bits; Q5_K's too (KIND_Q5_K, its fifth bits or-ed into the unpacked bytes).
 Why records: a strip of 16 rows reads one address-ordered run holding everything its
 sums need; the earlier tiles (per sub-block 16 R bytes of quads then sc and m, a
 pair-dot pass over the rows and the scales applied in a second pass) were slower
@@ -30,7 +30,7 @@ import numpy as np
 from gguf.constants import LlamaFileType
 from numba import njit, prange
 
-from ..kernels.amx import AMX_TOKENS, GROUPS, KIND_Q4_K
+from ..kernels.amx import AMX_TOKENS, GROUPS, KIND_Q4_K, KIND_Q5_K
 from ..kernels.fp import get_f16, nearest_int, put_f16
 from ..kernels.simd import (ISA, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH, Q5K_RECORD,
                     RECORD_ROWS, TOKENS, K_GROUP, Q8X, q4k_gemm, tile)
@@ -411,7 +411,7 @@ class Q4KLinear(RecordLinear):
         matvec_k(self.q, x8, xd, xsum, out, acc, self.BITS)
 
     def _amx_kind(self):
-        return KIND_Q4_K if self.BITS == 4 else None     # Q5_K: no AMX kernel
+        return KIND_Q4_K if self.BITS == 4 else KIND_Q5_K
 
     def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
         if acc.shape[1] == GROUPS * AMX_TOKENS:    # _tokens chose the AMX tiles

@@ -15,7 +15,9 @@ j + 8, j + 16, j + 24), both as quads of the strip's rows. 6.625 bits per weight
 pair-dot formats; llama.cpp uses one scale per 256 for Q6_K); decode and prefill are one
 intrinsic, simd.q6_gemm, which rebuilds the 6-bit values in registers, sums
 scale * (q - 32) * x8 over each block exactly in int32, and keeps its f32 sums in
-registers over a whole row.
+registers over a whole row. Where AMX runs, a prefill of records.AMX_MIN_ROWS or more
+rows takes each half-block's sums from a tile instruction (amx.amx_blocks_gemm with kind
+KIND_Q6_K, records.matmul_blocks_amx), the same bits.
 Why crumbs: a crumb quad serves two nibble quads with a shift and a mask each, so the
 6-bit values cost no more loads than their bytes. Why records: as Q4_K's (q4_k.py), one
 address-ordered run per strip of rows with its scales in it. Both replaced slower
@@ -27,6 +29,7 @@ import numpy as np
 from gguf.constants import LlamaFileType
 from numba import njit, prange
 
+from ..kernels.amx import AMX_TOKENS, GROUPS, KIND_Q6_K
 from ..kernels.fp import get_f16, nearest_int, put_f16
 from ..kernels.simd import (ISA, K_GROUP, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, Q8X, RECORD_ROWS, TOKENS,
                             q6_gemm, tile)
@@ -316,7 +319,13 @@ class Q6KLinear(RecordLinear):
         sums16(x8, xs16)
         matvec_q6_k(self.q, x8, xd, xs16, out, acc)
 
+    def _amx_kind(self):
+        return KIND_Q6_K
+
     def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
+        if acc.shape[1] == GROUPS * AMX_TOKENS:    # _tokens chose the AMX tiles
+            self._gemm_amx(x8, xd, xsum, out, acc, sc, K_GROUP)
+            return
         xs16 = sc.get("q6_xs16", (x8.size // 16,), np.int32)
         sums16(x8, xs16)
         matmul_q6_k(self.q, x8, xd, xs16, out, acc)

@@ -21,7 +21,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..kernels import amx
-from ..kernels.amx import AMX_TOKENS, GROUPS, KIND_Q4_K, amx_blocks_gemm
+from ..kernels.amx import AMX_TOKENS, GROUPS, KIND_Q4_K, KIND_Q5_K, KIND_Q6_K, amx_blocks_gemm
 from ..kernels.fp import get_f16
 from ..kernels.simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, RECORD_ROWS,
                     TOKENS, Q8X, blocks_gemm, tile)
@@ -114,7 +114,8 @@ def matmul_blocks(q, x8, xd, xs8, xsum, out, acc, G, kind):
 
 @njit(cache=True, parallel=True)
 def matmul_blocks_amx(q, xa, xda, xsuma, nb, out, acc, G, kind):
-    # matmul_blocks (or q4_k.matmul_k: kind KIND_Q4_K, G 8) on AMX tiles
+    # matmul_blocks (or the K-quants' matmul_k, matmul_q6_k: kind KIND_Q4_K, KIND_Q5_K,
+    # KIND_Q6_K, G 8) on AMX tiles
     # (amx.amx_blocks_gemm; amx.enabled() must be True), the same bits: xa, xda, xsuma
     # flat, x8, xd, xsum as amx_a_tiles lays them out (Tp a multiple of AMX_TOKENS, nb
     # blocks a row); acc (nt, GROUPS * AMX_TOKENS, R)
@@ -135,6 +136,10 @@ def matmul_blocks_amx(q, xa, xda, xsuma, nb, out, acc, G, kind):
                 amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q4_1))
             elif kind == KIND_Q4_K:
                 amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q4_K))
+            elif kind == KIND_Q5_K:
+                amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q5_K))
+            elif kind == KIND_Q6_K:
+                amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q6_K))
             else:
                 amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q8_0))
             for k in range(min(span, T - t0)):

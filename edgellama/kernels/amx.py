@@ -1,6 +1,6 @@
 """AMX (Advanced Matrix Extensions) int8 tile products for prefill of the per-32-block
-formats (Q4_0, Q4_1, Q8_0) and of Q4_K, bit-identical to simd.blocks_gemm's (and
-simd.q4k_gemm's) VNNI products.
+formats (Q4_0, Q4_1, Q8_0) and of the K-quants Q4_K, Q5_K and Q6_K, bit-identical to
+simd.blocks_gemm's (simd.q4k_gemm's, simd.q6_gemm's) VNNI products.
 
 One tdpbssd / tdpbsud multiplies a tile of 16 rows of x (A: 16 tokens x the 32 int8
 of one block, packed 512 bytes in a row by records.amx_a_tiles) by one block of a strip
@@ -18,7 +18,13 @@ block [+ fma(m, xsum, s)], then total += s), so every output has the same bits. 
 record (a super-block of 16 rows) holds its 8 sub-blocks' nibbles as the same quads:
 tdpbsud per sub-block, then q4k_gemm's operations (s = fma(float(S), sc dx, s), mn =
 fma(m, xsum, mn) sub-block by sub-block, then total = fma(d, s, total), total =
-fma(-dmin, mn, total)).
+fma(-dmin, mn, total)). Q5_K's records are Q4_K's with the fifth bits or-ed into the
+unpacked bytes (values 0..31, the same float steps). Q6_K's scales are per 16 weights,
+so its tiles are half-blocks (A: 16 tokens x 16 bytes, B: 4 rows x 64) and its values
+go in less 32 (s8, tdpbssd): C_h = S_h - 32 xs_h exactly, and q6_gemm's integer
+sc0 C_0 + sc1 C_1 is formed in f32 as fma(C_1, sc1, C_0 sc0), exact because every
+partial stays below 2^24 (|C_h| <= 16 * 32 * 127, |sc| <= 128), before its
+fma(dot, dx, s) and fma(d, s, total).
 
 Linux hands out the tile state only to a process that asked for it
 (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)); without it the first tile
@@ -40,8 +46,8 @@ from numba.extending import intrinsic
 
 from .fp import half_to_float_ir
 from .simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, Q4K_D, Q4K_DMIN,
-                   Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, RECORD_ROWS,
-                   Operands, call_llvm, splat, tile_constants)
+                   Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH, Q5K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD,
+                   Q6K_SC, RECORD_ROWS, Operands, _q6_values, call_llvm, splat, tile_constants)
 from .target import _ARCH, FEATURES, TARGET
 
 # Numba's target has the tile instructions on top of the chosen instruction set (isa.py's
@@ -49,7 +55,9 @@ from .target import _ARCH, FEATURES, TARGET
 # aborts on an intrinsic its target lacks
 COMPILED = TARGET.has_tiles(FEATURES) and _ARCH == "x86_64"
 AMX_TOKENS = 16             # rows of x per A tile (a tile's 16 rows)
-KIND_Q4_K = 3               # amx_blocks_gemm's kind for Q4_K records (simd.py's Q4K_* layout)
+# amx_blocks_gemm's kinds for the K-quant records (simd.py's Q4K_*, Q5K_*, Q6K_* layouts),
+# after simd's per-32-block KIND_Q4_0, KIND_Q4_1, KIND_Q8_0
+KIND_Q4_K, KIND_Q5_K, KIND_Q6_K = 3, 4, 5
 
 SYS_ARCH_PRCTL = 158        # x86-64
 ARCH_GET_XCOMP_PERM, ARCH_REQ_XCOMP_PERM = 0x1022, 0x1023
@@ -109,13 +117,15 @@ SETS = ((0, 1, 2), (3, 4, 5))
 GROUPS = 4                  # token groups (of AMX_TOKENS) per call: a Q4 block is unpacked once for them
 
 
-def tile_config() -> list[int]:
-    """ldtilecfg's 64 bytes, palette 1: byte 0 the palette, u16 colsb of tile i at
-    16 + 2 i, u8 rows of tile i at 48 + i."""
+def tile_config(kind: int) -> list[int]:
+    """ldtilecfg's 64 bytes for records of `kind`, palette 1: byte 0 the palette, u16
+    colsb of tile i at 16 + 2 i, u8 rows of tile i at 48 + i. A tile multiplies K = 32
+    bytes a row (a block), Q6_K's K = 16 (a half-block, its scales' span)."""
+    K = 16 if kind == KIND_Q6_K else 32
     cfg = [0] * 64
     cfg[0] = 1
     for ta, tb, tc in SETS:
-        for tile, rows, colsb in ((ta, AMX_TOKENS, 32), (tb, 8, 64), (tc, AMX_TOKENS, 64)):
+        for tile, rows, colsb in ((ta, AMX_TOKENS, K), (tb, K // 4, 64), (tc, AMX_TOKENS, 64)):
             cfg[16 + 2 * tile] = colsb & 0xFF
             cfg[17 + 2 * tile] = colsb >> 8
             cfg[48 + tile] = rows
@@ -125,11 +135,12 @@ def tile_config() -> list[int]:
 @intrinsic(prefer_literal=True)
 def amx_blocks_gemm(typingctx, q, x, acc, shape):
     """One tile of a per-32-block format's records (q: R rows of shape.nb blocks,
-    shape.group blocks a record, simd.py's layout), or of Q4_K's (kind KIND_Q4_K: a
-    record a super-block, its 8 sub-blocks the blocks), times shape.tokens rows t0.. of x
+    shape.group blocks a record, simd.py's layout), or of a K-quant's (KIND_Q4_K,
+    KIND_Q5_K, KIND_Q6_K: a record a super-block, its 8 blocks of 32 the blocks; Q6_K's
+    tile products are half-blocks), times shape.tokens rows t0.. of x
     (a multiple of AMX_TOKENS, at most GROUPS of them; t0 a multiple of AMX_TOKENS):
     acc[k R + r] (f32, R = acc.size // (GROUPS * AMX_TOKENS)) = row r . x_{t0+k}, every
-    bit as simd.blocks_gemm (simd.q4k_gemm) gives it. x: simd.Q8X of x8 as A tiles,
+    bit as simd.blocks_gemm (simd.q4k_gemm, simd.q6_gemm) gives it. x: simd.Q8X of x8 as A tiles,
     flat (Tp/16, nb, 16, 32) int8 (group, block, token, byte), xd, xsum flat (Tp*nb,)
     f32; shape.kind a constant. Per strip of 16 rows and record: a Q4 record's
     blocks unpacked to B bytes once; per token group, each block's 16 x 16 int32
@@ -157,71 +168,80 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
 
         cfgt = ir.ArrayType(i8, 64)
         cfg = cgutils.alloca_once(builder, cfgt)
-        builder.store(ir.Constant(cfgt, tile_config()), cfg)
+        builder.store(ir.Constant(cfgt, tile_config(KIND)), cfg)
         amx("ldtilecfg", builder.bitcast(cfg, i8p))
-        # C of each block of a record (G <= 8) for two token groups, and a Q4 record's
-        # blocks as B bytes
-        cbuf = cgutils.alloca_once(builder, ir.ArrayType(vi, 2 * 8 * AMX_TOKENS))
+        # C of each tile product of a record (G <= 8 blocks, Q6_K's 16 half-blocks) for
+        # two token groups, and a record's unpacked blocks as B bytes
+        units = 2 if KIND == KIND_Q6_K else 1                 # tile products per block
+        cbuf = cgutils.alloca_once(builder, ir.ArrayType(vi, 2 * 8 * units * AMX_TOKENS))
         cbuf.align = 64
         wbuf = cgutils.alloca_once(builder, ir.ArrayType(v64, 8 * 8))
         wbuf.align = 64
         cbase = builder.bitcast(cbuf, vi.as_pointer())
         wbase = builder.bitcast(wbuf, v64.as_pointer())
         sums = [cgutils.alloca_once(builder, vf) for _ in range(AMX_TOKENS)]
-        mins = [cgutils.alloca_once(builder, vf) for _ in range(AMX_TOKENS)] if KIND == KIND_Q4_K else []
+        k4 = KIND in (KIND_Q4_K, KIND_Q5_K)
+        mins = [cgutils.alloca_once(builder, vf) for _ in range(AMX_TOKENS)] if k4 else []
 
         acc_n = ops.nitems("acc")
         R = builder.udiv(acc_n, k64(GROUPS * AMX_TOKENS))
         nsb = builder.udiv(nba, ga)                           # records per strip
-        if KIND == KIND_Q4_K:
-            record, share = k64(Q4K_RECORD), Q4K_RECORD // 8      # share: a block's, to prefetch
-            quads_at = lambda rec, k: builder.add(builder.add(rec, k64(Q4K_QS)), builder.mul(k, k64(256)))
+        if k4 or KIND == KIND_Q6_K:
+            size, qs, qb = ((Q6K_RECORD, Q6K_QS, 384) if KIND == KIND_Q6_K else
+                            (Q5K_RECORD if KIND == KIND_Q5_K else Q4K_RECORD, Q4K_QS, 256))
+            record, share = k64(size), size // 8                  # share: a block's, to prefetch
+            quads_at = lambda rec, k: builder.add(builder.add(rec, k64(qs)), builder.mul(k, k64(qb)))
         else:
             record, share = builder.mul(ga, k64(BLOCK_BYTES[KIND])), BLOCK_BYTES[KIND]
             quads_at = lambda rec, k: builder.add(builder.add(rec, builder.mul(ga, k64(BLOCK_HEAD[KIND]))),
                                                   builder.mul(k, k64(BLOCK_QUADS[KIND])))
-        tdp = "tdpbsud" if KIND in (KIND_Q4_1, KIND_Q4_K) else "tdpbssd"
+        tdp = "tdpbsud" if KIND in (KIND_Q4_1, KIND_Q4_K, KIND_Q5_K) else "tdpbssd"
 
-        def tile_block(rec, sb, tg, k, tset):
-            """Block k of the record times token group tg, into tile set tset's C."""
+        def tile_block(rec, sb, tg, u, tset):
+            """Tile product u of the record (block u; Q6_K: half u % 2 of block u // 2)
+            times token group tg, into tile set tset's C."""
             ta, tb, tc = tset
+            k = builder.udiv(u, k64(units))
+            h = builder.urem(u, k64(units))                   # half-block: 16 of a block's 32
             if KIND == KIND_Q8_0:
                 bptr = ptr("q", quads_at(rec, k), i8)
-            else:
-                bptr = builder.bitcast(builder.gep(wbase, [builder.mul(k, k64(8))]), i8p)
+            else:                                             # Q6_K's half h: B rows 4h..4h+3
+                bptr = builder.bitcast(builder.gep(wbase, [builder.add(builder.mul(k, k64(8)),
+                                                                       builder.mul(h, k64(4)))]), i8p)
             b = builder.add(builder.mul(sb, ga), k)
             xo = builder.mul(builder.add(builder.mul(builder.add(builder.udiv(t0a, k64(AMX_TOKENS)), tg),
                                                      nba), b), k64(32 * AMX_TOKENS))
             amx("tileloadd64", tile(tb), bptr, k64(64))
-            amx("tileloadd64", tile(ta), ptr("x8", xo, i8), k64(32))
+            amx("tileloadd64", tile(ta), ptr("x8", builder.add(xo, builder.mul(h, k64(16))), i8), k64(32))
             amx("tilezero", tile(tc))
             amx(tdp, tile(tc), tile(ta), tile(tb))
 
-        def store_block(hb, k, tset):
-            cptr = builder.gep(cbase, [builder.add(hb, builder.mul(k, k64(AMX_TOKENS)))])
+        def store_block(hb, u, tset):
+            cptr = builder.gep(cbase, [builder.add(hb, builder.mul(u, k64(AMX_TOKENS)))])
             amx("tilestored64", tile(tset[2]), builder.bitcast(cptr, i8p), k64(64))
 
         def half(tg):
-            """cbuf's half for token group tg (of 8 blocks x 16 rows of C)."""
-            return builder.mul(builder.and_(tg, k64(1)), k64(8 * AMX_TOKENS))
+            """cbuf's half for token group tg (of 8 x units tile products x 16 rows of C)."""
+            return builder.mul(builder.and_(tg, k64(1)), k64(8 * units * AMX_TOKENS))
 
         def products(rec, sb, tg):
-            """The integer products of the record's blocks for token group tg -> cbuf:
-            two blocks at a time, or one (G = 1)."""
+            """The integer products of the record's tile products for token group tg ->
+            cbuf: two at a time, or one (G = 1)."""
             hb = half(tg)
-            odd = builder.icmp_unsigned("==", ga, k64(1))
+            n_units = builder.mul(ga, k64(units))
+            odd = builder.icmp_unsigned("==", n_units, k64(1))
             with builder.if_else(odd) as (one, two):
                 with one:
                     tile_block(rec, sb, tg, k64(0), SETS[0])
                     store_block(hb, k64(0), SETS[0])
                 with two:
-                    with cgutils.for_range(builder, builder.udiv(ga, k64(2))) as j_loop:
-                        k0 = builder.mul(j_loop.index, k64(2))
-                        k1 = builder.add(k0, k64(1))
-                        tile_block(rec, sb, tg, k0, SETS[0])
-                        tile_block(rec, sb, tg, k1, SETS[1])
-                        store_block(hb, k0, SETS[0])
-                        store_block(hb, k1, SETS[1])
+                    with cgutils.for_range(builder, builder.udiv(n_units, k64(2))) as j_loop:
+                        u0 = builder.mul(j_loop.index, k64(2))
+                        u1 = builder.add(u0, k64(1))
+                        tile_block(rec, sb, tg, u0, SETS[0])
+                        tile_block(rec, sb, tg, u1, SETS[1])
+                        store_block(hb, u0, SETS[0])
+                        store_block(hb, u1, SETS[1])
 
         def float_sums_k(rec, sb, r0, tg):
             """acc rows of token group tg += the Q4_K record's float sums, q4k_gemm's
@@ -256,11 +276,42 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
                 total = fma(dv, builder.load(s_), builder.load(p, align=4))
                 builder.store(fma(mnv, builder.load(m_), total), p, align=4)
 
+        def float_sums_q6(rec, sb, r0, tg):
+            """acc rows of token group tg += the Q6_K record's float sums, q6_gemm's
+            operations in its order: per block fma(dot, dx, s), dot = sc0 C_0 + sc1 C_1
+            formed exactly in f32 (module docstring), then once a record fma(d, s, acc)."""
+            for s_ in sums:
+                builder.store(ir.Constant(vf, None), s_)
+            gi = builder.add(builder.udiv(t0a, k64(AMX_TOKENS)), tg)
+            hb = half(tg)
+            with cgutils.for_range(builder, ga) as k_loop:
+                k = k_loop.index
+                b = builder.add(builder.mul(sb, ga), k)
+                scs = [builder.sitofp(builder.load(ptr("q", builder.add(rec, builder.add(
+                    k64(Q6K_SC + 16 * h), builder.mul(k, k64(32)))), ir.VectorType(i8, 16)), align=1), vf)
+                    for h in range(2)]
+                crow = builder.add(hb, builder.mul(k, k64(2 * AMX_TOKENS)))
+                for t, s_ in enumerate(sums):
+                    c0, c1 = (builder.sitofp(builder.load(builder.gep(cbase, [builder.add(
+                        crow, k64(h * AMX_TOKENS + t))]), align=64), vf) for h in range(2))
+                    dot = fma(c1, scs[1], builder.fmul(c0, scs[0]))
+                    si = builder.add(builder.mul(builder.add(builder.mul(gi, nba), b), k64(AMX_TOKENS)), k64(t))
+                    dx = splat(builder, builder.load(ptr("xd", si, f32)), 16)
+                    builder.store(fma(dot, dx, builder.load(s_)), s_)
+            dv = half_to_float_ir(builder, builder.load(ptr("q", builder.add(rec, k64(Q6K_D)),
+                                                            ir.VectorType(i16, 16)), align=2))
+            arow = builder.mul(tg, k64(AMX_TOKENS))
+            for t, s_ in enumerate(sums):
+                p = ptr("acc", builder.add(builder.mul(R, builder.add(arow, k64(t))), r0), vf)
+                builder.store(fma(dv, builder.load(s_), builder.load(p, align=4)), p, align=4)
+
         def float_sums(rec, sb, r0, tg):
             """acc rows of token group tg += the record's float sums, blocks_gemm's
             operations in its order."""
-            if KIND == KIND_Q4_K:
+            if k4:
                 return float_sums_k(rec, sb, r0, tg)
+            if KIND == KIND_Q6_K:
+                return float_sums_q6(rec, sb, r0, tg)
             for s_ in sums:
                 builder.store(ir.Constant(vf, None), s_)
             gi = builder.add(builder.udiv(t0a, k64(AMX_TOKENS)), tg)     # token group in x
@@ -289,6 +340,36 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
                 p = ptr("acc", builder.add(builder.mul(R, builder.add(arow, k64(t))), r0), vf)
                 builder.store(builder.fadd(builder.load(p, align=4), builder.load(s_)), p, align=4)
 
+        def unpacked(rec, k):
+            """Block k's values as B bytes: (lo, hi), 4 <64 x i8> each, lo[g] holding
+            elements 4g..4g+3 of the 16 rows (row l's at bytes 4l..), hi[g] 16 + 4g..;
+            Q4_0's less 8 and Q6_K's less 32 (s8), Q4_1's, Q4_K's and Q5_K's unsigned."""
+            byte = lambda v: ir.Constant(v64, [v] * 64)
+            quads = quads_at(rec, k)
+            if KIND == KIND_Q6_K:
+                lo, hi = _q6_values(builder, 16, lambda j: builder.load(
+                    ptr("q", builder.add(quads, k64(64 * j)), vi), align=1))
+                return ([builder.sub(builder.bitcast(v, v64), byte(32)) for v in lo],
+                        [builder.sub(builder.bitcast(v, v64), byte(32)) for v in hi])
+            if KIND == KIND_Q5_K:       # bit 2g + h of qh's byte i: element 16h + 4g + i's bit 4
+                qh = builder.load(ptr("q", builder.add(rec, builder.add(k64(Q5K_QH), builder.mul(k, k64(64)))),
+                                      v64), align=1)
+            lo, hi = [], []
+            for g in range(4):
+                w = builder.load(ptr("q", builder.add(quads, k64(64 * g)), v64), align=1)
+                pair = [builder.and_(w, byte(0x0F)), builder.lshr(w, byte(4))]
+                for h in range(2):
+                    if KIND == KIND_Q4_0:       # q - 8 as s8: C is S - 8 xs8 itself
+                        pair[h] = builder.sub(pair[h], byte(8))
+                    elif KIND == KIND_Q5_K:
+                        f = 2 * g + h
+                        moved = (builder.shl(qh, byte(4 - f)) if f < 4 else
+                                 builder.lshr(qh, byte(f - 4)) if f > 4 else qh)
+                        pair[h] = builder.or_(pair[h], builder.and_(moved, byte(0x10)))
+                lo.append(pair[0])
+                hi.append(pair[1])
+            return lo, hi
+
         with cgutils.for_range(builder, builder.udiv(R, k64(RECORD_ROWS))) as strip_loop:
             strip = strip_loop.index
             r0 = builder.mul(strip, k64(RECORD_ROWS))
@@ -304,16 +385,9 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
                     for line in range(0, share, 64):   # the next record, a block's share
                         ops.prefetch(builder.add(ahead, k64(line)))
                     if KIND != KIND_Q8_0:
-                        # nibble quads -> B rows 0..3 (elements 0..15), 4..7 (16..31)
-                        quads = quads_at(rec, k)
-                        lo_mask = ir.Constant(v64, [0x0F] * 64)
+                        # quads -> B rows 0..3 (elements 0..15), 4..7 (16..31)
                         wk = builder.mul(k, k64(8))
-                        for g in range(4):
-                            w = builder.load(ptr("q", builder.add(quads, k64(64 * g)), v64), align=1)
-                            lo, hi = builder.and_(w, lo_mask), builder.lshr(w, ir.Constant(v64, [4] * 64))
-                            if KIND == KIND_Q4_0:   # q - 8 as s8: C is S - 8 xs8 itself
-                                eight = ir.Constant(v64, [8] * 64)
-                                lo, hi = builder.sub(lo, eight), builder.sub(hi, eight)
+                        for g, (lo, hi) in enumerate(zip(*unpacked(rec, k))):
                             builder.store(lo, builder.gep(wbase, [builder.add(wk, k64(g))]), align=64)
                             builder.store(hi, builder.gep(wbase, [builder.add(wk, k64(4 + g))]), align=64)
                 # token group tg's products go to cbuf half tg % 2 while the float sums

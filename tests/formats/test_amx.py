@@ -1,4 +1,5 @@
-"""AMX prefill of the per-32-block formats and of Q4_K (amx.py, records.matmul_blocks_amx).
+"""AMX prefill of the per-32-block formats and of the K-quants Q4_K, Q5_K and Q6_K (amx.py,
+records.matmul_blocks_amx).
 
 A NumPy twin of the tile arithmetic (tdpbssd / tdpbsud on the B tiles the kernel makes
 of the records, then blocks_gemm's float operations in its order) is checked against
@@ -22,7 +23,7 @@ from edgellama import formats
 from edgellama.formats import linear, records
 from edgellama.kernels.simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, ISA, ISA_NAMES, KIND_Q4_0, KIND_Q4_1,
                             KIND_Q8_0, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC,
-                            RECORD_ROWS, TOKENS)
+                            Q5K_QH, Q5K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS, TOKENS)
 
 f32, f64 = np.float32, np.float64
 KINDS = {"Q4_0": (G.Q4_0, KIND_Q4_0), "Q4_1": (G.Q4_1, KIND_Q4_1), "Q8_0": (G.Q8_0, KIND_Q8_0)}
@@ -93,12 +94,23 @@ def twin_matmul(lin, x8, xd, xsum, T):
     return out
 
 
+def b_tile_q5(rec, k):
+    """Q5_K's B tile (8, 64) uint8 of sub-block k: Q4_K's nibble rows with bit 4 from the
+    fifth bits (bit 2g + h of byte i of lane l: element 16 h + 4 g + i of row l)."""
+    quads = rec[Q4K_QS + 256 * k:Q4K_QS + 256 * (k + 1)].reshape(4, 64)
+    qh = rec[Q5K_QH + 64 * k:Q5K_QH + 64 * (k + 1)]
+    fifth = lambda h: np.stack([(qh >> (2 * g + h)) & 1 for g in range(4)]) << 4
+    return np.concatenate([(quads & 15) | fifth(0), (quads >> 4) | fifth(1)])
+
+
 def twin_matmul_k(lin, x8, xd, xsum, T):
-    """out (T, out_features) of a Q4_K Linear as the AMX kernel computes it: per strip
-    and record (a super-block), per sub-block k the int32 C of tdpbsud (x8 by the
-    sub-block's unsigned nibbles, B rows 0..3 the low ones) and q4k_gemm's f32 steps:
+    """out (T, out_features) of a Q4_K (Q5_K) Linear as the AMX kernel computes it: per
+    strip and record (a super-block), per sub-block k the int32 C of tdpbsud (x8 by the
+    sub-block's unsigned values, B rows 0..3 elements 0..15) and q4k_gemm's f32 steps:
     s = fma(float(C), sc dx, s), mn = fma(m, xsum, mn), then total = fma(d, s, total),
     total = fma(-dmin, mn, total) record by record."""
+    five = lin.BITS == 5
+    size = Q5K_RECORD if five else Q4K_RECORD
     R = lin.R
     Tp, nsub = xd.shape
     out = np.zeros((T, lin.out_features), f32)
@@ -107,14 +119,14 @@ def twin_matmul_k(lin, x8, xd, xsum, T):
             r0 = t * R + strip * RECORD_ROWS
             total = np.zeros((Tp, RECORD_ROWS), f32)
             for sb in range(nsub // 8):
-                o = (strip * (nsub // 8) + sb) * Q4K_RECORD
-                rec = lin.q[t, o:o + Q4K_RECORD]
+                o = (strip * (nsub // 8) + sb) * size
+                rec = lin.q[t, o:o + size]
                 s = np.zeros((Tp, RECORD_ROWS), f32)
                 mn = np.zeros((Tp, RECORD_ROWS), f32)
                 for k in range(8):
                     b = sb * 8 + k
                     quads = rec[Q4K_QS + 256 * k:Q4K_QS + 256 * (k + 1)]
-                    B = np.concatenate([quads & 15, quads >> 4]).reshape(8, 64)
+                    B = b_tile_q5(rec, k) if five else np.concatenate([quads & 15, quads >> 4]).reshape(8, 64)
                     C = np.concatenate([tdp(x8[g:g + 16, 32 * b:32 * b + 32], B) for g in range(0, Tp, 16)])
                     scv = rec[Q4K_SC + 16 * k:Q4K_SC + 16 * k + 16].astype(f32)
                     mv = rec[Q4K_M + 16 * k:Q4K_M + 16 * k + 16].astype(f32)
@@ -130,14 +142,60 @@ def twin_matmul_k(lin, x8, xd, xsum, T):
     return out
 
 
+def b_tiles_q6(rec, k):
+    """Q6_K's two B tiles (4, 64) int8 of block k, its halves (elements 0..15, 16..31):
+    the 6-bit values less 32, rebuilt from the record's nibble and crumb quads."""
+    quads = rec[Q6K_QS + 384 * k:Q6K_QS + 384 * (k + 1)].reshape(6, 64)
+    nib, crumbs = quads[:4], quads[4:]
+    lo = np.stack([(nib[g] & 15) | ((crumbs[g % 2] >> (2 * (g // 2)) & 3) << 4) for g in range(4)])
+    hi = np.stack([(nib[g] >> 4) | ((crumbs[g % 2] >> (4 + 2 * (g // 2)) & 3) << 4) for g in range(4)])
+    return [(v.astype(np.int16) - 32).astype(np.int8) for v in (lo, hi)]
+
+
+def twin_matmul_q6(lin, x8, xd, T):
+    """out (T, out_features) of a Q6_K Linear as the AMX kernel computes it: per strip,
+    record (a super-block) and block, the int32 C_h of tdpbssd for each half h (x8's 16
+    bytes by the values less 32), dot = fma(C_1, sc1, C_0 sc0) in f32, then q6_gemm's
+    s = fma(dot, dx, s) block by block and total = fma(d, s, total) record by record."""
+    R = lin.R
+    Tp, nb = xd.shape
+    out = np.zeros((T, lin.out_features), f32)
+    for t in range(lin.nt):
+        for strip in range(R // RECORD_ROWS):
+            r0 = t * R + strip * RECORD_ROWS
+            total = np.zeros((Tp, RECORD_ROWS), f32)
+            for sb in range(nb // 8):
+                o = (strip * (nb // 8) + sb) * Q6K_RECORD
+                rec = lin.q[t, o:o + Q6K_RECORD]
+                s = np.zeros((Tp, RECORD_ROWS), f32)
+                for k in range(8):
+                    b = sb * 8 + k
+                    C = [np.concatenate([tdp(x8[g:g + 16, 32 * b + 16 * h:32 * b + 16 * h + 16], B)
+                                         for g in range(0, Tp, 16)]).astype(f32)
+                         for h, B in enumerate(b_tiles_q6(rec, k))]
+                    sc = [rec[Q6K_SC + 32 * k + 16 * h:Q6K_SC + 32 * k + 16 * h + 16].view(np.int8).astype(f32)
+                          for h in range(2)]
+                    dot = fma(C[1], np.broadcast_to(sc[1][None], s.shape), C[0] * sc[0][None])
+                    s = fma(dot, np.broadcast_to(xd[:, b:b + 1], s.shape), s)
+                dv = rec[Q6K_D:Q6K_D + 32].view(np.float16).astype(f32)
+                total = fma(np.broadcast_to(dv[None], s.shape), s, total)
+            n = min(RECORD_ROWS, lin.out_features - r0)
+            if n > 0:
+                out[:, r0:r0 + n] = total[:T, :n]
+    return out
+
+
+K_QUANTS = {"Q4_K": G.Q4_K, "Q5_K": G.Q5_K, "Q6_K": G.Q6_K}
+
+
 def make(name, shape, seed):
-    """A Linear of random weights in `name` (gguf-py's quantizer; Q4_K ours, which is
+    """A Linear of random weights in `name` (gguf-py's quantizer; the K-quants ours,
     bit-exact with ggml's: gguf-py has none) and the file bytes."""
-    type_ = G.Q4_K if name == "Q4_K" else KINDS[name][0]
+    type_ = K_QUANTS[name] if name in K_QUANTS else KINDS[name][0]
     rng = np.random.default_rng(seed)
     w = rng.standard_normal(shape).astype(np.float32)
     w[1, :] *= 1e-6                         # f16 subnormal block scales
-    data = formats.quantize(w, "Q4_K") if name == "Q4_K" else quantize(w, type_)
+    data = formats.quantize(w, name) if name in K_QUANTS else quantize(w, type_)
     return linear(int(type_), [(data, shape)]), data
 
 
@@ -232,27 +290,61 @@ def test_twin_has_the_vnni_kernels_bits(name, shape, T, vnni_only):
     assert np.array_equal(got.view(np.int32), twin_matmul(lin, x8, xd, xsum, T).view(np.int32))
 
 
+@pytest.mark.parametrize("name", list(K_QUANTS))
 @pytest.mark.parametrize("shape,T", [((300, 256), 17), ((48, 512), 5), ((16, 256), 1)])
-def test_q4_k_twin_has_the_vnni_kernels_bits(shape, T, vnni_only):
-    # the same for Q4_K's records: the twin of its AMX kernel gives q4k_gemm's bits
-    lin, _ = make("Q4_K", shape, T)
+def test_k_quant_twin_has_the_vnni_kernels_bits(name, shape, T, vnni_only):
+    # the same for the K-quants' records: the twin of the AMX kernel gives q4k_gemm's
+    # (q6_gemm's) bits
+    lin, _ = make(name, shape, T)
     x = np.random.default_rng(T).standard_normal((T, shape[1])).astype(f32)
     x[0, :32] = 0                                 # a zero block of x (xd = 0)
+    x[-1, 32:64] = 1e3                            # a block of x at +-127 (the largest sums)
+    x[-1, 40] = -1e3
     got = np.empty((T, shape[0]), f32)
     lin.matmul(x, got)
     x8, xd, _, xsum = prep(x)
-    assert np.array_equal(got.view(np.int32), twin_matmul_k(lin, x8, xd, xsum, T).view(np.int32))
+    twin = twin_matmul_q6(lin, x8, xd, T) if name == "Q6_K" else twin_matmul_k(lin, x8, xd, xsum, T)
+    assert np.array_equal(got.view(np.int32), twin.view(np.int32))
+
+
+def test_q6_k_twin_tiles_give_the_exact_half_block_sums():
+    # Q6_K's B tiles less 32, by x8's half-blocks: exactly sum((q - 32) x8) over each
+    # 16 weights of the file's values (the B tiles rebuilt from the records are right)
+    shape = (20, 256)
+    lin, data = make("Q6_K", shape, 3)
+    x8, xd, _, _ = prep(np.random.default_rng(4).standard_normal((16, 256)).astype(f32))
+    x8[0] = 127
+    x8[1] = -127
+    ql, qh = data[:, :128].astype(np.int64), data[:, 128:192].astype(np.int64)
+    q = np.zeros((shape[0], 256), np.int64)                # ggml's dequantize_row_q6_K order
+    for h in range(2):
+        for l in range(32):
+            a, c = ql[:, 64 * h + l], ql[:, 64 * h + 32 + l]
+            hb = qh[:, 32 * h + l]
+            for j, v in enumerate((a & 15, c & 15, a >> 4, c >> 4)):
+                q[:, 128 * h + 32 * j + l] = v | ((hb >> (2 * j)) & 3) << 4
+    want = np.einsum("rbe,tbe->trb", (q - 32).reshape(shape[0], 16, 16),
+                     x8.astype(np.int64).reshape(16, 16, 16))
+    for r0 in (0, 16):
+        t, strip = divmod(r0, lin.R)
+        o = strip // RECORD_ROWS * Q6K_RECORD               # a row of one super-block
+        for k in range(8):
+            for h, B in enumerate(b_tiles_q6(lin.q[t, o:o + Q6K_RECORD], k)):
+                C = tdp(x8[:, 32 * k + 16 * h:32 * k + 16 * h + 16], B)
+                n = min(16, shape[0] - r0)
+                assert np.array_equal(C[:, :n], want[:, r0:r0 + n, 2 * k + h]), (r0, k, h)
 
 
 # --- permission and fallback ------------------------------------------------------------------
 
-def test_tile_config_bytes():
-    cfg = amx.tile_config()
+@pytest.mark.parametrize("kind, K", [(KIND_Q4_0, 32), (amx.KIND_Q4_K, 32), (amx.KIND_Q6_K, 16)])
+def test_tile_config_bytes(kind, K):
+    cfg = amx.tile_config(kind)
     assert len(cfg) == 64 and cfg[0] == 1 and cfg[1] == 0
     for ta, tb, tc in amx.SETS:
         colsb = lambda i: cfg[16 + 2 * i] | cfg[17 + 2 * i] << 8
-        assert (cfg[48 + ta], colsb(ta)) == (16, 32)         # A: 16 tokens x 32 bytes
-        assert (cfg[48 + tb], colsb(tb)) == (8, 64)          # B: 8 rows of 4 x 16 bytes
+        assert (cfg[48 + ta], colsb(ta)) == (16, K)          # A: 16 tokens x K bytes
+        assert (cfg[48 + tb], colsb(tb)) == (K // 4, 64)     # B: K/4 rows of 4 x 16 bytes
         assert (cfg[48 + tc], colsb(tc)) == (16, 64)         # C: 16 x 16 int32
     unused = set(range(8)) - {i for s in amx.SETS for i in s}
     assert all(cfg[48 + i] == 0 and cfg[16 + 2 * i] == 0 for i in unused)
@@ -365,7 +457,7 @@ def _both(lin, x, fine=False):
 
 @pytest.mark.parametrize("name, shape", [(n, s) for n in KINDS
                                          for s in [(300, 256), (100, 96), (48, 64)]]  # G = 8, 1, 2
-                         + [("Q4_K", s) for s in [(300, 256), (48, 2048), (16, 512)]])
+                         + [(n, s) for n in K_QUANTS for s in [(300, 256), (48, 2048), (16, 512)]])
 def test_amx_prefill_has_the_vnni_bits(name, shape, on_amx):
     lin, _ = make(name, shape, 5)
     rng = np.random.default_rng(6)
@@ -376,9 +468,9 @@ def test_amx_prefill_has_the_vnni_bits(name, shape, on_amx):
         assert np.array_equal(vnni.view(np.int32), got.view(np.int32)), (T, np.abs(vnni - got).max())
 
 
-@pytest.mark.parametrize("name", [*KINDS, "Q4_K"])
+@pytest.mark.parametrize("name", [*KINDS, *K_QUANTS])
 def test_amx_fine_activations_have_the_vnni_bits(name, on_amx):
-    lin, _ = make(name, (80, 256 if name == "Q4_K" else 128), 7)
+    lin, _ = make(name, (80, 256 if name in K_QUANTS else 128), 7)
     x = np.random.default_rng(8).standard_normal((9, lin.in_features)).astype(f32)
     vnni, got = _both(lin, x, fine=True)
     assert np.array_equal(vnni.view(np.int32), got.view(np.int32))
