@@ -51,9 +51,10 @@ ENGINES = ("edgellama", "llama.cpp")
 
 # -- workers: run in their own process, print one JSON line ---------------------------
 
-def _tokens(n: int, seed: int) -> list[int]:
+def _tokens(n: int, seed: int, vocab: int) -> list[int]:
+    """n random token ids of a vocabulary (past its first ids, where control tokens sit)."""
     import numpy as np
-    return np.random.default_rng(seed).integers(1000, 100000, n).tolist()
+    return np.random.default_rng(seed).integers(min(1000, vocab // 4), min(100000, vocab), n).tolist()
 
 
 def worker_edgellama(path: str, threads: int | None, depth: int, pp: int, tg: int) -> dict:
@@ -64,14 +65,15 @@ def worker_edgellama(path: str, threads: int | None, depth: int, pp: int, tg: in
     # Transformer, not edgellama.load: shape files have no tokenizer
     m = Transformer(GGUFFile(path), ctx=depth + pp + tg + 8, threads=policy)
     m.wait_for_tiles()
+    V = m.args.vocab_size
     seq = m.new_sequence()
-    m.forward(_tokens(16, 0), seq)                   # warm-up: kernels loaded, pages touched
-    m.forward(_tokens(1, 1), seq)
+    m.forward(_tokens(16, 0, V), seq)                # warm-up: kernels loaded, pages touched
+    m.forward(_tokens(1, 1, V), seq)
     seq.fill_random(depth, __import__("numpy").random.default_rng(0))
     t0 = time.perf_counter()
-    m.forward(_tokens(pp, 2), seq)
+    m.forward(_tokens(pp, 2, V), seq)
     t_pp = time.perf_counter() - t0
-    toks = _tokens(tg, 3)
+    toks = _tokens(tg, 3, V)
     t0 = time.perf_counter()
     for t in toks:
         m.forward([t], seq)
@@ -96,21 +98,22 @@ def worker_llamacpp(path: str, threads: int, depth: int, pp: int, tg: int) -> di
     from llama_cpp import Llama
     llm = Llama(model_path=path, n_ctx=depth + pp + tg + 8, n_threads=threads,
                 n_threads_batch=threads, n_batch=512, n_ubatch=512, verbose=False)
+    V = llm.n_vocab()
 
     def clear():
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm._ctx.ctx), True)
         llm.n_tokens = 0
 
-    llm.eval(_tokens(16, 0))                          # warm-up, as ours
-    llm.eval(_tokens(1, 1))
+    llm.eval(_tokens(16, 0, V))                       # warm-up, as ours
+    llm.eval(_tokens(1, 1, V))
     clear()
     if depth:
-        llm.eval(_tokens(depth, 4))
+        llm.eval(_tokens(depth, 4, V))
     t0 = time.perf_counter()
-    llm.eval(_tokens(pp, 2))
+    llm.eval(_tokens(pp, 2, V))
     t_pp = time.perf_counter() - t0
     t0 = time.perf_counter()
-    for t in _tokens(tg, 3):
+    for t in _tokens(tg, 3, V):
         llm.eval([t])
     t_tg = time.perf_counter() - t0
     return {"pp": pp / t_pp, "tg": tg / t_tg, "threads": threads}
