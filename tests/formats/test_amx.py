@@ -61,37 +61,51 @@ def fma(a, b, c):
     return (f64(1) * a.astype(f64) * b.astype(f64) + c.astype(f64)).astype(f32)
 
 
-def twin_matmul(lin, x8, xd, xsum, T):
-    """out (T, out_features) of a BlocksLinear as the AMX kernel computes it: per strip
-    and record, per block the int32 C of tdp (16 tokens at a time) and the f32 steps of
-    simd.blocks_gemm: s = fma(float(C), d dx, s) [Q4_1: s = fma(m, xsum, s)] block by
-    block from s = 0, then total += s record by record."""
-    kind, G_, R = lin.kind, lin.group, lin.R
-    Tp, nb = xd.shape
-    bb = BLOCK_BYTES[kind]
+def twin_records(lin, size, nrec, Tp, T, record):
+    """The strip and record loops the twins share: per strip of RECORD_ROWS rows, total
+    (Tp, RECORD_ROWS) f32 from zero, total = record(rec, sb, total) for each of the
+    strip's nrec records of `size` bytes in turn; out (T, out_features) the totals."""
+    R = lin.R
     out = np.zeros((T, lin.out_features), f32)
     for t in range(lin.nt):
         for strip in range(R // RECORD_ROWS):
             r0 = t * R + strip * RECORD_ROWS
             total = np.zeros((Tp, RECORD_ROWS), f32)
-            for sb in range(nb // G_):
-                o = (strip * (nb // G_) + sb) * G_ * bb
-                rec = lin.q[t, o:o + G_ * bb]
-                s = np.zeros((Tp, RECORD_ROWS), f32)
-                for k in range(G_):
-                    b = sb * G_ + k
-                    B = b_tile(rec, G_, kind, k)
-                    C = np.concatenate([tdp(x8[g:g + 16, 32 * b:32 * b + 32], B) for g in range(0, Tp, 16)])
-                    dv = rec[32 * k:32 * k + 32].view(np.float16).astype(f32)
-                    s = fma(C.astype(f32), dv[None] * xd[:, b:b + 1], s)
-                    if kind == KIND_Q4_1:
-                        mv = rec[32 * G_ + 32 * k:32 * G_ + 32 * k + 32].view(np.float16).astype(f32)
-                        s = fma(np.broadcast_to(mv[None], s.shape), np.broadcast_to(xsum[:, b:b + 1], s.shape), s)
-                total = total + s
+            for sb in range(nrec):
+                o = (strip * nrec + sb) * size
+                total = record(lin.q[t, o:o + size], sb, total)
             n = min(RECORD_ROWS, lin.out_features - r0)
             if n > 0:
                 out[:, r0:r0 + n] = total[:T, :n]
     return out
+
+
+def c_tiles(x8, b, B, lo=0, width=32):
+    """C (Tp, 16) int32 of tdp for every group of 16 tokens: x8's bytes lo..lo+width of
+    block b by the B tile."""
+    at = 32 * b + lo
+    return np.concatenate([tdp(x8[g:g + 16, at:at + width], B) for g in range(0, x8.shape[0], 16)])
+
+
+def twin_matmul(lin, x8, xd, xsum, T):
+    """out (T, out_features) of a BlocksLinear as the AMX kernel computes it: per strip
+    and record, per block the int32 C of tdp (16 tokens at a time) and the f32 steps of
+    simd.blocks_gemm: s = fma(float(C), d dx, s) [Q4_1: s = fma(m, xsum, s)] block by
+    block from s = 0, then total += s record by record."""
+    kind, G_ = lin.kind, lin.group
+    Tp, nb = xd.shape
+
+    def record(rec, sb, total):
+        s = np.zeros_like(total)
+        for k in range(G_):
+            b = sb * G_ + k
+            dv = rec[32 * k:32 * k + 32].view(np.float16).astype(f32)
+            s = fma(c_tiles(x8, b, b_tile(rec, G_, kind, k)).astype(f32), dv[None] * xd[:, b:b + 1], s)
+            if kind == KIND_Q4_1:
+                mv = rec[32 * G_ + 32 * k:32 * G_ + 32 * k + 32].view(np.float16).astype(f32)
+                s = fma(np.broadcast_to(mv[None], s.shape), np.broadcast_to(xsum[:, b:b + 1], s.shape), s)
+        return total + s
+    return twin_records(lin, G_ * BLOCK_BYTES[kind], nb // G_, Tp, T, record)
 
 
 def b_tile_q5(rec, k):
@@ -110,36 +124,23 @@ def twin_matmul_k(lin, x8, xd, xsum, T):
     s = fma(float(C), sc dx, s), mn = fma(m, xsum, mn), then total = fma(d, s, total),
     total = fma(-dmin, mn, total) record by record."""
     five = lin.BITS == 5
-    size = Q5K_RECORD if five else Q4K_RECORD
-    R = lin.R
     Tp, nsub = xd.shape
-    out = np.zeros((T, lin.out_features), f32)
-    for t in range(lin.nt):
-        for strip in range(R // RECORD_ROWS):
-            r0 = t * R + strip * RECORD_ROWS
-            total = np.zeros((Tp, RECORD_ROWS), f32)
-            for sb in range(nsub // 8):
-                o = (strip * (nsub // 8) + sb) * size
-                rec = lin.q[t, o:o + size]
-                s = np.zeros((Tp, RECORD_ROWS), f32)
-                mn = np.zeros((Tp, RECORD_ROWS), f32)
-                for k in range(8):
-                    b = sb * 8 + k
-                    quads = rec[Q4K_QS + 256 * k:Q4K_QS + 256 * (k + 1)]
-                    B = b_tile_q5(rec, k) if five else np.concatenate([quads & 15, quads >> 4]).reshape(8, 64)
-                    C = np.concatenate([tdp(x8[g:g + 16, 32 * b:32 * b + 32], B) for g in range(0, Tp, 16)])
-                    scv = rec[Q4K_SC + 16 * k:Q4K_SC + 16 * k + 16].astype(f32)
-                    mv = rec[Q4K_M + 16 * k:Q4K_M + 16 * k + 16].astype(f32)
-                    s = fma(C.astype(f32), scv[None] * xd[:, b:b + 1], s)
-                    mn = fma(np.broadcast_to(mv[None], s.shape), np.broadcast_to(xsum[:, b:b + 1], s.shape), mn)
-                dv = rec[Q4K_D:Q4K_D + 32].view(np.float16).astype(f32)
-                mnv = rec[Q4K_DMIN:Q4K_DMIN + 32].view(np.float16).astype(f32)
-                total = fma(np.broadcast_to(dv[None], s.shape), s, total)
-                total = fma(np.broadcast_to(-mnv[None], s.shape), mn, total)
-            n = min(RECORD_ROWS, lin.out_features - r0)
-            if n > 0:
-                out[:, r0:r0 + n] = total[:T, :n]
-    return out
+
+    def record(rec, sb, total):
+        s, mn = np.zeros_like(total), np.zeros_like(total)
+        for k in range(8):
+            b = sb * 8 + k
+            quads = rec[Q4K_QS + 256 * k:Q4K_QS + 256 * (k + 1)]
+            B = b_tile_q5(rec, k) if five else np.concatenate([quads & 15, quads >> 4]).reshape(8, 64)
+            scv = rec[Q4K_SC + 16 * k:Q4K_SC + 16 * k + 16].astype(f32)
+            mv = rec[Q4K_M + 16 * k:Q4K_M + 16 * k + 16].astype(f32)
+            s = fma(c_tiles(x8, b, B).astype(f32), scv[None] * xd[:, b:b + 1], s)
+            mn = fma(np.broadcast_to(mv[None], s.shape), np.broadcast_to(xsum[:, b:b + 1], s.shape), mn)
+        dv = rec[Q4K_D:Q4K_D + 32].view(np.float16).astype(f32)
+        mnv = rec[Q4K_DMIN:Q4K_DMIN + 32].view(np.float16).astype(f32)
+        total = fma(np.broadcast_to(dv[None], s.shape), s, total)
+        return fma(np.broadcast_to(-mnv[None], s.shape), mn, total)
+    return twin_records(lin, Q5K_RECORD if five else Q4K_RECORD, nsub // 8, Tp, T, record)
 
 
 def b_tiles_q6(rec, k):
@@ -157,32 +158,20 @@ def twin_matmul_q6(lin, x8, xd, T):
     record (a super-block) and block, the int32 C_h of tdpbssd for each half h (x8's 16
     bytes by the values less 32), dot = fma(C_1, sc1, C_0 sc0) in f32, then q6_gemm's
     s = fma(dot, dx, s) block by block and total = fma(d, s, total) record by record."""
-    R = lin.R
     Tp, nb = xd.shape
-    out = np.zeros((T, lin.out_features), f32)
-    for t in range(lin.nt):
-        for strip in range(R // RECORD_ROWS):
-            r0 = t * R + strip * RECORD_ROWS
-            total = np.zeros((Tp, RECORD_ROWS), f32)
-            for sb in range(nb // 8):
-                o = (strip * (nb // 8) + sb) * Q6K_RECORD
-                rec = lin.q[t, o:o + Q6K_RECORD]
-                s = np.zeros((Tp, RECORD_ROWS), f32)
-                for k in range(8):
-                    b = sb * 8 + k
-                    C = [np.concatenate([tdp(x8[g:g + 16, 32 * b + 16 * h:32 * b + 16 * h + 16], B)
-                                         for g in range(0, Tp, 16)]).astype(f32)
-                         for h, B in enumerate(b_tiles_q6(rec, k))]
-                    sc = [rec[Q6K_SC + 32 * k + 16 * h:Q6K_SC + 32 * k + 16 * h + 16].view(np.int8).astype(f32)
-                          for h in range(2)]
-                    dot = fma(C[1], np.broadcast_to(sc[1][None], s.shape), C[0] * sc[0][None])
-                    s = fma(dot, np.broadcast_to(xd[:, b:b + 1], s.shape), s)
-                dv = rec[Q6K_D:Q6K_D + 32].view(np.float16).astype(f32)
-                total = fma(np.broadcast_to(dv[None], s.shape), s, total)
-            n = min(RECORD_ROWS, lin.out_features - r0)
-            if n > 0:
-                out[:, r0:r0 + n] = total[:T, :n]
-    return out
+
+    def record(rec, sb, total):
+        s = np.zeros_like(total)
+        for k in range(8):
+            b = sb * 8 + k
+            C = [c_tiles(x8, b, B, 16 * h, 16).astype(f32) for h, B in enumerate(b_tiles_q6(rec, k))]
+            sc = [rec[Q6K_SC + 32 * k + 16 * h:Q6K_SC + 32 * k + 16 * h + 16].view(np.int8).astype(f32)
+                  for h in range(2)]
+            dot = fma(C[1], np.broadcast_to(sc[1][None], s.shape), C[0] * sc[0][None])
+            s = fma(dot, np.broadcast_to(xd[:, b:b + 1], s.shape), s)
+        dv = rec[Q6K_D:Q6K_D + 32].view(np.float16).astype(f32)
+        return fma(np.broadcast_to(dv[None], s.shape), s, total)
+    return twin_records(lin, Q6K_RECORD, nb // 8, Tp, T, record)
 
 
 K_QUANTS = {"Q4_K": G.Q4_K, "Q5_K": G.Q5_K, "Q6_K": G.Q6_K}
