@@ -14,7 +14,8 @@ one prefill of T tokens), per token:
   attention    every layer's K/V write and cache attention at the same depth
   elementwise  RMSNorm, RoPE, SwiGLU and the residual adds of every layer
   python       the same pass with every kernel replaced by a no-op: the interpreter's
-               time between the kernels, which no thread count shortens
+               time between the kernels, which no thread count shortens (decode only:
+               a prefill's NumPy products, which are no kernels of ours, would still run)
   rest         token minus the above: the kernels' calls and what no part names
 
 and the parallel regions a pass opens (counted by wrapping every parallel kernel for one
@@ -187,10 +188,12 @@ def split(m, depth: int, reps: int, T: int = 1) -> dict:
         for key, f in parts.items():
             times[key].append(_median_time(f, 1) / (steps * T))
     res = {key: statistics.median(v) for key, v in times.items()}
-    from edgellama.kernels.jit import kernels_replaced
-    with kernels_replaced(lambda kernel: _no_op), np.errstate(all="ignore"):
-        token()
-        res["python"] = _median_time(token, reps) / (steps * T)
+    res["python"] = 0.0
+    if T == 1:
+        from edgellama.kernels.jit import kernels_replaced
+        with kernels_replaced(lambda kernel: _no_op), np.errstate(all="ignore"):
+            token()
+            res["python"] = _median_time(token, reps) / steps
     res["rest"] = res["token"] - sum(res[k] for k in res if k != "token")
     n, by_kernel = count_regions(lambda: (seq.truncate(depth), m.forward(ids if T > 1 else [7], seq)))
     res["regions"], res["regions_by_kernel"] = n, by_kernel
@@ -242,10 +245,11 @@ def main() -> None:
         ms = {k: r[k] * 1e3 for k in ("token", "products", "output", "attention", "elementwise", "python",
                                       "rest")}
         launch = r["regions"] * max(0.0, r["region_s"] - r["serial_call_s"]) * 1e3
+        python = "" if T > 1 else f"python {ms['python']:.2f}, "
         print(f"{t:>2} threads{f', prefill {T}' if T > 1 else ''}: token {ms['token']:.3f} ms ({r['gbs']:.1f} GB/s, "
               f"{r['gbs'] / ceiling:.0%} of {ceiling:.1f}) | products {ms['products']:.2f}, "
               f"output {ms['output']:.2f}, attention {ms['attention']:.2f}, elementwise "
-              f"{ms['elementwise']:.2f}, python {ms['python']:.2f}, rest {ms['rest']:.2f} | {r['regions']} regions x "
+              f"{ms['elementwise']:.2f}, {python}rest {ms['rest']:.2f} | {r['regions']} regions x "
               f"{(r['region_s'] - r['serial_call_s']) * 1e6:.1f} us = {launch:.2f} ms "
               f"(a serial call {r['serial_call_s'] * 1e6:.1f} us)", flush=True)
     res = {"machine": cpu_name(), "file": str(path), "kernels": kernels_name(),
