@@ -18,8 +18,12 @@ one prefill of T tokens), per token:
                a prefill's NumPy products, which are no kernels of ours, would still run)
   rest         token minus the above: the kernels' calls and what no part names
 
-and the parallel regions a pass opens (counted by wrapping every parallel kernel for one
-pass) with what one costs here: an empty region (one trivial item per thread) against a
+For decode with per-32-block weights (Q4_0, Q4_1, Q8_0), `join wait` is how long the
+threads idle at the ends of the layers' products: each product run once more with every
+thread's finish stamped (the CPU's cycle counter), the mean over threads of the last
+finish minus its own, as a share of the products' time and in ms a token; a thread with
+no item idles through its product. Then the parallel regions a pass opens (counted by
+wrapping every parallel kernel for one pass) with what one costs here: an empty region (one trivial item per thread) against a
 serial kernel call of the same signature, so `regions x cost` is the launch-and-join time
 a pass spends at that thread count. The ceiling is a parallel sum over 2 GiB at the same
 thread count; decode can be no faster than its bytes over the ceiling. Parts measured
@@ -91,6 +95,88 @@ def region_cost(reps: int) -> tuple[float, float]:
     a = np.zeros(numba.get_num_threads(), np.float32)
     par(a), ser(a)
     return _median_time(lambda: par(a), reps, 200), _median_time(lambda: ser(a), reps, 200)
+
+
+_STAMPED = None
+
+
+def _stamped_kernels():
+    """(matvec, now): records.matvec_blocks with each thread's first start and last
+    finish stamped in begins, ends (threads,) int64 (begins zero before), and the cycle
+    counter; compiled on first use."""
+    global _STAMPED
+    if _STAMPED is None:
+        import numba
+        from llvmlite import ir
+        from numba import njit, prange, types
+        from numba.extending import intrinsic
+        from edgellama.kernels.isa import call_llvm
+        from edgellama.kernels.simd import ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, Q8X, blocks_gemm, tile
+
+        @intrinsic
+        def cycles(typingctx):
+            def codegen(context, builder, sig, args):
+                return call_llvm(builder, "llvm.readcyclecounter", ir.IntType(64), [])
+            return types.int64(), codegen
+
+        @njit(parallel=True)
+        def matvec(q, x8, xd, xs8, xsum, out, acc, G, kind, begins, ends):
+            R = acc.shape[1]
+            x = Q8X(x8, xd, xs8, xsum)
+            for t in prange(q.shape[0]):
+                if begins[numba.get_thread_id()] == 0:
+                    begins[numba.get_thread_id()] = cycles()
+                if kind == KIND_Q4_0:
+                    blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q4_0), ISA)
+                elif kind == KIND_Q4_1:
+                    blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q4_1), ISA)
+                else:
+                    blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q8_0), ISA)
+                n = min(R, out.size - t * R)
+                out[t * R:t * R + n] = acc[t, :n]
+                ends[numba.get_thread_id()] = cycles()
+
+        @njit
+        def now():
+            return cycles()
+        _STAMPED = matvec, now
+    return _STAMPED
+
+
+def join_wait(m, reps: int) -> tuple[float, float] | None:
+    """(wait, late): the shares of the layers' product time the average thread idles
+    before each product's last thread finishes (module docstring), and of it before its
+    first item starts (a worker waking late), medians of reps passes; None unless every
+    layer product is a per-32-block format."""
+    import numba
+    import numpy as np
+    from edgellama.formats.records import BlocksLinear, prep_q8_x
+    ws = [w for layer in m.layers for w in m.layer_linears(layer)]
+    if not all(isinstance(w, BlocksLinear) for w in ws):
+        return None
+    matvec, now = _stamped_kernels()
+    threads = numba.get_num_threads()
+    rng = np.random.default_rng(1)
+    runs = []
+    for w in ws:
+        x8, xd, xs8, xsum, acc = w.decode_buffers()
+        prep_q8_x(rng.standard_normal(w.in_features).astype(np.float32), x8, xd, xs8, xsum)
+        runs.append((w, (x8, xd, xs8, xsum), np.empty(w.out_features, np.float32), acc))
+    shares = []
+    n = numba.config.NUMBA_NUM_THREADS
+    for _ in range(reps + 1):                   # the first pass compiles and warms
+        idle = late = span = 0
+        for w, x, out, acc in runs:
+            begins = np.zeros(n, np.int64)
+            ends = np.full(n, now(), np.int64)
+            start = ends[0]
+            matvec(w.q, *x, out, acc, w.group, w.kind, begins, ends)
+            last = ends[:threads].max()
+            idle += (last - ends[:threads]).mean()
+            late += (np.where(begins[:threads] > 0, begins[:threads], last) - start).mean()
+            span += last - start
+        shares.append((idle / span, late / span))
+    return (statistics.median(s[0] for s in shares[1:]), statistics.median(s[1] for s in shares[1:]))
 
 
 def _no_op(*args) -> None:
@@ -240,16 +326,20 @@ def main() -> None:
         ceiling = statistics.median(measure_read_bandwidth(keep=True) for _ in range(3))
         r = split(m, args.depth, args.reps, T)
         r["region_s"], r["serial_call_s"] = region_cost(args.reps)
+        r["join_wait"] = join_wait(m, args.reps) if T == 1 else None
         r.update(threads=t, ceiling_gbs=ceiling, gbs=nbytes / r["token"] / 1e9)
         rows.append(r)
         ms = {k: r[k] * 1e3 for k in ("token", "products", "output", "attention", "elementwise", "python",
                                       "rest")}
         launch = r["regions"] * max(0.0, r["region_s"] - r["serial_call_s"]) * 1e3
         python = "" if T > 1 else f"python {ms['python']:.2f}, "
+        wait = ("" if r["join_wait"] is None else
+                f"join wait {r['join_wait'][0]:.0%} of products ({r['join_wait'][0] * ms['products']:.2f} ms; "
+                f"late start {r['join_wait'][1]:.0%}) | ")
         print(f"{t:>2} threads{f', prefill {T}' if T > 1 else ''}: token {ms['token']:.3f} ms ({r['gbs']:.1f} GB/s, "
               f"{r['gbs'] / ceiling:.0%} of {ceiling:.1f}) | products {ms['products']:.2f}, "
               f"output {ms['output']:.2f}, attention {ms['attention']:.2f}, elementwise "
-              f"{ms['elementwise']:.2f}, {python}rest {ms['rest']:.2f} | {r['regions']} regions x "
+              f"{ms['elementwise']:.2f}, {python}rest {ms['rest']:.2f} | {wait}{r['regions']} regions x "
               f"{(r['region_s'] - r['serial_call_s']) * 1e6:.1f} us = {launch:.2f} ms "
               f"(a serial call {r['serial_call_s'] * 1e6:.1f} us)", flush=True)
     res = {"machine": cpu_name(), "file": str(path), "kernels": kernels_name(),
