@@ -101,15 +101,16 @@ _STAMPED = None
 
 
 def _stamped_kernels():
-    """(matvec, now): records.matvec_blocks with each thread's first start and last
-    finish stamped in begins, ends (threads,) int64 (begins zero before), and the cycle
-    counter; compiled on first use."""
+    """(matvec, now): records.matvec_blocks (its tiles claimed as it claims them) with
+    each thread's first start and last finish stamped in begins, ends (threads,) int64
+    (begins zero before), and the cycle counter; compiled on first use."""
     global _STAMPED
     if _STAMPED is None:
         import numba
         from llvmlite import ir
         from numba import njit, prange, types
         from numba.extending import intrinsic
+        from edgellama.kernels.claim import take
         from edgellama.kernels.isa import call_llvm
         from edgellama.kernels.simd import ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, Q8X, blocks_gemm, tile
 
@@ -120,21 +121,27 @@ def _stamped_kernels():
             return types.int64(), codegen
 
         @njit(parallel=True)
-        def matvec(q, x8, xd, xs8, xsum, out, acc, G, kind, begins, ends):
+        def matvec(q, x8, xd, xs8, xsum, out, acc, G, kind, counter, begins, ends):
             R = acc.shape[1]
             x = Q8X(x8, xd, xs8, xsum)
-            for t in prange(q.shape[0]):
-                if begins[numba.get_thread_id()] == 0:
-                    begins[numba.get_thread_id()] = cycles()
-                if kind == KIND_Q4_0:
-                    blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q4_0), ISA)
-                elif kind == KIND_Q4_1:
-                    blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q4_1), ISA)
-                else:
-                    blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q8_0), ISA)
-                n = min(R, out.size - t * R)
-                out[t * R:t * R + n] = acc[t, :n]
-                ends[numba.get_thread_id()] = cycles()
+            counter[0] = 0
+            for _ in prange(q.shape[0]):
+                me = numba.get_thread_id()
+                if begins[me] == 0:
+                    begins[me] = cycles()
+                while True:
+                    t = take(counter)
+                    if t >= q.shape[0]:
+                        break
+                    if kind == KIND_Q4_0:
+                        blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q4_0), ISA)
+                    elif kind == KIND_Q4_1:
+                        blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q4_1), ISA)
+                    else:
+                        blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q8_0), ISA)
+                    n = min(R, out.size - t * R)
+                    out[t * R:t * R + n] = acc[t, :n]
+                    ends[me] = cycles()
 
         @njit
         def now():
@@ -159,18 +166,18 @@ def join_wait(m, reps: int) -> tuple[float, float] | None:
     rng = np.random.default_rng(1)
     runs = []
     for w in ws:
-        x8, xd, xs8, xsum, acc = w.decode_buffers()
+        x8, xd, xs8, xsum, acc, counter = w.decode_buffers()
         prep_q8_x(rng.standard_normal(w.in_features).astype(np.float32), x8, xd, xs8, xsum)
-        runs.append((w, (x8, xd, xs8, xsum), np.empty(w.out_features, np.float32), acc))
+        runs.append((w, (x8, xd, xs8, xsum), np.empty(w.out_features, np.float32), acc, counter))
     shares = []
     n = numba.config.NUMBA_NUM_THREADS
     for _ in range(reps + 1):                   # the first pass compiles and warms
         idle = late = span = 0
-        for w, x, out, acc in runs:
+        for w, x, out, acc, counter in runs:
             begins = np.zeros(n, np.int64)
             ends = np.full(n, now(), np.int64)
             start = ends[0]
-            matvec(w.q, *x, out, acc, w.group, w.kind, begins, ends)
+            matvec(w.q, *x, out, acc, w.group, w.kind, counter, begins, ends)
             last = ends[:threads].max()
             idle += (last - ends[:threads]).mean()
             late += (np.where(begins[:threads] > 0, begins[:threads], last) - start).mean()

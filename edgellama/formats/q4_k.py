@@ -31,6 +31,7 @@ from gguf.constants import LlamaFileType
 from numba import njit, prange
 
 from ..kernels.amx import AMX_TOKENS, GROUPS, KIND_Q4_K, KIND_Q5_K
+from ..kernels.claim import take
 from ..kernels.fp import get_f16, nearest_int, put_f16
 from ..kernels.simd import (ISA, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH, Q5K_RECORD,
                     RECORD_ROWS, TOKENS, K_GROUP, Q8X, q4k_gemm, tile)
@@ -328,18 +329,23 @@ def repack_k(raw, row0, q, bs, record):
 # --- decode and prefill: simd.q4k_gemm --------------------------------------------------------
 
 @njit(cache=True, parallel=True)
-def matvec_k(q, x8, xd, xsum, out, acc, bits):
+def matvec_k(q, x8, xd, xsum, out, acc, bits, counter):
     # W (nt*R, n) Q4_K (bits 4) or Q5_K (bits 5) tiles @ x (prep_q8_x) -> out (d,);
-    # acc (nt, R) f32 per-tile sums
+    # acc (nt, R) f32 per-tile sums; the tiles claimed one at a time (claim.py: counter)
     R = acc.shape[1]
     x = Q8X(x8, xd, None, xsum)
-    for t in prange(q.shape[0]):
-        if bits == 4:
-            q4k_gemm(q[t], x, acc[t], tile(xd.size, K_GROUP, 0, 1, 4), ISA)
-        else:
-            q4k_gemm(q[t], x, acc[t], tile(xd.size, K_GROUP, 0, 1, 5), ISA)
-        n = min(R, out.size - t * R)
-        out[t * R:t * R + n] = acc[t, :n]
+    counter[0] = 0
+    for _ in prange(q.shape[0]):
+        while True:
+            t = take(counter)
+            if t >= q.shape[0]:
+                break
+            if bits == 4:
+                q4k_gemm(q[t], x, acc[t], tile(xd.size, K_GROUP, 0, 1, 4), ISA)
+            else:
+                q4k_gemm(q[t], x, acc[t], tile(xd.size, K_GROUP, 0, 1, 5), ISA)
+            n = min(R, out.size - t * R)
+            out[t * R:t * R + n] = acc[t, :n]
 
 
 @njit(cache=True, parallel=True)
@@ -406,9 +412,9 @@ class Q4KLinear(RecordLinear):
         repack_k(raw, row0, self.q, self.BLOCK_BYTES, self.RECORD)
 
     def _matvec(self, x, out, scratch):
-        x8, xd, xs8, xsum, acc = self._buffers(scratch)
+        x8, xd, xs8, xsum, acc, counter = self._buffers(scratch)
         prep_q8_x(x, x8, xd, xs8, xsum)
-        matvec_k(self.q, x8, xd, xsum, out, acc, self.BITS)
+        matvec_k(self.q, x8, xd, xsum, out, acc, self.BITS, counter)
 
     def _amx_kind(self):
         return KIND_Q4_K if self.BITS == 4 else KIND_Q5_K

@@ -30,6 +30,7 @@ from gguf.constants import LlamaFileType
 from numba import njit, prange
 
 from ..kernels.amx import AMX_TOKENS, GROUPS, KIND_Q6_K
+from ..kernels.claim import take
 from ..kernels.fp import get_f16, nearest_int, put_f16
 from ..kernels.simd import (ISA, K_GROUP, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, Q8X, RECORD_ROWS, TOKENS,
                             q6_gemm, tile)
@@ -237,15 +238,20 @@ def sums16(x8, xs16):
 
 
 @njit(cache=True, parallel=True)
-def matvec_q6_k(q, x8, xd, xs16, out, acc):
+def matvec_q6_k(q, x8, xd, xs16, out, acc, counter):
     # W (nt*R, n) Q6_K tiles @ x (records.prep_q8_x, xs16 its sums per 16) -> out (d,);
-    # acc (nt, R) f32 per-tile sums
+    # acc (nt, R) f32 per-tile sums; the tiles claimed one at a time (claim.py: counter)
     R = acc.shape[1]
     x = Q8X(x8, xd, xs16, None)
-    for t in prange(q.shape[0]):
-        q6_gemm(q[t], x, acc[t], tile(xd.size, K_GROUP, 0, 1, 6), ISA)
-        n = min(R, out.size - t * R)
-        out[t * R:t * R + n] = acc[t, :n]
+    counter[0] = 0
+    for _ in prange(q.shape[0]):
+        while True:
+            t = take(counter)
+            if t >= q.shape[0]:
+                break
+            q6_gemm(q[t], x, acc[t], tile(xd.size, K_GROUP, 0, 1, 6), ISA)
+            n = min(R, out.size - t * R)
+            out[t * R:t * R + n] = acc[t, :n]
 
 
 @njit(cache=True, parallel=True)
@@ -314,10 +320,10 @@ class Q6KLinear(RecordLinear):
         repack_q6_k(raw, row0, self.q)
 
     def _matvec(self, x, out, scratch):
-        x8, xd, xs8, xsum, acc, xs16 = self._buffers(scratch)
+        x8, xd, xs8, xsum, acc, counter, xs16 = self._buffers(scratch)
         prep_q8_x(x, x8, xd, xs8, xsum)
         sums16(x8, xs16)
-        matvec_q6_k(self.q, x8, xd, xs16, out, acc)
+        matvec_q6_k(self.q, x8, xd, xs16, out, acc, counter)
 
     def _amx_kind(self):
         return KIND_Q6_K

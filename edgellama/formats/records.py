@@ -22,6 +22,7 @@ from numba import njit, prange
 
 from ..kernels import amx
 from ..kernels.amx import AMX_TOKENS, GROUPS, KIND_Q4_K, KIND_Q5_K, KIND_Q6_K, amx_blocks_gemm
+from ..kernels.claim import take
 from ..kernels.fp import get_f16
 from ..kernels.simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, RECORD_ROWS,
                     TOKENS, Q8X, blocks_gemm, tile)
@@ -185,10 +186,11 @@ class RecordLinear(TiledLinear):
             row0 += raw.shape[0]
 
     def decode_buffers(self):
-        # (x8, xd, xs8, xsum) of prep_q8_x, and acc (nt, R) f32 per-tile sums
+        # (x8, xd, xs8, xsum) of prep_q8_x, acc (nt, R) f32 per-tile sums, and the counter
+        # the decode kernel's threads claim tiles from (kernels/claim.py)
         n = self.in_features
         return (np.zeros(n, np.int8), np.zeros(n // 32, f32), np.zeros(n // 32, np.int32),
-                np.zeros(n // 32, f32), np.zeros((self.nt, self.R), f32))
+                np.zeros(n // 32, f32), np.zeros((self.nt, self.R), f32), np.zeros(1, np.int64))
 
     def _strip_bytes(self) -> int:
         """Bytes of the records of one strip of 16 rows (a whole row's length)."""
@@ -306,20 +308,25 @@ def repack_blocks(raw, row0, q, G, kind):
 
 
 @njit(cache=True, parallel=True)
-def matvec_blocks(q, x8, xd, xs8, xsum, out, acc, G, kind):
+def matvec_blocks(q, x8, xd, xs8, xsum, out, acc, G, kind, counter):
     # W (nt*R, n) records of a per-32-block format @ x (prep_q8_x) -> out (d,);
-    # acc (nt, R) f32 per-tile sums
+    # acc (nt, R) f32 per-tile sums; the tiles claimed one at a time (claim.py: counter)
     R = acc.shape[1]
     x = Q8X(x8, xd, xs8, xsum)
-    for t in prange(q.shape[0]):
-        if kind == KIND_Q4_0:
-            blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q4_0), ISA)
-        elif kind == KIND_Q4_1:
-            blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q4_1), ISA)
-        else:
-            blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q8_0), ISA)
-        n = min(R, out.size - t * R)
-        out[t * R:t * R + n] = acc[t, :n]
+    counter[0] = 0
+    for _ in prange(q.shape[0]):
+        while True:
+            t = take(counter)
+            if t >= q.shape[0]:
+                break
+            if kind == KIND_Q4_0:
+                blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q4_0), ISA)
+            elif kind == KIND_Q4_1:
+                blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q4_1), ISA)
+            else:
+                blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q8_0), ISA)
+            n = min(R, out.size - t * R)
+            out[t * R:t * R + n] = acc[t, :n]
 
 
 @njit(cache=True, fastmath=True)
@@ -369,9 +376,9 @@ class BlocksLinear(RecordLinear):
         repack_blocks(raw, row0, self.q, self.group, self.kind)
 
     def _matvec(self, x, out, scratch):
-        x8, xd, xs8, xsum, acc = self._buffers(scratch)
+        x8, xd, xs8, xsum, acc, counter = self._buffers(scratch)
         prep_q8_x(x, x8, xd, xs8, xsum)
-        matvec_blocks(self.q, x8, xd, xs8, xsum, out, acc, self.group, self.kind)
+        matvec_blocks(self.q, x8, xd, xs8, xsum, out, acc, self.group, self.kind, counter)
 
     def _amx_kind(self):
         return self.kind

@@ -1,0 +1,93 @@
+"""Work claimed from a shared counter (kernels/claim.py): each item exactly once, early
+threads taking more, and the decode kernels' results independent of who took what."""
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from edgellama.kernels.claim import take
+
+
+@njit
+def _take_n(counter, n):
+    out = np.empty(n, np.int64)
+    for i in range(n):
+        out[i] = take(counter)
+    return out
+
+
+@njit
+def _spin(seconds_in_cycles):
+    s = 0.0
+    for i in range(seconds_in_cycles):
+        s += np.sqrt(float(i))
+    return s
+
+
+@njit(parallel=True)
+def _claim_items(counter, n, done, by, late, sink):
+    # items 0..n claimed as the decode kernels claim tiles; thread 0 starts `late` spins
+    # after the others (a worker still waking, as the claims are meant for); sink keeps
+    # the spins' sums, so no spin is optimised away
+    counter[0] = 0
+    for _ in prange(n):
+        me = numba.get_thread_id()
+        if me == 0 and late > 0 and by[n] == 0:
+            by[n] = 1
+            sink[me] += _spin(late)
+        while True:
+            i = take(counter)
+            if i >= n:
+                break
+            done[i] += 1
+            by[i] = me
+            sink[me] += _spin(2000)
+
+
+def test_take_hands_out_consecutive_items():
+    counter = np.zeros(1, np.int64)
+    assert _take_n(counter, 5).tolist() == [0, 1, 2, 3, 4]
+    assert counter[0] == 5
+
+
+def test_every_item_is_claimed_once_and_a_late_thread_takes_fewer():
+    n = 400
+    threads = numba.config.NUMBA_NUM_THREADS
+    counter = np.zeros(1, np.int64)
+    for late in (0, 3_000_000):
+        done, by = np.zeros(n, np.int64), np.zeros(n + 1, np.int64)
+        _claim_items(counter, n, done, by, late, np.zeros(threads))
+        assert done.tolist() == [1] * n                  # every item, once
+        share0 = np.mean(by[:n] == 0)
+        if threads == 1:
+            assert share0 == 1.0
+        elif late:
+            # a static split would give thread 0 its 1/threads of the items whatever its
+            # start; claiming leaves it what the others had not taken by then
+            assert share0 < 0.5 / threads, share0
+    assert counter[0] >= n
+
+
+def test_claimed_decode_gives_the_same_bits_at_every_thread_count():
+    # the record formats' decode kernels claim their tiles: which thread takes a tile
+    # changes nothing in it
+    from gguf import GGMLQuantizationType as G
+    from edgellama import formats
+    from edgellama.formats import linear
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((1000, 512)).astype(np.float32)
+    x = rng.standard_normal(512).astype(np.float32)
+    for name in ("Q4_0", "Q8_0", "Q4_K", "Q6_K"):
+        lin = linear(int(getattr(G, name)), [(formats.quantize(w, name), w.shape)])
+        outs = []
+        for threads in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+            numba.set_num_threads(threads)
+            try:
+                for _ in range(3):
+                    out = np.empty(1000, np.float32)
+                    lin.matvec(x, out)
+                    outs.append(out)
+            finally:
+                numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        for out in outs[1:]:
+            assert np.array_equal(out.view(np.int32), outs[0].view(np.int32)), name
