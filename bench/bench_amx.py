@@ -79,8 +79,9 @@ def main() -> None:
                     print(f"{threads} threads {qtype:5} {name:7} {tokens:4} tokens: VNNI {r['vnni_ms']:8.2f} ms"
                           f"  AMX {r['amx_ms']:8.2f} ms  {r['amx_speedup']:.2f}x", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": cpu_name(), "numba_threads": numba.config.NUMBA_NUM_THREADS, "kernels": amx.kernels_name(),
-                                               "rows": rows}, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps({
+            "machine": cpu_name(), "numba_threads": numba.config.NUMBA_NUM_THREADS,
+            "kernels": amx.kernels_name(), "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
