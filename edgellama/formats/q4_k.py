@@ -30,7 +30,7 @@ import numpy as np
 from gguf.constants import LlamaFileType
 from numba import njit, prange
 
-from ..kernels.amx import AMX_TOKENS, GROUPS, KIND_Q4_K, KIND_Q5_K
+from ..kernels.amx import KIND_Q4_K, KIND_Q5_K
 from ..kernels.claim import take
 from ..kernels.fp import get_f16, nearest_int, put_f16
 from ..kernels.simd import (ISA, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH, Q5K_RECORD,
@@ -416,14 +416,11 @@ class Q4KLinear(RecordLinear):
         prep_q8_x(x, x8, xd, xs8, xsum)
         matvec_k(self.q, x8, xd, xsum, out, acc, self.BITS, counter)
 
-    def _amx_kind(self):
-        return KIND_Q4_K if self.BITS == 4 else KIND_Q5_K
+    def _amx_records(self):
+        return (KIND_Q4_K if self.BITS == 4 else KIND_Q5_K), K_GROUP
 
     def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
-        if acc.shape[1] == GROUPS * AMX_TOKENS:    # _tokens chose the AMX tiles
-            self._gemm_amx(x8, xd, xsum, out, acc, sc, K_GROUP)
-        else:
-            matmul_k(self.q, x8, xd, xsum, out, acc, self.BITS)
+        matmul_k(self.q, x8, xd, xsum, out, acc, self.BITS)
 
     def _rows(self, ids, out):
         rows_k(self.q, ids, out, self.RECORD)

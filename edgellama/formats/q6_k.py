@@ -29,7 +29,7 @@ import numpy as np
 from gguf.constants import LlamaFileType
 from numba import njit, prange
 
-from ..kernels.amx import AMX_TOKENS, GROUPS, KIND_Q6_K
+from ..kernels.amx import KIND_Q6_K
 from ..kernels.claim import take
 from ..kernels.fp import get_f16, nearest_int, put_f16
 from ..kernels.simd import (ISA, K_GROUP, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, Q8X, RECORD_ROWS, TOKENS,
@@ -325,13 +325,10 @@ class Q6KLinear(RecordLinear):
         sums16(x8, xs16)
         matvec_q6_k(self.q, x8, xd, xs16, out, acc, counter)
 
-    def _amx_kind(self):
-        return KIND_Q6_K
+    def _amx_records(self):
+        return KIND_Q6_K, K_GROUP
 
     def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
-        if acc.shape[1] == GROUPS * AMX_TOKENS:    # _tokens chose the AMX tiles
-            self._gemm_amx(x8, xd, xsum, out, acc, sc, K_GROUP)
-            return
         xs16 = sc.get("q6_xs16", (x8.size // 16,), np.int32)
         sums16(x8, xs16)
         matmul_q6_k(self.q, x8, xd, xs16, out, acc)

@@ -212,28 +212,30 @@ class RecordLinear(TiledLinear):
         """out (out_features,) = W @ x with x quantized to int8 per block of 32 (prep_q8_x)."""
         raise NotImplementedError
 
-    def _amx_kind(self) -> int | None:
-        """The kind amx.amx_blocks_gemm takes for these records, or None: no AMX kernel."""
+    def _amx_records(self) -> tuple[int, int] | None:
+        """(kind, blocks a record) amx.amx_blocks_gemm takes for these records, or None:
+        no AMX kernel."""
         return None
 
     def _tokens(self, rows: int) -> tuple[int, int]:
         """For a product of `rows` rows of x: the rows its kernel takes at a time (x is
         padded with zero rows to a multiple) and the height of the per-tile sums: AMX's
         where these records have tiles, the rows are enough and AMX runs."""
-        if self._amx_kind() is not None and rows >= AMX_MIN_ROWS and amx.enabled():
+        if self._amx_records() is not None and rows >= AMX_MIN_ROWS and amx.enabled():
             return AMX_TOKENS, GROUPS * AMX_TOKENS
         return TOKENS, TOKENS
 
-    def _gemm_amx(self, x8, xd, xsum, out, acc, sc, group):
+    def _gemm_amx(self, x8, xd, xs8, xsum, out, acc, sc):
         """_gemm on AMX tiles (where _tokens chose them): x8, xd, xsum laid out as A tiles
-        (amx_a_tiles), then matmul_blocks_amx with records of `group` blocks."""
+        (amx_a_tiles), then matmul_blocks_amx (xs8 unused: the tiles fold in its terms)."""
+        kind, group = self._amx_records()
         Tp, nb = xd.shape
         xa = sc.get("amx_xa", (Tp // AMX_TOKENS, nb, AMX_TOKENS, 32), np.int8)
         xda = sc.get("amx_xda", (Tp // AMX_TOKENS, nb, AMX_TOKENS))
         xsuma = sc.get("amx_xsuma", (Tp // AMX_TOKENS, nb, AMX_TOKENS))
         amx_a_tiles(x8.reshape(Tp, -1), xd, xsum, xa, xda, xsuma)
         matmul_blocks_amx(self.q, xa.reshape(-1), xda.reshape(-1), xsuma.reshape(-1), nb, out, acc,
-                          group, self._amx_kind())
+                          group, kind)
 
     def matmul(self, x, out, scratch=None):
         T, n = x.shape
@@ -247,21 +249,22 @@ class RecordLinear(TiledLinear):
         for a in (x8, xd, xsum, xs8):
             a[rows:] = 0              # rows past x's pad the last group of tok
         acc = sc.get("q8_acc", (self.nt, height, self.R))
+        gemm = self._gemm_amx if height == GROUPS * AMX_TOKENS else self._gemm
         if not self.fine:
             prep_q8_rows(x, x8, xd, xs8, xsum)
-            self._gemm(x8.reshape(-1), xd, xs8, xsum, out, acc, sc)
+            gemm(x8.reshape(-1), xd, xs8, xsum, out, acc, sc)
             return
         prep_q8_split_rows(x, x8, xd, xs8, xsum)
         parts = sc.get("q8_parts", (rows, out.shape[1]))
-        self._gemm(x8.reshape(-1), xd, xs8, xsum, parts, acc, sc)
+        gemm(x8.reshape(-1), xd, xs8, xsum, parts, acc, sc)
         np.add(parts[0::2], parts[1::2], out=out)
 
     # a few tokens cost one pass over the tiles, as one does
     matvecs = matmul
 
     def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
-        """out (T, out_features) = x W^T from prep_q8_rows' arrays; acc (nt, height, R)
-        f32 per-tile scratch (height from _tokens); sc the Scratch for other buffers."""
+        """out (T, out_features) = x W^T from prep_q8_rows' arrays on the VNNI kernels;
+        acc (nt, TOKENS, R) f32 per-tile scratch; sc the Scratch for other buffers."""
         raise NotImplementedError
 
 
@@ -380,14 +383,11 @@ class BlocksLinear(RecordLinear):
         prep_q8_x(x, x8, xd, xs8, xsum)
         matvec_blocks(self.q, x8, xd, xs8, xsum, out, acc, self.group, self.kind, counter)
 
-    def _amx_kind(self):
-        return self.kind
+    def _amx_records(self):
+        return self.kind, self.group
 
     def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
-        if acc.shape[1] == GROUPS * AMX_TOKENS:    # _tokens chose the AMX tiles
-            self._gemm_amx(x8, xd, xsum, out, acc, sc, self.group)
-        else:
-            matmul_blocks(self.q, x8, xd, xs8, xsum, out, acc, self.group, self.kind)
+        matmul_blocks(self.q, x8, xd, xs8, xsum, out, acc, self.group, self.kind)
 
     def _rows(self, ids, out):
         rows_blocks(self.q, ids, out, self.group, self.kind)
