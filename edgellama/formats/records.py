@@ -1,5 +1,5 @@
-"""Records: the tile layout of the formats with pair-dot kernels (Q4_0, Q4_1, Q8_0, Q4_K,
-Q5_K, Q6_K), and what they share.
+"""Records: the tile layout of the formats with pair-dot kernels (Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0, Q4_K, Q5_K, Q6_K), and what they share.
 
 A record holds 16 rows (RECORD_ROWS) of a run of blocks, lanes across rows, in one
 address-ordered run (simd.py describes each layout and reads it). Decode quantizes x to
@@ -7,9 +7,10 @@ int8 per block of 32 (prep_q8_x, as llama.cpp does) and sums q times x8 exactly 
 with the CPU's pair-dot instructions; prefill is the same arithmetic as an int8 GEMM
 (RecordLinear.matmul), each tile of weights multiplied in place, never dequantized.
 
-The per-32-block formats (Q4_0, Q4_1, Q8_0) share one record layout and one set of
-kernels here (BlocksLinear: records of 16 rows and G blocks, G = record_group(nb), the
-rows' f16 d (and m) of each block, then the blocks' bytes as quads); decode and prefill
+The per-32-block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) share one record layout and one
+set of kernels here (BlocksLinear: records of 16 rows and G blocks, G = record_group(nb),
+the rows' f16 d (and m) of each block, then the blocks' bytes as quads, Q5's then its
+fifth bits); decode and prefill
 are one intrinsic, simd.blocks_gemm, which keeps its f32 sums in registers over a row.
 Where the CPU has AMX and Linux grants the tiles (amx.enabled()), a prefill of
 AMX_MIN_ROWS or more rows multiplies 16 rows of x by a block of 16 rows of weights per
@@ -24,8 +25,8 @@ from ..kernels import amx
 from ..kernels.amx import AMX_TOKENS, GROUPS, KIND_Q4_K, KIND_Q5_K, KIND_Q6_K, amx_blocks_gemm
 from ..kernels.claim import take
 from ..kernels.fp import get_f16
-from ..kernels.simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, RECORD_ROWS,
-                    TOKENS, Q8X, blocks_gemm, tile)
+from ..kernels.simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1,
+                            KIND_Q8_0, RECORD_ROWS, TOKENS, Q8X, blocks_gemm, tile)
 from ..scratch import Scratch
 from .base import TiledLinear, release_pages
 
@@ -107,6 +108,10 @@ def matmul_blocks(q, x8, xd, xs8, xsum, out, acc, G, kind):
                 blocks_gemm(q[t], x, af, tile(nb, G, t0, TOKENS, KIND_Q4_0), ISA)
             elif kind == KIND_Q4_1:
                 blocks_gemm(q[t], x, af, tile(nb, G, t0, TOKENS, KIND_Q4_1), ISA)
+            elif kind == KIND_Q5_0:
+                blocks_gemm(q[t], x, af, tile(nb, G, t0, TOKENS, KIND_Q5_0), ISA)
+            elif kind == KIND_Q5_1:
+                blocks_gemm(q[t], x, af, tile(nb, G, t0, TOKENS, KIND_Q5_1), ISA)
             else:
                 blocks_gemm(q[t], x, af, tile(nb, G, t0, TOKENS, KIND_Q8_0), ISA)
             for k in range(min(TOKENS, T - t0)):
@@ -135,6 +140,10 @@ def matmul_blocks_amx(q, xa, xda, xsuma, nb, out, acc, G, kind):
                 amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q4_0))
             elif kind == KIND_Q4_1:
                 amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q4_1))
+            elif kind == KIND_Q5_0:
+                amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q5_0))
+            elif kind == KIND_Q5_1:
+                amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q5_1))
             elif kind == KIND_Q4_K:
                 amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q4_K))
             elif kind == KIND_Q5_K:
@@ -163,8 +172,8 @@ def amx_a_tiles(x8, xd, xsum, xa, xda, xsuma):
 
 
 class RecordLinear(TiledLinear):
-    """What the record formats (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) share: their tiles q
-    (nt, R/16 * strip bytes) u8, filled by _repack and then the file's pages released;
+    """What the record formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) share: their
+    tiles q (nt, R/16 * strip bytes) u8, filled by _repack and then the file's pages released;
     decode's buffers (x quantized to int8 per block of 32 by prep_q8_x, per-tile sums);
     and prefill as an int8 GEMM: x is quantized to int8 per block of 32, row by row, as
     decode and llama.cpp do, and each tile of weights is multiplied in place, never
@@ -284,8 +293,11 @@ def repack_blocks(raw, row0, q, G, kind):
     # rows raw (rows, nb*bs) u8 of a per-32-block format (kind KIND_*) -> rows row0.. of
     # the tiles q (nt, R/16 * nb*bb) u8 (bb = BLOCK_BYTES[kind]): row t*R + r is
     # lane r % 16 of strip r // 16, its block b block b % G of record strip*nb/G + b // G
-    nq = BLOCK_QUADS[kind] // 16                     # quant bytes per row and block
-    bs = nq + (4 if kind == KIND_Q4_1 else 2)
+    nq = 32 if kind == KIND_Q8_0 else 16             # quant bytes per row and block
+    five = kind == KIND_Q5_0 or kind == KIND_Q5_1
+    mins = kind == KIND_Q4_1 or kind == KIND_Q5_1
+    qh = 4 if mins else 2                            # the fifth bits' u32 after d (and m)
+    bs = qh + (4 if five else 0) + nq
     rows = raw.shape[0]
     nb = raw.shape[1] // bs
     bb = BLOCK_BYTES[kind]
@@ -303,11 +315,20 @@ def repack_blocks(raw, row0, q, G, kind):
                 rec = (r // RECORD_ROWS * (nb // G) + b // G) * G * bb
                 for i in range(2):
                     qt[rec + 32 * k + 2 * lane + i] = row[o + i]
-                    if kind == KIND_Q4_1:
+                    if mins:
                         qt[rec + 32 * G + 32 * k + 2 * lane + i] = row[o + 2 + i]
                 dst = rec + BLOCK_HEAD[kind] * G + BLOCK_QUADS[kind] * k + 4 * lane
                 for j in range(nq):
                     qt[dst + 64 * (j >> 2) + (j & 3)] = row[o + bs - nq + j]
+                if five:        # element e's bit to bit 2 (e % 16 // 4) + e // 16 of byte e % 4
+                    h = 0
+                    for i in range(4):
+                        h |= np.int64(row[o + qh + i]) << (8 * i)
+                    for i in range(4):
+                        v = 0
+                        for f in range(8):
+                            v |= (h >> (16 * (f & 1) + 4 * (f >> 1) + i) & 1) << f
+                        qt[dst + 256 + i] = v
 
 
 @njit(cache=True, parallel=True)
@@ -326,6 +347,10 @@ def matvec_blocks(q, x8, xd, xs8, xsum, out, acc, G, kind, counter):
                 blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q4_0), ISA)
             elif kind == KIND_Q4_1:
                 blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q4_1), ISA)
+            elif kind == KIND_Q5_0:
+                blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q5_0), ISA)
+            elif kind == KIND_Q5_1:
+                blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q5_1), ISA)
             else:
                 blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q8_0), ISA)
             n = min(R, out.size - t * R)
@@ -338,6 +363,7 @@ def rows_blocks(q, ids, out, G, kind):
     nb = out.shape[1] // 32
     bb = BLOCK_BYTES[kind]
     R = q.shape[1] // (nb * bb) * RECORD_ROWS
+    five = kind == KIND_Q5_0 or kind == KIND_Q5_1
     for i in range(ids.size):
         t = ids[i] // R
         lane = ids[i] % R % RECORD_ROWS
@@ -352,11 +378,22 @@ def rows_blocks(q, ids, out, G, kind):
                 for j in range(32):
                     y[j] = f32(np.int8(qs[64 * (j >> 2) + (j & 3)])) * dd
             else:
-                mm = get_f16(rec, 32 * G + 32 * k + 2 * lane) if kind == KIND_Q4_1 else dd * f32(-8)
+                mins = kind == KIND_Q4_1 or kind == KIND_Q5_1
+                mm = get_f16(rec, 32 * G + 32 * k + 2 * lane) if mins else f32(0)
+                off = 0 if mins else 16 if five else 8
                 for j in range(16):
                     v = qs[64 * (j >> 2) + (j & 3)]
-                    y[j] = f32(v & 15) * dd + mm
-                    y[16 + j] = f32(v >> 4) * dd + mm
+                    lo, hi = np.int32(v & 15), np.int32(v >> 4)
+                    if five:        # the fifth bits' layout: repack_blocks
+                        bits = np.int32(qs[256 + (j & 3)])
+                        lo |= (bits >> (2 * (j >> 2)) & 1) << 4
+                        hi |= (bits >> (2 * (j >> 2) + 1) & 1) << 4
+                    if mins:
+                        y[j] = f32(lo) * dd + mm
+                        y[16 + j] = f32(hi) * dd + mm
+                    else:           # as ggml: (u - off) d, whose zeros keep d's sign
+                        y[j] = f32(lo - off) * dd
+                        y[16 + j] = f32(hi - off) * dd
 
 
 AMX_MIN_ROWS = 12    # fewer rows of x stay on the VNNI kernels: about even at 8, AMX 1.4x at 16 (1 thread)
@@ -364,9 +401,9 @@ AMX_MIN_ROWS = 12    # fewer rows of x stay on the VNNI kernels: about even at 8
 
 class BlocksLinear(RecordLinear):
     """A per-32-block format in records of 16 rows and G blocks (simd.py's layout); each
-    format's subclass names its kind (q4.py's Q4_0Linear and Q4_1Linear, q8_0.py's
-    Q8_0Linear)."""
-    kind: int                  # simd's KIND_Q4_0, KIND_Q4_1 or KIND_Q8_0
+    format's subclass names its kind (q4.py's Q4_0Linear and Q4_1Linear, q5.py's
+    Q5_0Linear and Q5_1Linear, q8_0.py's Q8_0Linear)."""
+    kind: int                  # simd's KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1 or KIND_Q8_0
 
     def _setup(self, fmt, splits, in_features):
         super()._setup(fmt, splits, in_features)

@@ -1,6 +1,6 @@
 """AMX (Advanced Matrix Extensions) int8 tile products for prefill of the per-32-block
-formats (Q4_0, Q4_1, Q8_0) and of the K-quants Q4_K, Q5_K and Q6_K, bit-identical to
-simd.blocks_gemm's (simd.q4k_gemm's, simd.q6_gemm's) VNNI products.
+formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and of the K-quants Q4_K, Q5_K and Q6_K,
+bit-identical to simd.blocks_gemm's (simd.q4k_gemm's, simd.q6_gemm's) VNNI products.
 
 One tdpbssd / tdpbsud multiplies a tile of 16 rows of x (A: 16 tokens x the 32 int8
 of one block, packed 512 bytes in a row by records.amx_a_tiles) by one block of a strip
@@ -11,8 +11,9 @@ load as B directly; a Q4 block's 256 nibble bytes unpack (and, shift) into 512 b
 B rows 0..3 the low nibbles (elements 0..15), rows 4..7 the high ones (16..31).
 
 The int32 result C[t][r] is the exact S of blocks_gemm: tdpbssd (s8 x s8) for Q8_0;
-for Q4_0 the nibbles less 8 (-8..7, s8), so C = S - 8 xs8 with no correction; for
-Q4_1 tdpbsud (s8 x u8 nibbles). The scales then go on in the float operations of
+for Q4_0 the nibbles less 8 (-8..7, s8), so C = S - 8 xs8 with no correction, and
+Q5_0's 5-bit values (the fifth bits or-ed in) less 16; for Q4_1 and Q5_1 tdpbsud (s8 x
+u8 values). The scales then go on in the float operations of
 blocks_gemm, in its order (per record of G blocks: s = fma(float(S), d dx, s) block by
 block [+ fma(m, xsum, s)], then total += s), so every output has the same bits. A Q4_K
 record (a super-block of 16 rows) holds its 8 sub-blocks' nibbles as the same quads:
@@ -45,9 +46,10 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .fp import half_to_float_ir
-from .simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, Q4K_D, Q4K_DMIN,
-                   Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH, Q5K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD,
-                   Q6K_SC, RECORD_ROWS, Operands, _q6_values, call_llvm, splat, tile_constants)
+from .simd import (BLOCK_BYTES, BLOCK_FIVE, BLOCK_HEAD, BLOCK_MINS, BLOCK_OFFSET, BLOCK_QUADS, KIND_Q8_0, Q4K_D,
+                   Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH, Q5K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD,
+                   Q6K_SC, RECORD_ROWS, Operands, _q6_values, call_llvm, fifth_bits_moved, splat,
+                   tile_constants)
 from .target import _ARCH, FEATURES, TARGET
 
 # Numba's target has the tile instructions on top of the chosen instruction set (isa.py's
@@ -56,8 +58,8 @@ from .target import _ARCH, FEATURES, TARGET
 COMPILED = TARGET.has_tiles(FEATURES) and _ARCH == "x86_64"
 AMX_TOKENS = 16             # rows of x per A tile (a tile's 16 rows)
 # amx_blocks_gemm's kinds for the K-quant records (simd.py's Q4K_*, Q5K_*, Q6K_* layouts),
-# after simd's per-32-block KIND_Q4_0, KIND_Q4_1, KIND_Q8_0
-KIND_Q4_K, KIND_Q5_K, KIND_Q6_K = 3, 4, 5
+# after simd's per-32-block KIND_Q4_0 .. KIND_Q5_1
+KIND_Q4_K, KIND_Q5_K, KIND_Q6_K = 5, 6, 7
 
 SYS_ARCH_PRCTL = 158        # x86-64
 ARCH_GET_XCOMP_PERM, ARCH_REQ_XCOMP_PERM = 0x1022, 0x1023
@@ -195,7 +197,8 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
             record, share = builder.mul(ga, k64(BLOCK_BYTES[KIND])), BLOCK_BYTES[KIND]
             quads_at = lambda rec, k: builder.add(builder.add(rec, builder.mul(ga, k64(BLOCK_HEAD[KIND]))),
                                                   builder.mul(k, k64(BLOCK_QUADS[KIND])))
-        tdp = "tdpbsud" if KIND in (KIND_Q4_1, KIND_Q4_K, KIND_Q5_K) else "tdpbssd"
+        tdp = "tdpbsud" if KIND in (*BLOCK_MINS, KIND_Q4_K, KIND_Q5_K) else "tdpbssd"
+        offset = BLOCK_OFFSET[KIND] if KIND < len(BLOCK_OFFSET) else 0
 
         def tile_block(rec, sb, tg, u, tset):
             """Tile product u of the record (block u; Q6_K: half u % 2 of block u // 2)
@@ -322,7 +325,7 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
                 halves = builder.add(rec, builder.mul(k, k64(32)))
                 dv = half_to_float_ir(builder, builder.load(ptr("q", halves, ir.VectorType(i16, 16)),
                                                             align=2))
-                if KIND == KIND_Q4_1:
+                if KIND in BLOCK_MINS:
                     mv = half_to_float_ir(builder, builder.load(
                         ptr("q", builder.add(halves, builder.mul(ga, k64(32))), ir.VectorType(i16, 16)),
                         align=2))
@@ -332,7 +335,7 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
                     si = builder.add(builder.mul(builder.add(builder.mul(gi, nba), b), k64(AMX_TOKENS)), k64(t))
                     dx = splat(builder, builder.load(ptr("xd", si, f32)), 16)
                     total = fma(builder.sitofp(c, vf), builder.fmul(dv, dx), builder.load(s_))
-                    if KIND == KIND_Q4_1:
+                    if KIND in BLOCK_MINS:
                         total = fma(mv, splat(builder, builder.load(ptr("xsum", si, f32)), 16), total)
                     builder.store(total, s_)
             arow = builder.mul(tg, k64(AMX_TOKENS))
@@ -343,7 +346,8 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
         def unpacked(rec, k):
             """Block k's values as B bytes: (lo, hi), 4 <64 x i8> each, lo[g] holding
             elements 4g..4g+3 of the 16 rows (row l's at bytes 4l..), hi[g] 16 + 4g..;
-            Q4_0's less 8 and Q6_K's less 32 (s8), Q4_1's, Q4_K's and Q5_K's unsigned."""
+            Q4_0's less 8, Q5_0's less 16 and Q6_K's less 32 (s8), Q4_1's, Q5_1's, Q4_K's
+            and Q5_K's unsigned."""
             byte = lambda v: ir.Constant(v64, [v] * 64)
             quads = quads_at(rec, k)
             if KIND == KIND_Q6_K:
@@ -351,21 +355,21 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
                     ptr("q", builder.add(quads, k64(64 * j)), vi), align=1))
                 return ([builder.sub(builder.bitcast(v, v64), byte(32)) for v in lo],
                         [builder.sub(builder.bitcast(v, v64), byte(32)) for v in hi])
-            if KIND == KIND_Q5_K:       # bit 2g + h of qh's byte i: element 16h + 4g + i's bit 4
+            qh = None                   # bit 2g + h of qh's byte i: element 16h + 4g + i's bit 4
+            if KIND == KIND_Q5_K:
                 qh = builder.load(ptr("q", builder.add(rec, builder.add(k64(Q5K_QH), builder.mul(k, k64(64)))),
                                       v64), align=1)
+            elif KIND in BLOCK_FIVE:
+                qh = builder.load(ptr("q", builder.add(quads, k64(256)), v64), align=1)
             lo, hi = [], []
             for g in range(4):
                 w = builder.load(ptr("q", builder.add(quads, k64(64 * g)), v64), align=1)
                 pair = [builder.and_(w, byte(0x0F)), builder.lshr(w, byte(4))]
                 for h in range(2):
-                    if KIND == KIND_Q4_0:       # q - 8 as s8: C is S - 8 xs8 itself
-                        pair[h] = builder.sub(pair[h], byte(8))
-                    elif KIND == KIND_Q5_K:
-                        f = 2 * g + h
-                        moved = (builder.shl(qh, byte(4 - f)) if f < 4 else
-                                 builder.lshr(qh, byte(f - 4)) if f > 4 else qh)
-                        pair[h] = builder.or_(pair[h], builder.and_(moved, byte(0x10)))
+                    if qh is not None:
+                        pair[h] = builder.or_(pair[h], fifth_bits_moved(builder, qh, 2 * g + h, byte(0x10)))
+                    if offset:                  # q - 8 (Q4_0), q - 16 (Q5_0) as s8: C is S - 8 xs8 itself
+                        pair[h] = builder.sub(pair[h], byte(offset))
                 lo.append(pair[0])
                 hi.append(pair[1])
             return lo, hi

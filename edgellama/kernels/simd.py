@@ -4,7 +4,7 @@ instructions each CPU has, for kernels that keep lanes across rows; and prefetch
 Numba has no vector types and LLVM does not find the pair-dot instructions in plain
 loops, so the tile intrinsics emit LLVM IR for the whole product of one tile of weights
 with 1 row of x (decode) or 4 (prefill), scales applied, the float sums in registers:
-`blocks_gemm` for the per-32-block formats (Q4_0, Q4_1, Q8_0), `q4k_gemm` for Q4_K and
+`blocks_gemm` for the per-32-block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), `q4k_gemm` for Q4_K and
 Q5_K, `q6_gemm` for Q6_K (5- and 6-bit values rebuilt in registers from nibbles and
 1-bit or 2-bit fields). Each takes the weights q, the activations as one Q8X (x8, xd,
 xs, xsum), the output acc, the call's shape as one Tile made by tile(nb, group, t0,
@@ -271,16 +271,33 @@ def _x_words(builder, fr, tok, u):
             for g in range(8)]
 
 
-# Per-32-block formats (Q4_0, Q4_1, Q8_0: records.py's BlocksLinear): what a record
-# holds. Their records have G blocks (G = 8 when a row has a multiple of 8, else the
-# largest power of 2 dividing its block count): the rows' f16 d of block k at 32 k +
-# 2 lane, Q4_1's m at 32 G + 32 k + 2 lane, then block k's quads at BLOCK_HEAD[kind] G
-# + BLOCK_QUADS[kind] k (Q4: the file's 16 nibble bytes, byte j holding elements j and
-# 16 + j; Q8_0: its 32 int8).
-KIND_Q4_0, KIND_Q4_1, KIND_Q8_0 = 0, 1, 2
-BLOCK_HEAD = (32, 64, 32)                            # bytes of scales per block
-BLOCK_QUADS = (256, 256, 512)                        # bytes of quads per block
+# Per-32-block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: records.py's BlocksLinear): what a
+# record holds. Their records have G blocks (G = 8 when a row has a multiple of 8, else
+# the largest power of 2 dividing its block count): the rows' f16 d of block k at 32 k +
+# 2 lane, Q4_1's and Q5_1's m at 32 G + 32 k + 2 lane, then block k's quads at
+# BLOCK_HEAD[kind] G + BLOCK_QUADS[kind] k (Q4 and Q5: the file's 16 nibble bytes, byte
+# j holding the low 4 bits of elements j and 16 + j; Q8_0: its 32 int8), Q5's then
+# followed by its fifth bits, one 32-bit word a row at 256 + 4 lane: bit f = 2 g + h of
+# the word's byte i is element 16 h + 4 g + i's, so that shifting the word by 4 - f
+# puts the bits that quad word g's low (h 0) or high (h 1) nibbles lack at bit 4 of
+# each byte (Q5_K's order, below).
+KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, KIND_Q5_0, KIND_Q5_1 = 0, 1, 2, 3, 4
+BLOCK_HEAD = (32, 64, 32, 32, 64)                    # bytes of scales per block
+BLOCK_QUADS = (256, 256, 512, 320, 320)              # bytes of quads (and fifth bits) per block
 BLOCK_BYTES = tuple(h + q for h, q in zip(BLOCK_HEAD, BLOCK_QUADS))   # per block, 16 rows
+BLOCK_OFFSET = (8, 0, 0, 16, 0)                      # what a weight's value lies above its code
+BLOCK_MINS = (KIND_Q4_1, KIND_Q5_1)                  # kinds with a min m per block
+BLOCK_FIVE = (KIND_Q5_0, KIND_Q5_1)                  # kinds with fifth bits
+
+
+def fifth_bits_moved(builder, qh, f, mask):
+    """The fifth bits of nibble set f = 2 g + h (layout above) at bit 4 of each byte:
+    qh shifted by 4 - f, and-ed with mask (0x10 in every byte, qh's vector type)."""
+    ty = qh.type
+    count = lambda c: ir.Constant(ty, [c] * ty.count) if isinstance(ty, ir.VectorType) else ir.Constant(ty, c)
+    moved = (builder.shl(qh, count(4 - f)) if f < 4 else
+             builder.lshr(qh, count(f - 4)) if f > 4 else qh)
+    return builder.and_(moved, mask)
 
 
 @intrinsic(prefer_literal=True)
@@ -290,6 +307,7 @@ def blocks_gemm(typingctx, q, x, acc, shape, isa):
     x8, xd, xs = xs8, xsum): acc[k R + r] (f32, R = acc.size // tokens) = row r . x_{t0+k}
     = sum over blocks b of, with S the exact int32 sum of q x8:
         KIND_Q4_0  d dx (S - 8 xs8)     KIND_Q4_1  d dx S + m xsum     KIND_Q8_0  d dx S
+        KIND_Q5_0  d dx (S - 16 xs8)    KIND_Q5_1  d dx S + m xsum
     shape.kind, shape.tokens and isa (an index of isa.ISAS) constants. Each block's
     weights are loaded and unpacked once for the tokens, and the f32 sums of a vector of
     rows stay in registers over the whole row. Q4_0 from DRAM (16 x 16384 x 2048, this
@@ -305,23 +323,28 @@ def blocks_gemm(typingctx, q, x, acc, shape, isa):
         k64, ptr, n, wide, vf, fma, at = fr.k64, fr.ptr, fr.n, fr.wide, fr.vf, fr.fma, fr.at
         nba, ga, t0a, row = fr.nb, fr.group, fr.t0, fr.isa
         mask = ir.Constant(wide, [0x0F0F0F0F] * n)
+        bit4 = ir.Constant(wide, [0x10101010] * n)
         four = ir.Constant(wide, [4] * n)
         head = builder.mul(ga, k64(BLOCK_HEAD[KIND]))      # the record's scales
 
         def block(g, k, rec, lane, sums):
             b = builder.add(builder.mul(g, ga), k)
             quads = builder.add(builder.add(rec, head), builder.mul(lane, k64(4)))
+            load = lambda off: builder.load(ptr("q", builder.add(quads, at(k, BLOCK_QUADS[KIND], off)),
+                                                wide), align=1)
             ws = []
-            for j in range(BLOCK_QUADS[KIND] // 64):
-                w = builder.load(ptr("q", builder.add(quads, at(k, BLOCK_QUADS[KIND], 64 * j)), wide),
-                                 align=1)
+            for j in range(512 // 64 if signed else 256 // 64):
+                w = load(64 * j)
                 ws += [w] if signed else [builder.and_(w, mask),
                                           builder.and_(builder.lshr(w, four), mask)]
+            if KIND in BLOCK_FIVE:      # ws[f] is nibble set f = 2 g + h: or in its fifth bits
+                qh = load(256)
+                ws = [builder.or_(w, fifth_bits_moved(builder, qh, f, bit4)) for f, w in enumerate(ws)]
             sum_w = row.weight_sums(builder, n, ws) if signed and row.weight_sums else None
             halves = builder.add(rec, builder.mul(lane, k64(2)))
             dv = fr.f16s("q", builder.add(halves, at(k, 32, 0)))
-            mins = builder.add(halves, builder.mul(ga, k64(32)))     # Q4_1's m after the d
-            mv = fr.f16s("q", builder.add(mins, at(k, 32, 0))) if KIND == KIND_Q4_1 else None
+            mins = builder.add(halves, builder.mul(ga, k64(32)))     # the m after the d
+            mv = fr.f16s("q", builder.add(mins, at(k, 32, 0))) if KIND in BLOCK_MINS else None
             for t, a in enumerate(sums[0]):
                 tok = builder.add(t0a, k64(t))
                 xw = _x_words(builder, fr, tok, b)
@@ -329,10 +352,10 @@ def blocks_gemm(typingctx, q, x, acc, shape, isa):
                     dot = row.dot(builder, n, list(zip(ws, xw)), True, sum_w)
                 else:       # low nibbles with x words 0..3, high ones with 4..7
                     pairs = [(ws[2 * j + h], xw[4 * h + j]) for j in range(4) for h in (0, 1)]
-                    dot = _dot_bounded(builder, row, n, pairs, 15)
+                    dot = _dot_bounded(builder, row, n, pairs, 31 if KIND in BLOCK_FIVE else 15)
                 si = builder.add(builder.mul(tok, nba), b)
-                if KIND == KIND_Q4_0:
-                    off = builder.mul(builder.load(ptr("xs", si, i32)), ir.Constant(i32, 8))
+                if BLOCK_OFFSET[KIND]:
+                    off = builder.mul(builder.load(ptr("xs", si, i32)), ir.Constant(i32, BLOCK_OFFSET[KIND]))
                     dot = builder.sub(dot, splat(builder, off, n))
                 dx = splat(builder, builder.load(ptr("xd", si, f32)), n)
                 total = fma(builder.sitofp(dot, vf), builder.fmul(dv, dx), builder.load(a))
@@ -386,10 +409,7 @@ def q4k_gemm(typingctx, q, x, acc, shape, isa):
                 for h, v in enumerate((builder.and_(w, c(0x0F0F0F0F)),
                                        builder.and_(builder.lshr(w, c(4)), c(0x0F0F0F0F)))):
                     if five:                                # bit 2g + h of each byte -> bit 4
-                        f = 2 * g + h
-                        moved = (builder.shl(hb, c(4 - f)) if f < 4 else
-                                 builder.lshr(hb, c(f - 4)) if f > 4 else hb)
-                        v = builder.or_(v, builder.and_(moved, c(0x10101010)))
+                        v = builder.or_(v, fifth_bits_moved(builder, hb, 2 * g + h, c(0x10101010)))
                     ws.append(v)
             scv = u8s(builder.add(builder.add(rec, lane), at(k, 16, Q4K_SC)))
             mv = u8s(builder.add(builder.add(rec, lane), at(k, 16, Q4K_M)))

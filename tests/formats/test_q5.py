@@ -69,7 +69,8 @@ def make(fmt, shape, seed=0, raw=None):
 def test_matvec_on_grid_is_exact_and_int16_extremes(fmt):
     # x on the int8 grid of every 32 (amax = 127 * 2^k): decode rounds nothing, so the
     # answer must be float-accurate. Weights at the extremes: every u = 0 or 31 with
-    # x = +-127 puts a group sum (u - 16) xq at -+32512 / +31 * 16 * 127, the int16 edge.
+    # x = +-127, the largest pair sums (AVX2 adds u8 x i8 pairs in int16 lanes: 2 * 31 *
+    # 127 a pair, so isa.pairs_per_dot(31) pairs a dot) and a block sum of 31 * 32 * 127.
     shape = (300, 256)
     rng = np.random.default_rng(4)
     raw = fc.format_blocks(fmt, shape[0] * 8, rng).reshape(shape[0], 8, fmt.type_size)
@@ -86,5 +87,4 @@ def test_matvec_on_grid_is_exact_and_int16_extremes(fmt):
 @pytest.mark.parametrize("fmt", FORMATS.values(), ids=FORMATS)
 def test_resident_size_is_file_size(fmt):
     lin, _ = make(fmt, (1030, 256))
-    tiles = lin.w.nbytes + lin.d.nbytes + (lin.m.nbytes if fmt is Q5_1 else 0)
-    assert tiles == lin.nt * lin.R * 8 * fmt.type_size            # type_size per block, pad incl.
+    assert lin.q.nbytes == lin.nt * lin.R * 8 * fmt.type_size     # type_size per block, pad incl.
