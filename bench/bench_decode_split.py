@@ -18,9 +18,9 @@ one prefill of T tokens), per token:
                a prefill's NumPy products, which are no kernels of ours, would still run)
   rest         token minus the above: the kernels' calls and what no part names
 
-For decode with per-32-block weights (Q4_0, Q4_1, Q8_0), `join wait` is how long the
-threads idle at the ends of the layers' products: each product run once more, its tiles
-claimed as the decode kernels claim them, with every thread's first start and last
+For decode with per-32-block weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), `join wait` is how
+long the threads idle at the ends of the layers' products: each product run once more, its
+tiles claimed as the decode kernels claim them, with every thread's first start and last
 finish stamped (the CPU's cycle counter); the mean over threads of the last finish
 minus its own, as a share of the products' time and in ms a token (a thread with no
 tile idles through its product), and `late start` the mean of each thread's first start
@@ -115,7 +115,8 @@ def _stamped_kernels():
         from numba.extending import intrinsic
         from edgellama.kernels.claim import take
         from edgellama.kernels.isa import call_llvm
-        from edgellama.kernels.simd import ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, Q8X, blocks_gemm, tile
+        from edgellama.kernels.simd import (ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1, Q8X, blocks_gemm,
+                                            KIND_Q8_0, tile)
 
         @intrinsic
         def cycles(typingctx):
@@ -140,6 +141,10 @@ def _stamped_kernels():
                         blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q4_0), ISA)
                     elif kind == KIND_Q4_1:
                         blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q4_1), ISA)
+                    elif kind == KIND_Q5_0:
+                        blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q5_0), ISA)
+                    elif kind == KIND_Q5_1:
+                        blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q5_1), ISA)
                     else:
                         blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q8_0), ISA)
                     n = min(R, out.size - t * R)

@@ -22,11 +22,13 @@ from edgellama.kernels import amx
 from edgellama import formats
 from edgellama.formats import linear, records
 from edgellama.kernels.simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, ISA, ISA_NAMES, KIND_Q4_0, KIND_Q4_1,
+                            KIND_Q5_0, KIND_Q5_1,
                             KIND_Q8_0, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC,
                             Q5K_QH, Q5K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS, TOKENS)
 
 f32, f64 = np.float32, np.float64
-KINDS = {"Q4_0": (G.Q4_0, KIND_Q4_0), "Q4_1": (G.Q4_1, KIND_Q4_1), "Q8_0": (G.Q8_0, KIND_Q8_0)}
+KINDS = {"Q4_0": (G.Q4_0, KIND_Q4_0), "Q4_1": (G.Q4_1, KIND_Q4_1), "Q8_0": (G.Q8_0, KIND_Q8_0),
+         "Q5_0": (G.Q5_0, KIND_Q5_0), "Q5_1": (G.Q5_1, KIND_Q5_1)}
 
 
 # --- the NumPy twin -------------------------------------------------------------------------
@@ -43,16 +45,29 @@ def tdp(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return c.astype(np.int32)
 
 
+def fifth_bits(qh, h):
+    """(4, 64) the fifth bits, at bit 4, of the low (h 0) or high (h 1) nibbles of the 4
+    quad rows, from a block's 64 bytes of them (bit 2 g + h of byte i of lane l: element
+    16 h + 4 g + i of row l; simd.py's layout)."""
+    return np.stack([(qh >> (2 * g + h)) & 1 for g in range(4)]) << 4
+
+
 def b_tile(rec: np.ndarray, G_: int, kind: int, k: int) -> np.ndarray:
     """The B tile (8, 64) the kernel makes of block k of a record: Q8_0's quads as int8;
     Q4's nibble quads, rows 0..3 the low nibbles (elements 0..15), 4..7 the high ones,
-    uint8 (Q4_1), or less 8 as int8 (Q4_0)."""
+    uint8 (Q4_1), or less 8 as int8 (Q4_0); Q5's with their fifth bits, uint8 (Q5_1)
+    or less 16 as int8 (Q5_0)."""
     o = BLOCK_HEAD[kind] * G_ + BLOCK_QUADS[kind] * k
     quads = rec[o:o + BLOCK_QUADS[kind]]
     if kind == KIND_Q8_0:
         return quads.view(np.int8).reshape(8, 64)
-    t = np.concatenate([quads & 15, quads >> 4]).reshape(8, 64)
-    return (t.astype(np.int16) - 8).astype(np.int8) if kind == KIND_Q4_0 else t
+    nib = quads[:256].reshape(4, 64)
+    lo, hi = nib & 15, nib >> 4
+    if kind in (KIND_Q5_0, KIND_Q5_1):
+        lo, hi = lo | fifth_bits(quads[256:], 0), hi | fifth_bits(quads[256:], 1)
+    t = np.concatenate([lo, hi])
+    offset = {KIND_Q4_0: 8, KIND_Q5_0: 16}.get(kind)
+    return (t.astype(np.int16) - offset).astype(np.int8) if offset else t
 
 
 def fma(a, b, c):
@@ -90,7 +105,7 @@ def c_tiles(x8, b, B, lo=0, width=32):
 def twin_matmul(lin, x8, xd, xsum, T):
     """out (T, out_features) of a BlocksLinear as the AMX kernel computes it: per strip
     and record, per block the int32 C of tdp (16 tokens at a time) and the f32 steps of
-    simd.blocks_gemm: s = fma(float(C), d dx, s) [Q4_1: s = fma(m, xsum, s)] block by
+    simd.blocks_gemm: s = fma(float(C), d dx, s) [Q4_1, Q5_1: s = fma(m, xsum, s)] block by
     block from s = 0, then total += s record by record."""
     kind, G_ = lin.kind, lin.group
     Tp, nb = xd.shape
@@ -101,7 +116,7 @@ def twin_matmul(lin, x8, xd, xsum, T):
             b = sb * G_ + k
             dv = rec[32 * k:32 * k + 32].view(np.float16).astype(f32)
             s = fma(c_tiles(x8, b, b_tile(rec, G_, kind, k)).astype(f32), dv[None] * xd[:, b:b + 1], s)
-            if kind == KIND_Q4_1:
+            if kind in (KIND_Q4_1, KIND_Q5_1):
                 mv = rec[32 * G_ + 32 * k:32 * G_ + 32 * k + 32].view(np.float16).astype(f32)
                 s = fma(np.broadcast_to(mv[None], s.shape), np.broadcast_to(xsum[:, b:b + 1], s.shape), s)
         return total + s
@@ -113,8 +128,7 @@ def b_tile_q5(rec, k):
     fifth bits (bit 2g + h of byte i of lane l: element 16 h + 4 g + i of row l)."""
     quads = rec[Q4K_QS + 256 * k:Q4K_QS + 256 * (k + 1)].reshape(4, 64)
     qh = rec[Q5K_QH + 64 * k:Q5K_QH + 64 * (k + 1)]
-    fifth = lambda h: np.stack([(qh >> (2 * g + h)) & 1 for g in range(4)]) << 4
-    return np.concatenate([(quads & 15) | fifth(0), (quads >> 4) | fifth(1)])
+    return np.concatenate([(quads & 15) | fifth_bits(qh, 0), (quads >> 4) | fifth_bits(qh, 1)])
 
 
 def twin_matmul_k(lin, x8, xd, xsum, T):
@@ -200,15 +214,20 @@ def prep(x, pad=16):
 
 def file_sums(name, data, x8):
     """Per token, row and block, the exact int32 the tile product must give, from the
-    file's bytes: S = sum q x8 (Q8_0, Q4_1); Q4_0 sum (q - 8) x8 = S - 8 xs8."""
+    file's bytes: S = sum q x8 (Q8_0, Q4_1, Q5_1); Q4_0 sum (q - 8) x8 = S - 8 xs8, Q5_0
+    sum (q - 16) x8."""
     rows = data.shape[0]
     if name == "Q8_0":
         q = data.reshape(rows, -1, 34)[:, :, 2:].view(np.int8).astype(np.int64)
     else:
-        nib = data.reshape(rows, -1, 18 if name == "Q4_0" else 20)[:, :, -16:]
+        size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}[name]
+        blocks = data.reshape(rows, -1, size)
+        nib = blocks[:, :, -16:]
         q = np.concatenate([nib & 15, nib >> 4], axis=2).astype(np.int64)
-        if name == "Q4_0":
-            q -= 8
+        if name in ("Q5_0", "Q5_1"):               # the u32 before the nibbles: bit j, element j
+            qh = blocks[:, :, -20:-16].copy().view("<u4").astype(np.int64)          # (rows, nb, 1)
+            q |= ((qh >> np.arange(32)) & 1) << 4
+        q -= {"Q4_0": 8, "Q5_0": 16}.get(name, 0)
     x = x8.reshape(x8.shape[0], -1, 32).astype(np.int64)
     return np.einsum("rbe,tbe->trb", q, x)
 

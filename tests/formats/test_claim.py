@@ -77,7 +77,7 @@ def test_claimed_decode_gives_the_same_bits_at_every_thread_count():
     rng = np.random.default_rng(3)
     w = rng.standard_normal((1000, 512)).astype(np.float32)
     x = rng.standard_normal(512).astype(np.float32)
-    for name in ("Q4_0", "Q8_0", "Q4_K", "Q6_K"):
+    for name in ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K"):
         lin = linear(int(getattr(G, name)), [(formats.quantize(w, name), w.shape)])
         outs = []
         for threads in sorted({1, numba.config.NUMBA_NUM_THREADS}):

@@ -65,7 +65,7 @@ MODELS = {isa._dot_vnni: lambda w, x, signed, per16: vnni_dot(w, x, signed),
 CALLERS = {
     "Q8_0": ((-128, 127), 8),
     "Q4 nibbles": ((0, 15), 8),           # blocks_gemm, q4k_gemm bits 4
-    "Q5_K": ((0, 31), 8),                 # q4k_gemm bits 5
+    "Q5 values": ((0, 31), 8),            # blocks_gemm Q5_0 / Q5_1, q4k_gemm bits 5
     "Q6_K": ((0, 63), 4),                 # _q6_sum, per half
 }
 

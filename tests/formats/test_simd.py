@@ -11,7 +11,7 @@ import pytest
 from numba import literally, njit
 
 from edgellama.kernels.simd import (AVX2, BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, GENERIC, ISA, KIND_Q4_0, KIND_Q4_1,
-                            KIND_Q8_0, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH,
+                            KIND_Q5_0, KIND_Q5_1, KIND_Q8_0, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH,
                             Q5K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS, TOKENS,
                             VNNI512, ISA_NAMES, ISAS, K_GROUP, Q8X, blocks_gemm, q4k_gemm, q6_gemm,
                             target_isa, tile)
@@ -94,10 +94,18 @@ def _blocks(q, x8, xd, xs8, xsum, acc, nb, group, t0, tokens, kind, isa):
                 literally(isa))
 
 
-def block_records(kind, group, d, m, wbytes):
+def fifth_bit_bytes(fifth):
+    """The 4 bytes a row of a Q5 block's fifth bits (32,) 0/1 take in a record: bit
+    f = 2 g + h of byte i is element 16 h + 4 g + i's (simd.py's layout)."""
+    return np.array([sum(int(fifth[16 * (f & 1) + 4 * (f >> 1) + i]) << f for f in range(8))
+                     for i in range(4)], np.uint8)
+
+
+def block_records(kind, group, d, m, wbytes, fifth=None):
     """A tile of records of `group` blocks from per-row values: d, m (R, nb) f16 (m for
-    Q4_1 only); wbytes (R, nb, 16 or 32) u8 each block's bytes (Q4: byte j holds elements
-    j and j + 16; Q8_0: the int8)."""
+    Q4_1 and Q5_1 only); wbytes (R, nb, 16 or 32) u8 each block's bytes (Q4, Q5: byte j
+    holds the low 4 bits of elements j and j + 16; Q8_0: the int8); fifth (R, nb, 32)
+    0/1 the Q5 values' fifth bits."""
     R, nb = d.shape
     bb = BLOCK_BYTES[kind]
     rec = np.zeros((R // RECORD_ROWS, nb // group, group * bb), np.uint8)
@@ -107,60 +115,70 @@ def block_records(kind, group, d, m, wbytes):
             g, k = divmod(b, group)
             out = rec[s, g]
             out[32 * k + 2 * lane:32 * k + 2 * lane + 2] = d[r, b:b + 1].view(np.uint8)
-            if kind == KIND_Q4_1:
+            if kind in (KIND_Q4_1, KIND_Q5_1):
                 o = 32 * group + 32 * k + 2 * lane
                 out[o:o + 2] = m[r, b:b + 1].view(np.uint8)
             qo = BLOCK_HEAD[kind] * group + BLOCK_QUADS[kind] * k + 4 * lane
             for j in range(wbytes.shape[2]):
                 out[qo + 64 * (j // 4) + j % 4] = wbytes[r, b, j]
+            if fifth is not None:
+                out[qo + 256:qo + 260] = fifth_bit_bytes(fifth[r, b])
     return rec.reshape(-1)
 
 
 def blocks_case(isa, kind, R, group, tokens, case):
     """blocks_gemm's acc for a random tile of R rows of 2 records of `group` blocks, and
     `tokens` rows t0.. of x, and its float64 twin: per block d dx S (Q4_0: S - 8 xs8;
-    Q4_1: + m xsum), S the block's exact sum of weights times x8. case "bounds": every
-    nibble 15 or every int8 weight -128 against x8 = +-127, the largest sums (AVX2's
-    int16 pairs at their edge); "random"."""
+    Q5_0: S - 16 xs8; Q4_1, Q5_1: + m xsum), S the block's exact sum of weights times
+    x8. case "bounds": every value 15 (Q4), 31 (Q5) or every int8 weight -128 against
+    x8 = +-127, the largest sums (AVX2's int16 pairs at their edge); "random"."""
     nb, t0 = 2 * group, tokens                     # the second group of rows of x
     T = 2 * tokens
     nw = 32 if kind == KIND_Q8_0 else 16
     rng = np.random.default_rng(100 * isa + 10 * kind + R + group + tokens)
     w = rng.integers(0, 256, (R, nb, nw), dtype=np.uint8)
     x8 = rng.integers(-127, 128, (T, 32 * nb), dtype=np.int8)
+    five = kind in (KIND_Q5_0, KIND_Q5_1)
+    fifth = rng.integers(0, 2, (R, nb, 32), dtype=np.uint8) if five else None
     if case == "bounds":
         w[:] = 0x80 if kind == KIND_Q8_0 else 0xFF
         x8 = np.where(rng.random(x8.shape) < 0.5, -127, 127).astype(np.int8)
+        if five:
+            fifth[:] = 1
     d = rng.standard_normal((R, nb)).astype(np.float16)
     m = rng.standard_normal((R, nb)).astype(np.float16)
     xd = rng.random((T, nb)).astype(np.float32)
     xs8 = x8.reshape(T, nb, 32).astype(np.int32).sum(axis=2)
     xsum = rng.standard_normal((T, nb)).astype(np.float32)
     acc = np.full(tokens * R, 7, np.float32)
-    _blocks(block_records(kind, group, d, m, w), x8.reshape(-1), xd.reshape(-1),
+    _blocks(block_records(kind, group, d, m, w, fifth), x8.reshape(-1), xd.reshape(-1),
             xs8.reshape(-1), xsum.reshape(-1), acc, nb, group, t0, tokens, kind, isa)
     if kind == KIND_Q8_0:
         vals = w.view(np.int8).astype(np.int64)                              # (R, nb, 32)
     else:
         vals = np.concatenate([w & 15, w >> 4], axis=2).astype(np.int64)
+        if five:
+            vals |= fifth.astype(np.int64) << 4
     want = np.zeros((tokens, R))
     for k in range(tokens):
         tok = t0 + k
         S = np.einsum("rbe,be->rb", vals, x8[tok].reshape(nb, 32).astype(np.int64))
         S = S.astype(np.float64)
-        if kind == KIND_Q4_0:
-            S = S - 8 * xs8[tok]
+        if kind in (KIND_Q4_0, KIND_Q5_0):
+            S = S - (8 if kind == KIND_Q4_0 else 16) * xs8[tok]
         terms = d.astype(np.float64) * xd[tok] * S
-        if kind == KIND_Q4_1:
+        if kind in (KIND_Q4_1, KIND_Q5_1):
             terms += m.astype(np.float64) * xsum[tok]
         want[k] = terms.sum(axis=1)
     return acc.reshape(tokens, R), want
 
 
 # generic Q4_0: Q4_1's unsigned nibble dot (Q4_1 adds the min); its -8 offset is the
-# same code on every instruction set (AVX2's Q4_0 cases). Q8_0's signed dot stays.
-@pytest.mark.parametrize("kind,isa", isa_cases({"Q4_0": KIND_Q4_0, "Q4_1": KIND_Q4_1, "Q8_0": KIND_Q8_0},
-                                               {KIND_Q4_1, KIND_Q8_0}))
+# same code on every instruction set (AVX2's Q4_0 cases). Q5_0 likewise: Q5_1's dot.
+# Q8_0's signed dot stays.
+@pytest.mark.parametrize("kind,isa", isa_cases({"Q4_0": KIND_Q4_0, "Q4_1": KIND_Q4_1, "Q8_0": KIND_Q8_0,
+                                                "Q5_0": KIND_Q5_0, "Q5_1": KIND_Q5_1},
+                                               {KIND_Q4_1, KIND_Q8_0, KIND_Q5_1}))
 @pytest.mark.parametrize("R,group", [(16, 8), (32, 1), (256, 2)])
 @pytest.mark.parametrize("tokens", [1, TOKENS])
 @pytest.mark.parametrize("case", ["bounds", "random"])

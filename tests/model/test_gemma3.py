@@ -266,8 +266,7 @@ def test_the_real_270m_is_closer_to_its_weights_than_llama_cpp(gemma_q4_k_m_gguf
     # the truth: the NumPy forward pass of the file's weights dequantized, float32 products,
     # over 256 tokens of English (llama.cpp's tokens). Ours with int8 activations must be
     # no farther from it than llama.cpp (whose int8 x for every product makes most of its
-    # distance; our prefill multiplies float x for Q5_0, most of this file's matrices),
-    # and with fine activations within float rounding of it
+    # distance, as it does ours), and with fine activations within float rounding of it
     import llama_cpp
     from pathlib import Path
     text = (Path(__file__).parents[2] / "bench" / "data" / "alice.txt").read_text()

@@ -13,8 +13,8 @@ from edgellama.scratch import Scratch
 from tiny_gguf import write_tiny_gguf
 
 # Q4_K, Q6_K and Q4_0 decode several tokens with one GEMM pass (RecordLinear.matvecs);
-# Q5_0 runs a matvec per sequence (Linear.matvecs)
-TYPES = ["Q4_K", "Q4_0", "Q5_0"]
+# IQ4_NL runs a matvec per sequence (Linear.matvecs)
+TYPES = ["Q4_K", "Q4_0", "IQ4_NL"]
 PROMPTS = [[5, 9, 17], [3], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18],
            [42, 42]]
 
