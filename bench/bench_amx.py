@@ -60,7 +60,7 @@ def measure(qtype: str, shape: tuple[int, int], tokens: int, rounds: int) -> dic
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--types", default="q4_0,q4_1,q8_0,q4_k,q5_k,q6_k")
+    ap.add_argument("--types", default="q4_0,q4_1,q5_0,q5_1,q8_0,q4_k,q5_k,q6_k")
     ap.add_argument("--tokens", default="128,512")
     ap.add_argument("-t", "--threads", default="1,2")
     ap.add_argument("--rounds", type=int, default=5)

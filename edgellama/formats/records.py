@@ -10,8 +10,8 @@ with the CPU's pair-dot instructions; prefill is the same arithmetic as an int8 
 The per-32-block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) share one record layout and one
 set of kernels here (BlocksLinear: records of 16 rows and G blocks, G = record_group(nb),
 the rows' f16 d (and m) of each block, then the blocks' bytes as quads, Q5's then its
-fifth bits); decode and prefill
-are one intrinsic, simd.blocks_gemm, which keeps its f32 sums in registers over a row.
+fifth bits); decode and prefill are one intrinsic, simd.blocks_gemm, which keeps its f32
+sums in registers over a row.
 Where the CPU has AMX and Linux grants the tiles (amx.enabled()), a prefill of
 AMX_MIN_ROWS or more rows multiplies 16 rows of x by a block of 16 rows of weights per
 tile instruction instead (amx.amx_blocks_gemm, matmul_blocks_amx), with the same bits.
