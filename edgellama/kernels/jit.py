@@ -234,13 +234,16 @@ class Compiling(Listener):
     """While installed (`with Compiling(show):`), tells show(n, total, name) each time
     Numba starts compiling one of our kernels: loading one from the cache is silent.
     `count` is how many it compiled and `seconds` how long that took; warm_up sets
-    `step` to (n, total) as it goes."""
+    `step` to (n, total) as it goes, and `listed` to the (kernel, argument types) of its
+    total, so that one compiled inside another's compile (a kernel that calls it) still
+    counts as one of them."""
 
     def __init__(self, show: Callable[[int, int | None, str], None] | None = None):
         self.show = show
         self.count = 0
         self.seconds = 0.0
         self.step: tuple[int, int] | None = None
+        self.listed: set = set()
         self._depth = 0     # our kernels compile the ones they call inside their own compile
         self._t0 = 0.0
 
@@ -254,6 +257,8 @@ class Compiling(Listener):
             if self.show:
                 n, total = self.step or (self.count, None)
                 self.show(n, total, disp.py_func.__name__)
+        elif (disp, tuple(event.data["args"])) in self.listed:
+            self.count += 1     # its own step will find it compiled
         self._depth += 1
 
     def on_end(self, event):
@@ -347,6 +352,7 @@ def warm_up(model, show: Callable[[int, int | None, str], None] | None = None) -
             # reported without a total.
             todo = None
             model.forward([0, 0], model.new_sequence(min(model.ctx, 16)))
+        watch.listed = set(todo or [])
         for i, (disp, sig) in enumerate(todo or []):
             watch.step = (i + 1, len(todo))
             disp.compile(sig)
