@@ -368,7 +368,7 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
                 for h in range(2):
                     if qh is not None:
                         pair[h] = builder.or_(pair[h], fifth_bits_moved(builder, qh, 2 * g + h, byte(0x10)))
-                    if offset:                  # q - 8 (Q4_0), q - 16 (Q5_0) as s8: C is S - 8 xs8 itself
+                    if offset:                  # q - 8 (Q4_0), q - 16 (Q5_0) as s8: C is S - offset xs8
                         pair[h] = builder.sub(pair[h], byte(offset))
                 lo.append(pair[0])
                 hi.append(pair[1])

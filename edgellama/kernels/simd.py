@@ -4,12 +4,12 @@ instructions each CPU has, for kernels that keep lanes across rows; and prefetch
 Numba has no vector types and LLVM does not find the pair-dot instructions in plain
 loops, so the tile intrinsics emit LLVM IR for the whole product of one tile of weights
 with 1 row of x (decode) or 4 (prefill), scales applied, the float sums in registers:
-`blocks_gemm` for the per-32-block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), `q4k_gemm` for Q4_K and
-Q5_K, `q6_gemm` for Q6_K (5- and 6-bit values rebuilt in registers from nibbles and
-1-bit or 2-bit fields). Each takes the weights q, the activations as one Q8X (x8, xd,
-xs, xsum), the output acc, the call's shape as one Tile made by tile(nb, group, t0,
-tokens, kind) (tokens and kind compile-time constants), and the instruction set: an
-index of isa.ISAS, ISA for this target. The instructions:
+`blocks_gemm` for the per-32-block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), `q4k_gemm`
+for Q4_K and Q5_K, `q6_gemm` for Q6_K (5- and 6-bit values rebuilt in registers from
+nibbles and 1-bit or 2-bit fields). Each takes the weights q, the activations as one
+Q8X (x8, xd, xs, xsum), the output acc, the call's shape as one Tile made by tile(nb,
+group, t0, tokens, kind) (tokens and kind compile-time constants), and the instruction
+set: an index of isa.ISAS, ISA for this target. The instructions:
 
     VNNI (AVX-512)  vpdpbusd: 64 u8 x i8 products summed into 16 int32 lanes, 1 instruction
     AVX2            vpmaddubsw (u8 x i8 pairs -> int16) then vpmaddwd (-> int32)
@@ -285,7 +285,7 @@ KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, KIND_Q5_0, KIND_Q5_1 = 0, 1, 2, 3, 4
 BLOCK_HEAD = (32, 64, 32, 32, 64)                    # bytes of scales per block
 BLOCK_QUADS = (256, 256, 512, 320, 320)              # bytes of quads (and fifth bits) per block
 BLOCK_BYTES = tuple(h + q for h, q in zip(BLOCK_HEAD, BLOCK_QUADS))   # per block, 16 rows
-BLOCK_OFFSET = (8, 0, 0, 16, 0)                      # what a weight's value lies above its code
+BLOCK_OFFSET = (8, 0, 0, 16, 0)                      # value = code - offset (then times d)
 BLOCK_MINS = (KIND_Q4_1, KIND_Q5_1)                  # kinds with a min m per block
 BLOCK_FIVE = (KIND_Q5_0, KIND_Q5_1)                  # kinds with fifth bits
 
@@ -333,7 +333,7 @@ def blocks_gemm(typingctx, q, x, acc, shape, isa):
             load = lambda off: builder.load(ptr("q", builder.add(quads, at(k, BLOCK_QUADS[KIND], off)),
                                                 wide), align=1)
             ws = []
-            for j in range(512 // 64 if signed else 256 // 64):
+            for j in range(8 if signed else 4):          # 64-byte quad rows: Q8_0's, the nibbles
                 w = load(64 * j)
                 ws += [w] if signed else [builder.and_(w, mask),
                                           builder.and_(builder.lshr(w, four), mask)]
