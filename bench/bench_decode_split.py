@@ -104,19 +104,20 @@ _STAMPED = None
 
 
 def _stamped_kernels():
-    """(matvec, now): records.matvec_blocks (its tiles claimed as it claims them) with
-    each thread's first start and last finish stamped in begins, ends (threads,) int64
-    (begins zero before), and the cycle counter; compiled on first use."""
+    """(matvec, now): records.matvec_blocks (its tiles claimed as it claims them, each
+    by its decode_tile) with each thread's first start and last finish stamped in begins,
+    ends (threads,) int64 (begins zero before), and the cycle counter; compiled on first
+    use."""
     global _STAMPED
     if _STAMPED is None:
         import numba
         from llvmlite import ir
         from numba import njit, prange, types
         from numba.extending import intrinsic
+        from edgellama.formats.records import decode_tile
         from edgellama.kernels.claim import take
         from edgellama.kernels.isa import call_llvm
-        from edgellama.kernels.simd import (ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1, Q8X, blocks_gemm,
-                                            KIND_Q8_0, tile)
+        from edgellama.kernels.simd import Q8X
 
         @intrinsic
         def cycles(typingctx):
@@ -137,16 +138,7 @@ def _stamped_kernels():
                     t = take(counter)
                     if t >= q.shape[0]:
                         break
-                    if kind == KIND_Q4_0:
-                        blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q4_0), ISA)
-                    elif kind == KIND_Q4_1:
-                        blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q4_1), ISA)
-                    elif kind == KIND_Q5_0:
-                        blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q5_0), ISA)
-                    elif kind == KIND_Q5_1:
-                        blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q5_1), ISA)
-                    else:
-                        blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q8_0), ISA)
+                    decode_tile(q[t], x, acc[t], G, kind)
                     n = min(R, out.size - t * R)
                     out[t * R:t * R + n] = acc[t, :n]
                     ends[me] = cycles()

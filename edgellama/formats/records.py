@@ -343,18 +343,26 @@ def matvec_blocks(q, x8, xd, xs8, xsum, out, acc, G, kind, counter):
             t = take(counter)
             if t >= q.shape[0]:
                 break
-            if kind == KIND_Q4_0:
-                blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q4_0), ISA)
-            elif kind == KIND_Q4_1:
-                blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q4_1), ISA)
-            elif kind == KIND_Q5_0:
-                blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q5_0), ISA)
-            elif kind == KIND_Q5_1:
-                blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q5_1), ISA)
-            else:
-                blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, KIND_Q8_0), ISA)
+            decode_tile(q[t], x, acc[t], G, kind)
             n = min(R, out.size - t * R)
             out[t * R:t * R + n] = acc[t, :n]
+
+
+@njit(cache=True)
+def decode_tile(qt, x, acct, G, kind):
+    # acct (R,) = one tile qt of a per-32-block format's records @ x (a Q8X of one row),
+    # blocks_gemm with the kind a compile-time constant
+    nb = x.xd.size
+    if kind == KIND_Q4_0:
+        blocks_gemm(qt, x, acct, tile(nb, G, 0, 1, KIND_Q4_0), ISA)
+    elif kind == KIND_Q4_1:
+        blocks_gemm(qt, x, acct, tile(nb, G, 0, 1, KIND_Q4_1), ISA)
+    elif kind == KIND_Q5_0:
+        blocks_gemm(qt, x, acct, tile(nb, G, 0, 1, KIND_Q5_0), ISA)
+    elif kind == KIND_Q5_1:
+        blocks_gemm(qt, x, acct, tile(nb, G, 0, 1, KIND_Q5_1), ISA)
+    else:
+        blocks_gemm(qt, x, acct, tile(nb, G, 0, 1, KIND_Q8_0), ISA)
 
 
 @njit(cache=True, fastmath=True)
