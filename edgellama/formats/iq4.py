@@ -9,42 +9,33 @@
 Nibble j < 16 of a 32-block is the low nibble of its qs[j], j >= 16 the high one of
 qs[j - 16] (Q4 order).
 
-Runtime tiles (lanes across rows, see base.TiledLinear): the nibbles exactly as Q4_0,
-    q (nt, nb*16*R) u8,  d (nt, nd*R) u16 f16 bits (per 32 for NL, per 256 for XS),
-    XS: sc (nt, nb*R) i8 = ls - 32 per 32 weights (8 bytes per 256 where the file has 6).
-Decode: x is quantized to int8 per 32 (records.prep_q8_x, as llama.cpp's q8 activations), and
-each weight costs a lookup in the 16-entry table KVALUES * xq_j of its x value and an add.
-Numba has no vector table lookup (an indexed load becomes a gather, far slower), so
-`kv_dot_acc` writes the inner step in target-independent LLVM IR, which LLVM lowers to a
-variable permute (one vpermw per vector with AVX-512BW; pshufb sequences with AVX2, where
-it is slower: "IQ4 table lookup", bench/results/design_measurements.json).
+At run time both are records (records.py; simd.py's layouts): IQ4_NL the per-32-block
+records Q4_0 has (records.BlocksLinear, kind KIND_IQ4_NL), IQ4_XS records of 16 rows and
+one super-block (the rows' d, each sub-block's ls - 32 as int8, the nibbles as quads;
+140 bytes a row per 256 weights where the file has 136). x is quantized to int8 per 32
+(records.prep_q8_x, as llama.cpp's q8 activations); the kernels (simd.blocks_gemm,
+simd.iq4xs_gemm) look the nibbles up in a 16-byte table in registers (one pshufb per
+vector on x86: isa.Isa.lookup) and sum the values times x8 exactly with the pair-dot
+instructions, decode and prefill alike.
 """
 from __future__ import annotations
 
 import numpy as np
 from gguf.constants import LlamaFileType
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit, prange
 
-from ..kernels.fp import f16_to_f32, get_f16, nearest_int, put_f16
-from .base import (
-    TiledLinear,
-    WeightFormat,
-    block_sizes,
-    release_pages,
-    repack_bytes,
-    repack_halves,
-)
-from ..kernels.simd import ir_ptr, splat
-from .records import prep_q8_x
+from ..kernels.amx import KIND_IQ4_XS
+from ..kernels.claim import take
+from ..kernels.fp import get_f16, nearest_int, put_f16
+from ..kernels.simd import (IQ4_VALUES, IQ4XS_D, IQ4XS_QS, IQ4XS_RECORD, IQ4XS_SC, ISA, K_GROUP, KIND_IQ4_NL,
+                            Q8X, RECORD_ROWS, TOKENS, iq4xs_gemm, tile)
+from .base import WeightFormat, block_sizes
+from .records import BlocksLinear, RecordLinear, prep_q8_x
 
 f32 = np.float32
 NL_BYTES = block_sizes("IQ4_NL")[1]          # bytes per block of 32
 QK_XS, XS_BYTES = block_sizes("IQ4_XS")     # weights and bytes per super-block
-KVALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
-                   np.int8)
+KVALUES = np.array(IQ4_VALUES, np.int8)
 _KVF = KVALUES.astype(np.float32)
 GROUP_MAX_EPS = f32(1e-15)      # ggml: a sub-block with max |x| below this is all zero
 NTRY = 7                        # llama-quantize's scale search (quantize_iq4_nl / _xs)
@@ -222,279 +213,122 @@ def dequantize_iq4_xs(q, out):
                 out[QK_XS * b + 32 * i + 16 + j] = dl * _KVF[v >> 4]
 
 
-# --- decode: a 16-entry table lookup per weight --------------------------------------------
-# Numba cannot express a vector table lookup, so the two intrinsics below are LLVM IR
-# without target intrinsics: per vector of lanes, a vector built from
-# `extractelement(table, index)`, which LLVM's backends lower to a variable permute.
+# --- runtime: records (simd.py's layouts) ----------------------------------------------------
+# IQ4_NL is a per-32-block format (records.BlocksLinear, kind KIND_IQ4_NL); IQ4_XS has
+# records of its own, one per super-block, multiplied by simd.iq4xs_gemm.
 
-def _ir_nibbles(builder, p, n):
-    # the n bytes at p (i8*) -> their low and high nibbles as two <n x i16>
-    nv = ir.VectorType(ir.IntType(16), n)
-    v = builder.zext(builder.load(builder.bitcast(p, ir.VectorType(ir.IntType(8), n).as_pointer()),
-                                  align=1), nv)
-    return builder.and_(v, ir.Constant(nv, [15] * n)), builder.lshr(v, ir.Constant(nv, [4] * n))
-
-
-def _ir_lookup(builder, table, idx):
-    # <n x i16>: table[idx[k]] per lane k, table <16 x i16>, idx <n x i16> in [0, 16)
-    res = ir.Constant(idx.type, None)
-    for k in range(idx.type.count):
-        kk = ir.Constant(ir.IntType(32), k)
-        res = builder.insert_element(
-            res, builder.extract_element(table, builder.extract_element(idx, kk)), kk)
-    return res
-
-
-_KV_IR = ir.Constant(ir.VectorType(ir.IntType(16), 16), [int(v) for v in KVALUES])
-
-
-@intrinsic(prefer_literal=True)
-def kv_dot_acc(typingctx, xq, xo, src, so, stride, acc, nr, lanes, nbytes):
-    """acc[:nr] (int32) += sum over i < nbytes of KVALUES[v & 15] xq[xo + i] +
-    KVALUES[v >> 4] xq[xo + 16 + i], v = src[so + i stride:][:nr]: nbytes nibble bytes
-    (j = xo % 32, j+1, ..) of one block, lanes across nr rows; xq int16 in [-127, 127];
-    lanes (the vector width, dividing nr) and nbytes constants.
-
-    The tables KVALUES * xq (one <16 x i16> per weight) are made once per call. A pair of
-    table values fits int16 (127 * 127 * 2 = 32258); it is widened to int32 before the next
-    pair is added."""
-    if not isinstance(lanes, types.IntegerLiteral) or not isinstance(nbytes, types.IntegerLiteral):
-        return None
-    n = lanes.literal_value
-    m = nbytes.literal_value
-
-    def codegen(context, builder, sig, args):
-        i16, i32 = ir.IntType(16), ir.IntType(32)
-        wide = ir.VectorType(i32, n)
-        k64 = lambda v: ir.Constant(args[1].type, v)
-        ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
-
-        def table(off):
-            return builder.mul(_KV_IR, splat(builder, builder.load(ptr(0, off, i16)), 16))
-
-        tabs = [(table(builder.add(args[1], k64(i))), table(builder.add(args[1], k64(16 + i))))
-                for i in range(m)]
-        with cgutils.for_range(builder, builder.udiv(args[6], k64(n))) as loop:
-            r0 = builder.mul(loop.index, k64(n))
-            a = ptr(5, r0, wide)
-            total = builder.load(a, align=4)
-            for i, (t_lo, t_hi) in enumerate(tabs):
-                so = builder.add(builder.add(args[3], builder.mul(args[4], k64(i))), r0)
-                lo, hi = _ir_nibbles(builder, ptr(2, so, ir.IntType(8)), n)
-                pair = builder.add(_ir_lookup(builder, t_lo, lo), _ir_lookup(builder, t_hi, hi))
-                total = builder.add(total, builder.sext(pair, wide))
-            builder.store(total, a, align=4)
-        return context.get_dummy_value()
-
-    return types.void(xq, xo, src, so, stride, acc, nr, lanes, nbytes), codegen
-
-
-@intrinsic(prefer_literal=True)
-def kv_values(typingctx, src, so, lo, hi, nr, lanes):
-    """lo[:nr], hi[:nr] (int16) = KVALUES[v & 15], KVALUES[v >> 4] for the nibble bytes
-    v = src[so:so+nr]; lanes (the vector width, dividing nr) a constant."""
-    if not isinstance(lanes, types.IntegerLiteral):
-        return None
-    n = lanes.literal_value
-
-    def codegen(context, builder, sig, args):
-        nv = ir.VectorType(ir.IntType(16), n)
-        k64 = lambda v: ir.Constant(args[1].type, v)
-        ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
-        with cgutils.for_range(builder, builder.udiv(args[4], k64(n))) as loop:
-            r0 = builder.mul(loop.index, k64(n))
-            v_lo, v_hi = _ir_nibbles(builder, ptr(0, builder.add(args[1], r0), ir.IntType(8)), n)
-            builder.store(_ir_lookup(builder, _KV_IR, v_lo), ptr(2, r0, nv), align=2)
-            builder.store(_ir_lookup(builder, _KV_IR, v_hi), ptr(3, r0, nv), align=2)
-        return context.get_dummy_value()
-
-    return types.void(src, so, lo, hi, nr, lanes), codegen
-
-
-@njit(cache=True)
-def prep_iq4_x(x, x8, xd, xs8, xsum, xq):
-    # x (n,) f32 -> prep_q8_x's int8 x per block of 32 (scale xd), widened to xq (n,)
-    # int16 for the table products
-    prep_q8_x(x, x8, xd, xs8, xsum)
-    for i in range(x8.size):
-        xq[i] = x8[i]
-
-
-@njit(cache=True, inline="always")
-def iq4_block(qt, o, xq, b, a32, R):
-    # a32 (R,) int32 += sum over the 16 nibble bytes of block b at qt[o:o+16R] (lanes
-    # across rows) of KVALUES[nibble] xq: two passes of 8 bytes (16 tables; 4 bytes a
-    # pass was slower, 16 spill registers)
-    for j in range(0, 16, 8):
-        if R % 32 == 0:
-            kv_dot_acc(xq, 32 * b + j, qt, o + j * R, R, a32, R, 32, 8)
-        else:
-            kv_dot_acc(xq, 32 * b + j, qt, o + j * R, R, a32, R, 16, 8)
-
-
-@njit(cache=True, fastmath=True, parallel=True)
-def matvec_iq4_nl(q, d, xq, xd, out, scratch, s32):
-    # W (nt*R, n) IQ4_NL tiles q (nt, nb*16*R), d (nt, nb*R) @ x (prep_iq4_x) -> out (d,)
-    # scratch (nt, R) f32, s32 (nt, R) int32: per-tile sums
-    nt = q.shape[0]
-    R = scratch.shape[1]
-    for t in prange(nt):
-        qt = q[t]
-        acc = scratch[t]
-        a32 = s32[t]
-        acc[:] = 0
-        a32[:] = 0
-        for b in range(xd.size):
-            iq4_block(qt, 16 * b * R, xq, b, a32, R)
-            db = d[t, b * R:(b + 1) * R]
-            dx = xd[b]
-            for r in range(R):
-                acc[r] += f16_to_f32(db[r]) * dx * f32(a32[r])
-                a32[r] = 0
-        n = min(R, out.size - t * R)
-        out[t * R:t * R + n] = acc[:n]
-
-
-@njit(cache=True, fastmath=True, parallel=True)
-def matvec_iq4_xs(q, d, sc, xq, xd, out, scratch, s32):
-    # W (nt*R, n) IQ4_XS tiles q (nt, nb*16*R), d (nt, nb/8*R), sc (nt, nb*R) i8
-    # @ x (prep_iq4_x) -> out (d,); nb = n / 32, scratch / s32 (nt, R) as matvec_iq4_nl
-    nt = q.shape[0]
-    R = scratch.shape[1]
-    for t in prange(nt):
-        qt = q[t]
-        acc = scratch[t]
-        a32 = s32[t]
-        acc[:] = 0
-        a32[:] = 0
-        for b in range(xd.size):
-            iq4_block(qt, 16 * b * R, xq, b, a32, R)
-            db = d[t, (b // 8) * R:(b // 8 + 1) * R]
-            sb = sc[t, b * R:(b + 1) * R]
-            dx = xd[b]
-            for r in range(R):
-                acc[r] += f16_to_f32(db[r]) * f32(sb[r]) * dx * f32(a32[r])
-                a32[r] = 0
-        n = min(R, out.size - t * R)
-        out[t * R:t * R + n] = acc[:n]
-
-
-# --- prefill and embedding: dequantize from tiles (serial: see base.TiledLinear._dequant_tiles)
-
-@njit(cache=True)
-def dequant_iq4_tiles(q, d, sc, per_d, t0, t1, wt):
-    # IQ4 tiles t0..t1 -> wt (n, (t1-t0)*R) f32 = W[rows].T, gguf's values exactly:
-    # block b's scale is d[b // per_d] (times sc[b] if sc has a row, IQ4_XS)
-    nb = wt.shape[0] // 32
-    R = q.shape[1] // (16 * nb)
-    dsc = np.empty(R, f32)
-    vlo = np.empty(R, np.int16)
-    vhi = np.empty(R, np.int16)
-    for b in range(nb):
-        for t in range(t0, t1):
-            for r in range(R):
-                dsc[r] = f16_to_f32(d[t, (b // per_d) * R + r])
-                if sc.shape[0]:
-                    dsc[r] *= f32(sc[t, b * R + r])
-            c = (t - t0) * R
-            for j in range(16):
-                if R % 32 == 0:
-                    kv_values(q[t], (16 * b + j) * R, vlo, vhi, R, 32)
-                else:
-                    kv_values(q[t], (16 * b + j) * R, vlo, vhi, R, 16)
-                lo = wt[32 * b + j, c:c + R]
-                hi = wt[32 * b + 16 + j, c:c + R]
-                for r in range(R):
-                    lo[r] = dsc[r] * f32(vlo[r])
-                    hi[r] = dsc[r] * f32(vhi[r])
-
-
-@njit(cache=True)
-def rows_iq4(q, d, sc, per_d, ids, out):
-    # IQ4 tiles, ids (T,) -> out (T, n) f32 dequantized rows (values as dequant_iq4_tiles)
-    nb = out.shape[1] // 32
-    R = q.shape[1] // (16 * nb)
-    for i in range(ids.size):
-        t = ids[i] // R
-        r = ids[i] % R
-        row = out[i]
-        for b in range(nb):
-            dd = f16_to_f32(d[t, (b // per_d) * R + r])
-            if sc.shape[0]:
-                dd *= f32(sc[t, b * R + r])
-            for j in range(16):
-                v = q[t, (16 * b + j) * R + r]
-                row[32 * b + j] = dd * _KVF[v & 15]
-                row[32 * b + 16 + j] = dd * _KVF[v >> 4]
+class IQ4_NLLinear(BlocksLinear):
+    kind = KIND_IQ4_NL
 
 
 @njit(cache=True, parallel=True)
-def repack_xs_scales(raw, row0, dst):
-    # ls - 32 of every sub-block of raw (rows, nb*136) u8 IQ4_XS -> rows row0.. of
-    # dst (nt, nb*8*R) i8 (lanes across rows)
+def repack_xs(raw, row0, q):
+    # IQ4_XS rows raw (rows, nsb*136) u8 -> rows row0.. of the tiles q (nt, R/16 * nsb *
+    # IQ4XS_RECORD): row t*R + r is lane r % 16 of strip r // 16, its super-block b in
+    # record strip*nsb + b (simd.py's IQ4XS_* layout)
     rows = raw.shape[0]
-    nb = raw.shape[1] // XS_BYTES
-    R = dst.shape[1] // (nb * 8)
+    nsb = raw.shape[1] // XS_BYTES
+    R = q.shape[1] // (nsb * IQ4XS_RECORD) * RECORD_ROWS
     for t in prange(row0 // R, (row0 + rows - 1) // R + 1):
         r0 = max(0, row0 - t * R)
         r1 = min(R, row0 + rows - t * R)
-        for b in range(nb):
-            for i in range(8):
-                lane = dst[t, (8 * b + i) * R + r0:(8 * b + i) * R + r1]
-                for r in range(r1 - r0):
-                    lane[r] = xs_scale(raw[t * R + r0 - row0 + r], XS_BYTES * b, i)
+        qt = q[t]
+        for r in range(r0, r1):
+            row = raw[t * R + r - row0]
+            lane = r % RECORD_ROWS
+            for b in range(nsb):
+                o = b * XS_BYTES
+                rec = (r // RECORD_ROWS * nsb + b) * IQ4XS_RECORD
+                qt[rec + IQ4XS_D + 2 * lane] = row[o]
+                qt[rec + IQ4XS_D + 2 * lane + 1] = row[o + 1]
+                for k in range(8):
+                    qt[rec + IQ4XS_SC + 16 * k + lane] = np.uint8(xs_scale(row, o, k) & 0xFF)
+                    dst = rec + IQ4XS_QS + 256 * k + 4 * lane
+                    for j in range(16):
+                        qt[dst + 64 * (j >> 2) + (j & 3)] = row[o + 8 + 16 * k + j]
 
 
-class IQ4Linear(TiledLinear):
-    """IQ4_NL / IQ4_XS in row tiles: q (nt, nb*16*R) u8 nibbles, d (nt, nd*R) u16,
-    IQ4_XS sc (nt, nb*R) i8 (nb = in_features / 32)."""
+@njit(cache=True, parallel=True)
+def matvec_xs(q, x8, xd, xs8, out, acc, counter):
+    # W (nt*R, n) IQ4_XS records @ x (prep_q8_x) -> out (d,); acc (nt, R) f32 per-tile
+    # sums; the tiles claimed one at a time (claim.py: counter)
+    R = acc.shape[1]
+    x = Q8X(x8, xd, xs8, None)
+    counter[0] = 0
+    for _ in prange(q.shape[0]):
+        while True:
+            t = take(counter)
+            if t >= q.shape[0]:
+                break
+            iq4xs_gemm(q[t], x, acc[t], tile(xd.size, K_GROUP, 0, 1, KIND_IQ4_XS), ISA)
+            n = min(R, out.size - t * R)
+            out[t * R:t * R + n] = acc[t, :n]
 
-    def _setup(self, fmt, splits, in_features):
-        super()._setup(fmt, splits, in_features)
-        self.per_d = 8 if self.type_name == "IQ4_XS" else 1   # 32-blocks per f16 scale
 
-    def tile_spec(self):
-        nb, nt, R = self.in_features // 32, self.nt, self.R
-        return {"q": ((nt, nb * 16 * R), np.uint8), "d": ((nt, nb // self.per_d * R), np.uint16),
-                "sc": ((nt, nb * R) if self.per_d > 1 else (0, 0), np.int8)}
+@njit(cache=True, parallel=True)
+def matmul_xs(q, x8, xd, xs8, out, acc):
+    # W (nt*R, n) IQ4_XS records @ x (records.prep_q8_rows; x8 flat (Tp*n,)) -> out
+    # (T, dout) = x W^T; acc (nt, TOKENS, R) f32 per-tile sums
+    T = out.shape[0]
+    R = acc.shape[2]
+    x = Q8X(x8, xd.reshape(-1), xs8.reshape(-1), None)
+    for t in prange(q.shape[0]):
+        a = acc[t]
+        c0 = t * R
+        nc = min(R, out.shape[1] - c0)
+        for t0 in range(0, T, TOKENS):
+            iq4xs_gemm(q[t], x, a.reshape(-1), tile(xd.shape[1], K_GROUP, t0, TOKENS, KIND_IQ4_XS), ISA)
+            for k in range(min(TOKENS, T - t0)):
+                out[t0 + k, c0:c0 + nc] = a[k, :nc]
 
-    def _load(self, raws):
-        bs = self.fmt.type_size
-        xs = self.per_d > 1
-        self._alloc_tiles()
-        row0 = 0
-        for raw in raws:
-            repack_halves(raw, row0, bs, 0, self.d)
-            repack_bytes(raw, row0, bs, bs - 16 * self.per_d, bs, self.q)
-            if xs:
-                repack_xs_scales(raw, row0, self.sc)
-            release_pages(raw)
-            row0 += raw.shape[0]
 
-    def decode_buffers(self):
-        # per-tile sums (nt, R) f32 and i32; prep_iq4_x's x8, xd, xs8, xsum, xq
-        n, nb, nt, R = self.in_features, self.in_features // 32, self.nt, self.R
-        return (np.zeros((nt, R), f32), np.zeros((nt, R), np.int32), np.zeros(n, np.int8),
-                np.zeros(nb, f32), np.zeros(nb, np.int32), np.zeros(nb, f32),
-                np.zeros(n, np.int16))
+@njit(cache=True)
+def rows_xs(q, ids, out):
+    # IQ4_XS records, ids (T,) -> out (T, n) f32 dequantized rows, bit-exact with gguf-py
+    nsb = out.shape[1] // QK_XS
+    R = q.shape[1] // (nsb * IQ4XS_RECORD) * RECORD_ROWS
+    for i in range(ids.size):
+        t = ids[i] // R
+        lane = ids[i] % R % RECORD_ROWS
+        row = out[i]
+        for b in range(nsb):
+            rec = q[t, (ids[i] % R // RECORD_ROWS * nsb + b) * IQ4XS_RECORD:]
+            d = get_f16(rec, IQ4XS_D + 2 * lane)
+            for k in range(8):
+                dl = d * f32(np.int8(rec[IQ4XS_SC + 16 * k + lane]))
+                y = row[QK_XS * b + 32 * k:]
+                for j in range(16):
+                    v = rec[IQ4XS_QS + 256 * k + 64 * (j >> 2) + 4 * lane + (j & 3)]
+                    y[j] = dl * _KVF[v & 15]
+                    y[16 + j] = dl * _KVF[v >> 4]
 
-    def matvec(self, x, out, scratch=None):
-        acc, s32, x8, xd, xs8, xsum, xq = self._buffers(scratch)
-        prep_iq4_x(x, x8, xd, xs8, xsum, xq)
-        if self.per_d == 1:
-            matvec_iq4_nl(self.q, self.d, xq, xd, out, acc, s32)
-        else:
-            matvec_iq4_xs(self.q, self.d, self.sc, xq, xd, out, acc, s32)
 
-    def _dequant_tiles(self, t0, t1, wt):
-        dequant_iq4_tiles(self.q, self.d, self.sc, self.per_d, t0, t1, wt)
+class IQ4_XSLinear(RecordLinear):
+    """IQ4_XS in records of 16 rows and one super-block (simd.py's IQ4XS_* layout)."""
+
+    def _strip_bytes(self):
+        return self.in_features // QK_XS * IQ4XS_RECORD
+
+    def _repack(self, raw, row0):
+        repack_xs(raw, row0, self.q)
+
+    def _matvec(self, x, out, scratch):
+        x8, xd, xs8, xsum, acc, counter = self._buffers(scratch)
+        prep_q8_x(x, x8, xd, xs8, xsum)
+        matvec_xs(self.q, x8, xd, xs8, out, acc, counter)
+
+    def _amx_records(self):
+        return KIND_IQ4_XS, K_GROUP
+
+    def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
+        matmul_xs(self.q, x8, xd, xs8, out, acc)
 
     def _rows(self, ids, out):
-        rows_iq4(self.q, self.d, self.sc, self.per_d, ids, out)
+        rows_xs(self.q, ids, out)
 
 
-IQ4_NL = WeightFormat("IQ4_NL", "d:f16, qs:u8[16]; x=d*KVALUES[nibble]", IQ4Linear,
+IQ4_NL = WeightFormat("IQ4_NL", "d:f16, qs:u8[16]; x=d*KVALUES[nibble]", IQ4_NLLinear,
                       dequantize_iq4_nl, quantize_iq4_nl, LlamaFileType.MOSTLY_IQ4_NL)
 IQ4_XS = WeightFormat("IQ4_XS", "d:f16, scales_h:u16, scales_l:u8[4], qs:u8[128]; "
-                      "x=d*(ls-32)*KVALUES[nibble], ls 6 bits per 32", IQ4Linear,
+                      "x=d*(ls-32)*KVALUES[nibble], ls 6 bits per 32", IQ4_XSLinear,
                       dequantize_iq4_xs, quantize_iq4_xs, LlamaFileType.MOSTLY_IQ4_XS)

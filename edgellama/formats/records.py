@@ -22,11 +22,11 @@ import numpy as np
 from numba import njit, prange
 
 from ..kernels import amx
-from ..kernels.amx import AMX_TOKENS, GROUPS, KIND_Q4_K, KIND_Q5_K, KIND_Q6_K, amx_blocks_gemm
+from ..kernels.amx import AMX_TOKENS, GROUPS, KIND_IQ4_XS, KIND_Q4_K, KIND_Q5_K, KIND_Q6_K, amx_blocks_gemm
 from ..kernels.claim import take
 from ..kernels.fp import get_f16
-from ..kernels.simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, ISA, KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1,
-                            KIND_Q8_0, RECORD_ROWS, TOKENS, Q8X, blocks_gemm, tile)
+from ..kernels.simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, IQ4_VALUES, ISA, KIND_IQ4_NL, KIND_Q4_0,
+                            KIND_Q4_1, KIND_Q5_0, KIND_Q5_1, KIND_Q8_0, RECORD_ROWS, TOKENS, Q8X, blocks_gemm, tile)
 from ..scratch import Scratch
 from .base import TiledLinear, release_pages
 
@@ -112,6 +112,8 @@ def matmul_blocks(q, x8, xd, xs8, xsum, out, acc, G, kind):
                 blocks_gemm(q[t], x, af, tile(nb, G, t0, TOKENS, KIND_Q5_0), ISA)
             elif kind == KIND_Q5_1:
                 blocks_gemm(q[t], x, af, tile(nb, G, t0, TOKENS, KIND_Q5_1), ISA)
+            elif kind == KIND_IQ4_NL:
+                blocks_gemm(q[t], x, af, tile(nb, G, t0, TOKENS, KIND_IQ4_NL), ISA)
             else:
                 blocks_gemm(q[t], x, af, tile(nb, G, t0, TOKENS, KIND_Q8_0), ISA)
             for k in range(min(TOKENS, T - t0)):
@@ -121,7 +123,7 @@ def matmul_blocks(q, x8, xd, xs8, xsum, out, acc, G, kind):
 @njit(cache=True, parallel=True)
 def matmul_blocks_amx(q, xa, xda, xsuma, nb, out, acc, G, kind):
     # matmul_blocks (or the K-quants' matmul_k, matmul_q6_k: kind KIND_Q4_K, KIND_Q5_K,
-    # KIND_Q6_K, G 8) on AMX tiles
+    # KIND_Q6_K, G 8; IQ4_XS's matmul_xs: KIND_IQ4_XS, G 8) on AMX tiles
     # (amx.amx_blocks_gemm; amx.enabled() must be True), the same bits: xa, xda, xsuma
     # flat, x8, xd, xsum as amx_a_tiles lays them out (Tp a multiple of AMX_TOKENS, nb
     # blocks a row); acc (nt, GROUPS * AMX_TOKENS, R)
@@ -144,12 +146,16 @@ def matmul_blocks_amx(q, xa, xda, xsuma, nb, out, acc, G, kind):
                 amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q5_0))
             elif kind == KIND_Q5_1:
                 amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q5_1))
+            elif kind == KIND_IQ4_NL:
+                amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_IQ4_NL))
             elif kind == KIND_Q4_K:
                 amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q4_K))
             elif kind == KIND_Q5_K:
                 amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q5_K))
             elif kind == KIND_Q6_K:
                 amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q6_K))
+            elif kind == KIND_IQ4_XS:
+                amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_IQ4_XS))
             else:
                 amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q8_0))
             for k in range(min(span, T - t0)):
@@ -361,8 +367,13 @@ def decode_tile(qt, x, acct, G, kind):
         blocks_gemm(qt, x, acct, tile(nb, G, 0, 1, KIND_Q5_0), ISA)
     elif kind == KIND_Q5_1:
         blocks_gemm(qt, x, acct, tile(nb, G, 0, 1, KIND_Q5_1), ISA)
+    elif kind == KIND_IQ4_NL:
+        blocks_gemm(qt, x, acct, tile(nb, G, 0, 1, KIND_IQ4_NL), ISA)
     else:
         blocks_gemm(qt, x, acct, tile(nb, G, 0, 1, KIND_Q8_0), ISA)
+
+
+_IQ4 = np.array(IQ4_VALUES, np.int32)
 
 
 @njit(cache=True, fastmath=True)
@@ -388,10 +399,12 @@ def rows_blocks(q, ids, out, G, kind):
             else:
                 mins = kind == KIND_Q4_1 or kind == KIND_Q5_1
                 mm = get_f16(rec, 32 * G + 32 * k + 2 * lane) if mins else f32(0)
-                off = 0 if mins else 16 if five else 8
+                off = 0 if mins or kind == KIND_IQ4_NL else 16 if five else 8
                 for j in range(16):
                     v = qs[64 * (j >> 2) + (j & 3)]
                     lo, hi = np.int32(v & 15), np.int32(v >> 4)
+                    if kind == KIND_IQ4_NL:
+                        lo, hi = np.int32(_IQ4[lo]), np.int32(_IQ4[hi])
                     if five:        # the fifth bits' layout: repack_blocks
                         bits = np.int32(qs[256 + (j & 3)])
                         lo |= (bits >> (2 * (j >> 2)) & 1) << 4

@@ -1,5 +1,5 @@
 """AMX (Advanced Matrix Extensions) int8 tile products for prefill of the per-32-block
-formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and of the K-quants Q4_K, Q5_K and Q6_K,
+formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) and of the K-quants Q4_K, Q5_K and Q6_K,
 bit-identical to simd.blocks_gemm's (simd.q4k_gemm's, simd.q6_gemm's) VNNI products.
 
 One tdpbssd / tdpbsud multiplies a tile of 16 rows of x (A: 16 tokens x the 32 int8
@@ -12,7 +12,8 @@ B rows 0..3 the low nibbles (elements 0..15), rows 4..7 the high ones (16..31).
 
 The int32 result C[t][r] is the exact S of blocks_gemm: tdpbssd (s8 x s8) for Q8_0;
 for Q4_0 the nibbles less 8 (-8..7, s8), so C = S - 8 xs8 with no correction, and
-Q5_0's 5-bit values (the fifth bits or-ed in) less 16; for Q4_1 and Q5_1 tdpbsud (s8 x
+Q5_0's 5-bit values (the fifth bits or-ed in) less 16, IQ4_NL's nibbles looked up
+(IQ4_VALUES, s8: C = S); for Q4_1 and Q5_1 tdpbsud (s8 x
 u8 values). The scales then go on in the float operations of
 blocks_gemm, in its order (per record of G blocks: s = fma(float(S), d dx, s) block by
 block [+ fma(m, xsum, s)], then total += s), so every output has the same bits. A Q4_K
@@ -46,8 +47,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .fp import half_to_float_ir
-from .simd import (BLOCK_BYTES, BLOCK_FIVE, BLOCK_HEAD, BLOCK_MINS, BLOCK_OFFSET, BLOCK_QUADS, KIND_Q8_0, Q4K_D,
-                   Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH, Q5K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD,
+from .simd import (BLOCK_BYTES, BLOCK_FIVE, BLOCK_HEAD, BLOCK_LUT, BLOCK_MINS, BLOCK_OFFSET, BLOCK_QUADS,
+                   IQ4_VALUES, IQ4XS_D, IQ4XS_QS, IQ4XS_RECORD, IQ4XS_SC, KIND_Q8_0, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH, Q5K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD,
                    Q6K_SC, RECORD_ROWS, Operands, _q6_values, call_llvm, fifth_bits_moved, splat,
                    tile_constants)
 from .target import _ARCH, FEATURES, TARGET
@@ -58,8 +59,8 @@ from .target import _ARCH, FEATURES, TARGET
 COMPILED = TARGET.has_tiles(FEATURES) and _ARCH == "x86_64"
 AMX_TOKENS = 16             # rows of x per A tile (a tile's 16 rows)
 # amx_blocks_gemm's kinds for the K-quant records (simd.py's Q4K_*, Q5K_*, Q6K_* layouts),
-# after simd's per-32-block KIND_Q4_0 .. KIND_Q5_1
-KIND_Q4_K, KIND_Q5_K, KIND_Q6_K = 5, 6, 7
+# after simd's per-32-block KIND_Q4_0 .. KIND_IQ4_NL; and IQ4_XS's (simd.py's IQ4XS_*)
+KIND_Q4_K, KIND_Q5_K, KIND_Q6_K, KIND_IQ4_XS = 6, 7, 8, 9
 
 SYS_ARCH_PRCTL = 158        # x86-64
 ARCH_GET_XCOMP_PERM, ARCH_REQ_XCOMP_PERM = 0x1022, 0x1023
@@ -183,13 +184,15 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
         wbase = builder.bitcast(wbuf, v64.as_pointer())
         sums = [cgutils.alloca_once(builder, vf) for _ in range(AMX_TOKENS)]
         k4 = KIND in (KIND_Q4_K, KIND_Q5_K)
+        xs = KIND == KIND_IQ4_XS
         mins = [cgutils.alloca_once(builder, vf) for _ in range(AMX_TOKENS)] if k4 else []
 
         acc_n = ops.nitems("acc")
         R = builder.udiv(acc_n, k64(GROUPS * AMX_TOKENS))
         nsb = builder.udiv(nba, ga)                           # records per strip
-        if k4 or KIND == KIND_Q6_K:
+        if k4 or xs or KIND == KIND_Q6_K:
             size, qs, qb = ((Q6K_RECORD, Q6K_QS, 384) if KIND == KIND_Q6_K else
+                            (IQ4XS_RECORD, IQ4XS_QS, 256) if xs else
                             (Q5K_RECORD if KIND == KIND_Q5_K else Q4K_RECORD, Q4K_QS, 256))
             record, share = k64(size), size // 8                  # share: a block's, to prefetch
             quads_at = lambda rec, k: builder.add(builder.add(rec, k64(qs)), builder.mul(k, k64(qb)))
@@ -247,37 +250,45 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
                         store_block(hb, u1, SETS[1])
 
         def float_sums_k(rec, sb, r0, tg):
-            """acc rows of token group tg += the Q4_K record's float sums, q4k_gemm's
-            operations in its order: per sub-block fma(S, sc dx, s) and fma(m, xsum,
-            mn), then once a record acc + d s - dmin mn."""
+            """acc rows of token group tg += the Q4_K (Q5_K) record's float sums, q4k_gemm's
+            operations in its order: per sub-block fma(S, sc dx, s) and fma(m, xsum, mn),
+            then once a record acc + d s - dmin mn; IQ4_XS's (iq4xs_gemm's) the same with
+            its int8 sc and no mins: acc + d s."""
             for a in (*sums, *mins):
                 builder.store(ir.Constant(vf, None), a)
             gi = builder.add(builder.udiv(t0a, k64(AMX_TOKENS)), tg)
             hb = half(tg)
-            u8s = lambda off: builder.uitofp(builder.load(ptr("q", off, ir.VectorType(i8, 16)),
-                                                          align=1), vf)
+            bytes16 = lambda off: builder.load(ptr("q", off, ir.VectorType(i8, 16)), align=1)
+            sc_at, d_at = (IQ4XS_SC, IQ4XS_D) if xs else (Q4K_SC, Q4K_D)
             with cgutils.for_range(builder, ga) as k_loop:
                 k = k_loop.index
                 b = builder.add(builder.mul(sb, ga), k)
-                scv = u8s(builder.add(rec, builder.add(k64(Q4K_SC), builder.mul(k, k64(16)))))
-                mv = u8s(builder.add(rec, builder.add(k64(Q4K_M), builder.mul(k, k64(16)))))
+                sc8 = bytes16(builder.add(rec, builder.add(k64(sc_at), builder.mul(k, k64(16)))))
+                scv = builder.sitofp(sc8, vf) if xs else builder.uitofp(sc8, vf)
+                if k4:
+                    mv = builder.uitofp(bytes16(builder.add(rec, builder.add(k64(Q4K_M), builder.mul(k, k64(16))))),
+                                        vf)
                 crow = builder.add(hb, builder.mul(k, k64(AMX_TOKENS)))
-                for t, (s_, m_) in enumerate(zip(sums, mins)):
+                for t, s_ in enumerate(sums):
                     c = builder.load(builder.gep(cbase, [builder.add(crow, k64(t))]), align=64)
                     si = builder.add(builder.mul(builder.add(builder.mul(gi, nba), b), k64(AMX_TOKENS)), k64(t))
                     dx = splat(builder, builder.load(ptr("xd", si, f32)), 16)
                     builder.store(fma(builder.sitofp(c, vf), builder.fmul(scv, dx), builder.load(s_)), s_)
-                    xs = splat(builder, builder.load(ptr("xsum", si, f32)), 16)
-                    builder.store(fma(mv, xs, builder.load(m_)), m_)
-            dv = half_to_float_ir(builder, builder.load(ptr("q", builder.add(rec, k64(Q4K_D)),
+                    if k4:
+                        xsv = splat(builder, builder.load(ptr("xsum", si, f32)), 16)
+                        builder.store(fma(mv, xsv, builder.load(mins[t])), mins[t])
+            dv = half_to_float_ir(builder, builder.load(ptr("q", builder.add(rec, k64(d_at)),
                                                             ir.VectorType(i16, 16)), align=2))
-            mnv = builder.fneg(half_to_float_ir(builder, builder.load(
-                ptr("q", builder.add(rec, k64(Q4K_DMIN)), ir.VectorType(i16, 16)), align=2)))
+            if k4:
+                mnv = builder.fneg(half_to_float_ir(builder, builder.load(
+                    ptr("q", builder.add(rec, k64(Q4K_DMIN)), ir.VectorType(i16, 16)), align=2)))
             arow = builder.mul(tg, k64(AMX_TOKENS))
-            for t, (s_, m_) in enumerate(zip(sums, mins)):
+            for t, s_ in enumerate(sums):
                 p = ptr("acc", builder.add(builder.mul(R, builder.add(arow, k64(t))), r0), vf)
                 total = fma(dv, builder.load(s_), builder.load(p, align=4))
-                builder.store(fma(mnv, builder.load(m_), total), p, align=4)
+                if k4:
+                    total = fma(mnv, builder.load(mins[t]), total)
+                builder.store(total, p, align=4)
 
         def float_sums_q6(rec, sb, r0, tg):
             """acc rows of token group tg += the Q6_K record's float sums, q6_gemm's
@@ -311,7 +322,7 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
         def float_sums(rec, sb, r0, tg):
             """acc rows of token group tg += the record's float sums, blocks_gemm's
             operations in its order."""
-            if k4:
+            if k4 or xs:
                 return float_sums_k(rec, sb, r0, tg)
             if KIND == KIND_Q6_K:
                 return float_sums_q6(rec, sb, r0, tg)
@@ -346,8 +357,8 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
         def unpacked(rec, k):
             """Block k's values as B bytes: (lo, hi), 4 <64 x i8> each, lo[g] holding
             elements 4g..4g+3 of the 16 rows (row l's at bytes 4l..), hi[g] 16 + 4g..;
-            Q4_0's less 8, Q5_0's less 16 and Q6_K's less 32 (s8), Q4_1's, Q5_1's, Q4_K's
-            and Q5_K's unsigned."""
+            Q4_0's less 8, Q5_0's less 16, Q6_K's less 32 and IQ4_NL's looked up (s8),
+            Q4_1's, Q5_1's, Q4_K's and Q5_K's unsigned."""
             byte = lambda v: ir.Constant(v64, [v] * 64)
             quads = quads_at(rec, k)
             if KIND == KIND_Q6_K:
@@ -370,6 +381,8 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
                         pair[h] = builder.or_(pair[h], fifth_bits_moved(builder, qh, 2 * g + h, byte(0x10)))
                     if offset:                  # q - 8 (Q4_0), q - 16 (Q5_0) as s8: C is S - offset xs8
                         pair[h] = builder.sub(pair[h], byte(offset))
+                    if KIND in BLOCK_LUT or xs:     # IQ4: the nibbles' values, s8
+                        pair[h] = TARGET.lookup(builder, IQ4_VALUES, pair[h])
                 lo.append(pair[0])
                 hi.append(pair[1])
             return lo, hi

@@ -4,7 +4,8 @@ is chosen once (target.py: ISA, TARGET, from the features Numba compiles for).
 A row (Isa) says everything the kernels ask of an instruction set: its name for
 reports, the target features it needs, the integer pair-dot lowering (`dot`: per
 32-bit lane, the sum of 4 weight bytes times 4 int8 activations, over a list of
-pairs), how wide its vectors are and how many rows of weights the tile intrinsics
+pairs), the 16-entry byte table lookup (`lookup`: IQ4's nibbles to their values),
+how wide its vectors are and how many rows of weights the tile intrinsics
 take per vector, whether its unsigned pair sums pass through int16 (so callers split
 their pairs: `pairs_per_dot`), how halves convert to f32 (`half_native`), and
 whether AMX tiles can come on top (`has_tiles`). simd.py's intrinsics, attention.py's
@@ -120,6 +121,45 @@ def _dot_generic(builder, n, pairs, signed, sum_w):
     return total
 
 
+# --- the 16-entry byte lookups: lookup(builder, table, idx) -> <m x i8> ----------------
+# table: 16 ints in [-128, 255] (as bytes); idx <m x i8> in [0, 16), m a multiple of 16.
+
+def _lookup_generic(builder, table, idx):
+    """Target-independent IR: per byte an extractelement from the table, which LLVM
+    lowers to what the target has (a variable permute, or a byte at a time)."""
+    i8, i32 = ir.IntType(8), ir.IntType(32)
+    tab = ir.Constant(ir.VectorType(i8, 16), [v & 0xFF for v in table])
+    res = ir.Constant(idx.type, None)
+    for k in range(idx.type.count):
+        kk = ir.Constant(i32, k)
+        res = builder.insert_element(res, builder.extract_element(tab, builder.extract_element(idx, kk)), kk)
+    return res
+
+
+def _pshufb(width, name):
+    """pshufb over `width`-byte vectors (the 16-entry table in each 16-byte lane): one
+    instruction per `width` bytes of idx (fewer bytes padded, more a power-of-2 number of
+    runs, concatenated)."""
+    i32 = ir.IntType(32)
+    shuffle = lambda b, u, v, sel: b.shuffle_vector(u, v, ir.Constant(ir.VectorType(i32, len(sel)), sel))
+
+    def lookup(builder, table, idx):
+        vt = ir.VectorType(ir.IntType(8), width)
+        tab = ir.Constant(vt, [v & 0xFF for v in table] * (width // 16))
+        m = idx.type.count
+        if m < width:
+            part = shuffle(builder, idx, idx, list(range(m)) + [0] * (width - m))
+            return shuffle(builder, call_llvm(builder, name, vt, [tab, part]), part, list(range(m)))
+        parts = [call_llvm(builder, name, vt, [tab, shuffle(builder, idx, idx, list(range(p, p + width)))])
+                 for p in range(0, m, width)]
+        while len(parts) > 1:          # pairs of equal width concatenated
+            size = parts[0].type.count
+            parts = [shuffle(builder, parts[i], parts[i + 1], list(range(2 * size)))
+                     for i in range(0, len(parts), 2)]
+        return parts[0]
+    return lookup
+
+
 X_MAX = 127           # |x8| at most (prep_q8_x never gives -128)
 F16C = frozenset({"f16c", "avx"})   # x86's one-instruction f16 <-> f32 (F16C needs AVX's encoding)
 
@@ -136,6 +176,7 @@ class Isa:
     weight_sums: Callable | None = None   # (builder, n, ws): a signed dot's sum_w, once per block
     int16_pairs: bool = False      # unsigned pair sums are added in int16 before widening
     tiles: frozenset[str] = frozenset()   # features of AMX tiles on top (amx.py); empty: none
+    lookup: Callable = _lookup_generic    # (builder, table, idx <m x i8>) -> <m x i8>: table[idx]
 
     def dot(self, builder, n, pairs, signed, sum_w=None):
         """<n x i32>: per 32-bit lane, the sum over pairs of the 4 byte products (the
@@ -178,10 +219,10 @@ ISAS = (
     # line of a record once and load x once (1B Q4_0 matvec, one thread: 1.25x the bytes/s
     # of 8 rows); prefill's 4 tokens of 16 rows would not fit AVX2's 16 registers (0.75x)
     Isa("AVX2 (vpmaddubsw)", frozenset({"avx2"}), _dot_avx2, lanes=8, rows=(16, 8), half=F16C,
-        int16_pairs=True),
+        int16_pairs=True, lookup=_pshufb(32, "llvm.x86.avx2.pshuf.b")),
     Isa("AVX-512 VNNI (vpdpbusd)", frozenset({"avx512vnni", "avx512bw"}), _dot_vnni, lanes=16,
         rows=(16, 16), half=F16C, weight_sums=_vnni_sum_w,
-        tiles=frozenset({"amx-tile", "amx-int8"})),
+        tiles=frozenset({"amx-tile", "amx-int8"}), lookup=_pshufb(64, "llvm.x86.avx512.pshuf.b.512")),
 )
 GENERIC, AVX2, VNNI512 = 0, 1, 2           # indices into ISAS: the intrinsics' isa constant
 ISA_NAMES = {i: row.name for i, row in enumerate(ISAS)}

@@ -1,12 +1,14 @@
-"""Integer dot products of 4-, 5-, 6- and 8-bit weights with int8 activations, in the
-instructions each CPU has, for kernels that keep lanes across rows; and prefetch.
+"""Integer dot products of 4-, 5-, 6- and 8-bit weights (and IQ4's table values) with
+int8 activations, in the instructions each CPU has, for kernels that keep lanes across
+rows; and prefetch.
 
 Numba has no vector types and LLVM does not find the pair-dot instructions in plain
 loops, so the tile intrinsics emit LLVM IR for the whole product of one tile of weights
 with 1 row of x (decode) or 4 (prefill), scales applied, the float sums in registers:
-`blocks_gemm` for the per-32-block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), `q4k_gemm`
-for Q4_K and Q5_K, `q6_gemm` for Q6_K (5- and 6-bit values rebuilt in registers from
-nibbles and 1-bit or 2-bit fields). Each takes the weights q, the activations as one
+`blocks_gemm` for the per-32-block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL),
+`q4k_gemm` for Q4_K and Q5_K, `iq4xs_gemm` for IQ4_XS, `q6_gemm` for Q6_K (5- and 6-bit
+values rebuilt in registers from nibbles and 1-bit or 2-bit fields; IQ4's 4-bit indices
+looked up in a 16-byte table). Each takes the weights q, the activations as one
 Q8X (x8, xd, xs, xsum), the output acc, the call's shape as one Tile made by tile(nb,
 group, t0, tokens, kind) (tokens and kind compile-time constants), and the instruction
 set: an index of isa.ISAS, ISA for this target. The instructions:
@@ -271,23 +273,42 @@ def _x_words(builder, fr, tok, u):
             for g in range(8)]
 
 
-# Per-32-block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: records.py's BlocksLinear): what a
-# record holds. Their records have G blocks (G = 8 when a row has a multiple of 8, else
-# the largest power of 2 dividing its block count): the rows' f16 d of block k at 32 k +
-# 2 lane, Q4_1's and Q5_1's m at 32 G + 32 k + 2 lane, then block k's quads at
-# BLOCK_HEAD[kind] G + BLOCK_QUADS[kind] k (Q4 and Q5: the file's 16 nibble bytes, byte
-# j holding the low 4 bits of elements j and 16 + j; Q8_0: its 32 int8), Q5's then
-# followed by its fifth bits, one 32-bit word a row at 256 + 4 lane: bit f = 2 g + h of
-# the word's byte i is element 16 h + 4 g + i's, so that shifting the word by 4 - f
-# puts the bits that quad word g's low (h 0) or high (h 1) nibbles lack at bit 4 of
-# each byte (Q5_K's order, below).
-KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, KIND_Q5_0, KIND_Q5_1 = 0, 1, 2, 3, 4
-BLOCK_HEAD = (32, 64, 32, 32, 64)                    # bytes of scales per block
-BLOCK_QUADS = (256, 256, 512, 320, 320)              # bytes of quads (and fifth bits) per block
+# Per-32-block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL: records.py's BlocksLinear):
+# what a record holds. Their records have G blocks (G = 8 when a row has a multiple of
+# 8, else the largest power of 2 dividing its block count): the rows' f16 d of block k at
+# 32 k + 2 lane, Q4_1's and Q5_1's m at 32 G + 32 k + 2 lane, then block k's quads at
+# BLOCK_HEAD[kind] G + BLOCK_QUADS[kind] k (Q4, Q5 and IQ4_NL: the file's 16 nibble
+# bytes, byte j holding the low 4 bits of elements j and 16 + j; Q8_0: its 32 int8),
+# Q5's then followed by its fifth bits, one 32-bit word a row at 256 + 4 lane: bit f =
+# 2 g + h of the word's byte i is element 16 h + 4 g + i's, so that shifting the word by
+# 4 - f puts the bits that quad word g's low (h 0) or high (h 1) nibbles lack at bit 4
+# of each byte (Q5_K's order, below). IQ4_NL's nibbles index IQ4_VALUES, looked up in
+# registers (the instruction set's 16-entry byte lookup, isa.Isa.lookup).
+KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, KIND_Q5_0, KIND_Q5_1, KIND_IQ4_NL = 0, 1, 2, 3, 4, 5
+BLOCK_HEAD = (32, 64, 32, 32, 64, 32)                # bytes of scales per block
+BLOCK_QUADS = (256, 256, 512, 320, 320, 256)         # bytes of quads (and fifth bits) per block
 BLOCK_BYTES = tuple(h + q for h, q in zip(BLOCK_HEAD, BLOCK_QUADS))   # per block, 16 rows
-BLOCK_OFFSET = (8, 0, 0, 16, 0)                      # value = code - offset (then times d)
+BLOCK_OFFSET = (8, 0, 0, 16, 0, 0)                   # value = code - offset (then times d)
 BLOCK_MINS = (KIND_Q4_1, KIND_Q5_1)                  # kinds with a min m per block
 BLOCK_FIVE = (KIND_Q5_0, KIND_Q5_1)                  # kinds with fifth bits
+BLOCK_LUT = (KIND_IQ4_NL,)                           # kinds whose nibbles index IQ4_VALUES
+# IQ4_NL's and IQ4_XS's 16 values (ggml's kvalues_iq4nl): value = d IQ4_VALUES[nibble]
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+IQ4_BIAS = 128             # IQ4_VALUES + 128 are bytes (1..241): unsigned pair-dot weights
+
+
+def iq4_biased(row) -> bool:
+    """Whether instruction set `row` (isa.Isa) takes IQ4's values as IQ4_VALUES +
+    IQ4_BIAS, unsigned, the bias then coming off the sum as Q4_0's 8 does (its unsigned
+    pair sums are exact for any byte: VNNI, generic); else as signed int8 (AVX2, whose
+    vpmaddubsw pair sums of biased bytes would pass int16)."""
+    return row.pairs_per_dot(255) is None
+
+
+def lookup_values(builder, row, w, table):
+    """<n x i32> w's bytes (each in [0, 16)) replaced by table[byte], in row's lookup."""
+    b = ir.VectorType(ir.IntType(8), 4 * w.type.count)
+    return builder.bitcast(row.lookup(builder, table, builder.bitcast(w, b)), w.type)
 
 
 def fifth_bits_moved(builder, qh, f, mask):
@@ -307,15 +328,21 @@ def blocks_gemm(typingctx, q, x, acc, shape, isa):
     x8, xd, xs = xs8, xsum): acc[k R + r] (f32, R = acc.size // tokens) = row r . x_{t0+k}
     = sum over blocks b of, with S the exact int32 sum of q x8:
         KIND_Q4_0  d dx (S - 8 xs8)     KIND_Q4_1  d dx S + m xsum     KIND_Q8_0  d dx S
-        KIND_Q5_0  d dx (S - 16 xs8)    KIND_Q5_1  d dx S + m xsum
-    shape.kind, shape.tokens and isa (an index of isa.ISAS) constants. Each block's
+        KIND_Q5_0  d dx (S - 16 xs8)    KIND_Q5_1  d dx S + m xsum     KIND_IQ4_NL  d dx S
+    (IQ4_NL's S taken as the sum of (IQ4_VALUES + 128) x8 less 128 xs8 where the
+    instruction set's unsigned dot is exact for bytes: iq4_biased). shape.kind, shape.tokens and isa (an index of isa.ISAS) constants. Each block's
     weights are loaded and unpacked once for the tokens, and the f32 sums of a vector of
     rows stay in registers over the whole row. Q4_0 from DRAM (16 x 16384 x 2048, this
     VM): 1.06-1.11x the bytes/s of the tiles the records replaced (per block 16 R bytes
     of quads, d apart, the pair-dot in passes over the rows), 2 threads, 1.10-1.11x with
     one."""
     TOK, KIND, ISA_ = tile_constants("blocks_gemm", shape, isa)
-    signed = KIND == KIND_Q8_0
+    lut = KIND in BLOCK_LUT
+    biased = lut and iq4_biased(ISAS[ISA_])
+    signed = KIND == KIND_Q8_0 or (lut and not biased)
+    offset = IQ4_BIAS if biased else BLOCK_OFFSET[KIND]
+    table = [v + IQ4_BIAS if biased else v for v in IQ4_VALUES]
+    wmax = 255 if biased else 31 if KIND in BLOCK_FIVE else 15
 
     def codegen(context, builder, sig, args):
         i32, f32 = ir.IntType(32), ir.FloatType()
@@ -333,13 +360,16 @@ def blocks_gemm(typingctx, q, x, acc, shape, isa):
             load = lambda off: builder.load(ptr("q", builder.add(quads, at(k, BLOCK_QUADS[KIND], off)),
                                                 wide), align=1)
             ws = []
-            for j in range(8 if signed else 4):          # 64-byte quad rows: Q8_0's, the nibbles
+            bytes8 = KIND == KIND_Q8_0
+            for j in range(8 if bytes8 else 4):          # 64-byte quad rows: Q8_0's, the nibbles
                 w = load(64 * j)
-                ws += [w] if signed else [builder.and_(w, mask),
+                ws += [w] if bytes8 else [builder.and_(w, mask),
                                           builder.and_(builder.lshr(w, four), mask)]
             if KIND in BLOCK_FIVE:      # ws[f] is nibble set f = 2 g + h: or in its fifth bits
                 qh = load(256)
                 ws = [builder.or_(w, fifth_bits_moved(builder, qh, f, bit4)) for f, w in enumerate(ws)]
+            if lut:
+                ws = [lookup_values(builder, row, w, table) for w in ws]
             sum_w = row.weight_sums(builder, n, ws) if signed and row.weight_sums else None
             halves = builder.add(rec, builder.mul(lane, k64(2)))
             dv = fr.f16s("q", builder.add(halves, at(k, 32, 0)))
@@ -348,14 +378,15 @@ def blocks_gemm(typingctx, q, x, acc, shape, isa):
             for t, a in enumerate(sums[0]):
                 tok = builder.add(t0a, k64(t))
                 xw = _x_words(builder, fr, tok, b)
-                if signed:
+                if bytes8:
                     dot = row.dot(builder, n, list(zip(ws, xw)), True, sum_w)
                 else:       # low nibbles with x words 0..3, high ones with 4..7
                     pairs = [(ws[2 * j + h], xw[4 * h + j]) for j in range(4) for h in (0, 1)]
-                    dot = _dot_bounded(builder, row, n, pairs, 31 if KIND in BLOCK_FIVE else 15)
+                    dot = (row.dot(builder, n, pairs, True, sum_w) if signed else
+                           _dot_bounded(builder, row, n, pairs, wmax))
                 si = builder.add(builder.mul(tok, nba), b)
-                if BLOCK_OFFSET[KIND]:
-                    off = builder.mul(builder.load(ptr("xs", si, i32)), ir.Constant(i32, BLOCK_OFFSET[KIND]))
+                if offset:
+                    off = builder.mul(builder.load(ptr("xs", si, i32)), ir.Constant(i32, offset))
                     dot = builder.sub(dot, splat(builder, off, n))
                 dx = splat(builder, builder.load(ptr("xd", si, f32)), n)
                 total = fma(builder.sitofp(dot, vf), builder.fmul(dv, dx), builder.load(a))
@@ -436,6 +467,75 @@ def q4k_gemm(typingctx, q, x, acc, shape, isa):
                 builder.store(fma(builder.fneg(mnv), builder.load(sums[1][t]), total), a)
 
         _over_records(builder, fr, (Q5K_RECORD if five else Q4K_RECORD) // 8, TOK, 2, block, finish)
+        return context.get_dummy_value()
+
+    return types.void(q, x, acc, shape, isa), codegen
+
+
+# IQ4_XS tiles (iq4.py) are records as Q4_K's, one per strip of RECORD_ROWS rows and
+# super-block; per record (byte offsets): the rows' d (f16) at IQ4XS_D, sub-block k's
+# scales ls - 32 (int8) at IQ4XS_SC + 16 k + lane, and its nibbles (indices into
+# IQ4_VALUES, byte j: elements j and 16 + j) at IQ4XS_QS + 256 k as quads of the strip's
+# rows (byte 4g + i of lane l at 64 g + 4 l + i).
+IQ4XS_D, IQ4XS_SC, IQ4XS_QS = 0, 32, 192            # 32 bytes of padding before the quads
+IQ4XS_RECORD = IQ4XS_QS + 8 * 256                    # 2240 bytes, 35 cache lines
+
+
+@intrinsic(prefer_literal=True)
+def iq4xs_gemm(typingctx, q, x, acc, shape, isa):
+    """One tile of IQ4_XS records (q: R rows of shape.nb sub-blocks of 32, layout above;
+    shape.group K_GROUP) times shape.tokens rows t0.. of x (Q8X: x8, xd, xs = xs8):
+    acc[k R + r] (f32, R = acc.size // tokens) = row r . x_{t0+k} = sum over super-blocks
+    of d sum_u sc_u dx_u S_u, S_u the exact int32 sum of IQ4_VALUES[nibble] x8 (taken
+    as blocks_gemm's IQ4_NL takes it: biased or signed, iq4_biased). tokens (1 for
+    decode, TOKENS for prefill) and isa constants. Each sub-block's values are looked up
+    once for the tokens, and the f32 sums of a vector of rows stay in registers over the
+    whole row."""
+    TOK, _, ISA_ = tile_constants("iq4xs_gemm", shape, isa)
+    row = ISAS[ISA_]
+    biased = iq4_biased(row)
+    table = [v + IQ4_BIAS if biased else v for v in IQ4_VALUES]
+
+    def codegen(context, builder, sig, args):
+        i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+        fr = _GemmFrame(context, builder, sig, args, ISA_, TOK)
+        k64, ptr, n, wide, vf, fma, at = fr.k64, fr.ptr, fr.n, fr.wide, fr.vf, fr.fma, fr.at
+        nsa, t0a = fr.nb, fr.t0
+        mask = ir.Constant(wide, [0x0F0F0F0F] * n)
+
+        def block(sb, k, rec, lane, sums):
+            u = builder.add(builder.mul(sb, k64(8)), k)
+            quads = builder.add(rec, builder.mul(lane, k64(4)))
+            ws = []
+            for g in range(4):
+                w = builder.load(ptr("q", builder.add(quads, at(k, 256, IQ4XS_QS + 64 * g)), wide), align=1)
+                ws += [builder.and_(w, mask), builder.and_(builder.lshr(w, ir.Constant(wide, [4] * n)), mask)]
+            ws = [lookup_values(builder, row, w, table) for w in ws]
+            sum_w = row.weight_sums(builder, n, ws) if not biased and row.weight_sums else None
+            scv = builder.sitofp(builder.load(ptr("q", builder.add(builder.add(rec, lane), at(k, 16, IQ4XS_SC)),
+                                                  ir.VectorType(i8, n)), align=1), vf)
+            for t in range(TOK):
+                tok = builder.add(t0a, k64(t))
+                xw = _x_words(builder, fr, tok, u)
+                # low nibbles with x words 0..3, high ones with 4..7
+                pairs = [(ws[2 * g + h], xw[4 * h + g]) for g in range(4) for h in (0, 1)]
+                si = builder.add(builder.mul(tok, nsa), u)
+                if biased:
+                    dot = _dot_bounded(builder, row, n, pairs, 255)
+                    off = builder.mul(builder.load(ptr("xs", si, i32)), ir.Constant(i32, IQ4_BIAS))
+                    dot = builder.sub(dot, splat(builder, off, n))
+                else:
+                    dot = row.dot(builder, n, pairs, True, sum_w)
+                dx = splat(builder, builder.load(ptr("xd", si, f32)), n)
+                a = sums[0][t]
+                builder.store(fma(builder.sitofp(dot, vf), builder.fmul(scv, dx), builder.load(a)), a)
+
+        def finish(rec, lane, sums, totals):
+            dv = fr.f16s("q", builder.add(rec, builder.add(k64(IQ4XS_D), builder.mul(lane, k64(2)))))
+            for t, a in enumerate(totals):
+                builder.store(fma(dv, builder.load(sums[0][t]), builder.load(a)), a)
+
+        _over_records(builder, fr, IQ4XS_RECORD // 8, TOK, 1, block, finish)
         return context.get_dummy_value()
 
     return types.void(q, x, acc, shape, isa), codegen

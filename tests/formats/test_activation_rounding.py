@@ -24,7 +24,7 @@ EPS = np.finfo(np.float32).eps
 ACTIVATIONS = {
     "Q4_0": (32, 32), "Q4_1": (32, 32), "Q5_0": (32, 32), "Q5_1": (32, 32), "Q8_0": (32, 32),
     "Q4_K": (32, 32), "Q5_K": (32, 32), "Q6_K": (32, 32),
-    "IQ4_NL": (32, 0), "IQ4_XS": (32, 0),
+    "IQ4_NL": (32, 32), "IQ4_XS": (32, 32),
     "Q2_K": (256, 0), "Q3_K": (256, 0),
 }
 QUANTIZED = [n for n, f in FORMATS.items() if f.block_size > 1]
@@ -111,7 +111,7 @@ RECORDS = [n for n in QUANTIZED if issubclass(FORMATS[n].linear, RecordLinear)]
 
 
 def test_the_record_formats_are_the_ones_with_fine_activations():
-    assert sorted(RECORDS) == ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"]
+    assert sorted(RECORDS) == ["IQ4_NL", "IQ4_XS", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"]
 
 
 @pytest.mark.parametrize("name", RECORDS)

@@ -1,5 +1,5 @@
-"""AMX prefill of the per-32-block formats and of the K-quants Q4_K, Q5_K and Q6_K (amx.py,
-records.matmul_blocks_amx).
+"""AMX prefill of the per-32-block formats, of the K-quants Q4_K, Q5_K and Q6_K, and of
+IQ4_XS (amx.py, records.matmul_blocks_amx).
 
 A NumPy twin of the tile arithmetic (tdpbssd / tdpbsud on the B tiles the kernel makes
 of the records, then blocks_gemm's float operations in its order) is checked against
@@ -21,14 +21,15 @@ from gguf.quants import quantize
 from edgellama.kernels import amx
 from edgellama import formats
 from edgellama.formats import linear, records
-from edgellama.kernels.simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, ISA, ISA_NAMES, KIND_Q4_0, KIND_Q4_1,
-                            KIND_Q5_0, KIND_Q5_1,
+from edgellama.kernels.simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, IQ4_VALUES, ISA, ISA_NAMES, KIND_IQ4_NL,
+                            KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1,
                             KIND_Q8_0, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC,
-                            Q5K_QH, Q5K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS, TOKENS)
+                            IQ4XS_D, IQ4XS_QS, IQ4XS_RECORD, IQ4XS_SC, Q5K_QH, Q5K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS, TOKENS)
 
 f32, f64 = np.float32, np.float64
 KINDS = {"Q4_0": (G.Q4_0, KIND_Q4_0), "Q4_1": (G.Q4_1, KIND_Q4_1), "Q8_0": (G.Q8_0, KIND_Q8_0),
-         "Q5_0": (G.Q5_0, KIND_Q5_0), "Q5_1": (G.Q5_1, KIND_Q5_1)}
+         "Q5_0": (G.Q5_0, KIND_Q5_0), "Q5_1": (G.Q5_1, KIND_Q5_1), "IQ4_NL": (G.IQ4_NL, KIND_IQ4_NL)}
+IQ4 = np.array(IQ4_VALUES, np.int8)
 
 
 # --- the NumPy twin -------------------------------------------------------------------------
@@ -56,7 +57,7 @@ def b_tile(rec: np.ndarray, G_: int, kind: int, k: int) -> np.ndarray:
     """The B tile (8, 64) the kernel makes of block k of a record: Q8_0's quads as int8;
     Q4's nibble quads, rows 0..3 the low nibbles (elements 0..15), 4..7 the high ones,
     uint8 (Q4_1), or less 8 as int8 (Q4_0); Q5's with their fifth bits, uint8 (Q5_1)
-    or less 16 as int8 (Q5_0)."""
+    or less 16 as int8 (Q5_0); IQ4_NL's nibbles' values, int8."""
     o = BLOCK_HEAD[kind] * G_ + BLOCK_QUADS[kind] * k
     quads = rec[o:o + BLOCK_QUADS[kind]]
     if kind == KIND_Q8_0:
@@ -66,6 +67,8 @@ def b_tile(rec: np.ndarray, G_: int, kind: int, k: int) -> np.ndarray:
     if kind in (KIND_Q5_0, KIND_Q5_1):
         lo, hi = lo | fifth_bits(quads[256:], 0), hi | fifth_bits(quads[256:], 1)
     t = np.concatenate([lo, hi])
+    if kind == KIND_IQ4_NL:
+        return IQ4[t]
     offset = {KIND_Q4_0: 8, KIND_Q5_0: 16}.get(kind)
     return (t.astype(np.int16) - offset).astype(np.int8) if offset else t
 
@@ -157,6 +160,26 @@ def twin_matmul_k(lin, x8, xd, xsum, T):
     return twin_records(lin, Q5K_RECORD if five else Q4K_RECORD, nsub // 8, Tp, T, record)
 
 
+def twin_matmul_xs(lin, x8, xd, T):
+    """out (T, out_features) of an IQ4_XS Linear as the AMX kernel computes it: per strip
+    and record (a super-block), per sub-block k the int32 C of tdpbssd (x8 by the
+    nibbles' values, B rows 0..3 elements 0..15) and iq4xs_gemm's f32 steps:
+    s = fma(float(C), sc dx, s), then total = fma(d, s, total) record by record."""
+    Tp, nsub = xd.shape
+
+    def record(rec, sb, total):
+        s = np.zeros_like(total)
+        for k in range(8):
+            b = sb * 8 + k
+            quads = rec[IQ4XS_QS + 256 * k:IQ4XS_QS + 256 * (k + 1)]
+            B = IQ4[np.concatenate([quads & 15, quads >> 4]).reshape(8, 64)]
+            scv = rec[IQ4XS_SC + 16 * k:IQ4XS_SC + 16 * k + 16].view(np.int8).astype(f32)
+            s = fma(c_tiles(x8, b, B).astype(f32), scv[None] * xd[:, b:b + 1], s)
+        dv = rec[IQ4XS_D:IQ4XS_D + 32].view(np.float16).astype(f32)
+        return fma(np.broadcast_to(dv[None], s.shape), s, total)
+    return twin_records(lin, IQ4XS_RECORD, nsub // 8, Tp, T, record)
+
+
 def b_tiles_q6(rec, k):
     """Q6_K's two B tiles (4, 64) int8 of block k, its halves (elements 0..15, 16..31):
     the 6-bit values less 32, rebuilt from the record's nibble and crumb quads."""
@@ -188,17 +211,19 @@ def twin_matmul_q6(lin, x8, xd, T):
     return twin_records(lin, Q6K_RECORD, nb // 8, Tp, T, record)
 
 
-K_QUANTS = {"Q4_K": G.Q4_K, "Q5_K": G.Q5_K, "Q6_K": G.Q6_K}
+# the formats whose records are a super-block of 256 weights (the K-quants', IQ4_XS's)
+SUPER_BLOCKS = {"Q4_K": G.Q4_K, "Q5_K": G.Q5_K, "Q6_K": G.Q6_K, "IQ4_XS": G.IQ4_XS}
 
 
 def make(name, shape, seed):
-    """A Linear of random weights in `name` (gguf-py's quantizer; the K-quants ours,
-    bit-exact with ggml's: gguf-py has none) and the file bytes."""
-    type_ = K_QUANTS[name] if name in K_QUANTS else KINDS[name][0]
+    """A Linear of random weights in `name` (gguf-py's quantizer; the K-quants' and
+    IQ4's ours, bit-exact with ggml's: gguf-py has none) and the file bytes."""
+    type_ = SUPER_BLOCKS[name] if name in SUPER_BLOCKS else KINDS[name][0]
     rng = np.random.default_rng(seed)
     w = rng.standard_normal(shape).astype(np.float32)
     w[1, :] *= 1e-6                         # f16 subnormal block scales
-    data = formats.quantize(w, name) if name in K_QUANTS else quantize(w, type_)
+    ours = name in SUPER_BLOCKS or name == "IQ4_NL"
+    data = formats.quantize(w, name) if ours else quantize(w, type_)
     return linear(int(type_), [(data, shape)]), data
 
 
@@ -214,13 +239,13 @@ def prep(x, pad=16):
 
 def file_sums(name, data, x8):
     """Per token, row and block, the exact int32 the tile product must give, from the
-    file's bytes: S = sum q x8 (Q8_0, Q4_1, Q5_1); Q4_0 sum (q - 8) x8 = S - 8 xs8, Q5_0
-    sum (q - 16) x8."""
+    file's bytes: S = sum q x8 (Q8_0, Q4_1, Q5_1; IQ4_NL's q its nibbles' values); Q4_0
+    sum (q - 8) x8 = S - 8 xs8, Q5_0 sum (q - 16) x8."""
     rows = data.shape[0]
     if name == "Q8_0":
         q = data.reshape(rows, -1, 34)[:, :, 2:].view(np.int8).astype(np.int64)
     else:
-        size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}[name]
+        size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "IQ4_NL": 18}[name]
         blocks = data.reshape(rows, -1, size)
         nib = blocks[:, :, -16:]
         q = np.concatenate([nib & 15, nib >> 4], axis=2).astype(np.int64)
@@ -228,6 +253,8 @@ def file_sums(name, data, x8):
             qh = blocks[:, :, -20:-16].copy().view("<u4").astype(np.int64)          # (rows, nb, 1)
             q |= ((qh >> np.arange(32)) & 1) << 4
         q -= {"Q4_0": 8, "Q5_0": 16}.get(name, 0)
+        if name == "IQ4_NL":
+            q = IQ4[q].astype(np.int64)
     x = x8.reshape(x8.shape[0], -1, 32).astype(np.int64)
     return np.einsum("rbe,tbe->trb", q, x)
 
@@ -298,11 +325,11 @@ def test_twin_has_the_vnni_kernels_bits(name, shape, T, vnni_only):
     assert np.array_equal(got.view(np.int32), twin_matmul(lin, x8, xd, xsum, T).view(np.int32))
 
 
-@pytest.mark.parametrize("name", list(K_QUANTS))
+@pytest.mark.parametrize("name", list(SUPER_BLOCKS))
 @pytest.mark.parametrize("shape,T", [((300, 256), 17), ((48, 512), 5), ((16, 256), 1)])
-def test_k_quant_twin_has_the_vnni_kernels_bits(name, shape, T, vnni_only):
-    # the same for the K-quants' records: the twin of the AMX kernel gives q4k_gemm's
-    # (q6_gemm's) bits
+def test_super_block_twin_has_the_vnni_kernels_bits(name, shape, T, vnni_only):
+    # the same for the super-block records: the twin of the AMX kernel gives q4k_gemm's
+    # (q6_gemm's, iq4xs_gemm's) bits
     lin, _ = make(name, shape, T)
     x = np.random.default_rng(T).standard_normal((T, shape[1])).astype(f32)
     x[0, :32] = 0                                 # a zero block of x (xd = 0)
@@ -311,7 +338,8 @@ def test_k_quant_twin_has_the_vnni_kernels_bits(name, shape, T, vnni_only):
     got = np.empty((T, shape[0]), f32)
     lin.matmul(x, got)
     x8, xd, _, xsum = prep(x)
-    twin = twin_matmul_q6(lin, x8, xd, T) if name == "Q6_K" else twin_matmul_k(lin, x8, xd, xsum, T)
+    twin = (twin_matmul_q6(lin, x8, xd, T) if name == "Q6_K" else twin_matmul_xs(lin, x8, xd, T)
+            if name == "IQ4_XS" else twin_matmul_k(lin, x8, xd, xsum, T))
     assert np.array_equal(got.view(np.int32), twin.view(np.int32))
 
 
@@ -465,7 +493,7 @@ def _both(lin, x, fine=False):
 
 @pytest.mark.parametrize("name, shape", [(n, s) for n in KINDS
                                          for s in [(300, 256), (100, 96), (48, 64)]]  # G = 8, 1, 2
-                         + [(n, s) for n in K_QUANTS for s in [(300, 256), (48, 2048), (16, 512)]])
+                         + [(n, s) for n in SUPER_BLOCKS for s in [(300, 256), (48, 2048), (16, 512)]])
 def test_amx_prefill_has_the_vnni_bits(name, shape, on_amx):
     lin, _ = make(name, shape, 5)
     rng = np.random.default_rng(6)
@@ -476,9 +504,9 @@ def test_amx_prefill_has_the_vnni_bits(name, shape, on_amx):
         assert np.array_equal(vnni.view(np.int32), got.view(np.int32)), (T, np.abs(vnni - got).max())
 
 
-@pytest.mark.parametrize("name", [*KINDS, *K_QUANTS])
+@pytest.mark.parametrize("name", [*KINDS, *SUPER_BLOCKS])
 def test_amx_fine_activations_have_the_vnni_bits(name, on_amx):
-    lin, _ = make(name, (80, 256 if name in K_QUANTS else 128), 7)
+    lin, _ = make(name, (80, 256 if name in SUPER_BLOCKS else 128), 7)
     x = np.random.default_rng(8).standard_normal((9, lin.in_features)).astype(f32)
     vnni, got = _both(lin, x, fine=True)
     assert np.array_equal(vnni.view(np.int32), got.view(np.int32))

@@ -64,6 +64,34 @@ def test_every_row_lowers_with_only_the_features_it_needs(row):
                 assert row.name.split("(")[1].rstrip(")") in asm
 
 
+def _lowered_lookup(row, m):
+    """The machine code of row.lookup of m index bytes, for a target with just row.needs."""
+    vt = ir.VectorType(ir.IntType(8), m)
+    mod = ir.Module()
+    fn = ir.Function(mod, ir.FunctionType(vt, [vt]), "f")
+    b = ir.IRBuilder(fn.append_basic_block())
+    b.ret(row.lookup(b, list(range(-8, 8)), fn.args[0]))
+    parsed = llvm.parse_assembly(str(mod))
+    parsed.verify()
+    tm = llvm.Target.from_default_triple().create_target_machine(
+        cpu="generic", features=",".join("+" + f for f in sorted(row.needs)))
+    return tm.emit_assembly(parsed)
+
+
+@pytest.mark.parametrize("row", ROWS)
+def test_every_row_lowers_its_lookup_with_only_the_features_it_needs(row):
+    # IQ4's 16-entry lookup at the widths blocks_gemm (4 bytes a row: 32, 64) and the AMX
+    # B tiles (64) take; x86's rows in pshufb, one per vector
+    if not row.needs <= set(llvm.get_host_cpu_features()):
+        pytest.skip(f"{row.name}: features of another architecture")
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    for m in sorted({4 * n for n in row.rows} | {64}):
+        asm = _lowered_lookup(row, m)
+        if row.lanes is not None:
+            assert asm.count("pshufb") == -(-m // (4 * row.lanes))
+
+
 @pytest.mark.parametrize("features,want", [
     (set(), GENERIC),
     ({"sse4.2", "avx", "fma", "f16c"}, GENERIC),

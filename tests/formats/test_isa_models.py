@@ -14,6 +14,7 @@ import pytest
 
 from edgellama.formats.records import prep_q8_x
 from edgellama.kernels import isa
+from edgellama.kernels.simd import IQ4_BIAS, IQ4_VALUES, iq4_biased
 
 
 def _sat16(v):
@@ -103,6 +104,27 @@ def test_every_isa_model_is_exact_at_the_callers_bounds(caller, row):
         assert got == exact
 
 
+@pytest.mark.parametrize("row", [pytest.param(r, id=r.name) for r in isa.ISAS])
+def test_every_isa_model_is_exact_for_iq4_values(row):
+    # blocks_gemm's IQ4_NL: the looked-up values as bytes + 128, unsigned, less 128 sum(x)
+    # where the row's unsigned dot is exact for any byte (iq4_biased); else signed int8
+    pairs = 8
+    model = MODELS[row.pair_dot]
+    values = np.array(IQ4_VALUES)
+    rng = np.random.default_rng(2)
+    cases = [(np.full((pairs, 4), v), np.full((pairs, 4), xv)) for v in (-127, 113) for xv in (-127, 127)]
+    cases += [(rng.choice(values, (pairs, 4)), rng.integers(-127, 128, (pairs, 4))) for _ in range(200)]
+    for w, x in cases:
+        exact = int((w.astype(np.int64) * x).sum())
+        if iq4_biased(row):
+            step = row.pairs_per_dot(255) or pairs
+            got = sum(model(w[p0:p0 + step] + IQ4_BIAS, x[p0:p0 + step], False, step)
+                      for p0 in range(0, pairs, step)) - IQ4_BIAS * int(x.sum())
+        else:
+            got = model(w, x, True, 1)
+        assert got == exact
+
+
 def test_the_models_see_a_bound_broken():
     # one more nibble pair per int16 sum, or 6-bit values four at a time, would wrap: the
     # models are not exact by construction
@@ -110,6 +132,9 @@ def test_the_models_see_a_bound_broken():
     assert avx2_dot(w, x, False, 4) != int((w * x).sum())
     w, x = np.full((9, 4), 15), np.full((9, 4), -127)
     assert avx2_dot(w, x, False, 9) != int((w * x).sum())
+    # IQ4's biased bytes (up to 241) in vpmaddubsw's int16 pairs saturate: AVX2 takes them signed
+    w, x = np.full((1, 4), 113 + IQ4_BIAS), np.full((1, 4), 127)
+    assert avx2_dot(w, x, False, 1) != int((w * x).sum())
 
 
 def test_activations_never_reach_minus_128():

@@ -1,4 +1,4 @@
-"""simd's tile intrinsics (blocks_gemm, q4k_gemm, q6_gemm),
+"""simd's tile intrinsics (blocks_gemm, q4k_gemm, iq4xs_gemm, q6_gemm),
 in each instruction set (all are compiled here; Numba's target must have the instructions
 to compile and run them, so the VNNI and AVX2 cases skip elsewhere), against a NumPy twin;
 and the instruction set chosen from that target."""
@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 from numba import literally, njit
 
-from edgellama.kernels.simd import (AVX2, BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, GENERIC, ISA, KIND_Q4_0, KIND_Q4_1,
+from edgellama.kernels.simd import (AVX2, BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, GENERIC, IQ4_VALUES, ISA, KIND_IQ4_NL,
+                            KIND_Q4_0, KIND_Q4_1,
                             KIND_Q5_0, KIND_Q5_1, KIND_Q8_0, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH,
                             Q5K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS, TOKENS,
-                            VNNI512, ISA_NAMES, ISAS, K_GROUP, Q8X, blocks_gemm, q4k_gemm, q6_gemm,
-                            target_isa, tile)
+                            VNNI512, IQ4XS_D, IQ4XS_QS, IQ4XS_RECORD, IQ4XS_SC, ISA_NAMES, ISAS, K_GROUP, Q8X,
+                            blocks_gemm, iq4xs_gemm, q4k_gemm, q6_gemm, target_isa, tile)
+from edgellama.kernels.amx import KIND_IQ4_XS
 from edgellama.kernels.target import FEATURES as _F
 
 
@@ -85,7 +87,7 @@ def test_kernels_follow_numba_target_not_host(tmp_path, env, isa):
     assert name == ISA_NAMES[isa] and float(err) < 0.02
 
 
-# --- blocks_gemm: records of a per-32-block format (Q4_0, Q4_1, Q8_0) -----------------------
+# --- blocks_gemm: records of a per-32-block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) ----
 
 @njit
 def _blocks(q, x8, xd, xs8, xsum, acc, nb, group, t0, tokens, kind, isa):
@@ -130,8 +132,10 @@ def blocks_case(isa, kind, R, group, tokens, case):
     """blocks_gemm's acc for a random tile of R rows of 2 records of `group` blocks, and
     `tokens` rows t0.. of x, and its float64 twin: per block d dx S (Q4_0: S - 8 xs8;
     Q5_0: S - 16 xs8; Q4_1, Q5_1: + m xsum), S the block's exact sum of weights times
-    x8. case "bounds": every value 15 (Q4), 31 (Q5) or every int8 weight -128 against
-    x8 = +-127, the largest sums (AVX2's int16 pairs at their edge); "random"."""
+    x8 (IQ4_NL's weights IQ4_VALUES[nibble]). case "bounds": every value 15 (Q4), 31
+    (Q5) or every int8 weight -128, IQ4_NL's nibbles 0 or 15 (-127 and 113, biased 1 and
+    241) against x8 = +-127, the largest sums (AVX2's int16 pairs at their edge);
+    "random"."""
     nb, t0 = 2 * group, tokens                     # the second group of rows of x
     T = 2 * tokens
     nw = 32 if kind == KIND_Q8_0 else 16
@@ -142,6 +146,8 @@ def blocks_case(isa, kind, R, group, tokens, case):
     fifth = rng.integers(0, 2, (R, nb, 32), dtype=np.uint8) if five else None
     if case == "bounds":
         w[:] = 0x80 if kind == KIND_Q8_0 else 0xFF
+        if kind == KIND_IQ4_NL:
+            w[:] = rng.choice(np.array([0x00, 0x0F, 0xF0, 0xFF], np.uint8), w.shape)
         x8 = np.where(rng.random(x8.shape) < 0.5, -127, 127).astype(np.int8)
         if five:
             fifth[:] = 1
@@ -157,6 +163,8 @@ def blocks_case(isa, kind, R, group, tokens, case):
         vals = w.view(np.int8).astype(np.int64)                              # (R, nb, 32)
     else:
         vals = np.concatenate([w & 15, w >> 4], axis=2).astype(np.int64)
+        if kind == KIND_IQ4_NL:
+            vals = np.array(IQ4_VALUES, np.int64)[vals]
         if five:
             vals |= fifth.astype(np.int64) << 4
     want = np.zeros((tokens, R))
@@ -175,10 +183,10 @@ def blocks_case(isa, kind, R, group, tokens, case):
 
 # generic Q4_0: Q4_1's unsigned nibble dot (Q4_1 adds the min); its -8 offset is the
 # same code on every instruction set (AVX2's Q4_0 cases). Q5_0 likewise: Q5_1's dot.
-# Q8_0's signed dot stays.
+# Q8_0's signed dot stays, and IQ4_NL's generic table lookup.
 @pytest.mark.parametrize("kind,isa", isa_cases({"Q4_0": KIND_Q4_0, "Q4_1": KIND_Q4_1, "Q8_0": KIND_Q8_0,
-                                                "Q5_0": KIND_Q5_0, "Q5_1": KIND_Q5_1},
-                                               {KIND_Q4_1, KIND_Q8_0, KIND_Q5_1}))
+                                                "Q5_0": KIND_Q5_0, "Q5_1": KIND_Q5_1, "IQ4_NL": KIND_IQ4_NL},
+                                               {KIND_Q4_1, KIND_Q8_0, KIND_Q5_1, KIND_IQ4_NL}))
 @pytest.mark.parametrize("R,group", [(16, 8), (32, 1), (256, 2)])
 @pytest.mark.parametrize("tokens", [1, TOKENS])
 @pytest.mark.parametrize("case", ["bounds", "random"])
@@ -362,6 +370,83 @@ def test_q4k_gemm_matches_twin(isa, R, tokens, bits, case):
     if not RUNS[isa]:
         pytest.skip("Numba's target (this CPU, or NUMBA_CPU_*) lacks the instructions")
     got, want = gemm4k_case(isa, R, tokens, bits, case)
+    if case == "exact":
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+# --- iq4xs_gemm: IQ4_XS records (per 16 rows and super-block: d, int8 scales, nibble quads)
+
+@njit
+def _gemm_xs(q, x8, xd, xs8, acc, nsub, t0, tokens, isa):
+    iq4xs_gemm(q, Q8X(x8, xd, xs8, None), acc, tile(nsub, K_GROUP, t0, literally(tokens), KIND_IQ4_XS),
+               literally(isa))
+
+
+def xs_records(d, sc, nib):
+    """A tile of IQ4_XS records from per-row values: d (R, nsb) f16; sc (R, nsub) int8
+    (ls - 32); nib (R, nsub, 32) each sub-block's table indices."""
+    R, nsb = d.shape
+    rec = np.zeros((R // RECORD_ROWS, nsb, IQ4XS_RECORD), np.uint8)
+    packed = (nib[:, :, :16] | (nib[:, :, 16:] << 4)).astype(np.uint8)          # (R, nsub, 16)
+    for r in range(R):
+        s, lane = divmod(r, RECORD_ROWS)
+        for b in range(nsb):
+            out = rec[s, b]
+            out[IQ4XS_D + 2 * lane:IQ4XS_D + 2 * lane + 2] = d[r, b:b + 1].view(np.uint8)
+            for k in range(8):
+                u = 8 * b + k
+                out[IQ4XS_SC + 16 * k + lane] = sc[r, u:u + 1].view(np.uint8)[0]
+                for j in range(16):
+                    out[IQ4XS_QS + 256 * k + 64 * (j // 4) + 4 * lane + j % 4] = packed[r, u, j]
+    return rec.reshape(-1)
+
+
+def gemm_xs_case(isa, R, tokens, case):
+    """iq4xs_gemm's acc for a random tile of R rows, 2 super-blocks, and `tokens` rows t0..
+    of x, and its float64 twin: per super-block d sum_u sc_u dx_u S_u, S_u the sum of
+    IQ4_VALUES[nibble] times x8. case "exact": d and the x scales 1 or 2, |x8| <= 7, so
+    every f32 step is exact; "bounds": nibbles 0 or 15 (-127, 113; biased 1, 241), sc
+    -32 or 31, x8 = +-127; "random"."""
+    nsub, t0 = 16, tokens                           # the second group of rows of x
+    T = 2 * tokens
+    rng = np.random.default_rng(10 * isa + R + tokens + 7)
+    nib = rng.integers(0, 16, (R, nsub, 32))
+    sc = rng.integers(-32, 32, (R, nsub)).astype(np.int8)
+    x8 = rng.integers(-127, 128, (T, 32 * nsub), dtype=np.int8)
+    d = rng.standard_normal((R, nsub // 8)).astype(np.float16)
+    xd = rng.random((T, nsub)).astype(np.float32)
+    if case == "exact":                            # every sum an integer below 2^24
+        x8 = rng.integers(-7, 8, x8.shape, dtype=np.int8)
+        d = (2.0 ** rng.integers(0, 2, d.shape)).astype(np.float16)
+        xd = (2.0 ** rng.integers(0, 2, xd.shape)).astype(np.float32)
+    elif case == "bounds":
+        nib = rng.choice(np.array([0, 15]), nib.shape)
+        sc = rng.choice(np.array([-32, 31], np.int8), sc.shape)
+        x8 = np.where(rng.random(x8.shape) < 0.5, -127, 127).astype(np.int8)
+    xs8 = x8.reshape(T, nsub, 32).astype(np.int32).sum(axis=2)
+    acc = np.full(tokens * R, 7, np.float32)
+    _gemm_xs(xs_records(d, sc, nib), x8.reshape(-1), xd.reshape(-1), xs8.reshape(-1), acc, nsub, t0,
+             tokens, isa)
+    vals = np.array(IQ4_VALUES, np.int64)[nib]
+    want = np.zeros((tokens, R))
+    for k in range(tokens):
+        tok = t0 + k
+        S = np.einsum("rue,ue->ru", vals, x8[tok].reshape(nsub, 32).astype(np.int64))
+        a1 = (sc * xd[tok].astype(np.float64) * S).reshape(R, nsub // 8, 8).sum(axis=2)
+        want[k] = (d.astype(np.float64) * a1).sum(axis=1)
+    return acc.reshape(tokens, R), want
+
+
+@pytest.mark.parametrize("isa", [pytest.param(i, id=str(i)) for i in RUNS])
+@pytest.mark.parametrize("R", [16, 32, 256])
+@pytest.mark.parametrize("tokens", [1, TOKENS])
+@pytest.mark.parametrize("case", ["exact", "bounds", "random"])
+def test_iq4xs_gemm_matches_twin(isa, R, tokens, case):
+    if not RUNS[isa]:
+        pytest.skip("Numba's target (this CPU, or NUMBA_CPU_*) lacks the instructions")
+    got, want = gemm_xs_case(isa, R, tokens, case)
     if case == "exact":
         np.testing.assert_array_equal(got, want)
     else:

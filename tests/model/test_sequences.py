@@ -13,8 +13,8 @@ from edgellama.scratch import Scratch
 from tiny_gguf import write_tiny_gguf
 
 # Q4_K, Q6_K and Q4_0 decode several tokens with one GEMM pass (RecordLinear.matvecs);
-# IQ4_NL runs a matvec per sequence (Linear.matvecs)
-TYPES = ["Q4_K", "Q4_0", "IQ4_NL"]
+# F16 runs a matvec per sequence (Linear.matvecs)
+TYPES = ["Q4_K", "Q4_0", "F16"]
 PROMPTS = [[5, 9, 17], [3], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18],
            [42, 42]]
 
@@ -126,7 +126,7 @@ def test_reuse_prefix_truncates_to_the_common_prefix(model):
     assert s.reuse_prefix([]) == 0
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q4_0", "Q8_0", "Q5_0", "IQ4_NL"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q4_0", "Q8_0", "Q5_0", "IQ4_NL", "IQ4_XS", "F16"])
 def test_matvecs_is_matvec_per_row(qtype):
     rng = np.random.default_rng(0)
     n, d = 512, 80

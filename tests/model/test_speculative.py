@@ -14,8 +14,8 @@ from edgellama.speculative import DraftLength, PromptLookup, check_same_vocabula
 from tiny_gguf import TINY_VOCAB, write_tiny_gguf
 
 GREEDY = SamplingParams(temperature=0.0)
-# Q8_0: verify's rows come from the multi-token record kernel; IQ4_NL: a matvec per row
-TARGET_TYPES = ["Q8_0", "IQ4_NL"]
+# Q8_0: verify's rows come from the multi-token record kernel; F16: a matvec per row
+TARGET_TYPES = ["Q8_0", "F16"]
 
 
 def _tiny(tmp_path, qtype, seed=0, **kw):
