@@ -213,8 +213,8 @@ class ThreadPolicy:
     its core with someone else's busy process stalls all the others at every barrier;
     on 2 cores with one busy neighbour, 2 threads ran at a third of 1 thread's speed.
     Applies to Numba's threads (per calling thread). NumPy's BLAS, which runs the
-    products of the prefill formats that multiply float x (IQ4_NL/XS, Q2_K, Q3_K, and
-    the float types), keeps one thread: its workers and Numba's spin-wait against each other between
+    products of the prefill formats that multiply float x (Q2_K, Q3_K, and the float
+    types), keeps one thread: its workers and Numba's spin-wait against each other between
     a chunk's dequantization and its product ("BLAS threads",
     bench/results/design_measurements.json).
     """

@@ -16,7 +16,9 @@ one super-block (the rows' d, each sub-block's ls - 32 as int8, the nibbles as q
 (records.prep_q8_x, as llama.cpp's q8 activations); the kernels (simd.blocks_gemm,
 simd.iq4xs_gemm) look the nibbles up in a 16-byte table in registers (one pshufb per
 vector on x86: isa.Isa.lookup) and sum the values times x8 exactly with the pair-dot
-instructions, decode and prefill alike.
+instructions, decode and prefill alike. Where AMX runs (amx.enabled()), a prefill of
+records.AMX_MIN_ROWS or more rows takes its integer sums from tile instructions instead
+(amx.amx_blocks_gemm, kinds KIND_IQ4_NL and KIND_IQ4_XS), the same bits.
 """
 from __future__ import annotations
 
