@@ -62,13 +62,18 @@ def test_every_item_is_claimed_once_and_a_late_thread_takes_fewer():
     # whatever its start; claiming leaves it what the others had not taken by then. On a
     # machine busy with other processes a worker may not have run at all by the time
     # thread 0 starts: it then starts later (10x the spins, up to about a second).
-    for late in (3_000_000, 30_000_000, 300_000_000):
-        done, by = np.zeros(n, np.int64), np.zeros(n + 1, np.int64)
-        _claim_items(counter, n, done, by, late, np.zeros(threads))
-        assert done.tolist() == [1] * n
-        share0 = np.mean(by[:n] == 0)
-        if threads == 1 or share0 < 0.5 / threads:
-            break
+    was = numba.get_num_threads()      # an automatic ThreadPolicy before may have lowered it
+    numba.set_num_threads(threads)
+    try:
+        for late in (3_000_000, 30_000_000, 300_000_000):
+            done, by = np.zeros(n, np.int64), np.zeros(n + 1, np.int64)
+            _claim_items(counter, n, done, by, late, np.zeros(threads))
+            assert done.tolist() == [1] * n
+            share0 = np.mean(by[:n] == 0)
+            if threads == 1 or share0 < 0.5 / threads:
+                break
+    finally:
+        numba.set_num_threads(was)
     assert share0 == 1.0 if threads == 1 else share0 < 0.5 / threads, share0
 
 
