@@ -266,6 +266,18 @@ def _over_records(builder, fr, block_bytes, tokens, sums_per_token, block, finis
                           fr.ptr("acc", builder.add(builder.mul(fr.R, k64(t)), r0), vf), align=4)
 
 
+def _finish_d(fr, d_at):
+    """A finish for _over_records: totals[t] += d sums[0][t], d the rows' f16 scales at
+    byte d_at of the record (Q6_K's, IQ4_XS's super-block d)."""
+    b = fr.builder
+
+    def finish(rec, lane, sums, totals):
+        dv = fr.f16s("q", b.add(rec, b.add(fr.k64(d_at), b.mul(lane, fr.k64(2)))))
+        for t, a in enumerate(totals):
+            b.store(fr.fma(dv, b.load(sums[0][t]), b.load(a)), a)
+    return finish
+
+
 def _x_words(builder, fr, tok, u):
     """The 8 i32 words (4 int8 each) of block u of row tok of x8."""
     xo = builder.add(builder.mul(tok, fr.ncol), builder.mul(u, fr.k64(32)))
@@ -530,12 +542,7 @@ def iq4xs_gemm(typingctx, q, x, acc, shape, isa):
                 a = sums[0][t]
                 builder.store(fma(builder.sitofp(dot, vf), builder.fmul(scv, dx), builder.load(a)), a)
 
-        def finish(rec, lane, sums, totals):
-            dv = fr.f16s("q", builder.add(rec, builder.add(k64(IQ4XS_D), builder.mul(lane, k64(2)))))
-            for t, a in enumerate(totals):
-                builder.store(fma(dv, builder.load(sums[0][t]), builder.load(a)), a)
-
-        _over_records(builder, fr, IQ4XS_RECORD // 8, TOK, 1, block, finish)
+        _over_records(builder, fr, IQ4XS_RECORD // 8, TOK, 1, block, _finish_d(fr, IQ4XS_D))
         return context.get_dummy_value()
 
     return types.void(q, x, acc, shape, isa), codegen
@@ -633,12 +640,7 @@ def q6_gemm(typingctx, q, x, acc, shape, isa):
                 a = sums[0][t]
                 builder.store(fma(builder.sitofp(dot, vf), dx, builder.load(a)), a)
 
-        def finish(rec, lane, sums, totals):
-            dv = fr.f16s("q", builder.add(rec, builder.add(k64(Q6K_D), builder.mul(lane, k64(2)))))
-            for t, a in enumerate(totals):
-                builder.store(fma(dv, builder.load(sums[0][t]), builder.load(a)), a)
-
-        _over_records(builder, fr, Q6K_RECORD // 8, TOK, 1, block, finish)
+        _over_records(builder, fr, Q6K_RECORD // 8, TOK, 1, block, _finish_d(fr, Q6K_D))
         return context.get_dummy_value()
 
     return types.void(q, x, acc, shape, isa), codegen

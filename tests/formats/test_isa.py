@@ -41,11 +41,16 @@ def _lowered(row, n, signed):
     w0, w1, x0, x1 = fn.args
     sum_w = row.weight_sums(b, n, [w0, w1]) if signed and row.weight_sums else None
     b.ret(row.dot(b, n, [(w0, x0), (w1, x1)], signed, sum_w))
-    mod = llvm.parse_assembly(str(m))
-    mod.verify()
+    return _assembled(m, row)
+
+
+def _assembled(module, row):
+    """The machine code of an IR module for a target with just row.needs."""
+    parsed = llvm.parse_assembly(str(module))
+    parsed.verify()
     tm = llvm.Target.from_default_triple().create_target_machine(
         cpu="generic", features=",".join("+" + f for f in sorted(row.needs)))
-    return tm.emit_assembly(mod)
+    return tm.emit_assembly(parsed)
 
 
 @pytest.mark.parametrize("row", ROWS)
@@ -71,11 +76,7 @@ def _lowered_lookup(row, m):
     fn = ir.Function(mod, ir.FunctionType(vt, [vt]), "f")
     b = ir.IRBuilder(fn.append_basic_block())
     b.ret(row.lookup(b, list(range(-8, 8)), fn.args[0]))
-    parsed = llvm.parse_assembly(str(mod))
-    parsed.verify()
-    tm = llvm.Target.from_default_triple().create_target_machine(
-        cpu="generic", features=",".join("+" + f for f in sorted(row.needs)))
-    return tm.emit_assembly(parsed)
+    return _assembled(mod, row)
 
 
 @pytest.mark.parametrize("row", ROWS)
