@@ -10,8 +10,9 @@ with the CPU's pair-dot instructions; prefill is the same arithmetic as an int8 
 The per-32-block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) share one record layout
 and one set of kernels here (BlocksLinear: records of 16 rows and G blocks, G =
 record_group(nb), the rows' f16 d (and m) of each block, then the blocks' bytes as
-quads, Q5's then its fifth bits; IQ4_NL's nibbles are looked up in the kernel); decode and prefill are one intrinsic, simd.blocks_gemm, which keeps its f32
-sums in registers over a row.
+quads, Q5's then its fifth bits; IQ4_NL's nibbles are looked up in the kernel); decode
+and prefill are one intrinsic, simd.blocks_gemm, which keeps its f32 sums in registers
+over a row.
 Where the CPU has AMX and Linux grants the tiles (amx.enabled()), a prefill of
 AMX_MIN_ROWS or more rows multiplies 16 rows of x by a block of 16 rows of weights per
 tile instruction instead (amx.amx_blocks_gemm, matmul_blocks_amx), with the same bits.
@@ -179,8 +180,8 @@ def amx_a_tiles(x8, xd, xsum, xa, xda, xsuma):
 
 class RecordLinear(TiledLinear):
     """What the record formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K, Q6_K,
-    IQ4_XS) share: their tiles q (nt, R/16 * strip bytes) u8, filled by _repack and then the file's pages released;
-    decode's buffers (x quantized to int8 per block of 32 by prep_q8_x, per-tile sums);
+    IQ4_XS) share: their tiles q (nt, R/16 * strip bytes) u8, filled by _repack and then
+    the file's pages released; decode's buffers (x quantized to int8 per block of 32 by prep_q8_x, per-tile sums);
     and prefill as an int8 GEMM: x is quantized to int8 per block of 32, row by row, as
     decode and llama.cpp do, and each tile of weights is multiplied in place, never
     dequantized. With fine set, decode and prefill multiply x as two int8 rows, x
@@ -424,7 +425,7 @@ class BlocksLinear(RecordLinear):
     """A per-32-block format in records of 16 rows and G blocks (simd.py's layout); each
     format's subclass names its kind (q4.py's Q4_0Linear and Q4_1Linear, q5.py's
     Q5_0Linear and Q5_1Linear, q8_0.py's Q8_0Linear, iq4.py's IQ4_NLLinear)."""
-    kind: int                  # simd's KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1, KIND_Q8_0 or KIND_IQ4_NL
+    kind: int          # simd's KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1, KIND_Q8_0 or KIND_IQ4_NL
 
     def _setup(self, fmt, splits, in_features):
         super()._setup(fmt, splits, in_features)

@@ -1,6 +1,7 @@
 """AMX (Advanced Matrix Extensions) int8 tile products for prefill of the per-32-block
-formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) and of the K-quants Q4_K, Q5_K and Q6_K,
-bit-identical to simd.blocks_gemm's (simd.q4k_gemm's, simd.q6_gemm's) VNNI products.
+formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), of the K-quants Q4_K, Q5_K and Q6_K and
+of IQ4_XS, bit-identical to simd.blocks_gemm's (simd.q4k_gemm's, simd.q6_gemm's,
+simd.iq4xs_gemm's) VNNI products.
 
 One tdpbssd / tdpbsud multiplies a tile of 16 rows of x (A: 16 tokens x the 32 int8
 of one block, packed 512 bytes in a row by records.amx_a_tiles) by one block of a strip
@@ -13,8 +14,7 @@ B rows 0..3 the low nibbles (elements 0..15), rows 4..7 the high ones (16..31).
 The int32 result C[t][r] is the exact S of blocks_gemm: tdpbssd (s8 x s8) for Q8_0;
 for Q4_0 the nibbles less 8 (-8..7, s8), so C = S - 8 xs8 with no correction, and
 Q5_0's 5-bit values (the fifth bits or-ed in) less 16, IQ4_NL's nibbles looked up
-(IQ4_VALUES, s8: C = S); for Q4_1 and Q5_1 tdpbsud (s8 x
-u8 values). The scales then go on in the float operations of
+(IQ4_VALUES, s8: C = S); for Q4_1 and Q5_1 tdpbsud (s8 x u8 values). The scales then go on in the float operations of
 blocks_gemm, in its order (per record of G blocks: s = fma(float(S), d dx, s) block by
 block [+ fma(m, xsum, s)], then total += s), so every output has the same bits. A Q4_K
 record (a super-block of 16 rows) holds its 8 sub-blocks' nibbles as the same quads:
@@ -26,7 +26,9 @@ so its tiles are half-blocks (A: 16 tokens x 16 bytes, B: 4 rows x 64) and its v
 go in less 32 (s8, tdpbssd): C_h = S_h - 32 xs_h exactly, and q6_gemm's integer
 sc0 C_0 + sc1 C_1 is formed in f32 as fma(C_1, sc1, C_0 sc0), exact because every
 partial stays below 2^24 (|C_h| <= 16 * 32 * 127, |sc| <= 128), before its
-fma(dot, dx, s) and fma(d, s, total).
+fma(dot, dx, s) and fma(d, s, total). IQ4_XS's records take Q4_K's steps without the
+mins: its nibbles looked up (s8, tdpbssd, C = S), s = fma(float(C), sc dx, s) with its
+int8 sc, then fma(d, s, total).
 
 Linux hands out the tile state only to a process that asked for it
 (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)); without it the first tile
@@ -48,8 +50,8 @@ from numba.extending import intrinsic
 
 from .fp import half_to_float_ir
 from .simd import (BLOCK_BYTES, BLOCK_FIVE, BLOCK_HEAD, BLOCK_LUT, BLOCK_MINS, BLOCK_OFFSET, BLOCK_QUADS,
-                   IQ4_VALUES, IQ4XS_D, IQ4XS_QS, IQ4XS_RECORD, IQ4XS_SC, KIND_Q8_0, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH, Q5K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD,
-                   Q6K_SC, RECORD_ROWS, Operands, _q6_values, call_llvm, fifth_bits_moved, splat,
+                   IQ4_VALUES, IQ4XS_D, IQ4XS_QS, IQ4XS_RECORD, IQ4XS_SC, KIND_Q8_0, Q4K_D, Q4K_DMIN, Q4K_M,
+                   Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH, Q5K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS, Operands, _q6_values, call_llvm, fifth_bits_moved, splat,
                    tile_constants)
 from .target import _ARCH, FEATURES, TARGET
 

@@ -91,8 +91,8 @@ class Q8X(NamedTuple):
     """The activation side of a weight product: x quantized to int8 per block of 32
     (records.prep_q8_x / prep_q8_rows, the K-quants' sums from it), flat over the Tp rows
     of x. x8 (Tp*32nb,) int8 (amx: in A-tile order, records.amx_a_tiles); xd (Tp*nb,)
-    f32 the block scales; xs int32 sums of x8, per block (xs8: Q4_0) or per 16 (xs16:
-    Q6_K); xsum (Tp*nb,) f32 the sum of x as quantized, xd xs8 (Q4_1, Q4_K, Q5_K's
+    f32 the block scales; xs int32 sums of x8, per block (xs8: Q4_0, Q5_0, IQ4) or per
+    16 (xs16: Q6_K); xsum (Tp*nb,) f32 the sum of x as quantized, xd xs8 (Q4_1, Q4_K, Q5_K's
     mins). A field an intrinsic does not read may be None."""
     x8: object
     xd: object
@@ -105,8 +105,8 @@ class Tile(NamedTuple):
     nb blocks of 32 per row (of x and the weights), `group` blocks per record
     (BlocksLinear's G; K_GROUP for the K-quants), first row t0 of x, `tokens` rows of x
     (a constant, but for amx_blocks_gemm: a multiple of its AMX_TOKENS), `kind` the
-    format (KIND_* for blocks_gemm and amx; 4 or 5 bits for q4k_gemm; 6 for q6_gemm), a
-    constant. The constants stay compile-time in its type: the codegen unrolls over
+    format (KIND_* for blocks_gemm and amx; 4 or 5 bits for q4k_gemm; 6 for q6_gemm;
+    amx's KIND_IQ4_XS for iq4xs_gemm), a constant. The constants stay compile-time in its type: the codegen unrolls over
     tokens and picks the format's code by kind."""
     nb: int
     group: int
@@ -342,9 +342,10 @@ def blocks_gemm(typingctx, q, x, acc, shape, isa):
         KIND_Q4_0  d dx (S - 8 xs8)     KIND_Q4_1  d dx S + m xsum     KIND_Q8_0  d dx S
         KIND_Q5_0  d dx (S - 16 xs8)    KIND_Q5_1  d dx S + m xsum     KIND_IQ4_NL  d dx S
     (IQ4_NL's S taken as the sum of (IQ4_VALUES + 128) x8 less 128 xs8 where the
-    instruction set's unsigned dot is exact for bytes: iq4_biased). shape.kind, shape.tokens and isa (an index of isa.ISAS) constants. Each block's
-    weights are loaded and unpacked once for the tokens, and the f32 sums of a vector of
-    rows stay in registers over the whole row. Q4_0 from DRAM (16 x 16384 x 2048, this
+    instruction set's unsigned dot is exact for bytes: iq4_biased). shape.kind,
+    shape.tokens and isa (an index of isa.ISAS) constants. Each block's weights are
+    loaded and unpacked once for the tokens, and the f32 sums of a vector of rows stay
+    in registers over the whole row. Q4_0 from DRAM (16 x 16384 x 2048, this
     VM): 1.06-1.11x the bytes/s of the tiles the records replaced (per block 16 R bytes
     of quads, d apart, the pair-dot in passes over the rows), 2 threads, 1.10-1.11x with
     one."""
