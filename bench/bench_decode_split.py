@@ -18,8 +18,8 @@ one prefill of T tokens), per token:
                a prefill's NumPy products, which are no kernels of ours, would still run)
   rest         token minus the above: the kernels' calls and what no part names
 
-For decode with per-32-block weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), `join wait` is how
-long the threads idle at the ends of the layers' products: each product run once more, its
+For decode with per-32-block weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), `join wait`
+is how long the threads idle at the ends of the layers' products: each product run once more, its
 tiles claimed as the decode kernels claim them, with every thread's first start and last
 finish stamped (the CPU's cycle counter); the mean over threads of the last finish
 minus its own, as a share of the products' time and in ms a token (a thread with no
