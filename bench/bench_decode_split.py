@@ -19,15 +19,15 @@ one prefill of T tokens), per token:
   rest         token minus the above: the kernels' calls and what no part names
 
 For decode with per-32-block weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), `join wait`
-is how long the threads idle at the ends of the layers' products: each product run once more, its
-tiles claimed as the decode kernels claim them, with every thread's first start and last
-finish stamped (the CPU's cycle counter); the mean over threads of the last finish
-minus its own, as a share of the products' time and in ms a token (a thread with no
-tile idles through its product), and `late start` the mean of each thread's first start
-after the calling thread's. Then the parallel regions a pass opens (counted by wrapping
-every parallel kernel for one pass) with what one costs here: an empty region (one
-trivial item per thread) against a serial kernel call of the same signature, so
-`regions x cost` is the launch-and-join time a pass spends at that thread count. The
+is how long the threads idle at the ends of the layers' products: each product run once
+more, its tiles claimed as the decode kernels claim them, with every thread's first
+start and last finish stamped (the CPU's cycle counter); the mean over threads of the
+last finish minus its own, as a share of the products' time and in ms a token (a thread
+with no tile idles through its product), and `late start` the mean of each thread's
+first start after the calling thread's. Then the parallel regions a pass opens (counted
+by wrapping every parallel kernel for one pass) with what one costs here: an empty
+region (one trivial item per thread) against a serial kernel call of the same signature,
+so `regions x cost` is the launch-and-join time a pass spends at that thread count. The
 ceiling is a parallel sum over 2 GiB at the same thread count; decode can be no faster
 than its bytes over the ceiling. Parts measured alone may find their weights in a large
 L3 cache (the output matrix of a 1B model fits some server L3s) where the whole pass
