@@ -106,8 +106,8 @@ class Tile(NamedTuple):
     (BlocksLinear's G; K_GROUP for the K-quants), first row t0 of x, `tokens` rows of x
     (a constant, but for amx_blocks_gemm: a multiple of its AMX_TOKENS), `kind` the
     format (KIND_* for blocks_gemm and amx; 4 or 5 bits for q4k_gemm; 6 for q6_gemm;
-    amx's KIND_IQ4_XS for iq4xs_gemm), a constant. The constants stay compile-time in its type: the codegen unrolls over
-    tokens and picks the format's code by kind."""
+    amx's KIND_IQ4_XS for iq4xs_gemm), a constant. The constants stay compile-time in its
+    type: the codegen unrolls over tokens and picks the format's code by kind."""
     nb: int
     group: int
     t0: int
@@ -285,6 +285,40 @@ def _x_words(builder, fr, tok, u):
             for g in range(8)]
 
 
+def _nibble_sets(builder, load, qh=None):
+    """A block's 8 nibble sets from its 4 nibble quads (load(g) -> <n x i32> quad g): set
+    f = 2 g + h quad g's low (h 0) or high (h 1) nibbles, a byte each; with qh (the
+    block's fifth-bit words) each or-ed with its fifth bits at bit 4 (fifth_bits_moved)."""
+    ws = []
+    for g in range(4):
+        w = load(g)
+        c = lambda v: ir.Constant(w.type, [v] * w.type.count)
+        ws += [builder.and_(w, c(0x0F0F0F0F)), builder.and_(builder.lshr(w, c(4)), c(0x0F0F0F0F))]
+    if qh is not None:
+        bit4 = ir.Constant(qh.type, [0x10101010] * qh.type.count)
+        ws = [builder.or_(w, fifth_bits_moved(builder, qh, f, bit4)) for f, w in enumerate(ws)]
+    return ws
+
+
+def _nibble_pairs(ws, xw):
+    """The (weights, x word) pairs of _nibble_sets ws and a block's x words xw: low
+    nibbles (elements 4g..) with x words 0..3, high ones (16 + 4g..) with 4..7."""
+    return [(ws[2 * g + h], xw[4 * h + g]) for g in range(4) for h in (0, 1)]
+
+
+def _offset_dot(builder, fr, pairs, signed, sum_w, wmax, offset, si):
+    """<n x i32>: the exact sum of the pairs' byte products (signed weights: the row's
+    signed dot, sum_w its weight sums if any; else unsigned up to wmax, _dot_bounded),
+    less offset times x's block sum xs[si] where offset is not 0."""
+    row, n = fr.isa, fr.n
+    dot = row.dot(builder, n, pairs, True, sum_w) if signed else _dot_bounded(builder, row, n, pairs, wmax)
+    if offset:
+        i32 = ir.IntType(32)
+        off = builder.mul(builder.load(fr.ptr("xs", si, i32)), ir.Constant(i32, offset))
+        dot = builder.sub(dot, splat(builder, off, n))
+    return dot
+
+
 # Per-32-block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL: records.py's BlocksLinear):
 # what a record holds. Their records have G blocks (G = 8 when a row has a multiple of
 # 8, else the largest power of 2 dividing its block count): the rows' f16 d of block k at
@@ -358,13 +392,10 @@ def blocks_gemm(typingctx, q, x, acc, shape, isa):
     wmax = 255 if biased else 31 if KIND in BLOCK_FIVE else 15
 
     def codegen(context, builder, sig, args):
-        i32, f32 = ir.IntType(32), ir.FloatType()
+        f32 = ir.FloatType()
         fr = _GemmFrame(context, builder, sig, args, ISA_, TOK)
         k64, ptr, n, wide, vf, fma, at = fr.k64, fr.ptr, fr.n, fr.wide, fr.vf, fr.fma, fr.at
         nba, ga, t0a, row = fr.nb, fr.group, fr.t0, fr.isa
-        mask = ir.Constant(wide, [0x0F0F0F0F] * n)
-        bit4 = ir.Constant(wide, [0x10101010] * n)
-        four = ir.Constant(wide, [4] * n)
         head = builder.mul(ga, k64(BLOCK_HEAD[KIND]))      # the record's scales
 
         def block(g, k, rec, lane, sums):
@@ -372,15 +403,11 @@ def blocks_gemm(typingctx, q, x, acc, shape, isa):
             quads = builder.add(builder.add(rec, head), builder.mul(lane, k64(4)))
             load = lambda off: builder.load(ptr("q", builder.add(quads, at(k, BLOCK_QUADS[KIND], off)),
                                                 wide), align=1)
-            ws = []
             bytes8 = KIND == KIND_Q8_0
-            for j in range(8 if bytes8 else 4):          # 64-byte quad rows: Q8_0's, the nibbles
-                w = load(64 * j)
-                ws += [w] if bytes8 else [builder.and_(w, mask),
-                                          builder.and_(builder.lshr(w, four), mask)]
-            if KIND in BLOCK_FIVE:      # ws[f] is nibble set f = 2 g + h: or in its fifth bits
-                qh = load(256)
-                ws = [builder.or_(w, fifth_bits_moved(builder, qh, f, bit4)) for f, w in enumerate(ws)]
+            if bytes8:                                   # Q8_0's 8 quads of int8
+                ws = [load(64 * j) for j in range(8)]
+            else:
+                ws = _nibble_sets(builder, lambda g: load(64 * g), load(256) if KIND in BLOCK_FIVE else None)
             if lut:
                 ws = [lookup_values(builder, row, w, table) for w in ws]
             sum_w = row.weight_sums(builder, n, ws) if signed and row.weight_sums else None
@@ -391,16 +418,9 @@ def blocks_gemm(typingctx, q, x, acc, shape, isa):
             for t, a in enumerate(sums[0]):
                 tok = builder.add(t0a, k64(t))
                 xw = _x_words(builder, fr, tok, b)
-                if bytes8:
-                    dot = row.dot(builder, n, list(zip(ws, xw)), True, sum_w)
-                else:       # low nibbles with x words 0..3, high ones with 4..7
-                    pairs = [(ws[2 * j + h], xw[4 * h + j]) for j in range(4) for h in (0, 1)]
-                    dot = (row.dot(builder, n, pairs, True, sum_w) if signed else
-                           _dot_bounded(builder, row, n, pairs, wmax))
                 si = builder.add(builder.mul(tok, nba), b)
-                if offset:
-                    off = builder.mul(builder.load(ptr("xs", si, i32)), ir.Constant(i32, offset))
-                    dot = builder.sub(dot, splat(builder, off, n))
+                pairs = list(zip(ws, xw)) if bytes8 else _nibble_pairs(ws, xw)
+                dot = _offset_dot(builder, fr, pairs, signed, sum_w, wmax, offset, si)
                 dx = splat(builder, builder.load(ptr("xd", si, f32)), n)
                 total = fma(builder.sitofp(dot, vf), builder.fmul(dv, dx), builder.load(a))
                 if mv is not None:
@@ -436,7 +456,6 @@ def q4k_gemm(typingctx, q, x, acc, shape, isa):
         fr = _GemmFrame(context, builder, sig, args, kind, TOK)
         k64, ptr, n, wide, vf, fma, at = fr.k64, fr.ptr, fr.n, fr.wide, fr.vf, fr.fma, fr.at
         nsa, t0a = fr.nb, fr.t0
-        c = lambda v: ir.Constant(wide, [v] * n)
 
         def u8s(off):                                       # n u8 bytes of q -> <n x float>
             return builder.uitofp(builder.load(ptr("q", off, ir.VectorType(i8, n)), align=1), vf)
@@ -444,25 +463,16 @@ def q4k_gemm(typingctx, q, x, acc, shape, isa):
         def block(sb, k, rec, lane, sums):                  # sums: scale (a1), min (a2)
             u = builder.add(builder.mul(sb, k64(8)), k)
             quads = builder.add(rec, builder.mul(lane, k64(4)))
-            if five:
-                hb = builder.load(ptr("q", builder.add(quads, at(k, 64, Q5K_QH)), wide), align=1)
-            ws = []
-            for g in range(4):
-                w = builder.load(ptr("q", builder.add(quads, at(k, 256, Q4K_QS + 64 * g)), wide),
-                                 align=1)
-                for h, v in enumerate((builder.and_(w, c(0x0F0F0F0F)),
-                                       builder.and_(builder.lshr(w, c(4)), c(0x0F0F0F0F)))):
-                    if five:                                # bit 2g + h of each byte -> bit 4
-                        v = builder.or_(v, fifth_bits_moved(builder, hb, 2 * g + h, c(0x10101010)))
-                    ws.append(v)
+            hb = (builder.load(ptr("q", builder.add(quads, at(k, 64, Q5K_QH)), wide), align=1)
+                  if five else None)
+            ws = _nibble_sets(builder, lambda g: builder.load(
+                ptr("q", builder.add(quads, at(k, 256, Q4K_QS + 64 * g)), wide), align=1), hb)
             scv = u8s(builder.add(builder.add(rec, lane), at(k, 16, Q4K_SC)))
             mv = u8s(builder.add(builder.add(rec, lane), at(k, 16, Q4K_M)))
             for t in range(TOK):
                 tok = builder.add(t0a, k64(t))
-                xw = _x_words(builder, fr, tok, u)
-                # low nibbles with x words 0..3, high ones with 4..7
-                pairs = [(ws[2 * g + h], xw[4 * h + g]) for g in range(4) for h in (0, 1)]
-                dot = _dot_bounded(builder, fr.isa, n, pairs, (1 << bits) - 1)
+                dot = _dot_bounded(builder, fr.isa, n, _nibble_pairs(ws, _x_words(builder, fr, tok, u)),
+                                   (1 << bits) - 1)
                 si = builder.add(builder.mul(tok, nsa), u)
                 dx = splat(builder, builder.load(ptr("xd", si, f32)), n)
                 a1, a2 = sums[0][t], sums[1][t]
@@ -510,35 +520,25 @@ def iq4xs_gemm(typingctx, q, x, acc, shape, isa):
     table = [v + IQ4_BIAS if biased else v for v in IQ4_VALUES]
 
     def codegen(context, builder, sig, args):
-        i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+        i8, f32 = ir.IntType(8), ir.FloatType()
         fr = _GemmFrame(context, builder, sig, args, ISA_, TOK)
         k64, ptr, n, wide, vf, fma, at = fr.k64, fr.ptr, fr.n, fr.wide, fr.vf, fr.fma, fr.at
         nsa, t0a = fr.nb, fr.t0
-        mask = ir.Constant(wide, [0x0F0F0F0F] * n)
 
         def block(sb, k, rec, lane, sums):
             u = builder.add(builder.mul(sb, k64(8)), k)
             quads = builder.add(rec, builder.mul(lane, k64(4)))
-            ws = []
-            for g in range(4):
-                w = builder.load(ptr("q", builder.add(quads, at(k, 256, IQ4XS_QS + 64 * g)), wide), align=1)
-                ws += [builder.and_(w, mask), builder.and_(builder.lshr(w, ir.Constant(wide, [4] * n)), mask)]
+            ws = _nibble_sets(builder, lambda g: builder.load(
+                ptr("q", builder.add(quads, at(k, 256, IQ4XS_QS + 64 * g)), wide), align=1))
             ws = [lookup_values(builder, row, w, table) for w in ws]
             sum_w = row.weight_sums(builder, n, ws) if not biased and row.weight_sums else None
-            scv = builder.sitofp(builder.load(ptr("q", builder.add(builder.add(rec, lane), at(k, 16, IQ4XS_SC)),
-                                                  ir.VectorType(i8, n)), align=1), vf)
+            sc_at = builder.add(builder.add(rec, lane), at(k, 16, IQ4XS_SC))
+            scv = builder.sitofp(builder.load(ptr("q", sc_at, ir.VectorType(i8, n)), align=1), vf)
             for t in range(TOK):
                 tok = builder.add(t0a, k64(t))
-                xw = _x_words(builder, fr, tok, u)
-                # low nibbles with x words 0..3, high ones with 4..7
-                pairs = [(ws[2 * g + h], xw[4 * h + g]) for g in range(4) for h in (0, 1)]
                 si = builder.add(builder.mul(tok, nsa), u)
-                if biased:
-                    dot = _dot_bounded(builder, row, n, pairs, 255)
-                    off = builder.mul(builder.load(ptr("xs", si, i32)), ir.Constant(i32, IQ4_BIAS))
-                    dot = builder.sub(dot, splat(builder, off, n))
-                else:
-                    dot = row.dot(builder, n, pairs, True, sum_w)
+                dot = _offset_dot(builder, fr, _nibble_pairs(ws, _x_words(builder, fr, tok, u)), not biased,
+                                  sum_w, 255, IQ4_BIAS if biased else 0, si)
                 dx = splat(builder, builder.load(ptr("xd", si, f32)), n)
                 a = sums[0][t]
                 builder.store(fma(builder.sitofp(dot, vf), builder.fmul(scv, dx), builder.load(a)), a)
