@@ -44,6 +44,15 @@ def _lowered(row, n, signed):
     return _assembled(m, row)
 
 
+def _assembles_here(row):
+    """Skip unless this LLVM's host has row's features (rows of another architecture are
+    checked where they run); else ready the native assembler."""
+    if not row.needs <= set(llvm.get_host_cpu_features()):
+        pytest.skip(f"{row.name}: features of another architecture")
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+
+
 def _assembled(module, row):
     """The machine code of an IR module for a target with just row.needs."""
     parsed = llvm.parse_assembly(str(module))
@@ -56,12 +65,8 @@ def _assembled(module, row):
 @pytest.mark.parametrize("row", ROWS)
 def test_every_row_lowers_with_only_the_features_it_needs(row):
     # LLVM aborts the process on an intrinsic its target lacks: a row whose dot used more
-    # than its needs would kill every run on a CPU with just those. Rows of another
-    # architecture than this LLVM's host are checked where they run.
-    if not row.needs <= set(llvm.get_host_cpu_features()):
-        pytest.skip(f"{row.name}: features of another architecture")
-    llvm.initialize_native_target()
-    llvm.initialize_native_asmprinter()
+    # than its needs would kill every run on a CPU with just those.
+    _assembles_here(row)
     for n in sorted({*row.rows, 16}):
         for signed in (False, True):
             asm = _lowered(row, n, signed)
@@ -83,10 +88,7 @@ def _lowered_lookup(row, m):
 def test_every_row_lowers_its_lookup_with_only_the_features_it_needs(row):
     # IQ4's 16-entry lookup at the widths blocks_gemm (4 bytes a row: 32, 64) and the AMX
     # B tiles (64) take; x86's rows in pshufb, one per vector
-    if not row.needs <= set(llvm.get_host_cpu_features()):
-        pytest.skip(f"{row.name}: features of another architecture")
-    llvm.initialize_native_target()
-    llvm.initialize_native_asmprinter()
+    _assembles_here(row)
     for m in sorted({4 * n for n in row.rows} | {64}):
         asm = _lowered_lookup(row, m)
         if row.lanes is not None:
