@@ -85,6 +85,10 @@ L1, L2 = 3, 2
 # the misses a core keeps in flight, and one record is less than the memory's latency
 # ahead ("records prefetch into L2", bench/results/design_measurements.json)
 RECORDS_AHEAD = 2
+# Row vectors a decode product walks side by side (_over_records): their record streams
+# keep more of the memory's latency covered, and they share each block's x ("decode
+# streams", bench/results/design_measurements.json)
+DECODE_STREAMS = 4
 
 
 class Q8X(NamedTuple):
@@ -234,36 +238,55 @@ def _over_records(builder, fr, block_bytes, tokens, sums_per_token, block, finis
     totals), totals[t] one f32 vector per token that block or finish adds to and that is
     stored to acc[t R + row] at the end. The blocks are a loop, not unrolled, and the
     prefetch of the record ahead is spread over them: both measured faster ("records
-    loop and prefetch", bench/results/design_measurements.json)."""
+    loop and prefetch", bench/results/design_measurements.json). Decode (one token) walks
+    DECODE_STREAMS vectors of rows side by side, record by record ("decode streams")."""
     k64, n, vf, group = fr.k64, fr.n, fr.vf, fr.group
     per_strip = RECORD_ROWS // n                        # row vectors per strip
     nsb = builder.udiv(fr.nb, group)                    # records per strip
     record = builder.mul(group, k64(block_bytes))
-    with cgutils.for_range(builder, builder.udiv(fr.R, k64(n))) as vec:
-        strip = builder.udiv(vec.index, k64(per_strip))
-        lane = builder.mul(builder.urem(vec.index, k64(per_strip)), k64(n))   # first lane
-        totals = [cgutils.alloca_once(builder, vf) for _ in range(tokens)]
-        sums = [[cgutils.alloca_once(builder, vf) for _ in range(tokens)]
-                for _ in range(sums_per_token)]
-        for a in totals:
-            builder.store(ir.Constant(vf, None), a)
-        with cgutils.for_range(builder, nsb) as sblk:
-            sb = sblk.index
-            rec = builder.mul(builder.add(builder.mul(strip, nsb), sb), record)
-            for a in (a for row in sums for a in row):
+
+    def vectors(first, count, streams):
+        # vectors first + streams i + s (s < streams) for i < count, side by side
+        with cgutils.for_range(builder, count) as it:
+            vecs = [builder.add(first, builder.add(builder.mul(it.index, k64(streams)), k64(s)))
+                    for s in range(streams)]
+            strips = [builder.udiv(v, k64(per_strip)) for v in vecs]
+            lanes = [builder.mul(builder.urem(v, k64(per_strip)), k64(n)) for v in vecs]
+            totals = [[cgutils.alloca_once(builder, vf) for _ in range(tokens)] for _ in vecs]
+            sums = [[[cgutils.alloca_once(builder, vf) for _ in range(tokens)]
+                     for _ in range(sums_per_token)] for _ in vecs]
+            for a in (a for t in totals for a in t):
                 builder.store(ir.Constant(vf, None), a)
-            with cgutils.for_range(builder, group) as blk:
-                k = blk.index
-                ahead = builder.add(builder.add(rec, builder.mul(record, k64(RECORDS_AHEAD))),
-                                    fr.at(k, block_bytes, 0))
-                for line in range(0, block_bytes, 64):
-                    fr.prefetch(builder.add(ahead, k64(line)), L2)
-                block(sb, k, rec, lane, sums)
-            finish(rec, lane, sums, totals)
-        r0 = builder.mul(vec.index, k64(n))
-        for t, a in enumerate(totals):
-            builder.store(builder.load(a),
-                          fr.ptr("acc", builder.add(builder.mul(fr.R, k64(t)), r0), vf), align=4)
+            with cgutils.for_range(builder, nsb) as sblk:
+                sb = sblk.index
+                recs = [builder.mul(builder.add(builder.mul(st, nsb), sb), record) for st in strips]
+                for a in (a for sv in sums for row in sv for a in row):
+                    builder.store(ir.Constant(vf, None), a)
+                with cgutils.for_range(builder, group) as blk:
+                    k = blk.index
+                    for rec in recs:
+                        ahead = builder.add(builder.add(rec, builder.mul(record, k64(RECORDS_AHEAD))),
+                                            fr.at(k, block_bytes, 0))
+                        for line in range(0, block_bytes, 64):
+                            fr.prefetch(builder.add(ahead, k64(line)), L2)
+                    for rec, lane, sv in zip(recs, lanes, sums):
+                        block(sb, k, rec, lane, sv)
+                for rec, lane, sv, tv in zip(recs, lanes, sums, totals):
+                    finish(rec, lane, sv, tv)
+            for v, tv in zip(vecs, totals):
+                r0 = builder.mul(v, k64(n))
+                for t, a in enumerate(tv):
+                    builder.store(builder.load(a),
+                                  fr.ptr("acc", builder.add(builder.mul(fr.R, k64(t)), r0), vf), align=4)
+
+    # the vectors in groups of DECODE_STREAMS, then of halves of that, down to single ones
+    left, first, streams = builder.udiv(fr.R, k64(n)), k64(0), DECODE_STREAMS if tokens == 1 else 1
+    while streams >= 1:
+        count = builder.udiv(left, k64(streams))
+        vectors(first, count, streams)
+        first = builder.add(first, builder.mul(count, k64(streams)))
+        left = builder.urem(left, k64(streams))
+        streams //= 2
 
 
 def _finish_d(fr, d_at):
