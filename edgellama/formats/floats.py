@@ -90,37 +90,38 @@ def dequantize_bf16(q, out):
     _widen_bf16(q.view(np.uint16), out)
 
 
-@njit(cache=True, fastmath=True, parallel=True)
-def matvec_f32(w, x, out):
-    # W (d, n) f32 @ x (n,) -> out (d,)
-    for i in prange(w.shape[0]):
-        row = w[i]
-        s = f32(0)
-        for k in range(x.size):
-            s += row[k] * x[k]
-        out[i] = s
+@njit(cache=True, fastmath=True, inline="always")
+def _float(w, i, k, kind):
+    # element k of row i of W as f32: kind 0 f32, 1 f16 bits, 2 bf16 bits
+    if kind == 0:
+        return w[i, k]
+    if kind == 1:
+        return f16_to_f32(w[i, k])
+    return bf16_to_f32(w[i, k])
 
 
 @njit(cache=True, fastmath=True, parallel=True)
-def matvec_f16(w, x, out):
-    # W (d, n) f16 bits (u16) @ x (n,) -> out (d,)
-    for i in prange(w.shape[0]):
-        row = w[i]
-        s = f32(0)
-        for k in range(x.size):
-            s += f16_to_f32(row[k]) * x[k]
-        out[i] = s
-
-
-@njit(cache=True, fastmath=True, parallel=True)
-def matvec_bf16(w, x, out):
-    # W (d, n) bf16 bits (u16) @ x (n,) -> out (d,)
-    for i in prange(w.shape[0]):
-        row = w[i]
-        s = f32(0)
-        for k in range(x.size):
-            s += bf16_to_f32(row[k]) * x[k]
-        out[i] = s
+def matvec_float(w, x, out, kind):
+    # W (d, n) f32, or f16 / bf16 bits (u16), @ x (n,) -> out (d,): 4 rows side by side,
+    # which read as 4 streams and share each load of x
+    d = w.shape[0]
+    for g in prange(-(-d // 4)):
+        i = 4 * g
+        if i + 4 <= d:
+            s0 = s1 = s2 = s3 = f32(0)
+            for k in range(x.size):
+                xk = x[k]
+                s0 += _float(w, i, k, kind) * xk
+                s1 += _float(w, i + 1, k, kind) * xk
+                s2 += _float(w, i + 2, k, kind) * xk
+                s3 += _float(w, i + 3, k, kind) * xk
+            out[i], out[i + 1], out[i + 2], out[i + 3] = s0, s1, s2, s3
+        else:
+            for r in range(i, d):
+                s = f32(0)
+                for k in range(x.size):
+                    s += _float(w, r, k, kind) * x[k]
+                out[r] = s
 
 
 class FloatLinear(Linear):
@@ -135,8 +136,7 @@ class FloatLinear(Linear):
                 release_pages(r)
 
     def matvec(self, x, out, scratch=None):
-        kernel = {"F32": matvec_f32, "F16": matvec_f16, "BF16": matvec_bf16}[self.type_name]
-        kernel(self.w, x, out)
+        matvec_float(self.w, x, out, {"F32": 0, "F16": 1, "BF16": 2}[self.type_name])
 
     def matmul(self, x, out, scratch=None):
         if self.type_name == "F32":
