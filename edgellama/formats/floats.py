@@ -103,7 +103,8 @@ def _float(w, i, k, kind):
 @njit(cache=True, fastmath=True, parallel=True)
 def matvec_float(w, x, out, kind):
     # W (d, n) f32, or f16 / bf16 bits (u16), @ x (n,) -> out (d,): 4 rows side by side,
-    # which read as 4 streams and share each load of x
+    # which read as 4 streams and share each load of x ("decode streams",
+    # bench/results/design_measurements.json)
     d = w.shape[0]
     for g in prange(-(-d // 4)):
         i = 4 * g
