@@ -228,12 +228,12 @@ Q5K_RECORD = Q5K_QH + 8 * 64                         # 2880 bytes, 45 cache line
 
 
 def _over_records(builder, fr, block_bytes, tokens, sums_per_token, block, finish):
-    """The loops of the record intrinsics (blocks_gemm, q4k_gemm, q6_gemm) over a tile of
-    records of fr.group blocks of 32 weights, block_bytes each (a constant), fr.nb
-    blocks a row: per vector of n rows (lanes lane.. of their strip) and record, with
-    rec its byte offset in q: zero `sums_per_token` f32 vectors
-    per token (sums[j][t]); for its blocks k (an IR loop index), prefetch into L2 the
-    block's share of the record RECORDS_AHEAD on and call block(g, k, rec, lane, sums) (g the record's
+    """The loops of the record intrinsics (blocks_gemm, q4k_gemm, q6_gemm, iq4xs_gemm)
+    over a tile of records of fr.group blocks of 32 weights, block_bytes each (a
+    constant), fr.nb blocks a row: per vector of n rows (lanes lane.. of their strip) and
+    record, with rec its byte offset in q: zero `sums_per_token` f32 vectors per token
+    (sums[j][t]); for its blocks k (an IR loop index), prefetch into L2 the block's share
+    of the record RECORDS_AHEAD on and call block(g, k, rec, lane, sums) (g the record's
     index in the row, so block g * group + k of it); then finish(rec, lane, sums,
     totals), totals[t] one f32 vector per token that block or finish adds to and that is
     stored to acc[t R + row] at the end. The blocks are a loop, not unrolled, and the
