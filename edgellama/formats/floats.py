@@ -94,7 +94,7 @@ def dequantize_bf16(q, out):
 def _float(w, i, k, kind):
     # element k of row i of W as f32: kind 0 f32, 1 f16 bits, 2 bf16 bits (a runtime
     # int: LLVM hoists the test out of the loop, where numba.literally would re-type
-    # every call, about 25 ms each)
+    # every call, tens of milliseconds each)
     if kind == 0:
         return w[i, k]
     if kind == 1:
