@@ -19,17 +19,30 @@ so a sub-block costs 18 of them; the file's 2-bit + 1-bit planes would cost 32.
 Decode quantizes x to int8 per super-block (llama.cpp's Q8_K: one scale per 256), sums
 each sub-block in int16 lanes (exact: |sum (q - 4) xq| <= 16 * 4 * 127), weights the
 sub-block sums by sc in int32, and applies d and the x scale once per super-block.
+
+Prefill is the record formats' int8 GEMM (records.RecordLinear, x rounded per 32): each
+tile is rewritten as Q6_K records (q6_records: q6 = q + 28, a 16-weight scale each, as
+Q3_K's) and multiplied by q6_gemm, or on AMX tiles, while they are in its thread's
+cache. Holding them for the whole matrix would take 6.6 bits a weight beside the 3.6
+decode reads; rewriting a tile costs about what ten decode products of it do, so it
+pays from about ten tokens up (bench/results/design_measurements.json, "Q3_K prefill").
 """
 from __future__ import annotations
 
 from functools import cache
 
+import numba
 import numpy as np
 from gguf.constants import LlamaFileType
 from numba import njit, prange
 
+from ..kernels.amx import KIND_Q6_K
 from ..kernels.fp import f16_to_f32, get_f16, nearest_int, put_f16
-from .base import TiledLinear, WeightFormat, block_sizes, release_pages, repack_halves
+from ..kernels.simd import K_GROUP, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS
+from .base import Linear, WeightFormat, block_sizes, release_pages, repack_halves
+from .q6_k import matmul_q6_k, sums16
+from . import records
+from .records import RecordLinear
 
 f32 = np.float32
 QK, BS = block_sizes("Q3_K")   # weights and bytes per super-block
@@ -350,39 +363,73 @@ def matvec_q3_k(R):
     return matvec
 
 
-# --- prefill and embedding: dequantize from tiles ----------------------------------------
-# Serial (see base.TiledLinear._dequant_tiles), and no fastmath: the values are gguf's
-# bit for bit, (d sc) (q - 4).
+# --- prefill: a tile at a time as Q6_K records, multiplied while they are in cache ------
+
+@njit(cache=True, inline="always")
+def q3_level(u0, u1, u2, e):
+    # level q (0..7) of element e (< 16) of a sub-block, from its 3 words
+    if e == 15:
+        return (u0 >> 15) | ((u1 >> 14) & 2) | ((u2 >> 13) & 4)
+    u = u0 if e < 5 else (u1 if e < 10 else u2)
+    return (u >> (3 * (e % 5))) & 7
+
 
 @njit(cache=True)
-def dequant_q3_k_tiles(w, sc, d, t0, t1, wt):
-    # Q3_K tiles t0..t1 -> wt (n, (t1-t0)*R) f32 = W[rows].T; rows of wt are R-wide runs
-    # of lanes: contiguous writes
-    nb = wt.shape[0] // QK
-    R = d.shape[1] // nb
-    dl = np.empty(R, f32)
-    for b in range(nb):
-        for t in range(t0, t1):
-            c = (t - t0) * R
-            for j in range(16):
-                g = 16 * b + j
-                for r in range(R):
-                    dl[r] = f16_to_f32(d[t, b * R + r]) * f32(sc[t, g * R + r])
-                for i in range(3):
-                    p = w[t, (3 * g + i) * R:(3 * g + i + 1) * R]
-                    for k in range(5):
-                        dst = wt[QK * b + 16 * j + 5 * i + k, c:c + R]
-                        for r in range(R):
-                            dst[r] = dl[r] * f32(((np.int32(p[r]) >> (3 * k)) & 7) - 4)
-                w0 = w[t, 3 * g * R:(3 * g + 1) * R]
-                w1 = w[t, (3 * g + 1) * R:(3 * g + 2) * R]
-                w2 = w[t, (3 * g + 2) * R:(3 * g + 3) * R]
-                dst = wt[QK * b + 16 * j + 15, c:c + R]
-                for r in range(R):
-                    v = ((np.int32(w0[r]) >> 15) | ((np.int32(w1[r]) >> 14) & 2)
-                         | ((np.int32(w2[r]) >> 13) & 4))
-                    dst[r] = dl[r] * f32(v - 4)
+def q6_records(w, sc, d, R, qt):
+    # one Q3_K tile (w (nb*48*R,) u16, sc (nb*16*R,) i8, d (nb*R,) u16) -> qt (R/16 * nb *
+    # Q6K_RECORD,) u8: its rows as Q6_K records (q6_k.py; simd.py's Q6K_* layout) with
+    # q6 = q + 28, so d sc (q6 - 32) = d sc (q - 4): the same integers in the same sums.
+    # q6 is 28..35: its low nibble (q + 12) & 15, its high bits 1 + q // 4.
+    nb = d.size // R
+    q32 = qt.view(np.uint32)
+    q16 = qt.view(np.uint16)
+    q8 = qt.view(np.int8)
+    for s in range(R // RECORD_ROWS):
+        for b in range(nb):
+            rec = (s * nb + b) * Q6K_RECORD
+            for lane in range(RECORD_ROWS):
+                q16[(rec + Q6K_D) // 2 + lane] = d[b * R + RECORD_ROWS * s + lane]
+            for k in range(8):
+                ga = 16 * b + 2 * k            # the block's two sub-blocks: ga, ga + 1
+                for h in range(2):
+                    for lane in range(RECORD_ROWS):
+                        q8[rec + Q6K_SC + 32 * k + 16 * h + lane] = sc[(ga + h) * R + RECORD_ROWS * s + lane]
+                quads = (rec + Q6K_QS + 384 * k) // 4
+                for lane in range(RECORD_ROWS):
+                    r = RECORD_ROWS * s + lane
+                    a0 = np.int32(w[3 * ga * R + r])
+                    a1 = np.int32(w[(3 * ga + 1) * R + r])
+                    a2 = np.int32(w[(3 * ga + 2) * R + r])
+                    b0 = np.int32(w[(3 * ga + 3) * R + r])
+                    b1 = np.int32(w[(3 * ga + 4) * R + r])
+                    b2 = np.int32(w[(3 * ga + 5) * R + r])
+                    for g in range(4):             # nibble quads: bytes j = 4g + i
+                        v = 0
+                        for i in range(4):
+                            lo = (q3_level(a0, a1, a2, 4 * g + i) + 12) & 15
+                            hi = (q3_level(b0, b1, b2, 4 * g + i) + 12) & 15
+                            v |= (lo | (hi << 4)) << (8 * i)
+                        q32[quads + 16 * g + lane] = v
+                    for g in range(2):             # crumb quads: bytes j = 4g + i
+                        v = 0
+                        for i in range(4):
+                            j = 4 * g + i
+                            c = ((1 + (q3_level(a0, a1, a2, j) >> 2))
+                                 | ((1 + (q3_level(a0, a1, a2, 8 + j) >> 2)) << 2)
+                                 | ((1 + (q3_level(b0, b1, b2, j) >> 2)) << 4)
+                                 | ((1 + (q3_level(b0, b1, b2, 8 + j) >> 2)) << 6))
+                            v |= c << (8 * i)
+                        q32[quads + 64 + 16 * g + lane] = v
 
+
+@njit(cache=True, parallel=True)
+def q6_tiles(w, sc, d, t0, t1, R, recs):
+    # Q3_K tiles t0..t1 -> recs[:t1-t0] (q6_records), one tile a thread
+    for t in prange(t0, t1):
+        q6_records(w[t], sc[t], d[t], R, recs[t - t0])
+
+
+# --- embedding: dequantized rows -----------------------------------------------------------
 
 @njit(cache=True)
 def rows_q3_k(w, sc, d, ids, out):
@@ -408,8 +455,14 @@ def rows_q3_k(w, sc, d, ids, out):
                 row[QK * b + 16 * j + 15] = dl * f32(v - 4)
 
 
-class Q3KLinear(TiledLinear):
-    """Q3_K in row tiles: w (nt, nb*48*R) u16, sc (nt, nb*16*R) i8, d (nt, nb*R) u16."""
+class Q3KLinear(RecordLinear):
+    """Q3_K in row tiles: w (nt, nb*48*R) u16, sc (nt, nb*16*R) i8, d (nt, nb*R) u16.
+
+    Decode reads them (matvec_q3_k, x rounded per 256). Prefill is RecordLinear's int8
+    GEMM (x rounded per 32; fine covers it): each tile is rewritten as Q6_K records
+    (q6_records) and multiplied by q6_gemm or AMX while they are in its thread's cache,
+    one tile a thread at a time, so prefill holds a few tiles' records, never the whole
+    matrix's (which would be twice the file's bytes)."""
 
     def tile_spec(self):
         nb, nt, R = self.in_features // QK, self.nt, self.R
@@ -432,12 +485,38 @@ class Q3KLinear(TiledLinear):
                 np.zeros(QK, np.int16), np.zeros((nb * 16, 19), np.int16), np.zeros(nb, f32))
 
     def matvec(self, x, out, scratch=None):
+        # int8 per 256 whether or not fine is set: fine would rewrite every tile per token
         acc, s16, xq, co, xd = self._buffers(scratch)
         prep_q3_k_x(x, xq, co, xd)
         matvec_q3_k(self.R)(self.w, self.sc, self.d, co, xd, out, acc, s16)
 
-    def _dequant_tiles(self, t0, t1, wt):
-        dequant_q3_k_tiles(self.w, self.sc, self.d, t0, t1, wt)
+    matvecs = Linear.matvecs     # a token at a time, as decode (one_pass_verify: False)
+
+    def _amx_records(self):
+        return KIND_Q6_K, K_GROUP
+
+    def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
+        xs16 = sc.get("q6_xs16", (x8.size // 16,), np.int32)
+        sums16(x8, xs16)
+        self._by_records(out, sc, lambda recs, t0, t1, part: matmul_q6_k(
+            recs, x8, xd, xs16, part, acc[:t1 - t0]))
+
+    def _amx_product(self, xa, xda, xsuma, nb, out, acc, sc):
+        self._by_records(out, sc, lambda recs, t0, t1, part: records.matmul_blocks_amx(
+            recs, xa, xda, xsuma, nb, part, acc[:t1 - t0], K_GROUP, KIND_Q6_K))
+
+    def _by_records(self, out, sc, product):
+        # out (T, out_features) = product(recs, t0, t1, part) for runs of tiles t0..t1,
+        # one a thread, rewritten as Q6_K records in recs; part (T, rows of the run)
+        R, step = self.R, numba.get_num_threads()
+        recs = sc.get("q3_records", (step, R // RECORD_ROWS * self.in_features // QK * Q6K_RECORD), np.uint8)
+        for t0 in range(0, self.nt, step):
+            t1 = min(self.nt, t0 + step)
+            q6_tiles(self.w, self.sc, self.d, t0, t1, R, recs)
+            c0, c1 = t0 * R, min(self.out_features, t1 * R)
+            part = sc.get("q3_part", (out.shape[0], c1 - c0))
+            product(recs[:t1 - t0], t0, t1, part)
+            out[:, c0:c1] = part
 
     def _rows(self, ids, out):
         rows_q3_k(self.w, self.sc, self.d, ids, out)

@@ -13,6 +13,8 @@ record_group(nb), the rows' f16 d (and m) of each block, then the blocks' bytes 
 quads, Q5's then its fifth bits; IQ4_NL's nibbles are looked up in the kernel); decode
 and prefill are one intrinsic, simd.blocks_gemm, which keeps its f32 sums in registers
 over a row.
+Q3_K's prefill runs here too, its tiles rewritten as Q6_K records a few at a time
+(q3_k.py).
 Where the CPU has AMX and Linux grants the tiles (amx.enabled()), a prefill of
 AMX_MIN_ROWS or more rows multiplies 16 rows of x by a block of 16 rows of weights per
 tile instruction instead (amx.amx_blocks_gemm, matmul_blocks_amx), with the same bits.
@@ -244,14 +246,17 @@ class RecordLinear(TiledLinear):
     def _gemm_amx(self, x8, xd, xs8, xsum, out, acc, sc):
         """_gemm on AMX tiles (where _tokens chose them): x8, xd, xsum laid out as A tiles
         (amx_a_tiles), then matmul_blocks_amx (xs8 unused: the tiles fold in its terms)."""
-        kind, group = self._amx_records()
         Tp, nb = xd.shape
         xa = sc.get("amx_xa", (Tp // AMX_TOKENS, nb, AMX_TOKENS, 32), np.int8)
         xda = sc.get("amx_xda", (Tp // AMX_TOKENS, nb, AMX_TOKENS))
         xsuma = sc.get("amx_xsuma", (Tp // AMX_TOKENS, nb, AMX_TOKENS))
         amx_a_tiles(x8.reshape(Tp, -1), xd, xsum, xa, xda, xsuma)
-        matmul_blocks_amx(self.q, xa.reshape(-1), xda.reshape(-1), xsuma.reshape(-1), nb, out, acc,
-                          group, kind)
+        self._amx_product(xa.reshape(-1), xda.reshape(-1), xsuma.reshape(-1), nb, out, acc, sc)
+
+    def _amx_product(self, xa, xda, xsuma, nb, out, acc, sc):
+        """matmul_blocks_amx over the tiles q, x laid out as A tiles (flat)."""
+        kind, group = self._amx_records()
+        matmul_blocks_amx(self.q, xa, xda, xsuma, nb, out, acc, group, kind)
 
     def matmul(self, x, out, scratch=None):
         T, n = x.shape

@@ -1,5 +1,6 @@
-"""AMX prefill of the per-32-block formats, of the K-quants Q4_K, Q5_K and Q6_K, and of
-IQ4_XS (amx.py, records.matmul_blocks_amx).
+"""AMX prefill of the per-32-block formats, of the K-quants Q4_K, Q5_K and Q6_K, of
+IQ4_XS, and of Q3_K through its tiles rewritten as Q6_K records (amx.py,
+records.matmul_blocks_amx).
 
 A NumPy twin of the tile arithmetic (tdpbssd / tdpbsud on the B tiles the kernel makes
 of the records, then blocks_gemm's float operations in its order) is checked against
@@ -213,16 +214,17 @@ def twin_matmul_q6(lin, x8, xd, T):
 
 # the formats whose records are a super-block of 256 weights (the K-quants', IQ4_XS's)
 SUPER_BLOCKS = {"Q4_K": G.Q4_K, "Q5_K": G.Q5_K, "Q6_K": G.Q6_K, "IQ4_XS": G.IQ4_XS}
+REWRITTEN = {"Q3_K": G.Q3_K}     # prefill rewrites its tiles as Q6_K records (q3_k.py)
 
 
 def make(name, shape, seed):
     """A Linear of random weights in `name` (gguf-py's quantizer; the K-quants' and
     IQ4's ours, bit-exact with ggml's: gguf-py has none) and the file bytes."""
-    type_ = SUPER_BLOCKS[name] if name in SUPER_BLOCKS else KINDS[name][0]
+    type_ = {**SUPER_BLOCKS, **REWRITTEN}.get(name) or KINDS[name][0]
     rng = np.random.default_rng(seed)
     w = rng.standard_normal(shape).astype(np.float32)
     w[1, :] *= 1e-6                         # f16 subnormal block scales
-    ours = name in SUPER_BLOCKS or name == "IQ4_NL"
+    ours = name in SUPER_BLOCKS or name in REWRITTEN or name == "IQ4_NL"
     data = formats.quantize(w, name) if ours else quantize(w, type_)
     return linear(int(type_), [(data, shape)]), data
 
@@ -493,7 +495,8 @@ def _both(lin, x, fine=False):
 
 @pytest.mark.parametrize("name, shape", [(n, s) for n in KINDS
                                          for s in [(300, 256), (100, 96), (48, 64)]]  # G = 8, 1, 2
-                         + [(n, s) for n in SUPER_BLOCKS for s in [(300, 256), (48, 2048), (16, 512)]])
+                         + [(n, s) for n in [*SUPER_BLOCKS, *REWRITTEN]
+                            for s in [(300, 256), (48, 2048), (16, 512)]])
 def test_amx_prefill_has_the_vnni_bits(name, shape, on_amx):
     lin, _ = make(name, shape, 5)
     rng = np.random.default_rng(6)
@@ -504,9 +507,9 @@ def test_amx_prefill_has_the_vnni_bits(name, shape, on_amx):
         assert np.array_equal(vnni.view(np.int32), got.view(np.int32)), (T, np.abs(vnni - got).max())
 
 
-@pytest.mark.parametrize("name", [*KINDS, *SUPER_BLOCKS])
+@pytest.mark.parametrize("name", [*KINDS, *SUPER_BLOCKS, *REWRITTEN])
 def test_amx_fine_activations_have_the_vnni_bits(name, on_amx):
-    lin, _ = make(name, (80, 256 if name in SUPER_BLOCKS else 128), 7)
+    lin, _ = make(name, (80, 128 if name in KINDS else 256), 7)
     x = np.random.default_rng(8).standard_normal((9, lin.in_features)).astype(f32)
     vnni, got = _both(lin, x, fine=True)
     assert np.array_equal(vnni.view(np.int32), got.view(np.int32))

@@ -5,7 +5,11 @@ the NumPy twin as every format), and the helpers test_q2_k.py shares.
 - decode: exactly W @ xq but for float rounding, xq = x rounded to int8 per 256 as the
   kernel does (a tighter bound than the conformance test's), and the int16 sums at their
   bounds; resident size.
+- prefill: the Q6_K records it rewrites the tiles into hold the file's values bit for bit
+  (read back by Q6_K's own rows), the int32 sums at their bounds are exact, and it holds
+  one tile's records a thread.
 """
+import numba
 import numpy as np
 import pytest
 from format_cases import EPS, normalish, u24
@@ -13,7 +17,10 @@ from gguf import GGMLQuantizationType as G
 from gguf.quants import dequantize as gguf_dequantize
 from quantize_cases import K16_CASES as CASES
 
-from edgellama.formats.q3_k import Q3_K
+from edgellama.formats.q3_k import Q3_K, q6_tiles
+from edgellama.formats.q6_k import Q6_K
+from edgellama.kernels.simd import Q6K_RECORD
+from edgellama.scratch import Scratch
 
 # (out, in): out not a multiple of any tile size (16 to 256 rows), in = 256 k
 SHAPES = [(300, 256), (37, 512), (1030, 256), (16, 768)]
@@ -161,3 +168,55 @@ def test_resident_memory_about_file_size():
     lin = linear(Q3_K, [q], 1024)
     assert lin.nt * lin.R == 1024
     assert resident_bytes(lin) == q.nbytes * 114 // 110  # +4 bytes a block: scales as i8
+
+
+# --- prefill: the tiles as Q6_K records ----------------------------------------------------
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_q6_records_hold_the_files_values(shape):
+    # the records prefill multiplies, read back by Q6_K's own row decoder: gguf-py's Q3_K
+    # values bit for bit, (d sc) (q - 4) = (d sc) (q6 - 32), and pad rows zero
+    q = quantize(Q3_K, weights(shape, 8))
+    lin = linear(Q3_K, [q], shape[1])
+    recs = np.zeros((lin.nt, lin.R // 16 * shape[1] // 256 * Q6K_RECORD), np.uint8)
+    q6_tiles(lin.w, lin.sc, lin.d, 0, lin.nt, lin.R, recs)
+    q6 = Q6_K.linear.from_tiles(Q6_K, [lin.nt * lin.R], shape[1], lin.R, {"q": recs})
+    rows = np.empty((lin.nt * lin.R, shape[1]), np.float32)
+    q6.rows(np.arange(lin.nt * lin.R), rows)
+    want = gguf_dequantize(q, G.Q3_K).reshape(shape)
+    np.testing.assert_array_equal(rows[:shape[0]].view(np.uint32), want.view(np.uint32))
+    assert not rows[shape[0]:].any()
+
+
+def test_prefill_at_the_extremes_is_exact():
+    # levels -4 and 3 under scales -32 and 31 (q6 28 and 35: both crumb values), x at
+    # +-127 in every block: x W^T exact, the int32 sums at their largest
+    n, d = 512, 40
+    blk = np.zeros((d, n // 256, 110), np.uint8)
+    lvl = (u24(d * n, 52).reshape(d, n // 256, 256) % 2).astype(np.uint8) * 7
+    for e in range(256):
+        blk[:, :, e % 32] |= (lvl[:, :, e] >> 2) << (e // 32)
+        blk[:, :, 32 + 32 * (e // 128) + e % 32] |= (lvl[:, :, e] & 3) << (2 * ((e % 128) // 32))
+    code = np.where(u24(d * n // 16, 53).reshape(d, n // 256, 16) % 2 == 0, 0, 63)
+    for j in range(16):
+        blk[:, :, 96 + j % 8] |= (code[:, :, j] & 15).astype(np.uint8) << (4 * (j // 8))
+        blk[:, :, 104 + j % 4] |= (code[:, :, j] >> 4).astype(np.uint8) << (2 * (j // 4))
+    blk[:, :, 108:110] = np.array([0x3C00], np.uint16).view(np.uint8)
+    q = blk.reshape(d, -1)
+    w = gguf_dequantize(q, G.Q3_K).astype(np.float64)
+    lin = linear(Q3_K, [q], n)
+    x = np.where(u24(20 * n, 54).reshape(20, n) % 2 == 0, 127, -127).astype(np.float32)
+    out = np.empty((20, d), np.float32)
+    lin.matmul(x, out)
+    np.testing.assert_array_equal(out, x.astype(np.float64) @ w.T)
+
+
+def test_prefill_holds_a_tile_a_thread():
+    # the rewritten records are a run of tiles, one a thread, not the whole matrix
+    q = quantize(Q3_K, normalish((2048, 512), 61))
+    lin = linear(Q3_K, [q], 512)
+    sc = Scratch()
+    lin.matmul(normalish((16, 512), 62), np.empty((16, 2048), np.float32), sc)
+    held = sc.get("q3_records", (1,), np.uint8).base      # the whole buffer of that name
+    assert lin.nt > numba.get_num_threads()
+    assert held.size == numba.get_num_threads() * lin.R // 16 * 2 * Q6K_RECORD
