@@ -24,8 +24,9 @@ Prefill is the record formats' int8 GEMM (records.RecordLinear, x rounded per 32
 tile is rewritten as Q6_K records (q6_records: q6 = q + 28, a 16-weight scale each, as
 Q3_K's) and multiplied by q6_gemm, or on AMX tiles, while they are in its thread's
 cache. Holding them for the whole matrix would take 6.6 bits a weight beside the 3.6
-decode reads; rewriting a tile costs about what ten decode products of it do, so it
-pays from about ten tokens up (bench/results/design_measurements.json, "Q3_K prefill").
+decode reads. Rewriting a tile costs about what eight decode products of it do (warm),
+so a prompt of a few tokens costs more than decoding them one by one would; from about
+a dozen tokens up it costs less (bench/results/design_measurements.json, "Q3_K prefill").
 """
 from __future__ import annotations
 
