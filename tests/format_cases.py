@@ -156,13 +156,3 @@ def check_rows(lin, ref_w):
     np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
     with pytest.raises(IndexError):
         lin.rows(np.array([rows]), out[:1])
-
-
-def check_dequant_tiles(lin, ref_w):
-    """Prefill's dequantized weights are gguf-py's values bit for bit; pad rows zero."""
-    rows, n = ref_w.shape
-    wt = np.full((n, lin.nt * lin.R), np.nan, np.float32)
-    lin._dequant_tiles(0, lin.nt, wt)
-    np.testing.assert_array_equal(wt[:, :rows].view(np.uint32),
-                                  ref_w.T.astype(np.float32).view(np.uint32))
-    assert not wt[:, rows:].any()

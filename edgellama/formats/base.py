@@ -268,7 +268,6 @@ class TiledLinear(Linear):
             raise ValueError(f"{R} rows per tile, not one of {self.TILE_ROWS}")
         self.R = R or tile_rows(self.out_features)
         self.nt = -(-self.out_features // self.R)
-        self.chunk_unit = self.R
 
     def tile_spec(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         """name -> (shape, dtype) of every tile array this layout holds."""
@@ -311,20 +310,6 @@ class TiledLinear(Linear):
             setattr(lin, k, a)
         lin._tiles_set()
         return lin
-
-    def _dequant_rows_t(self, r0, r1, buf):
-        # chunks are whole tiles (r0 is a multiple of R): dequantize tiles t0..t1
-        t0, t1 = r0 // self.R, -(-r1 // self.R)
-        wt = buf[:self.in_features * (t1 - t0) * self.R].reshape(self.in_features, -1)
-        self._dequant_tiles(t0, t1, wt)
-        return wt[:, :r1 - r0]
-
-    def _dequant_tiles(self, t0: int, t1: int, wt: np.ndarray) -> None:
-        """Tiles t0..t1 -> wt (in_features, (t1-t0)*R) f32 = W[rows].T. Formats write it
-        as a serial kernel, on purpose: it is a few % of the matmul's time, and a parallel
-        region between BLAS calls fights BLAS's threads (spin-waits) and stalls whenever
-        any core is busy."""
-        raise NotImplementedError
 
 
 @njit(cache=True, parallel=True)

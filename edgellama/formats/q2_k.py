@@ -14,6 +14,11 @@ Runtime tiles (lanes across rows, see base.TiledLinear), the file's 84 bytes per
 Decode quantizes x to int8 per super-block (as q3_k.py), sums each sub-block's q xq in
 int16 lanes (exact: |sum| <= 16 * 3 * 127), then per super-block weights the sums by sc
 and the x sums of each sub-block by m in int32, and applies d, dmin and the x scale.
+
+Prefill is the record formats' int8 GEMM (q6_k.RewrittenTiles, x rounded per 32, as
+llama.cpp's q8_K sums): each tile is rewritten as Q6_K records with q6 = q + 32 and
+Q2_K's mins beside them (q2_records, simd.py's Q2K_*), d sum sc (q6 - 32) x8 - dmin sum
+m xs16 in q6_gemm (no AMX kernel takes the mins), while they are in its thread's cache.
 """
 from __future__ import annotations
 
@@ -24,15 +29,10 @@ from gguf.constants import LlamaFileType
 from numba import njit, prange
 
 from ..kernels.fp import f16_to_f32, get_f16, nearest_int, put_f16
-from .base import (
-    TiledLinear,
-    WeightFormat,
-    block_sizes,
-    release_pages,
-    repack_bytes,
-    repack_halves,
-)
+from ..kernels.simd import Q2K_DMIN, Q2K_M, Q2K_RECORD, Q6K_D, Q6K_QS, Q6K_SC, RECORD_ROWS
+from .base import WeightFormat, block_sizes, release_pages, repack_bytes, repack_halves
 from .q3_k import QK, pack_2bit, put_scale, quantize_x_block, tile_span
+from .q6_k import RewrittenTiles
 
 f32 = np.float32
 BS = block_sizes("Q2_K")[1]   # bytes per super-block
@@ -308,34 +308,59 @@ def matvec_q2_k(R):
     return matvec
 
 
-# --- prefill and embedding: dequantize from tiles ----------------------------------------
-# Serial (see base.TiledLinear._dequant_tiles), and no fastmath: the values are gguf's
-# bit for bit, (d sc) q - dmin m with two roundings (no fused multiply-add).
+# --- prefill: a tile at a time as q6_gemm's Q2_K records ----------------------------------
 
 @njit(cache=True)
-def dequant_q2_k_tiles(w, sc, d, dmin, t0, t1, wt):
-    # Q2_K tiles t0..t1 -> wt (n, (t1-t0)*R) f32 = W[rows].T; rows of wt are R-wide runs
-    # of lanes: contiguous writes
-    nb = wt.shape[0] // QK
-    R = d.shape[1] // nb
-    dl = np.empty(R, f32)
-    ml = np.empty(R, f32)
-    for b in range(nb):
-        for t in range(t0, t1):
-            c = (t - t0) * R
-            for j in range(16):
-                g = 16 * b + j
-                for r in range(R):
-                    v = sc[t, g * R + r]
-                    dl[r] = f16_to_f32(d[t, b * R + r]) * f32(v & 15)
-                    ml[r] = f16_to_f32(dmin[t, b * R + r]) * f32(v >> 4)
-                for i in range(2):
-                    p = w[t, (2 * g + i) * R:(2 * g + i + 1) * R]
-                    for k in range(8):
-                        dst = wt[QK * b + 16 * j + 8 * i + k, c:c + R]
-                        for r in range(R):
-                            dst[r] = dl[r] * f32((np.int32(p[r]) >> (2 * k)) & 3) - ml[r]
+def q2_records(w, sc, d, dmin, R, qt):
+    # one Q2_K tile (w (nb*32*R,) u16, sc (nb*16*R,) u8, d, dmin (nb*R,) u16) -> qt (R/16 *
+    # nb * Q2K_RECORD,) u8: its rows as Q6_K records with q6 = q + 32 (so d sc (q6 - 32) is
+    # d sc q) and the mins (simd.py's Q6K_* and Q2K_* layouts). q6's low nibble is q, its
+    # high bits 2: every crumb byte is 0xAA.
+    nb = d.size // R
+    q32 = qt.view(np.uint32)
+    q16 = qt.view(np.uint16)
+    for s in range(R // RECORD_ROWS):
+        for b in range(nb):
+            rec = (s * nb + b) * Q2K_RECORD
+            for lane in range(RECORD_ROWS):
+                q16[(rec + Q6K_D) // 2 + lane] = d[b * R + RECORD_ROWS * s + lane]
+                q16[(rec + Q2K_DMIN) // 2 + lane] = dmin[b * R + RECORD_ROWS * s + lane]
+            for k in range(8):
+                ga = 16 * b + 2 * k            # the block's two sub-blocks: ga, ga + 1
+                for h in range(2):
+                    for lane in range(RECORD_ROWS):
+                        v = sc[(ga + h) * R + RECORD_ROWS * s + lane]
+                        qt[rec + Q6K_SC + 32 * k + 16 * h + lane] = v & 15
+                        qt[rec + Q2K_M + 32 * k + 16 * h + lane] = v >> 4
+                quads = (rec + Q6K_QS + 384 * k) // 4
+                for lane in range(RECORD_ROWS):
+                    r = RECORD_ROWS * s + lane
+                    a0 = np.int32(w[2 * ga * R + r])
+                    a1 = np.int32(w[(2 * ga + 1) * R + r])
+                    b0 = np.int32(w[(2 * ga + 2) * R + r])
+                    b1 = np.int32(w[(2 * ga + 3) * R + r])
+                    for g in range(4):             # nibble quads: bytes j = 4g + i
+                        ua = a0 if g < 2 else a1
+                        ub = b0 if g < 2 else b1
+                        v = 0
+                        for i in range(4):
+                            e = 2 * (4 * (g % 2) + i)
+                            v |= (((ua >> e) & 3) | (((ub >> e) & 3) << 4)) << (8 * i)
+                        q32[quads + 16 * g + lane] = v
+                    for g in range(2):             # crumb quads
+                        q32[quads + 64 + 16 * g + lane] = 0xAAAAAAAA
 
+
+@njit(cache=True, parallel=True)
+def q2_tiles(w, sc, d, dmin, t0, t1, R, recs):
+    # Q2_K tiles t0..t1 -> recs[:t1-t0] (q2_records), one tile a thread
+    for t in prange(t0, t1):
+        q2_records(w[t], sc[t], d[t], dmin[t], R, recs[t - t0])
+
+
+# --- embedding: dequantized rows -----------------------------------------------------------
+# No fastmath: the values are gguf's bit for bit, (d sc) q - dmin m with two roundings
+# (no fused multiply-add).
 
 @njit(cache=True)
 def rows_q2_k(w, sc, d, dmin, ids, out):
@@ -359,8 +384,10 @@ def rows_q2_k(w, sc, d, dmin, ids, out):
                     row[QK * b + 16 * j + i] = dl * f32((u >> (2 * (i % 8))) & 3) - ml
 
 
-class Q2KLinear(TiledLinear):
-    """Q2_K in row tiles: w (nt, nb*32*R) u16, sc (nt, nb*16*R) u8, d, dmin (nt, nb*R) u16."""
+class Q2KLinear(RewrittenTiles):
+    """Q2_K in row tiles: w (nt, nb*32*R) u16, sc (nt, nb*16*R) u8, d, dmin (nt, nb*R) u16;
+    prefill on them rewritten as Q2_K records (q2_records)."""
+    mins = True
 
     def tile_spec(self):
         nb, nt, R = self.in_features // QK, self.nt, self.R
@@ -386,12 +413,13 @@ class Q2KLinear(TiledLinear):
                 np.zeros(nb * 16, np.int16), np.zeros(nb, f32))
 
     def matvec(self, x, out, scratch=None):
+        # int8 per 256 whether or not fine is set: fine would rewrite every tile per token
         acc, s16, xq, co, bs, xd = self._buffers(scratch)
         prep_q2_k_x(x, xq, co, bs, xd)
         matvec_q2_k(self.R)(self.w, self.sc, self.d, self.dmin, co, bs, xd, out, acc, s16)
 
-    def _dequant_tiles(self, t0, t1, wt):
-        dequant_q2_k_tiles(self.w, self.sc, self.d, self.dmin, t0, t1, wt)
+    def _rewrite(self, t0, t1, recs):
+        q2_tiles(self.w, self.sc, self.d, self.dmin, t0, t1, self.R, recs)
 
     def _rows(self, ids, out):
         rows_q2_k(self.w, self.sc, self.d, self.dmin, ids, out)

@@ -20,7 +20,7 @@ Decode quantizes x to int8 per super-block (llama.cpp's Q8_K: one scale per 256)
 each sub-block in int16 lanes (exact: |sum (q - 4) xq| <= 16 * 4 * 127), weights the
 sub-block sums by sc in int32, and applies d and the x scale once per super-block.
 
-Prefill is the record formats' int8 GEMM (records.RecordLinear, x rounded per 32): each
+Prefill is the record formats' int8 GEMM (q6_k.RewrittenTiles, x rounded per 32): each
 tile is rewritten as Q6_K records (q6_records: q6 = q + 28, a 16-weight scale each, as
 Q3_K's) and multiplied by q6_gemm, or on AMX tiles, while they are in its thread's
 cache. Holding them for the whole matrix would take 6.6 bits a weight beside the 3.6
@@ -32,18 +32,14 @@ from __future__ import annotations
 
 from functools import cache
 
-import numba
 import numpy as np
 from gguf.constants import LlamaFileType
 from numba import njit, prange
 
-from ..kernels.amx import KIND_Q6_K
 from ..kernels.fp import f16_to_f32, get_f16, nearest_int, put_f16
-from ..kernels.simd import K_GROUP, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS
-from .base import Linear, WeightFormat, block_sizes, release_pages, repack_halves
-from .q6_k import matmul_q6_k, sums16
-from . import records
-from .records import RecordLinear
+from ..kernels.simd import Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS
+from .base import WeightFormat, block_sizes, release_pages, repack_halves
+from .q6_k import RewrittenTiles
 
 f32 = np.float32
 QK, BS = block_sizes("Q3_K")   # weights and bytes per super-block
@@ -456,14 +452,9 @@ def rows_q3_k(w, sc, d, ids, out):
                 row[QK * b + 16 * j + 15] = dl * f32(v - 4)
 
 
-class Q3KLinear(RecordLinear):
-    """Q3_K in row tiles: w (nt, nb*48*R) u16, sc (nt, nb*16*R) i8, d (nt, nb*R) u16.
-
-    Decode reads them (matvec_q3_k, x rounded per 256). Prefill is RecordLinear's int8
-    GEMM (x rounded per 32; fine covers it): each tile is rewritten as Q6_K records
-    (q6_records) and multiplied by q6_gemm or AMX while they are in its thread's cache,
-    one tile a thread at a time, so prefill holds a few tiles' records, never the whole
-    matrix's (which would be twice the file's bytes)."""
+class Q3KLinear(RewrittenTiles):
+    """Q3_K in row tiles: w (nt, nb*48*R) u16, sc (nt, nb*16*R) i8, d (nt, nb*R) u16;
+    prefill on them rewritten as Q6_K records (q6_records)."""
 
     def tile_spec(self):
         nb, nt, R = self.in_features // QK, self.nt, self.R
@@ -491,33 +482,8 @@ class Q3KLinear(RecordLinear):
         prep_q3_k_x(x, xq, co, xd)
         matvec_q3_k(self.R)(self.w, self.sc, self.d, co, xd, out, acc, s16)
 
-    matvecs = Linear.matvecs     # a token at a time, as decode (one_pass_verify: False)
-
-    def _amx_records(self):
-        return KIND_Q6_K, K_GROUP
-
-    def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
-        xs16 = sc.get("q6_xs16", (x8.size // 16,), np.int32)
-        sums16(x8, xs16)
-        self._by_records(out, sc, lambda recs, t0, t1, part: matmul_q6_k(
-            recs, x8, xd, xs16, part, acc[:t1 - t0]))
-
-    def _amx_product(self, xa, xda, xsuma, nb, out, acc, sc):
-        self._by_records(out, sc, lambda recs, t0, t1, part: records.matmul_blocks_amx(
-            recs, xa, xda, xsuma, nb, part, acc[:t1 - t0], K_GROUP, KIND_Q6_K))
-
-    def _by_records(self, out, sc, product):
-        # out (T, out_features) = product(recs, t0, t1, part) for runs of tiles t0..t1,
-        # one a thread, rewritten as Q6_K records in recs; part (T, rows of the run)
-        R, step = self.R, numba.get_num_threads()
-        recs = sc.get("q3_records", (step, R // RECORD_ROWS * self.in_features // QK * Q6K_RECORD), np.uint8)
-        for t0 in range(0, self.nt, step):
-            t1 = min(self.nt, t0 + step)
-            q6_tiles(self.w, self.sc, self.d, t0, t1, R, recs)
-            c0, c1 = t0 * R, min(self.out_features, t1 * R)
-            part = sc.get("q3_part", (out.shape[0], c1 - c0))
-            product(recs[:t1 - t0], t0, t1, part)
-            out[:, c0:c1] = part
+    def _rewrite(self, t0, t1, recs):
+        q6_tiles(self.w, self.sc, self.d, t0, t1, self.R, recs)
 
     def _rows(self, ids, out):
         rows_q3_k(self.w, self.sc, self.d, ids, out)

@@ -25,6 +25,7 @@ layouts ("Q6_K records", bench/results/design_measurements.json).
 """
 from __future__ import annotations
 
+import numba
 import numpy as np
 from gguf.constants import LlamaFileType
 from numba import njit, prange
@@ -32,9 +33,10 @@ from numba import njit, prange
 from ..kernels.amx import KIND_Q6_K
 from ..kernels.claim import take
 from ..kernels.fp import get_f16, nearest_int, put_f16
-from ..kernels.simd import (ISA, K_GROUP, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, Q8X, RECORD_ROWS, TOKENS,
-                            q6_gemm, tile)
-from .base import WeightFormat, block_sizes
+from ..kernels.simd import (ISA, K_GROUP, Q2K_MINS, Q2K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, Q8X,
+                            RECORD_ROWS, TOKENS, q6_gemm, tile)
+from . import records
+from .base import Linear, WeightFormat, block_sizes
 from .records import RecordLinear, prep_q8_x
 
 f32 = np.float32
@@ -255,9 +257,10 @@ def matvec_q6_k(q, x8, xd, xs16, out, acc, counter):
 
 
 @njit(cache=True, parallel=True)
-def matmul_q6_k(q, x8, xd, xs16, out, acc):
-    # W (nt*R, n) Q6_K tiles @ x (records.prep_q8_rows; x8 flat (Tp*n,), xs16 its sums per 16)
-    # -> out (T, dout) = x W^T; acc (nt, TOKENS, R) f32 per-tile sums
+def matmul_q6_k(q, x8, xd, xs16, out, acc, mins):
+    # W (nt*R, n) Q6_K tiles (mins: Q2_K's records, simd.Q2K_*) @ x (records.prep_q8_rows;
+    # x8 flat (Tp*n,), xs16 its sums per 16) -> out (T, dout) = x W^T; acc (nt, TOKENS, R)
+    # f32 per-tile sums
     T = out.shape[0]
     R = acc.shape[2]
     nsub = xd.shape[1]
@@ -267,7 +270,10 @@ def matmul_q6_k(q, x8, xd, xs16, out, acc):
         c0 = t * R
         nc = min(R, out.shape[1] - c0)
         for t0 in range(0, T, TOKENS):
-            q6_gemm(q[t], x, a.reshape(-1), tile(nsub, K_GROUP, t0, TOKENS, 6), ISA)
+            if mins:
+                q6_gemm(q[t], x, a.reshape(-1), tile(nsub, K_GROUP, t0, TOKENS, Q2K_MINS), ISA)
+            else:
+                q6_gemm(q[t], x, a.reshape(-1), tile(nsub, K_GROUP, t0, TOKENS, 6), ISA)
             for k in range(min(TOKENS, T - t0)):
                 out[t0 + k, c0:c0 + nc] = a[k, :nc]
 
@@ -331,10 +337,51 @@ class Q6KLinear(RecordLinear):
     def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
         xs16 = sc.get("q6_xs16", (x8.size // 16,), np.int32)
         sums16(x8, xs16)
-        matmul_q6_k(self.q, x8, xd, xs16, out, acc)
+        matmul_q6_k(self.q, x8, xd, xs16, out, acc, False)
 
     def _rows(self, ids, out):
         rows_q6_k(self.q, ids, out)
+
+
+class RewrittenTiles(RecordLinear):
+    """A K-quant with tiles of its own (Q3_K, Q2_K), which decode reads a token at a time,
+    and whose prefill is RecordLinear's int8 GEMM on q6_gemm's records: a run of tiles,
+    one a thread, is rewritten as records (_rewrite: Q6_K's, or with mins Q2_K's) and
+    multiplied while they are in that thread's cache. Records for the whole matrix would
+    hold about twice the file's bytes beside the tiles."""
+    mins = False                 # Q2_K's records (simd.Q2K_*): no AMX kernel
+    matvecs = Linear.matvecs     # a token at a time, as decode (model.one_pass_verify)
+
+    def _rewrite(self, t0: int, t1: int, recs: np.ndarray) -> None:
+        """Tiles t0..t1 -> recs[:t1-t0], each (R/16 * super-blocks * record bytes,) u8."""
+        raise NotImplementedError
+
+    def _amx_records(self):
+        return None if self.mins else (KIND_Q6_K, K_GROUP)
+
+    def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
+        xs16 = sc.get("q6_xs16", (x8.size // 16,), np.int32)
+        sums16(x8, xs16)
+        self._by_records(out, sc, lambda recs, part: matmul_q6_k(
+            recs, x8, xd, xs16, part, acc[:recs.shape[0]], self.mins))
+
+    def _amx_product(self, xa, xda, xsuma, nb, out, acc, sc):
+        self._by_records(out, sc, lambda recs, part: records.matmul_blocks_amx(
+            recs, xa, xda, xsuma, nb, part, acc[:recs.shape[0]], K_GROUP, KIND_Q6_K))
+
+    def _by_records(self, out, sc, product):
+        # out (T, out_features) = product(recs, part) over runs of tiles t0..t1, one a
+        # thread, rewritten in recs; part (T, the run's rows)
+        R, step = self.R, numba.get_num_threads()
+        size = Q2K_RECORD if self.mins else Q6K_RECORD
+        recs = sc.get("rewritten", (step, R // RECORD_ROWS * self.in_features // QK * size), np.uint8)
+        for t0 in range(0, self.nt, step):
+            t1 = min(self.nt, t0 + step)
+            self._rewrite(t0, t1, recs)
+            c0, c1 = t0 * R, min(self.out_features, t1 * R)
+            part = sc.get("rewritten_out", (out.shape[0], c1 - c0))
+            product(recs[:t1 - t0], part)
+            out[:, c0:c1] = part
 
 
 Q6_K = WeightFormat("Q6_K", "ql:u8[128], qh:u8[64], scales:i8[16], d:f16; "

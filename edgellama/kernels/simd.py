@@ -625,19 +625,28 @@ def _q6_scales(builder, n, load_i8):
 # j + 24 at bits 0, 2, 4, 6); quad g at 64 g, byte 4g + i of lane l at 64 g + 4 l + i.
 Q6K_D, Q6K_SC, Q6K_QS = 0, 32, 320                  # 32 bytes of padding before the quads
 Q6K_RECORD = Q6K_QS + 8 * 384                        # 3392 bytes, 53 cache lines
+# Q2_K's prefill records (q2_k.py) are Q6_K's with q6 = q + 32, sc its 4-bit scales, and
+# its mins: the rows' dmin (f16) in Q6_K's padding at Q2K_DMIN, the 4-bit m of block k's
+# elements 16 h.. at Q2K_M + 32 k + 16 h + lane, after the quads
+Q2K_DMIN, Q2K_M = Q6K_SC + 256, Q6K_RECORD
+Q2K_RECORD = Q2K_M + 256                             # 3648 bytes, 57 cache lines
+Q2K_MINS = 2              # q6_gemm's kind for Q2_K's records (Q6_K's: 6, its bits)
 
 
 @intrinsic(prefer_literal=True)
 def q6_gemm(typingctx, q, x, acc, shape, isa):
     """One tile of Q6_K records (q: R rows of shape.nb blocks of 32, layout above;
-    shape.group K_GROUP, shape.kind 6) times shape.tokens rows t0.. of x (Q8X: x8, xd,
-    xs = xs16 (Tp*2nb,) int32 its sums per 16): acc[k R + r] (f32, R = acc.size //
-    tokens) = row r . x_{t0+k} = sum over super-blocks of d sum over their blocks u of
+    shape.group K_GROUP, shape.kind 6) times shape.tokens rows t0.. of x (Q8X:
+    x8, xd, xs = xs16 (Tp*2nb,) int32 its sums per 16): acc[k R + r] (f32, R = acc.size
+    // tokens) = row r . x_{t0+k} = sum over super-blocks of d sum over their blocks u of
     dx_u S_u, S_u = sum over u's two halves of scale * sum((q - 32) x8), exact in int32
-    (|S_u| <= 2 * 128 * 16 * 32 * 127). tokens (1 for decode, TOKENS for prefill) and
-    isa constants. Each block's 6-bit values are built once for the tokens, and the f32
-    sums of a vector of rows stay in registers over the whole row."""
-    TOK, _, kind = tile_constants("q6_gemm", shape, isa)
+    (|S_u| <= 2 * 128 * 16 * 32 * 127). With shape.kind Q2K_MINS, Q2_K's records (with
+    mins): less dmin sum_u dx_u M_u, M_u = sum over u's halves of m * xs16, exact in
+    int32. tokens (1 for decode, TOKENS for prefill) and isa constants. Each block's 6-bit
+    values are built once for the tokens, and the f32 sums of a vector of rows stay in
+    registers over the whole row."""
+    TOK, layout, kind = tile_constants("q6_gemm", shape, isa)
+    mins = layout == Q2K_MINS
 
     def codegen(context, builder, sig, args):
         i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
@@ -650,9 +659,11 @@ def q6_gemm(typingctx, q, x, acc, shape, isa):
             quads = builder.add(rec, builder.mul(lane, k64(4)))
             lo, hi = _q6_values(builder, n, lambda j: builder.load(
                 ptr("q", builder.add(quads, at(k, 384, Q6K_QS + 64 * j)), wide), align=1))
-            scs = _q6_scales(builder, n, lambda h: builder.load(
-                ptr("q", builder.add(builder.add(rec, lane), at(k, 32, Q6K_SC + 16 * h)),
+            scales = lambda at0: _q6_scales(builder, n, lambda h: builder.load(
+                ptr("q", builder.add(builder.add(rec, lane), at(k, 32, at0 + 16 * h)),
                     ir.VectorType(i8, n)), align=1))
+            scs = scales(Q6K_SC)
+            ms = scales(Q2K_M) if mins else None
             for t in range(TOK):
                 tok = builder.add(t0a, k64(t))
                 si = builder.add(builder.mul(tok, nsa), u)
@@ -663,8 +674,24 @@ def q6_gemm(typingctx, q, x, acc, shape, isa):
                 dx = splat(builder, builder.load(ptr("xd", si, f32)), n)
                 a = sums[0][t]
                 builder.store(fma(builder.sitofp(dot, vf), dx, builder.load(a)), a)
+                if mins:
+                    m = builder.add(builder.mul(ms[0], splat(builder, xs[0], n)),
+                                    builder.mul(ms[1], splat(builder, xs[1], n)))
+                    a = sums[1][t]
+                    builder.store(fma(builder.sitofp(m, vf), dx, builder.load(a)), a)
 
-        _over_records(builder, fr, Q6K_RECORD // 8, TOK, 1, block, _finish_d(fr, Q6K_D))
+        def finish_mins(rec, lane, sums, totals):
+            halves = builder.add(rec, builder.mul(lane, k64(2)))
+            dv = fr.f16s("q", builder.add(halves, k64(Q6K_D)))
+            mnv = fr.f16s("q", builder.add(halves, k64(Q2K_DMIN)))
+            for t, a in enumerate(totals):
+                total = fma(dv, builder.load(sums[0][t]), builder.load(a))
+                builder.store(fma(builder.fneg(mnv), builder.load(sums[1][t]), total), a)
+
+        if mins:
+            _over_records(builder, fr, Q2K_RECORD // 8, TOK, 2, block, finish_mins)
+        else:
+            _over_records(builder, fr, Q6K_RECORD // 8, TOK, 1, block, _finish_d(fr, Q6K_D))
         return context.get_dummy_value()
 
     return types.void(q, x, acc, shape, isa), codegen

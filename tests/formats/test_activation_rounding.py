@@ -25,7 +25,7 @@ ACTIVATIONS = {
     "Q4_0": (32, 32), "Q4_1": (32, 32), "Q5_0": (32, 32), "Q5_1": (32, 32), "Q8_0": (32, 32),
     "Q4_K": (32, 32), "Q5_K": (32, 32), "Q6_K": (32, 32),
     "IQ4_NL": (32, 32), "IQ4_XS": (32, 32),
-    "Q2_K": (256, 0), "Q3_K": (256, 32),
+    "Q2_K": (256, 32), "Q3_K": (256, 32),
 }
 QUANTIZED = [n for n, f in FORMATS.items() if f.block_size > 1]
 
@@ -111,13 +111,13 @@ RECORDS = [n for n in QUANTIZED if issubclass(FORMATS[n].linear, RecordLinear)]
 
 
 def test_the_record_formats_are_the_ones_with_fine_activations():
-    assert sorted(RECORDS) == ["IQ4_NL", "IQ4_XS", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K",
+    assert sorted(RECORDS) == ["IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K",
                                "Q6_K", "Q8_0"]
 
 
 # Q3_K's prefill rewrites its tiles as Q6_K records (q3_k.py); doing that for every decoded
 # token would cost several matvecs, so its fine decode keeps int8 per 256
-FINE_DECODE_BLOCK = {"Q3_K": 256}
+FINE_DECODE_BLOCK = {"Q2_K": 256, "Q3_K": 256}
 
 
 @pytest.mark.parametrize("name", RECORDS)

@@ -217,6 +217,6 @@ def test_prefill_holds_a_tile_a_thread():
     lin = linear(Q3_K, [q], 512)
     sc = Scratch()
     lin.matmul(normalish((16, 512), 62), np.empty((16, 2048), np.float32), sc)
-    held = sc.get("q3_records", (1,), np.uint8).base      # the whole buffer of that name
+    held = sc.get("rewritten", (1,), np.uint8).base       # the whole buffer of that name
     assert lin.nt > numba.get_num_threads()
     assert held.size == numba.get_num_threads() * lin.R // 16 * 2 * Q6K_RECORD
