@@ -239,6 +239,14 @@ def sums16(x8, xs16):
         xs16[i] = s
 
 
+@njit(cache=True)
+def scaled16(xd, xs16, xsum16):
+    # xd (m,) f32 the x scales per 32, xs16 (2m,) int32 -> xsum16 (2m,) f32 = xd xs16,
+    # the sum of each 16 of x as rounded (Q2_K's mins)
+    for i in range(xs16.size):
+        xsum16[i] = xd[i // 2] * f32(xs16[i])
+
+
 @njit(cache=True, parallel=True)
 def matvec_q6_k(q, x8, xd, xs16, out, acc, counter):
     # W (nt*R, n) Q6_K tiles @ x (records.prep_q8_x, xs16 its sums per 16) -> out (d,);
@@ -257,14 +265,14 @@ def matvec_q6_k(q, x8, xd, xs16, out, acc, counter):
 
 
 @njit(cache=True, parallel=True)
-def matmul_q6_k(q, x8, xd, xs16, out, acc, mins):
-    # W (nt*R, n) Q6_K tiles (mins: Q2_K's records, simd.Q2K_*) @ x (records.prep_q8_rows;
-    # x8 flat (Tp*n,), xs16 its sums per 16) -> out (T, dout) = x W^T; acc (nt, TOKENS, R)
-    # f32 per-tile sums
+def matmul_q6_k(q, x8, xd, xs16, xsum16, out, acc, mins):
+    # W (nt*R, n) Q6_K tiles (mins: Q2_K's records, simd.Q2K_*, and xsum16 (Tp*n/16,) f32
+    # the x scale times each sum per 16; unread without mins) @ x (records.prep_q8_rows; x8 flat (Tp*n,), xs16
+    # its sums per 16) -> out (T, dout) = x W^T; acc (nt, TOKENS, R) f32 per-tile sums
     T = out.shape[0]
     R = acc.shape[2]
     nsub = xd.shape[1]
-    x = Q8X(x8, xd.reshape(-1), xs16, None)
+    x = Q8X(x8, xd.reshape(-1), xs16, xsum16)
     for t in prange(q.shape[0]):
         a = acc[t]
         c0 = t * R
@@ -337,7 +345,7 @@ class Q6KLinear(RecordLinear):
     def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
         xs16 = sc.get("q6_xs16", (x8.size // 16,), np.int32)
         sums16(x8, xs16)
-        matmul_q6_k(self.q, x8, xd, xs16, out, acc, False)
+        matmul_q6_k(self.q, x8, xd, xs16, xs16, out, acc, False)
 
     def _rows(self, ids, out):
         rows_q6_k(self.q, ids, out)
@@ -362,8 +370,11 @@ class RewrittenTiles(RecordLinear):
     def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
         xs16 = sc.get("q6_xs16", (x8.size // 16,), np.int32)
         sums16(x8, xs16)
+        xsum16 = sc.get("q6_xsum16", (x8.size // 16,)) if self.mins else xs16
+        if self.mins:
+            scaled16(xd.reshape(-1), xs16, xsum16)
         self._by_records(out, sc, lambda recs, part: matmul_q6_k(
-            recs, x8, xd, xs16, part, acc[:recs.shape[0]], self.mins))
+            recs, x8, xd, xs16, xsum16, part, acc[:recs.shape[0]], self.mins))
 
     def _amx_product(self, xa, xda, xsuma, nb, out, acc, sc):
         self._by_records(out, sc, lambda recs, part: records.matmul_blocks_amx(

@@ -641,8 +641,8 @@ def q6_gemm(typingctx, q, x, acc, shape, isa):
     // tokens) = row r . x_{t0+k} = sum over super-blocks of d sum over their blocks u of
     dx_u S_u, S_u = sum over u's two halves of scale * sum((q - 32) x8), exact in int32
     (|S_u| <= 2 * 128 * 16 * 32 * 127). With shape.kind Q2K_MINS, Q2_K's records (with
-    mins): less dmin sum_u dx_u M_u, M_u = sum over u's halves of m * xs16, exact in
-    int32. tokens (1 for decode, TOKENS for prefill) and isa constants. Each block's 6-bit
+    mins) and x.xsum = xsum16 (Tp*2nb,) f32, dx_u times each sum per 16: less dmin sum
+    over halves h of m_h xsum16_h. tokens (1 for decode, TOKENS for prefill) and isa constants. Each block's 6-bit
     values are built once for the tokens, and the f32 sums of a vector of rows stay in
     registers over the whole row."""
     TOK, layout, kind = tile_constants("q6_gemm", shape, isa)
@@ -663,7 +663,7 @@ def q6_gemm(typingctx, q, x, acc, shape, isa):
                 ptr("q", builder.add(builder.add(rec, lane), at(k, 32, at0 + 16 * h)),
                     ir.VectorType(i8, n)), align=1))
             scs = scales(Q6K_SC)
-            ms = scales(Q2K_M) if mins else None
+            ms = [builder.sitofp(m, vf) for m in scales(Q2K_M)] if mins else None
             for t in range(TOK):
                 tok = builder.add(t0a, k64(t))
                 si = builder.add(builder.mul(tok, nsa), u)
@@ -675,10 +675,10 @@ def q6_gemm(typingctx, q, x, acc, shape, isa):
                 a = sums[0][t]
                 builder.store(fma(builder.sitofp(dot, vf), dx, builder.load(a)), a)
                 if mins:
-                    m = builder.add(builder.mul(ms[0], splat(builder, xs[0], n)),
-                                    builder.mul(ms[1], splat(builder, xs[1], n)))
+                    xm = [splat(builder, builder.load(ptr("xsum", builder.add(builder.mul(si, k64(2)), k64(h)),
+                                                         f32)), n) for h in range(2)]
                     a = sums[1][t]
-                    builder.store(fma(builder.sitofp(m, vf), dx, builder.load(a)), a)
+                    builder.store(fma(ms[1], xm[1], fma(ms[0], xm[0], builder.load(a))), a)
 
         def finish_mins(rec, lane, sums, totals):
             halves = builder.add(rec, builder.mul(lane, k64(2)))
