@@ -26,7 +26,7 @@ Q3_K's) and multiplied by q6_gemm, or on AMX tiles, while they are in its thread
 cache. Holding them for the whole matrix would take 6.6 bits a weight beside the 3.6
 decode reads. Rewriting a tile costs about what eight decode products of it do (warm),
 so a prompt of a few tokens costs more than decoding them one by one would; from about
-a dozen tokens up it costs less (bench/results/design_measurements.json, "Q3_K prefill").
+a dozen tokens up it costs less (bench/results/design_measurements.json, "Q3_K and Q2_K prefill").
 """
 from __future__ import annotations
 

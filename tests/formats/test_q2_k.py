@@ -6,6 +6,7 @@ the NumPy twin as every format; inputs and helpers shared with test_q3_k.py).
   nearest (independent of ggml).
 - decode: W @ xq but for float rounding (as test_q3_k.py), the int16 sums at their
   bounds; resident size.
+- prefill (its tiles rewritten as Q6_K records and mins): exact at the sums' bounds.
 """
 import numpy as np
 import pytest
@@ -66,12 +67,9 @@ def test_matvec_is_w_times_rounded_x(shape):
     check_linear(Q2_K, shape, q2_mag)
 
 
-def test_matvec_int16_sums_at_their_bounds():
-    # levels 0 or 3 with the extreme scale and min codes 0 or 15, x = +-127 (xq = x, the
-    # x scale 1): row 0, all 3 with scale and min 15, reaches the int16 sub-block sum
-    # 16 * 3 * 127 = 6096 and the int32 sums 16 * 15 * 6096 and 16 * 15 * 16 * 127 per
-    # super-block; W @ x is then exact
-    n, d = 512, 40
+def extreme_blocks(n, d):
+    """Q2_K rows (d, n) of levels 0 or 3 with the extreme scale and min codes 0 or 15 and
+    d = dmin = 1; row 0 all 3 with scale and min 15 (its weights 30), and W float64."""
     blk = np.zeros((d, n // 256, 84), np.uint8)
     lvl = (u24(d * n, 50).reshape(d, n // 256, 256) % 2).astype(np.uint8) * 3   # 0 or 3
     lvl[0] = 3
@@ -84,11 +82,34 @@ def test_matvec_int16_sums_at_their_bounds():
     q = blk.reshape(d, -1)
     w = gguf_dequantize(q, G.Q2_K).astype(np.float64)
     assert np.all(w[0] == 30) and w.min() == -15
+    return q, w
+
+
+def test_matvec_int16_sums_at_their_bounds():
+    # x = +-127 (xq = x, the x scale 1): row 0 reaches the int16 sub-block sum 16 * 3 *
+    # 127 = 6096 and the int32 sums 16 * 15 * 6096 and 16 * 15 * 16 * 127 per
+    # super-block; W @ x is then exact
+    n, d = 512, 40
+    q, w = extreme_blocks(n, d)
     lin = linear(Q2_K, [q], n)
     for x in (np.full(n, 127, np.float32), np.where(w[3] > 0, 127, -127).astype(np.float32)):
         out = np.empty(d, np.float32)
         lin.matvec(x, out)
         np.testing.assert_array_equal(out, w @ x)
+
+
+def test_prefill_at_the_extremes_is_exact():
+    # prefill's records (q6 = q + 32, the mins beside them): the same weights by x at
+    # +-127 in every block of 32 (the x scale 1), so the scale and min sums are exact
+    # integers and x W^T is exact
+    n, d = 512, 40
+    q, w = extreme_blocks(n, d)
+    lin = linear(Q2_K, [q], n)
+    x = np.where(u24(20 * n, 54).reshape(20, n) % 2 == 0, 127, -127).astype(np.float32)
+    x[0] = 127
+    out = np.empty((20, d), np.float32)
+    lin.matmul(x, out)
+    np.testing.assert_array_equal(out, x.astype(np.float64) @ w.T)
 
 
 def test_resident_memory_is_file_size():
