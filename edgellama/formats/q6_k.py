@@ -266,9 +266,10 @@ def matvec_q6_k(q, x8, xd, xs16, out, acc, counter):
 
 @njit(cache=True, parallel=True)
 def matmul_q6_k(q, x8, xd, xs16, xsum16, out, acc, mins):
-    # W (nt*R, n) Q6_K tiles (mins: Q2_K's records, simd.Q2K_*, and xsum16 (Tp*n/16,) f32
-    # the x scale times each sum per 16; unread without mins) @ x (records.prep_q8_rows; x8 flat (Tp*n,), xs16
-    # its sums per 16) -> out (T, dout) = x W^T; acc (nt, TOKENS, R) f32 per-tile sums
+    # W (nt*R, n) Q6_K tiles (mins: Q2_K's records, simd.Q2K_*, and xsum16 (Tp*n/16,)
+    # f32 the x scale times each sum per 16; unread without mins) @ x
+    # (records.prep_q8_rows; x8 flat (Tp*n,), xs16 its sums per 16) -> out (T, dout) =
+    # x W^T; acc (nt, TOKENS, R) f32 per-tile sums
     T = out.shape[0]
     R = acc.shape[2]
     nsub = xd.shape[1]

@@ -13,8 +13,8 @@ record_group(nb), the rows' f16 d (and m) of each block, then the blocks' bytes 
 quads, Q5's then its fifth bits; IQ4_NL's nibbles are looked up in the kernel); decode
 and prefill are one intrinsic, simd.blocks_gemm, which keeps its f32 sums in registers
 over a row.
-Q3_K's prefill runs here too, its tiles rewritten as Q6_K records a few at a time
-(q3_k.py).
+Q3_K's and Q2_K's prefill run here too, their tiles rewritten as Q6_K records a few at
+a time (q6_k.RewrittenTiles).
 Where the CPU has AMX and Linux grants the tiles (amx.enabled()), a prefill of
 AMX_MIN_ROWS or more rows multiplies 16 rows of x by a block of 16 rows of weights per
 tile instruction instead (amx.amx_blocks_gemm, matmul_blocks_amx), with the same bits.

@@ -636,15 +636,15 @@ Q2K_MINS = 2              # q6_gemm's kind for Q2_K's records (Q6_K's: 6, its bi
 @intrinsic(prefer_literal=True)
 def q6_gemm(typingctx, q, x, acc, shape, isa):
     """One tile of Q6_K records (q: R rows of shape.nb blocks of 32, layout above;
-    shape.group K_GROUP, shape.kind 6) times shape.tokens rows t0.. of x (Q8X:
-    x8, xd, xs = xs16 (Tp*2nb,) int32 its sums per 16): acc[k R + r] (f32, R = acc.size
-    // tokens) = row r . x_{t0+k} = sum over super-blocks of d sum over their blocks u of
+    shape.group K_GROUP, shape.kind 6) times shape.tokens rows t0.. of x (Q8X: x8, xd,
+    xs = xs16 (Tp*2nb,) int32 its sums per 16): acc[k R + r] (f32, R = acc.size //
+    tokens) = row r . x_{t0+k} = sum over super-blocks of d sum over their blocks u of
     dx_u S_u, S_u = sum over u's two halves of scale * sum((q - 32) x8), exact in int32
-    (|S_u| <= 2 * 128 * 16 * 32 * 127). With shape.kind Q2K_MINS, Q2_K's records (with
-    mins) and x.xsum = xsum16 (Tp*2nb,) f32, dx_u times each sum per 16: less dmin sum
-    over halves h of m_h xsum16_h. tokens (1 for decode, TOKENS for prefill) and isa constants. Each block's 6-bit
-    values are built once for the tokens, and the f32 sums of a vector of rows stay in
-    registers over the whole row."""
+    (|S_u| <= 2 * 128 * 16 * 32 * 127). With shape.kind Q2K_MINS, Q2_K's records and
+    x.xsum = xsum16 (Tp*2nb,) f32, dx_u times each sum per 16: less dmin times the sum
+    over halves of m xsum16. tokens (1 for decode, TOKENS for prefill) and isa
+    constants. Each block's 6-bit values are built once for the tokens, and the f32
+    sums of a vector of rows stay in registers over the whole row."""
     TOK, layout, kind = tile_constants("q6_gemm", shape, isa)
     mins = layout == Q2K_MINS
 
