@@ -301,6 +301,21 @@ def _finish_d(fr, d_at):
     return finish
 
 
+def _finish_d_dmin(fr, d_at, dmin_at):
+    """A finish for _over_records: totals[t] += d sums[0][t] - dmin sums[1][t], d and dmin
+    the rows' f16 scales at bytes d_at and dmin_at of the record (the K-quants' mins)."""
+    b = fr.builder
+
+    def finish(rec, lane, sums, totals):
+        halves = b.add(rec, b.mul(lane, fr.k64(2)))
+        dv = fr.f16s("q", b.add(halves, fr.k64(d_at)))
+        mnv = fr.f16s("q", b.add(halves, fr.k64(dmin_at)))
+        for t, a in enumerate(totals):
+            total = fr.fma(dv, b.load(sums[0][t]), b.load(a))
+            b.store(fr.fma(b.fneg(mnv), b.load(sums[1][t]), total), a)
+    return finish
+
+
 def _x_words(builder, fr, tok, u):
     """The 8 i32 words (4 int8 each) of block u of row tok of x8."""
     xo = builder.add(builder.mul(tok, fr.ncol), builder.mul(u, fr.k64(32)))
@@ -504,15 +519,8 @@ def q4k_gemm(typingctx, q, x, acc, shape, isa):
                 xs = splat(builder, builder.load(ptr("xsum", si, f32)), n)
                 builder.store(fma(mv, xs, builder.load(a2)), a2)
 
-        def finish(rec, lane, sums, totals):
-            halves = builder.add(rec, builder.mul(lane, k64(2)))
-            dv = fr.f16s("q", builder.add(halves, k64(Q4K_D)))
-            mnv = fr.f16s("q", builder.add(halves, k64(Q4K_DMIN)))
-            for t, a in enumerate(totals):
-                total = fma(dv, builder.load(sums[0][t]), builder.load(a))
-                builder.store(fma(builder.fneg(mnv), builder.load(sums[1][t]), total), a)
-
-        _over_records(builder, fr, (Q5K_RECORD if five else Q4K_RECORD) // 8, TOK, 2, block, finish)
+        _over_records(builder, fr, (Q5K_RECORD if five else Q4K_RECORD) // 8, TOK, 2, block,
+                      _finish_d_dmin(fr, Q4K_D, Q4K_DMIN))
         return context.get_dummy_value()
 
     return types.void(q, x, acc, shape, isa), codegen
@@ -680,16 +688,8 @@ def q6_gemm(typingctx, q, x, acc, shape, isa):
                     a = sums[1][t]
                     builder.store(fma(ms[1], xm[1], fma(ms[0], xm[0], builder.load(a))), a)
 
-        def finish_mins(rec, lane, sums, totals):
-            halves = builder.add(rec, builder.mul(lane, k64(2)))
-            dv = fr.f16s("q", builder.add(halves, k64(Q6K_D)))
-            mnv = fr.f16s("q", builder.add(halves, k64(Q2K_DMIN)))
-            for t, a in enumerate(totals):
-                total = fma(dv, builder.load(sums[0][t]), builder.load(a))
-                builder.store(fma(builder.fneg(mnv), builder.load(sums[1][t]), total), a)
-
         if mins:
-            _over_records(builder, fr, Q2K_RECORD // 8, TOK, 2, block, finish_mins)
+            _over_records(builder, fr, Q2K_RECORD // 8, TOK, 2, block, _finish_d_dmin(fr, Q6K_D, Q2K_DMIN))
         else:
             _over_records(builder, fr, Q6K_RECORD // 8, TOK, 1, block, _finish_d(fr, Q6K_D))
         return context.get_dummy_value()

@@ -78,7 +78,13 @@ def test_greedy_equals_plain_decoding(tiny_pair, which):
         accepted += target.stats.accepted
     # the prompts include near ties, and the check ran on both accepted and rejected tokens
     assert min(gaps) < 0.02
-    assert 0 < accepted <= drafted
+    if "fixed" in which or target.model.one_pass_verify:
+        assert 0 < accepted <= drafted
+    else:
+        # a target that checks a token per pass (F16 here) gains nothing from drafts, and
+        # the adaptive drafter may turn itself off before any is accepted (usage.md,
+        # Speculative decoding); the fixed-length drafters check accepted tokens there
+        assert accepted <= drafted
     if "fixed" in which:
         # how much an adaptive drafter drafts follows measured timings (where the tiny
         # draft costs what a target step does, or a loaded machine makes a check cost
