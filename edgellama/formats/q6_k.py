@@ -383,17 +383,15 @@ class RewrittenTiles(RecordLinear):
 
     def _by_records(self, out, sc, product):
         # out (T, out_features) = product(recs, part) over runs of tiles t0..t1, one a
-        # thread, rewritten in recs; part (T, the run's rows)
+        # thread, rewritten in recs; part the run's columns of out, written in place (a
+        # copy from a buffer would be serial work beside the threads' products)
         R, step = self.R, numba.get_num_threads()
         size = Q2K_RECORD if self.mins else Q6K_RECORD
         recs = sc.get("rewritten", (step, R // RECORD_ROWS * self.in_features // QK * size), np.uint8)
         for t0 in range(0, self.nt, step):
             t1 = min(self.nt, t0 + step)
             self._rewrite(t0, t1, recs)
-            c0, c1 = t0 * R, min(self.out_features, t1 * R)
-            part = sc.get("rewritten_out", (out.shape[0], c1 - c0))
-            product(recs[:t1 - t0], part)
-            out[:, c0:c1] = part
+            product(recs[:t1 - t0], out[:, t0 * R:min(self.out_features, t1 * R)])
 
 
 Q6_K = WeightFormat("Q6_K", "ql:u8[128], qh:u8[64], scales:i8[16], d:f16; "

@@ -115,8 +115,9 @@ def test_the_record_formats_are_the_ones_with_fine_activations():
                                "Q6_K", "Q8_0"]
 
 
-# Q3_K's prefill rewrites its tiles as Q6_K records (q3_k.py); doing that for every decoded
-# token would cost several matvecs, so its fine decode keeps int8 per 256
+# Q2_K's and Q3_K's prefill rewrites their tiles as Q6_K records (q6_k.RewrittenTiles);
+# doing that for every decoded token would cost several matvecs, so their fine decode
+# keeps int8 per 256
 FINE_DECODE_BLOCK = {"Q2_K": 256, "Q3_K": 256}
 
 
