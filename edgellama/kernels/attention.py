@@ -24,6 +24,8 @@ rows (cap, hd), q4_0 ggml nibble bytes (cap, hd/2), scales (cap, hd/32).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numba as nb
 import numpy as np
 from llvmlite import ir
@@ -33,8 +35,8 @@ from numba.extending import intrinsic, overload
 
 from ..formats.records import prep_q8_x
 from .fp import f16_to_f32, f32_to_f16, half_to_float_ir
-from .rows import _AVX512, _MIN_LOGIT, _VREGS, _exp_neg, _fma, _scores, _weighted
-from .simd import ISA, L2, _dot, call_llvm, ir_ptr, prefetch_ir, splat
+from .rows import _AVX512, _MIN_LOGIT, _VREGS, Rows, _exp_neg, _fma, _scores, _weighted, rows_ir
+from .simd import ISA, L2, Q8X, _dot, call_llvm, ir_ptr, prefetch_ir, splat
 
 F32 = np.float32
 KV_BLOCK = 16        # positions per block of K (one vector lane each)
@@ -67,25 +69,42 @@ def kv_capacity(ctx: int) -> int:
 
 # -- register kernels of the quantized types ----------------------------------------------
 
+class Run(NamedTuple):
+    """The stretch of one KV head's cache a register kernel reads: its values (int8 or
+    nibble bytes) from element off of `values`, and their block scales (f16 bits, or f32
+    widened beforehand) from element soff of `scales`."""
+    values: object
+    off: int
+    scales: object
+    soff: int
+
+
 @intrinsic(prefer_literal=True)
-def _scores_q16(typingctx, kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride,
-                nblk, g, kind):
-    """s[soff + j sstride + 16 p + l] = sum over head-dim blocks b of dk(p, b, l) qd[qoff/32
-    + j nbk + b] S(j, p, b, l), for the nblk blocks p of 16 positions (lanes l) from byte
-    koff of kq and scale koff ksoff of ks (f16 bits (nB, nbk, 16)), j < g (a constant),
-    nbk = hd/32, S the exact int32 dot of position l's int8 K values of block b with q8's
-    row j (int8, from qoff): for q4_0 (nibble - 8) as sum(nibble q) - 8 qs8[j, b]. Each K
-    vector is loaded and unpacked once for the g query heads."""
+def _scores_q16(typingctx, k, q, qoff, s, hd, nblk, g, kind):
+    """s.a[s.off + j s.stride + 16 p + l] = sum over head-dim blocks b of dk(p, b, l)
+    q.xd[qoff/32 + j nbk + b] S(j, p, b, l), for the nblk blocks p of 16 positions (lanes
+    l) of the Run k (values from byte k.off of k.values, the layout of the module
+    docstring; scales, f16 bits (nB, nbk, 16), from k.soff of k.scales), j < g (a
+    constant), nbk = hd/32, S the exact int32 dot of position l's int8 K values of block
+    b with row j of q.x8 (int8 rows of hd, from qoff): for q4_0 (nibble - 8) as sum(nibble
+    q) - 8 q.xs[j, b]. q a Q8X (x8, xd, xs; xsum unused), s Rows. Each K vector is loaded
+    and unpacked once for the g query heads."""
     if not isinstance(g, types.IntegerLiteral) or not isinstance(kind, types.IntegerLiteral):
         return None
     G, KIND = g.literal_value, kind.literal_value
 
     def codegen(context, builder, sig, args):
-        koa, ksa, qoa, hda, soa, ssa, nba = (args[i] for i in (1, 3, 7, 8, 10, 11, 12))
+        qoa, hda, nba = args[2], args[4], args[5]
+        kty, qty = sig.args[0], sig.args[1]
+        kva, koa, ksv, ksa = (builder.extract_value(args[0], i) for i in range(4))
+        q8a, qda, qsa = (builder.extract_value(args[1], i) for i in range(3))
+        sty, sa, soa, ssa = rows_ir(context, builder, sig, args, 3)
+        arrays = {"k": (kty.types[0], kva), "ks": (kty.types[2], ksv), "q8": (qty.types[0], q8a),
+                  "qd": (qty.types[1], qda), "qs8": (qty.types[2], qsa), "s": (sty, sa)}
         i32, f32 = ir.IntType(32), ir.FloatType()
         v16, w16 = ir.VectorType(f32, 16), ir.VectorType(i32, 16)
         k64 = lambda v: ir.Constant(koa.type, v)
-        ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
+        ptr = lambda name, off, ty: ir_ptr(context, builder, *arrays[name], off, ty)
         nbk = builder.udiv(hda, k64(QBLOCK))
         bbytes = 512 if KIND == KIND_Q8 else 256          # K bytes per head-dim block
         pbytes = builder.mul(nbk, k64(bbytes))            # per block of 16 positions
@@ -99,12 +118,11 @@ def _scores_q16(typingctx, kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, 
                 b = blk.index
                 at = builder.add(kbase, builder.mul(b, k64(bbytes)))
                 for line in range(0, bbytes, 64):
-                    prefetch_ir(context, builder, sig.args[0], args[0],
-                                builder.add(at, k64(_PREFETCH_Q + line)), L2)
+                    prefetch_ir(context, builder, *arrays["k"], builder.add(at, k64(_PREFETCH_Q + line)), L2)
                 dk = half_to_float_ir(builder, builder.load(
-                    ptr(2, builder.add(sbase, builder.mul(b, k64(16))),
+                    ptr("ks", builder.add(sbase, builder.mul(b, k64(16))),
                         ir.VectorType(ir.IntType(16), 16)), align=2))
-                words = [builder.load(ptr(0, builder.add(at, k64(64 * gq)), w16), align=1)
+                words = [builder.load(ptr("k", builder.add(at, k64(64 * gq)), w16), align=1)
                          for gq in range(bbytes // 64)]
                 if KIND == KIND_Q4:
                     m = ir.Constant(w16, [0x0F0F0F0F] * 16)
@@ -113,7 +131,7 @@ def _scores_q16(typingctx, kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, 
                 for j, a in enumerate(accs):
                     qrow = builder.add(qoa, builder.mul(k64(j), hda))
                     qb = builder.add(qrow, builder.mul(b, k64(QBLOCK)))
-                    x = lambda e: builder.load(ptr(4, builder.add(qb, k64(e)), i32), align=1)
+                    x = lambda e: builder.load(ptr("q8", builder.add(qb, k64(e)), i32), align=1)
                     if KIND == KIND_Q8:
                         isum = _dot(builder, ISA, 16, [(w, x(4 * gq)) for gq, w in enumerate(words)],
                                     True)
@@ -123,17 +141,16 @@ def _scores_q16(typingctx, kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, 
                         isum = _dot(builder, ISA, 16, pairs, False)
                     qi = builder.add(builder.udiv(qoa, k64(QBLOCK)), builder.add(builder.mul(k64(j), nbk), b))
                     if KIND == KIND_Q4:
-                        s8 = builder.load(ptr(6, qi, i32))
+                        s8 = builder.load(ptr("qs8", qi, i32))
                         isum = builder.sub(isum, splat(builder, builder.shl(s8, ir.Constant(i32, 3)), 16))
-                    scale = builder.fmul(dk, splat(builder, builder.load(ptr(5, qi, f32)), 16))
+                    scale = builder.fmul(dk, splat(builder, builder.load(ptr("qd", qi, f32)), 16))
                     builder.store(_fma(builder, builder.sitofp(isum, v16), scale, builder.load(a)), a)
             for j, a in enumerate(accs):
                 o = builder.add(builder.add(soa, builder.mul(k64(j), ssa)), builder.mul(pb.index, k64(16)))
-                builder.store(builder.load(a), ptr(9, o, v16), align=4)
+                builder.store(builder.load(a), ptr("s", o, v16), align=4)
         return context.get_dummy_value()
 
-    return types.void(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, g,
-                      kind), codegen
+    return types.void(k, q, qoff, s, hd, nblk, g, kind), codegen
 
 
 def _vblocks(g):
@@ -144,26 +161,31 @@ def _vblocks(g):
 
 
 @intrinsic(prefer_literal=True)
-def _weighted_q16(typingctx, vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, g,
-                  kind):
-    """out[ooff + j ostride + c] += sum_p w[j wstride + p] dv(p, c/32) V(p, c) for c < hd,
-    j < g (a constant), over the n positions p from byte voff of vq (q8_0: int8 rows of hd,
-    q4_0: ggml nibble rows of hd/2), dv(p, b) = dvf[dvoff + p hd/32 + b] (f32, the block
-    scales widened beforehand): _vblocks(g) head-dim blocks of 32 columns a pass over the
-    positions, their 2 g vector sums per block in registers. Each position's block is
-    widened to f32 and scaled once, dv V, for the g heads (one multiply by a broadcast
-    load), whose weights are broadcast loads into the FMAs."""
+def _weighted_q16(typingctx, v, w, out, hd, n, g, kind):
+    """out.a[out.off + j out.stride + c] += sum_p w.a[w.off + j w.stride + p] dv(p, c/32)
+    V(p, c) for c < hd, j < g (a constant), over the n positions p of the Run v (values
+    from byte v.off of v.values, q8_0: int8 rows of hd, q4_0: ggml nibble rows of hd/2;
+    dv(p, b) = v.scales[v.soff + p hd/32 + b], f32, the block scales widened
+    beforehand); w and out Rows: _vblocks(g) head-dim blocks of 32 columns a pass over
+    the positions, their 2 g vector sums per block in registers. Each position's block
+    is widened to f32 and scaled once, dv V, for the g heads (one multiply by a
+    broadcast load), whose weights are broadcast loads into the FMAs."""
     if not isinstance(g, types.IntegerLiteral) or not isinstance(kind, types.IntegerLiteral):
         return None
     G, KIND = g.literal_value, kind.literal_value
     BP = _vblocks(G)
 
     def codegen(context, builder, sig, args):
-        voa, dva, hda, wsa, na, ooa, osa = (args[i] for i in (1, 3, 4, 6, 7, 9, 10))
+        hda, na = args[3], args[4]
+        vty = sig.args[0]
+        vva, voa, dvv, dva = (builder.extract_value(args[0], i) for i in range(4))
+        wty, wa, woa, wsa = rows_ir(context, builder, sig, args, 1)
+        oty, oa, ooa, osa = rows_ir(context, builder, sig, args, 2)
+        arrays = {"v": (vty.types[0], vva), "dv": (vty.types[2], dvv), "w": (wty, wa), "out": (oty, oa)}
         i8, f32 = ir.IntType(8), ir.FloatType()
         v16, b16, w16 = ir.VectorType(f32, 16), ir.VectorType(i8, 16), ir.VectorType(ir.IntType(32), 16)
         k64 = lambda v: ir.Constant(voa.type, v)
-        ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
+        ptr = lambda name, off, ty: ir_ptr(context, builder, *arrays[name], off, ty)
         nbk = builder.udiv(hda, k64(QBLOCK))
         rbytes = hda if KIND == KIND_Q8 else builder.udiv(hda, k64(2))
         bbytes = 32 if KIND == KIND_Q8 else 16
@@ -173,7 +195,7 @@ def _weighted_q16(typingctx, vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff,
             accs = [[cgutils.alloca_once(builder, v16) for _ in range(2 * bp)] for _ in range(G)]
             with cgutils.for_range(builder, count) as grp:
                 b0 = builder.add(first, builder.mul(grp.index, k64(bp)))
-                outs = [[ptr(8, builder.add(builder.add(ooa, builder.mul(k64(j), osa)),
+                outs = [[ptr("out", builder.add(builder.add(ooa, builder.mul(k64(j), osa)),
                                             builder.add(builder.mul(b0, k64(QBLOCK)), k64(16 * h))),
                              v16) for h in range(2 * bp)] for j in range(G)]
                 for j in range(G):
@@ -182,25 +204,24 @@ def _weighted_q16(typingctx, vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff,
                 with cgutils.for_range(builder, na) as pos:
                     row = builder.add(builder.add(voa, builder.mul(pos.index, rbytes)),
                                       builder.mul(b0, k64(bbytes)))
-                    prefetch_ir(context, builder, sig.args[0], args[0], builder.add(row, k64(_PREFETCH_Q)),
-                                L2)
+                    prefetch_ir(context, builder, *arrays["v"], builder.add(row, k64(_PREFETCH_Q)), L2)
                     dvp = builder.add(dva, builder.add(builder.mul(pos.index, nbk), b0))
                     vals = []
                     for bi in range(bp):
                         at = builder.add(row, k64(bi * bbytes))
                         if KIND == KIND_Q8:
-                            ints = [builder.sext(builder.load(ptr(0, builder.add(at, k64(16 * h)), b16),
+                            ints = [builder.sext(builder.load(ptr("v", builder.add(at, k64(16 * h)), b16),
                                                               align=1), w16) for h in range(2)]
                         else:
-                            raw = builder.zext(builder.load(ptr(0, at, b16), align=1), w16)
+                            raw = builder.zext(builder.load(ptr("v", at, b16), align=1), w16)
                             eight = ir.Constant(w16, [8] * 16)
                             ints = [builder.sub(builder.and_(raw, ir.Constant(w16, [15] * 16)), eight),
                                     builder.sub(builder.lshr(raw, ir.Constant(w16, [4] * 16)), eight)]
-                        dv = splat(builder, builder.load(ptr(2, builder.add(dvp, k64(bi)), f32)), 16)
+                        dv = splat(builder, builder.load(ptr("dv", builder.add(dvp, k64(bi)), f32)), 16)
                         vals += [builder.fmul(builder.sitofp(x, v16), dv) for x in ints]
                     for j in range(G):
-                        wj = splat(builder, builder.load(
-                            ptr(5, builder.add(builder.mul(k64(j), wsa), pos.index), f32)), 16)
+                        wj = builder.add(builder.add(woa, builder.mul(k64(j), wsa)), pos.index)
+                        wj = splat(builder, builder.load(ptr("w", wj, f32)), 16)
                         for h, a in enumerate(accs[j]):
                             builder.store(_fma(builder, wj, vals[h], builder.load(a)), a)
                 for j in range(G):
@@ -214,85 +235,85 @@ def _weighted_q16(typingctx, vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff,
             passes(done, builder.sub(nbk, done), 1)     # the blocks left over
         return context.get_dummy_value()
 
-    return types.void(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, g, kind), codegen
+    return types.void(v, w, out, hd, n, g, kind), codegen
 
 
 @nb.njit(cache=True, inline="always")
-def _scores_q(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, g, kind):
+def _scores_q(k, q, qoff, s, hd, nblk, g, kind):
     # _scores_q16 with g and kind as constants, g 1.._GMAX
     if kind == KIND_Q8:
         if g == 4:
-            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 4, 0)
+            _scores_q16(k, q, qoff, s, hd, nblk, 4, 0)
         elif g == 3:
-            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 3, 0)
+            _scores_q16(k, q, qoff, s, hd, nblk, 3, 0)
         elif g == 8:
-            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 8, 0)
+            _scores_q16(k, q, qoff, s, hd, nblk, 8, 0)
         elif g == 2:
-            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 2, 0)
+            _scores_q16(k, q, qoff, s, hd, nblk, 2, 0)
         elif g == 1:
-            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 1, 0)
+            _scores_q16(k, q, qoff, s, hd, nblk, 1, 0)
         elif g == 6:
-            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 6, 0)
+            _scores_q16(k, q, qoff, s, hd, nblk, 6, 0)
         elif g == 5:
-            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 5, 0)
+            _scores_q16(k, q, qoff, s, hd, nblk, 5, 0)
         elif g == 7:
-            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 7, 0)
+            _scores_q16(k, q, qoff, s, hd, nblk, 7, 0)
     else:
         if g == 4:
-            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 4, 1)
+            _scores_q16(k, q, qoff, s, hd, nblk, 4, 1)
         elif g == 3:
-            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 3, 1)
+            _scores_q16(k, q, qoff, s, hd, nblk, 3, 1)
         elif g == 8:
-            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 8, 1)
+            _scores_q16(k, q, qoff, s, hd, nblk, 8, 1)
         elif g == 2:
-            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 2, 1)
+            _scores_q16(k, q, qoff, s, hd, nblk, 2, 1)
         elif g == 1:
-            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 1, 1)
+            _scores_q16(k, q, qoff, s, hd, nblk, 1, 1)
         elif g == 6:
-            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 6, 1)
+            _scores_q16(k, q, qoff, s, hd, nblk, 6, 1)
         elif g == 5:
-            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 5, 1)
+            _scores_q16(k, q, qoff, s, hd, nblk, 5, 1)
         elif g == 7:
-            _scores_q16(kq, koff, ks, ksoff, q8, qd, qs8, qoff, hd, s, soff, sstride, nblk, 7, 1)
+            _scores_q16(k, q, qoff, s, hd, nblk, 7, 1)
 
 
 @nb.njit(cache=True, inline="always")
-def _weighted_q(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, g, kind):
+def _weighted_q(v, w, out, hd, n, g, kind):
     # _weighted_q16 with g and kind as constants, g 1.._GMAX
     if kind == KIND_Q8:
         if g == 4:
-            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 4, 0)
+            _weighted_q16(v, w, out, hd, n, 4, 0)
         elif g == 3:
-            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 3, 0)
+            _weighted_q16(v, w, out, hd, n, 3, 0)
         elif g == 8:
-            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 8, 0)
+            _weighted_q16(v, w, out, hd, n, 8, 0)
         elif g == 2:
-            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 2, 0)
+            _weighted_q16(v, w, out, hd, n, 2, 0)
         elif g == 1:
-            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 1, 0)
+            _weighted_q16(v, w, out, hd, n, 1, 0)
         elif g == 6:
-            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 6, 0)
+            _weighted_q16(v, w, out, hd, n, 6, 0)
         elif g == 5:
-            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 5, 0)
+            _weighted_q16(v, w, out, hd, n, 5, 0)
         elif g == 7:
-            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 7, 0)
+            _weighted_q16(v, w, out, hd, n, 7, 0)
     else:
         if g == 4:
-            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 4, 1)
+            _weighted_q16(v, w, out, hd, n, 4, 1)
         elif g == 3:
-            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 3, 1)
+            _weighted_q16(v, w, out, hd, n, 3, 1)
         elif g == 8:
-            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 8, 1)
+            _weighted_q16(v, w, out, hd, n, 8, 1)
         elif g == 2:
-            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 2, 1)
+            _weighted_q16(v, w, out, hd, n, 2, 1)
         elif g == 1:
-            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 1, 1)
+            _weighted_q16(v, w, out, hd, n, 1, 1)
         elif g == 6:
-            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 6, 1)
+            _weighted_q16(v, w, out, hd, n, 6, 1)
         elif g == 5:
-            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 5, 1)
+            _weighted_q16(v, w, out, hd, n, 5, 1)
         elif g == 7:
-            _weighted_q16(vq, voff, dvf, dvoff, hd, w, wstride, n, out, ooff, ostride, 7, 1)
+            _weighted_q16(v, w, out, hd, n, 7, 1)
 
 
 @intrinsic
@@ -370,8 +391,8 @@ def _ov_chunk_scores(kq, ks, hd, cap, kvh, c0, n, q32, q8, qd, qs8, r, s, soff, 
             base = kvh * cap * hd + c0 * hd
             if hd % 16 == 0:
                 for j0 in range(0, g, gm):
-                    _scores(kq, base, q32[(r + j0) * hd:], hd, s, soff + j0 * _CHUNK, _CHUNK,
-                            nblk, min(gm, g - j0))
+                    _scores(kq, base, Rows(q32, (r + j0) * hd, hd), Rows(s, soff + j0 * _CHUNK, _CHUNK),
+                            hd, nblk, min(gm, g - j0))
             else:
                 _scores_plain(kq, base, q32, r, hd, s, soff, nblk, g)
         return f16
@@ -382,9 +403,10 @@ def _ov_chunk_scores(kq, ks, hd, cap, kvh, c0, n, q32, q8, qd, qs8, r, s, soff, 
         per = hd * 16 if kind == KIND_Q8 else hd * 8           # bytes per 16 positions
         kb = kvh * (cap // KV_BLOCK) * per + (c0 // KV_BLOCK) * per
         sb = kvh * cap * nbk + c0 * nbk
+        k, q = Run(kq, kb, ks, sb), Q8X(q8, qd, qs8, None)
         for j0 in range(0, g, gm):
-            _scores_q(kq, kb, ks, sb, q8, qd, qs8, (r + j0) * hd, hd, s, soff + j0 * _CHUNK,
-                      _CHUNK, -(-n // KV_BLOCK), min(gm, g - j0), kind)
+            _scores_q(k, q, (r + j0) * hd, Rows(s, soff + j0 * _CHUNK, _CHUNK), hd,
+                      -(-n // KV_BLOCK), min(gm, g - j0), kind)
     return quant
 
 
@@ -397,8 +419,8 @@ def _ov_chunk_weighted(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g, gm, d
             base = kvh * cap * hd + c0 * hd
             if hd % 16 == 0:
                 for j0 in range(0, g, gm):
-                    _weighted(vq, base, hd, w[woff + j0 * _CHUNK:], _CHUNK, n, out,
-                              ooff + j0 * hd, hd, min(gm, g - j0))
+                    _weighted(vq, base, Rows(w, woff + j0 * _CHUNK, _CHUNK),
+                              Rows(out, ooff + j0 * hd, hd), hd, n, min(gm, g - j0))
             else:
                 _weighted_plain(vq, base, hd, w, woff, n, out, ooff, g)
         return f16
@@ -410,9 +432,10 @@ def _ov_chunk_weighted(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g, gm, d
         src = vs[(kvh * cap + c0) * nbk:(kvh * cap + c0 + n) * nbk]
         for i in range(src.size):              # from 0: vectorised (vcvtph2ps)
             dvf[i] = f16_to_f32(src[i])
+        v = Run(vq, (kvh * cap + c0) * row, dvf, 0)
         for j0 in range(0, g, gm):
-            _weighted_q(vq, (kvh * cap + c0) * row, dvf, 0, hd, w[woff + j0 * _CHUNK:], _CHUNK,
-                        n, out, ooff + j0 * hd, hd, min(gm, g - j0), kind)
+            _weighted_q(v, Rows(w, woff + j0 * _CHUNK, _CHUNK), Rows(out, ooff + j0 * hd, hd),
+                        hd, n, min(gm, g - j0), kind)
     return quant
 
 

@@ -219,6 +219,20 @@ _AVX512 = "avx512f" in FEATURES
 _VREGS = 28 if _AVX512 else 7
 
 
+class Rows(NamedTuple):
+    """The g rows of f32 a register kernel of attention reads or writes (query rows,
+    scores, softmax weights, outputs): row j's elements from a[off + j stride]."""
+    a: object
+    off: int
+    stride: int
+
+
+def rows_ir(context, builder, sig, args, k):
+    """(array type, array, off, stride) of the Rows argument k inside a codegen."""
+    ty, val = sig.args[k], args[k]
+    return (ty.types[0],) + tuple(builder.extract_value(val, i) for i in range(3))
+
+
 def _unroll(g):
     # K blocks per pass of _scores16: g·u sums, each one chain of dependent FMAs; two FMA
     # units of 4 cycles' latency want 8 chains of full registers in flight, as far as the
@@ -233,23 +247,24 @@ def _vcols(g):
 
 
 @intrinsic(prefer_literal=True)
-def _scores16(typingctx, kt, koff, qs, hd, s, soff, sstride, nblk, g):
-    """s[soff + j sstride + 16 b + l] = sum_i qs[j hd + i] * K(b, i, l) for the nblk
-    blocks b of 16 positions (lanes l) from koff, K(b, i, l) the f16 bits
-    kt[koff + 16 hd b + 16 i + l], j < g (a constant): each K vector is loaded and
-    widened once for the g query heads, whose sums stay in registers over the whole
-    head dimension, _unroll(g) blocks a pass."""
+def _scores16(typingctx, kt, koff, q, s, hd, nblk, g):
+    """s.a[s.off + j s.stride + 16 b + l] = sum_i q.a[q.off + j q.stride + i] K(b, i, l)
+    for the nblk blocks b of 16 positions (lanes l) from koff, K(b, i, l) the f16 bits
+    kt[koff + 16 hd b + 16 i + l], j < g (a constant); q and s Rows. Each K vector is
+    loaded and widened once for the g query heads, whose sums stay in registers over
+    the whole head dimension, _unroll(g) blocks a pass."""
     if not isinstance(g, types.IntegerLiteral):
         return None
     G = g.literal_value
     U = _unroll(G)
 
     def codegen(context, builder, sig, args):
-        koa, hda, soa, ssa, nba = args[1], args[3], args[5], args[6], args[7]
+        koa, hda, nba = args[1], args[4], args[5]
+        qty, qa, qoa, qsa = rows_ir(context, builder, sig, args, 2)
+        sty, sa, soa, ssa = rows_ir(context, builder, sig, args, 3)
         f32, h16 = ir.FloatType(), ir.VectorType(ir.IntType(16), 16)
         v16 = ir.VectorType(f32, 16)
         k64 = lambda v: ir.Constant(koa.type, v)
-        ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
         bstride = builder.mul(hda, k64(16))
 
         def passes(first, count, u):
@@ -267,17 +282,18 @@ def _scores16(typingctx, kt, koff, qs, hd, s, soff, sstride, nblk, g):
                     for b in range(u):
                         prefetch_ir(context, builder, sig.args[0], args[0],
                                     builder.add(at[b], k64(_PREFETCH)))
-                    kf = [_f16x16(builder, ptr(0, at[b], h16)) for b in range(u)]
+                    kf = [_f16x16(builder, ir_ptr(context, builder, sig.args[0], args[0], at[b], h16))
+                          for b in range(u)]
                     for j, row in enumerate(accs):
-                        qj = ptr(2, builder.add(builder.mul(k64(j), hda), it.index), f32)
-                        qj = splat(builder, builder.load(qj), 16)
+                        qj = builder.add(builder.add(qoa, builder.mul(k64(j), qsa)), it.index)
+                        qj = splat(builder, builder.load(ir_ptr(context, builder, qty, qa, qj, f32)), 16)
                         for b, a in enumerate(row):
                             builder.store(_fma(builder, qj, kf[b], builder.load(a)), a)
                 for j, row in enumerate(accs):
                     for b, a in enumerate(row):
                         o = builder.add(builder.add(soa, builder.mul(k64(j), ssa)),
                                         builder.mul(builder.add(b0, k64(b)), k64(16)))
-                        builder.store(builder.load(a), ptr(4, o, v16), align=4)
+                        builder.store(builder.load(a), ir_ptr(context, builder, sty, sa, o, v16), align=4)
 
         full = builder.udiv(nba, k64(U))
         passes(k64(0), full, U)
@@ -286,34 +302,37 @@ def _scores16(typingctx, kt, koff, qs, hd, s, soff, sstride, nblk, g):
             passes(done, builder.sub(nba, done), 1)     # the blocks left over
         return context.get_dummy_value()
 
-    return types.void(kt, koff, qs, hd, s, soff, sstride, nblk, g), codegen
+    return types.void(kt, koff, q, s, hd, nblk, g), codegen
 
 
 @intrinsic(prefer_literal=True)
-def _weighted16(typingctx, v, voff, hd, w, wstride, n, out, ooff, ostride, g):
-    """out[ooff + j ostride + c] += sum_p w[j wstride + p] * V(p, c) for c < hd, j < g
-    (a constant), over the n positions p, V(p, c) the f16 bits v[voff + p hd + c]:
-    _vcols(g) vectors of 16 columns a pass over the positions (then single vectors for
-    the rest), their g sums in registers; hd a multiple of 16."""
+def _weighted16(typingctx, v, voff, w, out, hd, n, g):
+    """out.a[out.off + j out.stride + c] += sum_p w.a[w.off + j w.stride + p] V(p, c) for
+    c < hd, j < g (a constant), over the n positions p, V(p, c) the f16 bits
+    v[voff + p hd + c]; w and out Rows: _vcols(g) vectors of 16 columns a pass over the
+    positions (then single vectors for the rest), their g sums in registers; hd a
+    multiple of 16."""
     if not isinstance(g, types.IntegerLiteral):
         return None
     G = g.literal_value
     C = _vcols(G)
 
     def codegen(context, builder, sig, args):
-        voa, hda, wsa, na, ooa, osa = args[1], args[2], args[4], args[5], args[7], args[8]
+        voa, hda, na = args[1], args[4], args[5]
+        wty, wa, woa, wsa = rows_ir(context, builder, sig, args, 2)
+        oty, oa, ooa, osa = rows_ir(context, builder, sig, args, 3)
         f32, h16 = ir.FloatType(), ir.VectorType(ir.IntType(16), 16)
         v16 = ir.VectorType(f32, 16)
         k64 = lambda v: ir.Constant(voa.type, v)
-        ptr = lambda k, off, ty: ir_ptr(context, builder, sig.args[k], args[k], off, ty)
 
         def passes(first, count, cw):
             # `count` passes of cw vectors of columns each, from column `first`
             accs = [[cgutils.alloca_once(builder, v16) for _ in range(cw)] for _ in range(G)]
             with cgutils.for_range(builder, count) as grp:
                 c0 = builder.add(first, builder.mul(grp.index, k64(16 * cw)))
-                outs = [[ptr(6, builder.add(builder.add(ooa, builder.mul(k64(j), osa)),
-                                           builder.add(c0, k64(16 * c))), v16) for c in range(cw)]
+                outs = [[ir_ptr(context, builder, oty, oa,
+                                builder.add(builder.add(ooa, builder.mul(k64(j), osa)),
+                                            builder.add(c0, k64(16 * c))), v16) for c in range(cw)]
                         for j in range(G)]
                 for j in range(G):
                     for c in range(cw):
@@ -323,11 +342,12 @@ def _weighted16(typingctx, v, voff, hd, w, wstride, n, out, ooff, ostride, g):
                     for c in range(0, cw, 2):     # a line holds 2 vectors
                         prefetch_ir(context, builder, sig.args[0], args[0],
                                     builder.add(row, k64(_PREFETCH + 16 * c)))
-                    vs = [_f16x16(builder, ptr(0, builder.add(row, k64(16 * c)), h16))
+                    vs = [_f16x16(builder, ir_ptr(context, builder, sig.args[0], args[0],
+                                                  builder.add(row, k64(16 * c)), h16))
                           for c in range(cw)]
                     for j in range(G):
-                        wj = ptr(3, builder.add(builder.mul(k64(j), wsa), pos.index), f32)
-                        wj = splat(builder, builder.load(wj), 16)
+                        wj = builder.add(builder.add(woa, builder.mul(k64(j), wsa)), pos.index)
+                        wj = splat(builder, builder.load(ir_ptr(context, builder, wty, wa, wj, f32)), 16)
                         for c in range(cw):
                             a = accs[j][c]
                             builder.store(_fma(builder, wj, vs[c], builder.load(a)), a)
@@ -342,50 +362,50 @@ def _weighted16(typingctx, v, voff, hd, w, wstride, n, out, ooff, ostride, g):
             passes(done, builder.udiv(builder.sub(hda, done), k64(16)), 1)   # columns left
         return context.get_dummy_value()
 
-    return types.void(v, voff, hd, w, wstride, n, out, ooff, ostride, g), codegen
+    return types.void(v, voff, w, out, hd, n, g), codegen
 
 
 @nb.njit(cache=True, inline="always")
-def _scores(kt, koff, qs, hd, s, soff, sstride, nblk, g):
+def _scores(kt, koff, q, s, hd, nblk, g):
     # _scores16 with g as a constant, for the group sizes Llama models use (1..8; the
     # caller takes the plain loops for others)
     if g == 4:
-        _scores16(kt, koff, qs, hd, s, soff, sstride, nblk, 4)
+        _scores16(kt, koff, q, s, hd, nblk, 4)
     elif g == 3:
-        _scores16(kt, koff, qs, hd, s, soff, sstride, nblk, 3)
+        _scores16(kt, koff, q, s, hd, nblk, 3)
     elif g == 8:
-        _scores16(kt, koff, qs, hd, s, soff, sstride, nblk, 8)
+        _scores16(kt, koff, q, s, hd, nblk, 8)
     elif g == 2:
-        _scores16(kt, koff, qs, hd, s, soff, sstride, nblk, 2)
+        _scores16(kt, koff, q, s, hd, nblk, 2)
     elif g == 1:
-        _scores16(kt, koff, qs, hd, s, soff, sstride, nblk, 1)
+        _scores16(kt, koff, q, s, hd, nblk, 1)
     elif g == 6:
-        _scores16(kt, koff, qs, hd, s, soff, sstride, nblk, 6)
+        _scores16(kt, koff, q, s, hd, nblk, 6)
     elif g == 5:
-        _scores16(kt, koff, qs, hd, s, soff, sstride, nblk, 5)
+        _scores16(kt, koff, q, s, hd, nblk, 5)
     elif g == 7:
-        _scores16(kt, koff, qs, hd, s, soff, sstride, nblk, 7)
+        _scores16(kt, koff, q, s, hd, nblk, 7)
 
 
 @nb.njit(cache=True, inline="always")
-def _weighted(v, voff, hd, w, wstride, n, out, ooff, ostride, g):
+def _weighted(v, voff, w, out, hd, n, g):
     # _weighted16 with g as a constant (1..8, as _scores)
     if g == 4:
-        _weighted16(v, voff, hd, w, wstride, n, out, ooff, ostride, 4)
+        _weighted16(v, voff, w, out, hd, n, 4)
     elif g == 3:
-        _weighted16(v, voff, hd, w, wstride, n, out, ooff, ostride, 3)
+        _weighted16(v, voff, w, out, hd, n, 3)
     elif g == 8:
-        _weighted16(v, voff, hd, w, wstride, n, out, ooff, ostride, 8)
+        _weighted16(v, voff, w, out, hd, n, 8)
     elif g == 2:
-        _weighted16(v, voff, hd, w, wstride, n, out, ooff, ostride, 2)
+        _weighted16(v, voff, w, out, hd, n, 2)
     elif g == 1:
-        _weighted16(v, voff, hd, w, wstride, n, out, ooff, ostride, 1)
+        _weighted16(v, voff, w, out, hd, n, 1)
     elif g == 6:
-        _weighted16(v, voff, hd, w, wstride, n, out, ooff, ostride, 6)
+        _weighted16(v, voff, w, out, hd, n, 6)
     elif g == 5:
-        _weighted16(v, voff, hd, w, wstride, n, out, ooff, ostride, 5)
+        _weighted16(v, voff, w, out, hd, n, 5)
     elif g == 7:
-        _weighted16(v, voff, hd, w, wstride, n, out, ooff, ostride, 7)
+        _weighted16(v, voff, w, out, hd, n, 7)
 
 
 @nb.njit(cache=True, error_model="numpy")
