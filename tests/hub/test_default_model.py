@@ -21,9 +21,11 @@ PAYLOAD = bytes(range(256)) * 4000      # 1 MB, several read chunks
 
 
 def _wheel() -> bytes:
+    # the same bytes on every call: writestr with a bare name stamps the current time,
+    # and a test whose fixture and body built it two seconds apart saw its pin fail
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as zf:
-        zf.writestr("tiny_model/model.gguf", PAYLOAD)
+        zf.writestr(zipfile.ZipInfo("tiny_model/model.gguf", date_time=(2024, 1, 1, 0, 0, 0)), PAYLOAD)
     return buf.getvalue()
 
 
