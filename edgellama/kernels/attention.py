@@ -98,7 +98,7 @@ def _scores_q16(typingctx, k, q, qoff, s, hd, nblk, g, kind):
         kty, qty = sig.args[0], sig.args[1]
         kva, koa, ksv, ksa = (builder.extract_value(args[0], i) for i in range(4))
         q8a, qda, qsa = (builder.extract_value(args[1], i) for i in range(3))
-        sty, sa, soa, ssa = rows_ir(context, builder, sig, args, 3)
+        sty, sa, soa, ssa = rows_ir(builder, sig, args, 3)
         arrays = {"k": (kty.types[0], kva), "ks": (kty.types[2], ksv), "q8": (qty.types[0], q8a),
                   "qd": (qty.types[1], qda), "qs8": (qty.types[2], qsa), "s": (sty, sa)}
         i32, f32 = ir.IntType(32), ir.FloatType()
@@ -179,8 +179,8 @@ def _weighted_q16(typingctx, v, w, out, hd, n, g, kind):
         hda, na = args[3], args[4]
         vty = sig.args[0]
         vva, voa, dvv, dva = (builder.extract_value(args[0], i) for i in range(4))
-        wty, wa, woa, wsa = rows_ir(context, builder, sig, args, 1)
-        oty, oa, ooa, osa = rows_ir(context, builder, sig, args, 2)
+        wty, wa, woa, wsa = rows_ir(builder, sig, args, 1)
+        oty, oa, ooa, osa = rows_ir(builder, sig, args, 2)
         arrays = {"v": (vty.types[0], vva), "dv": (vty.types[2], dvv), "w": (wty, wa), "out": (oty, oa)}
         i8, f32 = ir.IntType(8), ir.FloatType()
         v16, b16, w16 = ir.VectorType(f32, 16), ir.VectorType(i8, 16), ir.VectorType(ir.IntType(32), 16)

@@ -227,7 +227,7 @@ class Rows(NamedTuple):
     stride: int
 
 
-def rows_ir(context, builder, sig, args, k):
+def rows_ir(builder, sig, args, k):
     """(array type, array, off, stride) of the Rows argument k inside a codegen."""
     ty, val = sig.args[k], args[k]
     return (ty.types[0],) + tuple(builder.extract_value(val, i) for i in range(3))
@@ -260,8 +260,8 @@ def _scores16(typingctx, kt, koff, q, s, hd, nblk, g):
 
     def codegen(context, builder, sig, args):
         koa, hda, nba = args[1], args[4], args[5]
-        qty, qa, qoa, qsa = rows_ir(context, builder, sig, args, 2)
-        sty, sa, soa, ssa = rows_ir(context, builder, sig, args, 3)
+        qty, qa, qoa, qsa = rows_ir(builder, sig, args, 2)
+        sty, sa, soa, ssa = rows_ir(builder, sig, args, 3)
         f32, h16 = ir.FloatType(), ir.VectorType(ir.IntType(16), 16)
         v16 = ir.VectorType(f32, 16)
         k64 = lambda v: ir.Constant(koa.type, v)
@@ -319,8 +319,8 @@ def _weighted16(typingctx, v, voff, w, out, hd, n, g):
 
     def codegen(context, builder, sig, args):
         voa, hda, na = args[1], args[4], args[5]
-        wty, wa, woa, wsa = rows_ir(context, builder, sig, args, 2)
-        oty, oa, ooa, osa = rows_ir(context, builder, sig, args, 3)
+        wty, wa, woa, wsa = rows_ir(builder, sig, args, 2)
+        oty, oa, ooa, osa = rows_ir(builder, sig, args, 3)
         f32, h16 = ir.FloatType(), ir.VectorType(ir.IntType(16), 16)
         v16 = ir.VectorType(f32, 16)
         k64 = lambda v: ir.Constant(voa.type, v)
