@@ -371,71 +371,99 @@ def _weighted_plain(vq, base, hd, w, woff, n, out, ooff, g):
 # Chosen by the cache arrays' dtypes when the kernel compiles (uint16: f16 bits, int8:
 # q8_0, uint8: q4_0), so each type pair compiles only its own code.
 
-def _chunk_scores(kq, ks, hd, cap, kvh, c0, n, q32, q8, qd, qs8, r, s, soff, g, gm):
+class Head(NamedTuple):
+    """One KV head of one layer's K or V cache: its values and block scales (flat, the
+    layouts of the module docstring; scales empty for f16), head dim hd, cap positions a
+    head, head index kvh."""
+    values: object
+    scales: object
+    hd: int
+    cap: int
+    kvh: int
+
+
+class Query(NamedTuple):
+    """A work item's query rows: f32 rows of hd (pre-scaled), and for a quantized K their
+    int8 quantization per block of 32 with its scales and int32 block sums (prep_q8_x)."""
+    f32: object
+    x8: object
+    xd: object
+    xs: object
+
+
+def _chunk_scores(k, c0, n, q, r, s, g, gm):
     """Scores of query rows r.. over n positions from c0 (njit only: see the overload)."""
     raise NotImplementedError
 
 
-def _chunk_weighted(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g, gm, dvf):
+def _chunk_weighted(v, c0, n, w, out, g, gm, dvf):
     """V's weighted sum over n positions from c0 (njit only: see the overload)."""
     raise NotImplementedError
 
 
 @overload(_chunk_scores, inline="always")
-def _ov_chunk_scores(kq, ks, hd, cap, kvh, c0, n, q32, q8, qd, qs8, r, s, soff, g, gm):
-    # scores s[soff + j _CHUNK + p] = q_{r+j} . k_{c0+p}, p < n rounded up to 16, j < g
-    # (q32 f32 rows pre-scaled for f16 K; q8/qd/qs8 their int8 quantization otherwise)
-    if kq.dtype == types.uint16:
-        def f16(kq, ks, hd, cap, kvh, c0, n, q32, q8, qd, qs8, r, s, soff, g, gm):
+def _ov_chunk_scores(k, c0, n, q, r, s, g, gm):
+    # scores s.a[s.off + j s.stride + p] = q_{r+j} . k_{c0+p}, p < n rounded up to 16, j < g,
+    # gm rows a register-kernel call; k a Head, q a Query, s Rows of stride _CHUNK
+    if k.types[0].dtype == types.uint16:
+        def f16(k, c0, n, q, r, s, g, gm):
+            hd = k.hd
             nblk = -(-n // KV_BLOCK)
-            base = kvh * cap * hd + c0 * hd
+            base = k.kvh * k.cap * hd + c0 * hd
             if hd % 16 == 0:
                 for j0 in range(0, g, gm):
-                    _scores(kq, base, Rows(q32, (r + j0) * hd, hd), Rows(s, soff + j0 * _CHUNK, _CHUNK),
-                            hd, nblk, min(gm, g - j0))
+                    _scores(k.values, base, Rows(q.f32, (r + j0) * hd, hd),
+                            Rows(s.a, s.off + j0 * s.stride, s.stride), hd, nblk, min(gm, g - j0))
             else:
-                _scores_plain(kq, base, q32, r, hd, s, soff, nblk, g)
+                _scores_plain(k.values, base, q.f32, r, hd, s.a, s.off, nblk, g)
         return f16
-    kind = KIND_Q8 if kq.dtype == types.int8 else KIND_Q4
+    kind = KIND_Q8 if k.types[0].dtype == types.int8 else KIND_Q4
 
-    def quant(kq, ks, hd, cap, kvh, c0, n, q32, q8, qd, qs8, r, s, soff, g, gm):
+    def quant(k, c0, n, q, r, s, g, gm):
+        hd = k.hd
         nbk = hd // QBLOCK
         per = hd * 16 if kind == KIND_Q8 else hd * 8           # bytes per 16 positions
-        kb = kvh * (cap // KV_BLOCK) * per + (c0 // KV_BLOCK) * per
-        sb = kvh * cap * nbk + c0 * nbk
-        k, q = Run(kq, kb, ks, sb), Q8X(q8, qd, qs8, None)
+        kb = k.kvh * (k.cap // KV_BLOCK) * per + (c0 // KV_BLOCK) * per
+        sb = k.kvh * k.cap * nbk + c0 * nbk
+        run, x = Run(k.values, kb, k.scales, sb), Q8X(q.x8, q.xd, q.xs, None)
         for j0 in range(0, g, gm):
-            _scores_q(k, q, (r + j0) * hd, Rows(s, soff + j0 * _CHUNK, _CHUNK), hd,
+            _scores_q(run, x, (r + j0) * hd, Rows(s.a, s.off + j0 * s.stride, s.stride), hd,
                       -(-n // KV_BLOCK), min(gm, g - j0), kind)
     return quant
 
 
 @overload(_chunk_weighted, inline="always")
-def _ov_chunk_weighted(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g, gm, dvf):
-    # out[ooff + j hd + c] += sum_{p<n} w[woff + j _CHUNK + p] v_{c0+p, c}, j < g
-    # (dvf (_CHUNK hd/32,) f32 scratch: a quantized V's scales of the n positions, widened)
-    if vq.dtype == types.uint16:
-        def f16(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g, gm, dvf):
-            base = kvh * cap * hd + c0 * hd
+def _ov_chunk_weighted(v, c0, n, w, out, g, gm, dvf):
+    # out.a[out.off + j out.stride + c] += sum_{p<n} w.a[w.off + j w.stride + p] v_{c0+p, c},
+    # j < g, gm rows a register-kernel call; v a Head, w and out Rows (dvf (_CHUNK hd/32,)
+    # f32 scratch: a quantized V's scales of the n positions, widened)
+    if v.types[0].dtype == types.uint16:
+        def f16(v, c0, n, w, out, g, gm, dvf):
+            hd = v.hd
+            base = v.kvh * v.cap * hd + c0 * hd
             if hd % 16 == 0:
                 for j0 in range(0, g, gm):
-                    _weighted(vq, base, Rows(w, woff + j0 * _CHUNK, _CHUNK),
-                              Rows(out, ooff + j0 * hd, hd), hd, n, min(gm, g - j0))
+                    _weighted(v.values, base, Rows(w.a, w.off + j0 * w.stride, w.stride),
+                              Rows(out.a, out.off + j0 * out.stride, out.stride), hd, n,
+                              min(gm, g - j0))
             else:
-                _weighted_plain(vq, base, hd, w, woff, n, out, ooff, g)
+                _weighted_plain(v.values, base, hd, w.a, w.off, n, out.a, out.off, g)
         return f16
-    kind = KIND_Q8 if vq.dtype == types.int8 else KIND_Q4
+    kind = KIND_Q8 if v.types[0].dtype == types.int8 else KIND_Q4
 
-    def quant(vq, vs, hd, cap, kvh, c0, n, w, woff, out, ooff, g, gm, dvf):
+    def quant(v, c0, n, w, out, g, gm, dvf):
+        hd = v.hd
         nbk = hd // QBLOCK
         row = hd if kind == KIND_Q8 else hd // 2
-        src = vs[(kvh * cap + c0) * nbk:(kvh * cap + c0 + n) * nbk]
+        first = v.kvh * v.cap + c0
+        src = v.scales[first * nbk:(first + n) * nbk]
         for i in range(src.size):              # from 0: vectorised (vcvtph2ps)
             dvf[i] = f16_to_f32(src[i])
-        v = Run(vq, (kvh * cap + c0) * row, dvf, 0)
+        run = Run(v.values, first * row, dvf, 0)
         for j0 in range(0, g, gm):
-            _weighted_q(v, Rows(w, woff + j0 * _CHUNK, _CHUNK), Rows(out, ooff + j0 * hd, hd),
-                        hd, n, min(gm, g - j0), kind)
+            _weighted_q(run, Rows(w.a, w.off + j0 * w.stride, w.stride),
+                        Rows(out.a, out.off + j0 * out.stride, out.stride), hd, n,
+                        min(gm, g - j0), kind)
     return quant
 
 
@@ -493,6 +521,8 @@ def attention(q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si, sp, wind
         o32 = buf[G * (_CHUNK + hd + 2) + 2 * G * nbk:G * (_CHUNK + 2 * hd + 2) + 2 * G * nbk]
         dvf = buf[G * (_CHUNK + 2 * hd + 2) + 2 * G * nbk:]
         q8, qs8 = s8[nb.get_thread_id()], si[nb.get_thread_id()]
+        kh, vh = Head(kq, ks, hd, cap, kvh), Head(vq, vs, hd, cap, kvh)
+        qr = Query(q32, q8, qd, qs8)
         for tt in range(nt):
             for j in range(g):
                 r = tt * g + j
@@ -519,14 +549,13 @@ def attention(q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si, sp, wind
             # scores, 16 positions at a time: a token's last block also scores positions
             # past its own, which the softmax never reads
             if whole:
-                _chunk_scores(kq, ks, hd, cap, kvh, pc, _CHUNK, q32, q8, qd, qs8, 0, s, 0,
-                              nt * g, gk)
+                _chunk_scores(kh, pc, _CHUNK, qr, 0, Rows(s, 0, _CHUNK), nt * g, gk)
             else:
                 for tt in range(nt):
                     n = min(pos0 + t0 + tt + 1, c0 + _CHUNK) - c0
                     if n > 0:
-                        _chunk_scores(kq, ks, hd, cap, kvh, pc, n, q32, q8, qd, qs8, tt * g,
-                                      s, tt * g * _CHUNK, g, gk)
+                        _chunk_scores(kh, pc, n, qr, tt * g, Rows(s, tt * g * _CHUNK, _CHUNK),
+                                      g, gk)
             # the running max and sum; weights e^(s - max) below e^-30 of it are zero
             # (1e-13, far under f32 resolution next to the max's 1): tiny weights make
             # subnormal products, ~100x slower on x86
@@ -563,13 +592,14 @@ def attention(q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si, sp, wind
                         tot += e
                     lrow[r] += tot
             if whole:
-                _chunk_weighted(vq, vs, hd, cap, kvh, pc, _CHUNK, s, 0, o32, 0, nt * g, gv, dvf)
+                _chunk_weighted(vh, pc, _CHUNK, Rows(s, 0, _CHUNK), Rows(o32, 0, hd), nt * g, gv,
+                                dvf)
             else:
                 for tt in range(nt):
                     n = min(pos0 + t0 + tt + 1, c0 + _CHUNK) - c0
                     if n > 0:
-                        _chunk_weighted(vq, vs, hd, cap, kvh, pc, n, s, tt * g * _CHUNK, o32,
-                                        tt * g * hd, g, gv, dvf)
+                        _chunk_weighted(vh, pc, n, Rows(s, tt * g * _CHUNK, _CHUNK),
+                                        Rows(o32, tt * g * hd, hd), g, gv, dvf)
         if nsplit > 1:                               # the split's part, merged below
             part = sp[kvh * nsplit + split]
             for j in range(g):
