@@ -46,7 +46,7 @@ from numba.extending import intrinsic
 
 from .fp import half_to_float_ir
 from .isa import AVX2, GENERIC, ISA_NAMES, ISAS, VNNI512, call_llvm, splat, target_isa  # noqa: F401
-from .target import ISA  # noqa: F401  (the intrinsics' isa constant for this target)
+from .target import CPU_NAME, ISA  # noqa: F401  (ISA: the intrinsics' isa constant for this target)
 
 
 def ir_ptr(context, builder, aty, arr, off, ty):
@@ -85,10 +85,11 @@ L1, L2 = 3, 2
 # the misses a core keeps in flight, and one record is less than the memory's latency
 # ahead ("records prefetch into L2", bench/results/design_measurements.json)
 RECORDS_AHEAD = 2
-# Row vectors a decode product walks side by side (_over_records): their record streams
-# keep more of the memory's latency covered, and they share each block's x ("decode
-# streams", bench/results/design_measurements.json)
-DECODE_STREAMS = 4
+# Row vectors a decode product walks side by side (_over_records), by CPU: on the Intel
+# Xeons 4 record streams kept more of the memory's latency covered and shared each
+# block's x; on AMD Zen one stream, a tile read in order, reads memory 1.2-1.6x faster
+# than 4 ("decode streams", bench/results/design_measurements.json)
+DECODE_STREAMS = 1 if CPU_NAME.startswith("znver") else 4
 
 
 class Q8X(NamedTuple):

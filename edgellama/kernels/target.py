@@ -9,6 +9,7 @@ call that Numba's JIT cannot link.
 """
 from __future__ import annotations
 
+from llvmlite import binding as llvm
 from numba.core import config
 from numba.core.codegen import get_host_cpu_features
 
@@ -22,6 +23,8 @@ def target_features() -> set[str]:
 
 
 FEATURES = target_features()
+# LLVM's name of the CPU Numba compiles for (as its kernel cache is keyed), e.g. "znver5"
+CPU_NAME = config.CPU_NAME or llvm.get_host_cpu_name()
 _ARCH = ARCH
 # The instruction set the kernels lower to (isa.py's table): its index, the constant the
 # tile intrinsics take, and its row

@@ -16,6 +16,7 @@ from edgellama.kernels.simd import (AVX2, BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, 
                             Q5K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS, TOKENS,
                             VNNI512, IQ4XS_D, IQ4XS_QS, IQ4XS_RECORD, IQ4XS_SC, ISA_NAMES, ISAS, K_GROUP, Q8X,
                             blocks_gemm, iq4xs_gemm, q4k_gemm, q6_gemm, target_isa, tile)
+from edgellama.kernels import simd
 from edgellama.kernels.amx import KIND_IQ4_XS
 from edgellama.kernels.target import FEATURES as _F
 
@@ -128,14 +129,14 @@ def block_records(kind, group, d, m, wbytes, fifth=None):
     return rec.reshape(-1)
 
 
-def blocks_case(isa, kind, R, group, tokens, case):
+def blocks_case(isa, kind, R, group, tokens, case, kernel=None):
     """blocks_gemm's acc for a random tile of R rows of 2 records of `group` blocks, and
     `tokens` rows t0.. of x, and its float64 twin: per block d dx S (Q4_0: S - 8 xs8;
     Q5_0: S - 16 xs8; Q4_1, Q5_1: + m xsum), S the block's exact sum of weights times
     x8 (IQ4_NL's weights IQ4_VALUES[nibble]). case "bounds": every value 15 (Q4), 31
     (Q5) or every int8 weight -128, IQ4_NL's nibbles 0 or 15 (-127 and 113, biased 1 and
     241) against x8 = +-127, the largest sums (AVX2's int16 pairs at their edge);
-    "random"."""
+    "random". kernel: a wrapper like _blocks to call instead."""
     nb, t0 = 2 * group, tokens                     # the second group of rows of x
     T = 2 * tokens
     nw = 32 if kind == KIND_Q8_0 else 16
@@ -157,8 +158,8 @@ def blocks_case(isa, kind, R, group, tokens, case):
     xs8 = x8.reshape(T, nb, 32).astype(np.int32).sum(axis=2)
     xsum = rng.standard_normal((T, nb)).astype(np.float32)
     acc = np.full(tokens * R, 7, np.float32)
-    _blocks(block_records(kind, group, d, m, w, fifth), x8.reshape(-1), xd.reshape(-1),
-            xs8.reshape(-1), xsum.reshape(-1), acc, nb, group, t0, tokens, kind, isa)
+    (kernel or _blocks)(block_records(kind, group, d, m, w, fifth), x8.reshape(-1), xd.reshape(-1),
+                        xs8.reshape(-1), xsum.reshape(-1), acc, nb, group, t0, tokens, kind, isa)
     if kind == KIND_Q8_0:
         vals = w.view(np.int8).astype(np.int64)                              # (R, nb, 32)
     else:
@@ -194,6 +195,23 @@ def test_blocks_gemm_matches_twin(isa, kind, R, group, tokens, case):
     if not RUNS[isa]:
         pytest.skip("Numba's target (this CPU, or NUMBA_CPU_*) lacks the instructions")
     got, want = blocks_case(isa, kind, R, group, tokens, case)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("streams", [1, 2, 4])
+def test_decode_streams_give_the_same_sums(monkeypatch, streams):
+    """Decode walks DECODE_STREAMS row vectors side by side (a CPU's choice), then halves
+    of that down to one: every count gives the twin's sums, here over 7 vectors (4 + 2 +
+    1 at 4, where a vector is a strip of 16 rows). The intrinsic reads the count when a
+    caller compiles, so a fresh wrapper."""
+    monkeypatch.setattr(simd, "DECODE_STREAMS", streams)
+
+    @njit
+    def fresh(q, x8, xd, xs8, xsum, acc, nb, group, t0, tokens, kind, isa):
+        blocks_gemm(q, Q8X(x8, xd, xs8, xsum), acc, tile(nb, group, t0, literally(tokens), literally(kind)),
+                    literally(isa))
+
+    got, want = blocks_case(ISA, KIND_Q4_0, 7 * RECORD_ROWS, 2, 1, "random", kernel=fresh)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
 
