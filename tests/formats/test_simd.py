@@ -215,6 +215,19 @@ def test_decode_streams_give_the_same_sums(monkeypatch, streams):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("cpu,streams", [("znver5", 1), ("znver4", 1), ("sapphirerapids", 4),
+                                         ("haswell", 4)])
+def test_decode_streams_follow_numba_target(cpu, streams):
+    """The count is the CPU Numba compiles for (NUMBA_CPU_NAME, as its kernel cache is
+    keyed), not the host's."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CPU")}
+    e["NUMBA_CPU_NAME"] = cpu
+    r = subprocess.run([sys.executable, "-c", "from edgellama.kernels import simd; print(simd.DECODE_STREAMS)"],
+                       env=e, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert int(r.stdout.split()[-1]) == streams
+
+
 # --- q6_gemm: Q6_K records (per 16 rows and super-block: d, int8 scales, nibble and crumb quads)
 
 @njit
