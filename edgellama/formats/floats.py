@@ -10,6 +10,7 @@ from gguf.constants import LlamaFileType
 from numba import njit, prange
 
 from ..kernels.fp import bf16_to_f32, f16_bits, f16_to_f32
+from ..kernels.simd import DECODE_STREAMS
 from .base import Linear, WeightFormat, release_pages
 
 f32 = np.float32
@@ -102,12 +103,26 @@ def _float(w, i, k, kind):
     return bf16_to_f32(w[i, k])
 
 
+@njit(cache=True, fastmath=True)
+def _row_dot(w, x, r, kind):
+    # row r of W (as _float reads it) . x
+    s = f32(0)
+    for k in range(x.size):
+        s += _float(w, r, k, kind) * x[k]
+    return s
+
+
 @njit(cache=True, fastmath=True, parallel=True)
 def matvec_float(w, x, out, kind):
-    # W (d, n) f32, or f16 / bf16 bits (u16), @ x (n,) -> out (d,): 4 rows side by side,
-    # which read as 4 streams and share each load of x ("decode streams",
+    # W (d, n) f32, or f16 / bf16 bits (u16), @ x (n,) -> out (d,): DECODE_STREAMS rows
+    # side by side (4 or 1, by CPU, as the record formats' decode), which read as that
+    # many streams and share each load of x ("decode streams",
     # bench/results/design_measurements.json)
     d = w.shape[0]
+    if DECODE_STREAMS == 1:
+        for r in prange(d):
+            out[r] = _row_dot(w, x, r, kind)
+        return
     for g in prange(-(-d // 4)):
         i = 4 * g
         if i + 4 <= d:
@@ -121,10 +136,7 @@ def matvec_float(w, x, out, kind):
             out[i], out[i + 1], out[i + 2], out[i + 3] = s0, s1, s2, s3
         else:
             for r in range(i, d):
-                s = f32(0)
-                for k in range(x.size):
-                    s += _float(w, r, k, kind) * x[k]
-                out[r] = s
+                out[r] = _row_dot(w, x, r, kind)
 
 
 class FloatLinear(Linear):

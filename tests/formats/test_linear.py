@@ -1,15 +1,18 @@
 """The per-32-block record formats (Q4_0, Q4_1, Q8_0; every format's Linear is checked
 against its NumPy twin in test_conformance.py): decode exact when x is on the
-int8 grid, and the file's pages released after the repack.
+int8 grid, and the file's pages released after the repack; the float types' decode
+at either count of rows side by side.
 """
 import mmap
 
 import numpy as np
+import pytest
 from format_cases import check
 from gguf import GGMLQuantizationType as G
 from gguf.quants import dequantize, quantize
+from numba import njit
 
-from edgellama.formats import linear
+from edgellama.formats import floats, linear
 
 
 def make(type_, shape, seed=0):
@@ -86,3 +89,23 @@ def test_blas_products_in_column_slices_equal_one_product():
             assert np.isnan(out[:, :100]).all() and np.isnan(out[:, 1004:]).all()
     finally:
         numba.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("streams", [1, 4])
+@pytest.mark.parametrize("kind", [0, 1, 2])
+def test_float_decode_rows_side_by_side_give_the_product(monkeypatch, streams, kind):
+    """The float types' decode takes DECODE_STREAMS rows side by side (a CPU's choice):
+    either count gives W x, over 37 rows (9 groups of 4 and one left). Compiled afresh
+    with the count patched in, as Numba freezes a global when it compiles."""
+    monkeypatch.setattr(floats, "DECODE_STREAMS", streams)
+    fn = njit(fastmath=True, parallel=True)(floats.matvec_float.py_func)
+    rng = np.random.default_rng(kind)
+    w32 = rng.standard_normal((37, 320)).astype(np.float32)
+    x = rng.standard_normal(320).astype(np.float32)
+    w = [w32, w32.astype(np.float16).view(np.uint16),
+         (w32.view(np.uint32) >> 16).astype(np.uint16)][kind]
+    ref = [w32, w32.astype(np.float16).astype(np.float32),
+           (w32.view(np.uint32) & 0xFFFF0000).view(np.float32)][kind].astype(np.float64) @ x
+    out = np.full(37, np.nan, np.float32)
+    fn(w, x, out, kind)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
