@@ -87,8 +87,9 @@ L1, L2 = 3, 2
 RECORDS_AHEAD = 2
 # Row vectors a decode product walks side by side (_over_records), by CPU: on the Intel
 # Xeons 4 record streams keep more of the memory's latency covered and share each block's
-# x; on AMD Zen 5 one stream, each tile read in order, reads memory faster than 4 ("decode
-# streams", "decode streams on AMD Zen 5": bench/results/design_measurements.json)
+# x; on AMD Zen (measured on Zen 5) one stream, each tile read in order, reads memory
+# faster than 4 ("decode streams", "decode streams on AMD Zen 5":
+# bench/results/design_measurements.json)
 DECODE_STREAMS = 1 if CPU_NAME.startswith("znver") else 4
 
 
