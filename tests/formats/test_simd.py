@@ -136,7 +136,7 @@ def blocks_case(isa, kind, R, group, tokens, case, kernel=None):
     x8 (IQ4_NL's weights IQ4_VALUES[nibble]). case "bounds": every value 15 (Q4), 31
     (Q5) or every int8 weight -128, IQ4_NL's nibbles 0 or 15 (-127 and 113, biased 1 and
     241) against x8 = +-127, the largest sums (AVX2's int16 pairs at their edge);
-    "random". kernel: a wrapper like _blocks to call instead."""
+    "random". kernel: _blocks compiled afresh, to call instead."""
     nb, t0 = 2 * group, tokens                     # the second group of rows of x
     T = 2 * tokens
     nw = 32 if kind == KIND_Q8_0 else 16
@@ -205,13 +205,8 @@ def test_decode_streams_give_the_same_sums(monkeypatch, streams):
     1 at 4, where a vector is a strip of 16 rows). The intrinsic reads the count when a
     caller compiles, so a fresh wrapper."""
     monkeypatch.setattr(simd, "DECODE_STREAMS", streams)
-
-    @njit
-    def fresh(q, x8, xd, xs8, xsum, acc, nb, group, t0, tokens, kind, isa):
-        blocks_gemm(q, Q8X(x8, xd, xs8, xsum), acc, tile(nb, group, t0, literally(tokens), literally(kind)),
-                    literally(isa))
-
-    got, want = blocks_case(ISA, KIND_Q4_0, 7 * RECORD_ROWS, 2, 1, "random", kernel=fresh)
+    got, want = blocks_case(ISA, KIND_Q4_0, 7 * RECORD_ROWS, 2, 1, "random",
+                            kernel=njit(_blocks.py_func))
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
 
