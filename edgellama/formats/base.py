@@ -8,10 +8,9 @@ whatever layout its kernels read fastest:
     matvec   decode, one token: out = W @ x
     matvecs  batched decode, a few tokens of different sequences: one pass over W when
              the format has a multi-token kernel (records.RecordLinear), else a matvec each
-    matmul   prefill, T tokens: out = x @ W.T, by dequantizing a few MB of rows at a
-             time and handing them to NumPy's BLAS (shared here; a format only says
-             how to dequantize a run of rows), or, for the formats with pair-dot
-             kernels, as an int8 GEMM over the tiles (records.RecordLinear)
+    matmul   prefill, T tokens: out = x @ W.T, as an int8 GEMM over the tiles for the
+             formats with pair-dot kernels (records.RecordLinear), a float GEMM for
+             the float types (floats.FloatLinear)
     rows     embedding lookup: dequantized rows of W
 
 A Linear holds only its weights: the buffers a call works in come from the `scratch`
@@ -26,7 +25,6 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numba
@@ -35,33 +33,6 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from numba import njit, prange
 
 from ..scratch import Scratch
-
-_blas_pool: ThreadPoolExecutor | None = None
-
-
-def _blas_matmul(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
-    """out (T, m) = x (T, n) @ w (n, m), BLAS (one thread: machine.ThreadPolicy) on as many
-    column slices as Numba has threads, each slice on a thread of our own. BLAS's own
-    workers spin-wait after a product and contend with Numba's between the chunks'
-    dequantizations ("BLAS threads", bench/results/design_measurements.json); ours wait
-    on the result without spinning."""
-    global _blas_pool
-    parts = min(numba.get_num_threads(), out.shape[1] // 64)
-    if parts < 2:
-        np.matmul(x, w, out=out)
-        return
-    if _blas_pool is None:
-        _blas_pool = ThreadPoolExecutor(numba.config.NUMBA_NUM_THREADS, "edgellama-blas")
-    cut = np.linspace(0, out.shape[1], parts + 1).astype(int)
-    jobs = [_blas_pool.submit(np.matmul, x, w[:, a:b], out=out[:, a:b])
-            for a, b in zip(cut[:-1], cut[1:])]
-    for job in jobs:
-        job.result()
-
-
-_CHUNK_FLOATS = 1 << 20        # prefill dequantizes ~4 MB of W at a time (at least
-_CHUNK_MIN_ROWS = 256          # 256 rows: narrower products run BLAS below its best)
-
 
 def block_sizes(name: str) -> tuple[int, int]:
     """(elements, bytes) of one block of GGML type `name`, from gguf-py's table."""
@@ -102,7 +73,6 @@ class Linear:
     launch ("stacked matvec", bench/results/design_measurements.json); split(out) gives
     per-tensor views.
     """
-    chunk_unit = 16            # prefill dequantizes runs of rows in multiples of this
 
     def __init__(self, fmt: WeightFormat, raws: list[np.ndarray], splits: list[int], in_features: int):
         # raws: per tensor, its bytes (u8, read-only file views are fine), rows = splits[i]
@@ -147,8 +117,8 @@ class Linear:
         scratch_key)."""
         return ()
 
-    def _dequant_rows_t(self, r0: int, r1: int, buf: np.ndarray) -> np.ndarray:
-        """W[r0:r1] dequantized into buf, as an (in_features, r1 - r0) matrix (W.T)."""
+    def matmul(self, x: np.ndarray, out: np.ndarray, scratch: Scratch | None = None) -> None:
+        """out (T, out_features) f32 = x @ W.T, x (T, in_features) f32 C-contiguous."""
         raise NotImplementedError
 
     def _rows(self, ids: np.ndarray, out: np.ndarray) -> None:
@@ -171,27 +141,12 @@ class Linear:
         for i in range(x.shape[0]):
             self.matvec(x[i], out[i], scratch)
 
-    def matmul(self, x: np.ndarray, out: np.ndarray, scratch: Scratch | None = None) -> None:
-        """out (T, out_features) f32 = x @ W.T, x (T, in_features) f32 C-contiguous."""
-        n, d = self.in_features, self.out_features
-        step = self._chunk_rows()
-        # one dequantization buffer for every Linear of a scratch (a few MB)
-        wbuf = (scratch or Scratch()).get("dequant", (n * step,))
-        for r0 in range(0, d, step):
-            r1 = min(d, r0 + step)
-            _blas_matmul(x, self._dequant_rows_t(r0, r1, wbuf), out[:, r0:r1])
-
     def rows(self, ids: np.ndarray, out: np.ndarray) -> None:
         """out (T, in_features) f32 = W[ids], ids (T,) int."""
         ids = np.asarray(ids, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= self.out_features):
             raise IndexError(f"row id out of range [0, {self.out_features})")
         self._rows(ids, out)
-
-    def _chunk_rows(self) -> int:
-        unit = self.chunk_unit
-        rows = max(_CHUNK_MIN_ROWS, _CHUNK_FLOATS // self.in_features)
-        return max(unit, rows // unit * unit)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.type_name}, out={self.out_features}, in={self.in_features})"

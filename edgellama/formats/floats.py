@@ -1,16 +1,20 @@
 """F32, F16 and BF16: one element per "block", used in place from the file.
 
 Rows stay contiguous in the file layout; the matvec kernels widen f16 / bf16 bits to
-f32 in registers, and prefill widens a few MB of rows at a time with NumPy's casts.
+f32 in registers, and prefill is our own GEMM (kernels/float_gemm.py), which widens a
+block of rows at a time inside each thread.
 """
 from __future__ import annotations
 
+import numba
 import numpy as np
 from gguf.constants import LlamaFileType
 from numba import njit, prange
 
+from ..kernels import float_gemm as fg
 from ..kernels.fp import bf16_to_f32, f16_bits, f16_to_f32
 from ..kernels.simd import DECODE_STREAMS
+from ..scratch import Scratch
 from .base import Linear, WeightFormat, release_pages
 
 f32 = np.float32
@@ -150,19 +154,22 @@ class FloatLinear(Linear):
             for r in raws:
                 release_pages(r)
 
+    @property
+    def _kind(self) -> int:
+        return {"F32": 0, "F16": 1, "BF16": 2}[self.type_name]
+
     def matvec(self, x, out, scratch=None):
-        matvec_float(self.w, x, out, {"F32": 0, "F16": 1, "BF16": 2}[self.type_name])
+        matvec_float(self.w, x, out, self._kind)
 
     def matmul(self, x, out, scratch=None):
-        if self.type_name == "F32":
-            np.matmul(x, self.w.T, out=out)       # no copy needed
-        else:
-            super().matmul(x, out, scratch)
-
-    def _dequant_rows_t(self, r0, r1, buf):
-        ws = buf[:(r1 - r0) * self.in_features].reshape(r1 - r0, self.in_features)
-        self._widen(self.w[r0:r1], ws)
-        return ws.T
+        T, n = x.shape
+        threads = numba.config.NUMBA_NUM_THREADS       # get_thread_id() < this
+        sc = scratch or Scratch()
+        xp = sc.get("float_x", (fg.panels(T), n, fg.PANEL))
+        wbufs = sc.get("float_w", (threads, fg.ROWS, fg.K_STEP))
+        accs = sc.get("float_acc", (threads, fg.ROWS, fg.panels(T) * fg.PANEL))
+        counter = sc.get("float_counter", (1,), np.int64)
+        fg.float_gemm(self.w, self._kind, x, out, xp, wbufs, accs, counter)
 
     def _rows(self, ids, out):
         if self.type_name == "F32":

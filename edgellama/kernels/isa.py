@@ -172,6 +172,8 @@ class Isa:
     pair_dot: Callable             # (builder, n, pairs, signed, sum_w) -> <n x i32>, n <= lanes
     lanes: int | None              # int32 lanes per vector register; None: LLVM splits any n
     rows: tuple[int, int]          # rows of weights per vector: decode (1 token), prefill (TOKENS)
+    float_tile: tuple[int, int]    # float prefill's register tile (float_gemm.py): weight rows,
+                                   # f32 lanes per vector (2 vectors of tokens), within the registers
     half: frozenset[str] | None    # features that make f16 -> f32 one instruction; None: never
     weight_sums: Callable | None = None   # (builder, n, ws): a signed dot's sum_w, once per block
     int16_pairs: bool = False      # unsigned pair sums are added in int16 before widening
@@ -214,14 +216,16 @@ _GENERIC_HALF = {"x86_64": F16C, "i386": F16C, "i686": F16C,
 # Plainest first: target_isa takes the last row whose needs the target has, so a new
 # row goes after those it beats (and the existing rows keep their indices).
 ISAS = (
-    Isa("generic", frozenset(), _dot_generic, lanes=None, rows=(8, 8), half=_GENERIC_HALF),
+    Isa("generic", frozenset(), _dot_generic, lanes=None, rows=(8, 8), float_tile=(6, 4),
+        half=_GENERIC_HALF),
     # AVX2 decode too takes a strip's 16 rows at once, as two halves of 8, to read each
     # line of a record once and load x once (1B Q4_0 matvec, one thread: 1.25x the bytes/s
     # of 8 rows); prefill's 4 tokens of 16 rows would not fit AVX2's 16 registers (0.75x)
-    Isa("AVX2 (vpmaddubsw)", frozenset({"avx2"}), _dot_avx2, lanes=8, rows=(16, 8), half=F16C,
+    Isa("AVX2 (vpmaddubsw)", frozenset({"avx2"}), _dot_avx2, lanes=8, rows=(16, 8), float_tile=(6, 8),
+        half=F16C,
         int16_pairs=True, lookup=_pshufb(32, "llvm.x86.avx2.pshuf.b")),
     Isa("AVX-512 VNNI (vpdpbusd)", frozenset({"avx512vnni", "avx512bw"}), _dot_vnni, lanes=16,
-        rows=(16, 16), half=F16C, weight_sums=_vnni_sum_w,
+        rows=(16, 16), float_tile=(12, 16), half=F16C, weight_sums=_vnni_sum_w,
         tiles=frozenset({"amx-tile", "amx-int8"}), lookup=_pshufb(64, "llvm.x86.avx512.pshuf.b.512")),
 )
 GENERIC, AVX2, VNNI512 = 0, 1, 2           # indices into ISAS: the intrinsics' isa constant

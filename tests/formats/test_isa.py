@@ -26,6 +26,10 @@ def test_every_row_has_what_the_kernels_use(row):
     for n in (*row.rows, 16):
         assert RECORD_ROWS % n == 0
         assert row.lanes is None or n in (row.lanes, 2 * row.lanes)
+    # float prefill's register tile (float_gemm.py): MR rows x 2 vectors of accumulators,
+    # 2 vectors of x and a broadcast within the registers (32 with 16 f32 lanes, else 16)
+    mr, lanes = row.float_tile
+    assert mr > 0 and lanes in (4, 8, 16) and 2 * mr + 3 <= (32 if lanes == 16 else 16)
     # the unsigned callers' bounds: 8 nibble, 4 five-bit, 2 six-bit pairs a dot (or all)
     bounds = [row.pairs_per_dot(w) for w in (15, 31, 63)]
     assert bounds == ([8, 4, 2] if row.int16_pairs else [None] * 3)

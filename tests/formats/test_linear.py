@@ -70,27 +70,6 @@ def test_repack_releases_file_pages(tmp_path):
     mm.close()
 
 
-def test_blas_products_in_column_slices_equal_one_product():
-    # the float-x prefill's BLAS product, split over our threads by columns (one slice per
-    # Numba thread, widths not multiples of anything), against one NumPy product
-    import numba
-    from edgellama.formats.base import _blas_matmul
-    rng = np.random.default_rng(7)
-    x = rng.standard_normal((37, 300), dtype=np.float32)
-    w = rng.standard_normal((300, 1000), dtype=np.float32)[:, 13:917]   # a strided view
-    want = x @ w
-    threads = numba.get_num_threads()
-    try:
-        for n in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS), numba.config.NUMBA_NUM_THREADS}):
-            numba.set_num_threads(n)
-            out = np.full((37, 1200), np.nan, np.float32)
-            _blas_matmul(x, w, out[:, 100:1004])
-            np.testing.assert_allclose(out[:, 100:1004], want, rtol=1e-5, atol=1e-4)
-            assert np.isnan(out[:, :100]).all() and np.isnan(out[:, 1004:]).all()
-    finally:
-        numba.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("streams", [1, 4])
 @pytest.mark.parametrize("kind", [0, 1, 2])
 def test_float_decode_rows_side_by_side_give_the_product(monkeypatch, streams, kind):

@@ -1,0 +1,205 @@
+"""Prefill products of float weights (F32, F16, BF16) with f32 activations: our own GEMM,
+the weights widened to f32 a block at a time inside each thread, the products in
+registers.
+
+F16 / BF16 prefill used to widen each run of rows into a buffer on one thread and hand
+it to NumPy's BLAS (which needs f32): the widening cost about as much as the products
+and the two alternated, and BLAS's workers spun against Numba's ("float GEMM",
+bench/results/design_measurements.json). Here each thread claims blocks of ROWS weight
+rows, widens them K_STEP columns at a time into its own buffer (in L1 / L2), and
+multiplies them there with every token:
+
+    out (T, d) = x (T, n) @ W (d, n)^T
+
+    xp (P, n, PANEL)  x packed once per product: panel p holds tokens p PANEL.. with
+                      column k of x one contiguous run of PANEL tokens (a tile's stream
+                      of x is sequential, not a 2 KB stride through the cache's sets)
+    per row block     acc (ROWS, P PANEL) += W32 (ROWS, kc) @ xp[:, k0:k0 + kc]
+    register tile     MR rows x 2 vectors of tokens (float_tile): per column k, 2 vector
+                      loads of xp, MR broadcasts of W32, 2 MR fused multiply-adds
+
+The register tile's shape is the instruction set's row (isa.Isa.float_tile): 12 rows x
+32 tokens in AVX-512's 32 registers, 6 x 16 in AVX2's 16. Each output is one
+multiply-add chain over the columns in order, the same for every token and thread.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core.errors import TypingError
+from numba.extending import intrinsic
+
+from .claim import take
+from .fp import bf16_to_f32, f16_to_f32
+from .isa import call_llvm, splat
+from .target import TARGET
+
+MR, LANES = TARGET.float_tile     # register tile: MR weight rows x 2 vectors of LANES tokens
+ROWS = 8 * MR                     # weight rows per block a thread claims
+PANEL = 2 * LANES                 # tokens per panel of the packed activations
+K_STEP = 256                      # columns of a block widened at a time (ROWS x K_STEP f32)
+
+
+def _view(context, builder, aty, arr):
+    """(byte pointer to element 0, row stride in bytes, columns) of a 2-d f32 array."""
+    a = context.make_array(aty)(context, builder, arr)
+    base = builder.bitcast(a.data, ir.IntType(8).as_pointer())
+    return base, builder.extract_value(a.strides, 0), builder.extract_value(a.shape, 1)
+
+
+@intrinsic(prefer_literal=True)
+def float_tile(typingctx, w, kc, x, acc, vecs):
+    """acc (MR, vecs LANES) += w[:, :kc] @ x (kc, vecs LANES), all f32; w (MR, K_STEP)
+    C-contiguous (its row stride a constant, so the broadcasts' addresses are one
+    register and fixed offsets), x and acc any row strides (columns contiguous); vecs a
+    constant, 1 or 2. The accumulators stay in registers over the kc columns."""
+    if not (isinstance(vecs, types.IntegerLiteral) and vecs.literal_value in (1, 2)):
+        raise TypingError("float_tile: vecs must be the constant 1 or 2")
+    for a in (w, x, acc):
+        if not (isinstance(a, types.Array) and a.ndim == 2 and a.dtype == types.float32):
+            raise TypingError(f"float_tile: 2-d float32 arrays expected, got {a}")
+    if w.layout != "C":
+        raise TypingError("float_tile: w must be C-contiguous rows of K_STEP columns")
+    V = vecs.literal_value
+
+    def codegen(context, builder, sig, args):
+        f32 = ir.FloatType()
+        vf = ir.VectorType(f32, LANES)
+        i64 = ir.IntType(64)
+        wp, _, _ = _view(context, builder, sig.args[0], args[0])
+        ws = ir.Constant(i64, 4 * K_STEP)
+        kc = args[1]
+        xp, xs, _ = _view(context, builder, sig.args[2], args[2])
+        ap, as_, _ = _view(context, builder, sig.args[3], args[3])
+
+        def vec_at(base, row, stride, v):
+            off = builder.add(builder.mul(row, stride), ir.Constant(i64, 4 * LANES * v))
+            return builder.bitcast(builder.gep(base, [off]), vf.as_pointer())
+
+        accs = [[vec_at(ap, ir.Constant(i64, r), as_, v) for v in range(V)] for r in range(MR)]
+        vals = [[builder.load(p, align=4) for p in row] for row in accs]
+        # the column loop with the accumulators as phi nodes (kept in registers)
+        pre = builder.block
+        loop = builder.append_basic_block("float_tile.loop")
+        done = builder.append_basic_block("float_tile.done")
+        builder.cbranch(builder.icmp_signed(">", kc, ir.Constant(i64, 0)), loop, done)
+        builder.position_at_end(loop)
+        k = builder.phi(i64)
+        k.add_incoming(ir.Constant(i64, 0), pre)
+        phis = [[builder.phi(vf) for _ in range(V)] for _ in range(MR)]
+        for r in range(MR):
+            for v in range(V):
+                phis[r][v].add_incoming(vals[r][v], pre)
+        xv = [builder.load(vec_at(xp, k, xs, v), align=4) for v in range(V)]
+        kb = builder.mul(k, ir.Constant(i64, 4))
+        new = []
+        for r in range(MR):
+            wrow = builder.add(builder.mul(ir.Constant(i64, r), ws), kb)
+            wr = builder.load(builder.bitcast(builder.gep(wp, [wrow]), f32.as_pointer()), align=4)
+            b = splat(builder, wr, LANES)
+            new.append([call_llvm(builder, f"llvm.fma.v{LANES}f32", vf, [b, xv[v], phis[r][v]])
+                        for v in range(V)])
+        k1 = builder.add(k, ir.Constant(i64, 1))
+        end = builder.block
+        k.add_incoming(k1, end)
+        for r in range(MR):
+            for v in range(V):
+                phis[r][v].add_incoming(new[r][v], end)
+        builder.cbranch(builder.icmp_signed("<", k1, kc), loop, done)
+        builder.position_at_end(done)
+        results = [[builder.phi(vf) for _ in range(V)] for _ in range(MR)]
+        for r in range(MR):
+            for v in range(V):
+                results[r][v].add_incoming(vals[r][v], pre)
+                results[r][v].add_incoming(new[r][v], end)
+                builder.store(results[r][v], accs[r][v], align=4)
+        return context.get_dummy_value()
+
+    return types.void(w, types.int64, x, acc, vecs), codegen
+
+
+@njit(cache=True)
+def _widen(src, k0, dst, kc, kind):
+    # dst[:kc] = src[k0:k0 + kc] as f32: kind 0 f32, 1 f16 bits, 2 bf16 bits (1-d rows,
+    # so the loops vectorise as contiguous loads)
+    if kind == 0:
+        for k in range(kc):
+            dst[k] = src[k0 + k]
+    elif kind == 1:
+        for k in range(kc):
+            dst[k] = f16_to_f32(src[k0 + k])
+    else:
+        for k in range(kc):
+            dst[k] = bf16_to_f32(src[k0 + k])
+
+
+@njit(cache=True, parallel=True)
+def pack_tokens(x, xp):
+    # x (T, n) f32 -> xp (P, n, PANEL): panel p holds tokens p PANEL.. transposed, so a
+    # tile's column k is one contiguous run (tokens past T zero: their sums are never
+    # read, but garbage there could be subnormal, slow on some cores)
+    T, n = x.shape
+    runs = (n + 63) // 64
+    for i in prange(xp.shape[0] * runs):
+        p = i // runs
+        k0 = (i - p * runs) * 64
+        for k in range(k0, min(n, k0 + 64)):
+            for j in range(PANEL):
+                t = p * PANEL + j
+                xp[p, k, j] = x[t, k] if t < T else np.float32(0)
+
+
+@njit(cache=True)
+def _block(w, kind, xp, T, out, r0, wb, acc):
+    # out[:T, r0:r0 + nr] = rows r0.. of W times the packed tokens xp, in the thread's
+    # buffers wb (ROWS, K_STEP) and acc (ROWS, P PANEL)
+    d, n = w.shape
+    nr = min(ROWS, d - r0)
+    tiles = -(-nr // MR) * MR
+    acc[:tiles, :] = 0                        # (rows nr..tiles: products never read)
+    for k0 in range(0, n, K_STEP):
+        kc = min(K_STEP, n - k0)
+        for r in range(nr):
+            _widen(w[r0 + r], k0, wb[r], kc, kind)
+        for p in range(xp.shape[0]):
+            t0 = p * PANEL
+            if T - t0 > LANES:
+                for m in range(0, tiles, MR):
+                    float_tile(wb[m:m + MR], kc, xp[p, k0:k0 + kc],
+                               acc[m:m + MR, t0:t0 + PANEL], 2)
+            else:                             # the last tokens fill one vector
+                for m in range(0, tiles, MR):
+                    float_tile(wb[m:m + MR], kc, xp[p, k0:k0 + kc, :LANES],
+                               acc[m:m + MR, t0:t0 + LANES], 1)
+    for t in range(T):
+        for r in range(nr):
+            out[t, r0 + r] = acc[r, t]
+
+
+@njit(cache=True, parallel=True)
+def _gemm(w, kind, xp, T, out, wbufs, accs, counter):
+    # the row blocks, each claimed by the next free thread (claim.py)
+    blocks = -(-w.shape[0] // ROWS)
+    counter[0] = 0
+    for _ in prange(blocks):
+        while True:
+            b = take(counter)
+            if b >= blocks:
+                break
+            me = numba.get_thread_id()
+            _block(w, kind, xp, T, out, b * ROWS, wbufs[me], accs[me])
+
+
+def panels(T: int) -> int:
+    """Panels of PANEL tokens that hold T tokens."""
+    return -(-T // PANEL)
+
+
+def float_gemm(w, kind, x, out, xp, wbufs, accs, counter):
+    """out (T, d) = x (T, n) @ W^T, W (d, n) f32 (kind 0) or f16 / bf16 bits as u16 (kind
+    1 / 2). Scratch: xp (panels(T), n, PANEL) f32; per thread wbufs (threads, ROWS,
+    K_STEP) and accs (threads, ROWS, panels(T) PANEL) f32; counter (1,) int64."""
+    pack_tokens(x, xp)
+    _gemm(w, kind, xp, x.shape[0], out, wbufs, accs, counter)

@@ -1,0 +1,109 @@
+"""float_gemm.py, the prefill GEMM of F32 / F16 / BF16 weights: its products against
+float64 NumPy within the error bound of an f32 sum in any order, over shapes that leave
+partial register tiles, row blocks, column steps and token panels; the same bits
+whatever the thread count; and its register tile on its own."""
+import numba
+import numpy as np
+import pytest
+
+from edgellama.kernels import float_gemm as fg
+from edgellama.kernels.float_gemm import K_STEP, LANES, MR, PANEL, ROWS, float_tile
+from edgellama.kernels.target import TARGET
+
+EPS = np.finfo(np.float32).eps
+
+
+def _weights(rng, d, n, kind):
+    """(the weights as float_gemm takes them, the same values as f64)."""
+    w = rng.standard_normal((d, n), dtype=np.float32)
+    w[0, :5] = [0.0, -0.0, 6e-8, -3e-5, 1.5e4]          # f16 subnormals and a large one
+    if kind == 0:
+        return w, w.astype(np.float64)
+    if kind == 1:
+        h = w.astype(np.float16)
+        return h.view(np.uint16), h.astype(np.float64)
+    b = (w.view(np.uint32) >> 16).astype(np.uint16)       # bf16: the top half
+    return b, (b.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def _gemm(w, kind, x):
+    T, n = x.shape
+    threads = numba.config.NUMBA_NUM_THREADS
+    out = np.full((T, w.shape[0]), np.nan, np.float32)
+    xp = np.full((fg.panels(T), n, PANEL), np.nan, np.float32)      # no reliance on zeros
+    wb = np.full((threads, ROWS, K_STEP), np.nan, np.float32)
+    acc = np.full((threads, ROWS, fg.panels(T) * PANEL), np.nan, np.float32)
+    fg.float_gemm(w, kind, x, out, xp, wb, acc, np.zeros(1, np.int64))
+    return out
+
+
+def _check(out, x, wf):
+    """|out - x wf^T| within n eps sum |x w| (the bound of any order of f32 sums; a
+    dropped or doubled column would be about n times past it)."""
+    n = x.shape[1]
+    ref = x.astype(np.float64) @ wf.T
+    bound = n * EPS * (np.abs(x.astype(np.float64)) @ np.abs(wf).T)
+    assert np.isfinite(out).all()
+    assert (np.abs(out - ref) <= bound).all(), np.max(np.abs(out - ref) / bound)
+
+
+# d: one row; a partial register tile; whole blocks and one more tile; a partial block
+# n: under one column step; whole steps and a bit
+# T: one token; under a vector; a vector; a vector and one (a panel's second vector
+# partly padding); panels and a lone vector of the last
+SHAPES = [(1, 64, 1), (MR + 1, 2 * K_STEP + 32, LANES - 1), (2 * ROWS + MR, K_STEP, LANES),
+          (ROWS + 5, K_STEP + 96, LANES + 1), (3 * MR, 96, 2 * PANEL + LANES - 3)]
+
+
+@pytest.mark.parametrize("kind", [0, 1, 2], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("d,n,T", SHAPES)
+def test_float_gemm_matches_float64_within_the_bound(kind, d, n, T):
+    rng = np.random.default_rng(d * n + T)
+    w, wf = _weights(rng, d, n, kind)
+    x = rng.standard_normal((T, n), dtype=np.float32)
+    _check(_gemm(w, kind, x), x, wf)
+
+
+def test_float_gemm_bits_do_not_depend_on_the_thread_count():
+    rng = np.random.default_rng(7)
+    w, _ = _weights(rng, 3 * ROWS + 7, K_STEP + 64, 1)
+    x = rng.standard_normal((PANEL + 3, K_STEP + 64), dtype=np.float32)
+    before = numba.get_num_threads()
+    try:
+        outs = []
+        for th in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+            numba.set_num_threads(th)
+            outs.append(_gemm(w, 1, x))
+    finally:
+        numba.set_num_threads(before)
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
+
+
+@numba.njit
+def _tile(w, kc, x, acc, vecs):
+    if vecs == 2:
+        float_tile(w, kc, x, acc, 2)
+    else:
+        float_tile(w, kc, x[:, :LANES], acc[:, :LANES], 1)
+
+
+@pytest.mark.parametrize("vecs", [1, 2])
+@pytest.mark.parametrize("kc", [0, 1, 37, K_STEP])
+def test_float_tile_is_one_fused_chain_per_output(vecs, kc):
+    # acc += w[:, :kc] @ x, each output a chain of fused multiply-adds over k in order:
+    # every product of these small integers and their sums are exact in f32, so the
+    # result is exact whatever the rounding; the lanes past vecs vectors are untouched
+    rng = np.random.default_rng(kc)
+    w = rng.integers(-8, 9, (MR, K_STEP)).astype(np.float32)
+    x = rng.integers(-8, 9, (K_STEP, PANEL)).astype(np.float32)
+    acc = rng.integers(-99, 99, (MR, PANEL)).astype(np.float32)
+    want = acc.copy()
+    cols = vecs * LANES
+    want[:, :cols] += w[:, :kc] @ x[:kc, :cols]
+    _tile(w, kc, x, acc, vecs)
+    assert np.array_equal(acc, want)
+
+
+def test_the_kernel_takes_the_targets_tile():
+    # the tile's shape is the target row's (its fit to the registers: test_isa)
+    assert (MR, LANES) == TARGET.float_tile and PANEL == 2 * LANES and ROWS % MR == 0
