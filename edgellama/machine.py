@@ -212,10 +212,9 @@ class ThreadPolicy:
     own CPU time. Why: every matrix product ends at a barrier, so a thread that shares
     its core with someone else's busy process stalls all the others at every barrier;
     on 2 cores with one busy neighbour, 2 threads ran at a third of 1 thread's speed.
-    Applies to Numba's threads (per calling thread). NumPy's BLAS, which runs the
-    products of the prefill formats that multiply float x (Q2_K, Q3_K, and the float
-    types), keeps one thread: its workers and Numba's spin-wait against each other between
-    a chunk's dequantization and its product ("BLAS threads",
+    Applies to Numba's threads (per calling thread). NumPy's BLAS, which no product of
+    ours runs on (the benchmark's NumPy comparison does), keeps one thread: its workers
+    and Numba's spin-wait against each other when the two alternate ("BLAS threads",
     bench/results/design_measurements.json).
     """
     PERIOD = 0.5    # seconds between measurements (/proc/stat counts in 10 ms ticks)
