@@ -341,7 +341,7 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
     t0 = time.perf_counter()
     model.forward(prompt[:1], seq)           # at position 1: a prompt may be one token
     step = time.perf_counter() - t0          # one decode step: the basis of the estimates
-    # a prefill dequantizes every weight (about 8 decode steps), then runs BLAS
+    # a prefill reads every weight (about 8 decode steps), then multiplies
     steps = {"pp": reps * (8 + n_prompt / 4) * step, "tg": reps * n_gen * step}
     if full or ceiling:
         steps.update(ceiling=4.0)
