@@ -1,13 +1,15 @@
 """float_gemm.py, the prefill GEMM of F32 / F16 / BF16 weights: its products against
 float64 NumPy within the error bound of an f32 sum in any order, over shapes that leave
 partial register tiles, row blocks, column steps and token panels; the same bits
-whatever the thread count; and its register tile on its own."""
+whatever the thread count; its register tile on its own; and every instruction set's tile
+shape, run here."""
 import numba
 import numpy as np
 import pytest
 
 from edgellama.kernels import float_gemm as fg
 from edgellama.kernels.float_gemm import K_STEP, LANES, MR, PANEL, ROWS, float_tile
+from edgellama.kernels.isa import ISAS
 from edgellama.kernels.target import TARGET
 
 EPS = np.finfo(np.float32).eps
@@ -107,3 +109,27 @@ def test_float_tile_is_one_fused_chain_per_output(vecs, kc):
 def test_the_kernel_takes_the_targets_tile():
     # the tile's shape is the target row's (its fit to the registers: test_isa)
     assert (MR, LANES) == TARGET.float_tile and PANEL == 2 * LANES and ROWS % MR == 0
+
+
+@pytest.mark.parametrize("row", [pytest.param(r, id=r.name) for r in ISAS])
+def test_every_rows_tile_shape_gives_the_product(monkeypatch, row):
+    # each instruction set's tile shape (isa.Isa.float_tile), compiled afresh here with
+    # the shape patched in (Numba freezes globals when it compiles): LLVM splits vectors
+    # wider than this CPU's, so the AVX-512 shape's arithmetic runs on any x86
+    mr, lanes = row.float_tile
+    for name, value in (("MR", mr), ("LANES", lanes), ("ROWS", 8 * mr), ("PANEL", 2 * lanes)):
+        monkeypatch.setattr(fg, name, value)
+    for f in ("pack_tokens", "_block", "_gemm"):      # callees first: callers bind them
+        monkeypatch.setattr(fg, f, numba.njit(parallel=f != "_block")(getattr(fg, f).py_func))
+    rng = np.random.default_rng(mr * lanes)
+    d, n, T = 2 * 8 * mr + mr + 3, K_STEP + 32, 2 * 2 * lanes + lanes - 1
+    w, wf = _weights(rng, d, n, 1)
+    x = rng.standard_normal((T, n), dtype=np.float32)
+    threads = numba.config.NUMBA_NUM_THREADS
+    out = np.full((T, d), np.nan, np.float32)
+    P = -(-T // (2 * lanes))
+    fg.float_gemm(w, 1, x, out, np.full((P, n, 2 * lanes), np.nan, np.float32),
+                  np.full((threads, 8 * mr, K_STEP), np.nan, np.float32),
+                  np.full((threads, 8 * mr, P * 2 * lanes), np.nan, np.float32),
+                  np.zeros(1, np.int64))
+    _check(out, x, wf)
