@@ -169,7 +169,8 @@ class FloatLinear(Linear):
         wbufs = sc.get("float_w", (threads, fg.ROWS, fg.K_STEP))
         accs = sc.get("float_acc", (threads, fg.ROWS, fg.panels(T) * fg.PANEL))
         counter = sc.get("float_counter", (1,), np.int64)
-        fg.float_gemm(self.w, self._kind, x, out, xp, wbufs, accs, counter)
+        parts = fg.token_parts(self.out_features, T, numba.get_num_threads())
+        fg.float_gemm(self.w, self._kind, x, out, xp, wbufs, accs, counter, parts)
 
     def _rows(self, ids, out):
         if self.type_name == "F32":

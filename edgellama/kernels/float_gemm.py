@@ -14,7 +14,8 @@ multiplies them there with every token:
     xp (P, n, PANEL)  x packed once per product: panel p holds tokens p PANEL.. with
                       column k of x one contiguous run of PANEL tokens (a tile's stream
                       of x is sequential, not a 2 KB stride through the cache's sets)
-    per row block     acc (ROWS, P PANEL) += W32 (ROWS, kc) @ xp[:, k0:k0 + kc]
+    per row block     acc (ROWS, P PANEL) += W32 (ROWS, kc) @ xp[:, k0:k0 + kc] (or a run
+                      of its panels, where the blocks are too few for the threads)
     register tile     MR rows x 2 vectors of tokens (float_tile): per column k, 2 vector
                       loads of xp, MR broadcasts of W32, 2 MR fused multiply-adds
 
@@ -152,18 +153,19 @@ def pack_tokens(x, xp):
 
 
 @njit(cache=True)
-def _block(w, kind, xp, T, out, r0, wb, acc):
-    # out[:T, r0:r0 + nr] = rows r0.. of W times the packed tokens xp, in the thread's
-    # buffers wb (ROWS, K_STEP) and acc (ROWS, P PANEL)
+def _block(w, kind, xp, T, out, r0, p0, p1, wb, acc):
+    # out[p0 PANEL:p1 PANEL (at most T), r0:r0 + nr] = rows r0.. of W times panels p0..p1
+    # of the packed tokens xp, in the thread's buffers wb (ROWS, K_STEP) and acc (ROWS,
+    # P PANEL; columns as xp's tokens)
     d, n = w.shape
     nr = min(ROWS, d - r0)
     tiles = -(-nr // MR) * MR
-    acc[:tiles, :] = 0                        # (rows nr..tiles: products never read)
+    acc[:tiles, p0 * PANEL:p1 * PANEL] = 0    # (rows nr..tiles: products never read)
     for k0 in range(0, n, K_STEP):
         kc = min(K_STEP, n - k0)
         for r in range(nr):
             _widen(w[r0 + r], k0, wb[r], kc, kind)
-        for p in range(xp.shape[0]):
+        for p in range(p0, p1):
             t0 = p * PANEL
             if T - t0 > LANES:
                 for m in range(0, tiles, MR):
@@ -173,23 +175,30 @@ def _block(w, kind, xp, T, out, r0, wb, acc):
                 for m in range(0, tiles, MR):
                     float_tile(wb[m:m + MR], kc, xp[p, k0:k0 + kc, :LANES],
                                acc[m:m + MR, t0:t0 + LANES], 1)
-    for t in range(T):
+    for t in range(p0 * PANEL, min(T, p1 * PANEL)):
         for r in range(nr):
             out[t, r0 + r] = acc[r, t]
 
 
 @njit(cache=True, parallel=True)
-def _gemm(w, kind, xp, T, out, wbufs, accs, counter):
-    # the row blocks, each claimed by the next free thread (claim.py)
+def _gemm(w, kind, xp, T, out, parts, wbufs, accs, counter):
+    # items: the row blocks x `parts` runs of panels, each claimed by the next free
+    # thread (claim.py); a run of panels widens its rows again, so parts > 1 only where
+    # the blocks alone would leave threads idle
     blocks = -(-w.shape[0] // ROWS)
+    P = xp.shape[0]
+    items = blocks * parts
     counter[0] = 0
-    for _ in prange(blocks):
+    for _ in prange(items):
         while True:
-            b = take(counter)
-            if b >= blocks:
+            i = take(counter)
+            if i >= items:
                 break
+            b = i // parts
+            q = i - b * parts
             me = numba.get_thread_id()
-            _block(w, kind, xp, T, out, b * ROWS, wbufs[me], accs[me])
+            _block(w, kind, xp, T, out, b * ROWS, q * P // parts, (q + 1) * P // parts,
+                   wbufs[me], accs[me])
 
 
 def panels(T: int) -> int:
@@ -197,9 +206,16 @@ def panels(T: int) -> int:
     return -(-T // PANEL)
 
 
-def float_gemm(w, kind, x, out, xp, wbufs, accs, counter):
+def token_parts(d: int, T: int, threads: int) -> int:
+    """Runs of panels to split the tokens into: enough for 2 items a thread (a 2048-row
+    product is 22 blocks of 96 rows, for 16 threads), at most one a panel."""
+    return max(1, min(panels(T), -(-2 * threads // -(-d // ROWS))))
+
+
+def float_gemm(w, kind, x, out, xp, wbufs, accs, counter, parts=1):
     """out (T, d) = x (T, n) @ W^T, W (d, n) f32 (kind 0) or f16 / bf16 bits as u16 (kind
-    1 / 2). Scratch: xp (panels(T), n, PANEL) f32; per thread wbufs (threads, ROWS,
-    K_STEP) and accs (threads, ROWS, panels(T) PANEL) f32; counter (1,) int64."""
+    1 / 2), the tokens in `parts` runs (token_parts; the sums do not depend on it).
+    Scratch: xp (panels(T), n, PANEL) f32; per thread wbufs (threads, ROWS, K_STEP) and
+    accs (threads, ROWS, panels(T) PANEL) f32; counter (1,) int64."""
     pack_tokens(x, xp)
-    _gemm(w, kind, xp, x.shape[0], out, wbufs, accs, counter)
+    _gemm(w, kind, xp, x.shape[0], out, parts, wbufs, accs, counter)

@@ -28,14 +28,14 @@ def _weights(rng, d, n, kind):
     return b, (b.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
-def _gemm(w, kind, x):
+def _gemm(w, kind, x, parts=1):
     T, n = x.shape
     threads = numba.config.NUMBA_NUM_THREADS
     out = np.full((T, w.shape[0]), np.nan, np.float32)
     xp = np.full((fg.panels(T), n, PANEL), np.nan, np.float32)      # no reliance on zeros
     wb = np.full((threads, ROWS, K_STEP), np.nan, np.float32)
     acc = np.full((threads, ROWS, fg.panels(T) * PANEL), np.nan, np.float32)
-    fg.float_gemm(w, kind, x, out, xp, wb, acc, np.zeros(1, np.int64))
+    fg.float_gemm(w, kind, x, out, xp, wb, acc, np.zeros(1, np.int64), parts)
     return out
 
 
@@ -66,19 +66,28 @@ def test_float_gemm_matches_float64_within_the_bound(kind, d, n, T):
     _check(_gemm(w, kind, x), x, wf)
 
 
-def test_float_gemm_bits_do_not_depend_on_the_thread_count():
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_float_gemm_bits_depend_on_neither_threads_nor_token_runs(parts):
     rng = np.random.default_rng(7)
-    w, _ = _weights(rng, 3 * ROWS + 7, K_STEP + 64, 1)
-    x = rng.standard_normal((PANEL + 3, K_STEP + 64), dtype=np.float32)
+    w, wf = _weights(rng, 3 * ROWS + 7, K_STEP + 64, 1)
+    x = rng.standard_normal((2 * PANEL + 3, K_STEP + 64), dtype=np.float32)
     before = numba.get_num_threads()
     try:
         outs = []
         for th in sorted({1, numba.config.NUMBA_NUM_THREADS}):
             numba.set_num_threads(th)
-            outs.append(_gemm(w, 1, x))
+            outs.append(_gemm(w, 1, x, parts))
     finally:
         numba.set_num_threads(before)
-    assert all(np.array_equal(outs[0], o) for o in outs[1:])
+    _check(outs[0], x, wf)
+    assert all(np.array_equal(o, _gemm(w, 1, x)) for o in outs)
+
+
+def test_token_parts_give_every_thread_work():
+    assert fg.token_parts(16 * ROWS, 512, 8) == 1             # 16 blocks for 8 threads
+    assert fg.token_parts(8 * ROWS, 512, 16) == 4
+    assert fg.token_parts(ROWS, PANEL + 1, 16) == 2            # at most one a panel
+    assert fg.token_parts(ROWS, 1, 16) == 1
 
 
 @numba.njit
@@ -131,5 +140,5 @@ def test_every_rows_tile_shape_gives_the_product(monkeypatch, row):
     fg.float_gemm(w, 1, x, out, np.full((P, n, 2 * lanes), np.nan, np.float32),
                   np.full((threads, 8 * mr, K_STEP), np.nan, np.float32),
                   np.full((threads, 8 * mr, P * 2 * lanes), np.nan, np.float32),
-                  np.zeros(1, np.int64))
+                  np.zeros(1, np.int64), 2)
     _check(out, x, wf)
