@@ -17,7 +17,6 @@ import pytest
 from gguf import GGMLQuantizationType as G
 from gguf.quants import dequantize as ref_dequantize
 
-from edgellama.formats import base
 
 EPS = float(np.finfo(np.float32).eps)
 live = pytest.mark.skipif(not ggml_oracle.available(), reason="llama-cpp-python not installed")
@@ -132,13 +131,10 @@ def check(got, ref_w, x, x_quantized=False, block=32, mag=None):
     assert np.all(np.abs(got - want) <= tol), np.max(np.abs(got - want) / tol)
 
 
-def check_matmul(lin, ref_w, T, monkeypatch, x_quantized=False, mag=None):
-    """Prefill of T tokens through several chunks of rows (the last ragged); x_quantized:
-    the format's prefill rounds x to int8 per block (formats.records.RecordLinear)."""
+def check_matmul(lin, ref_w, T, x_quantized=False, mag=None):
+    """Prefill of T tokens; x_quantized: the format's prefill rounds x to int8 per block
+    (formats.records.RecordLinear)."""
     rows, n = ref_w.shape
-    monkeypatch.setattr(base, "_CHUNK_FLOATS", n * 40)
-    monkeypatch.setattr(base, "_CHUNK_MIN_ROWS", 1)
-    assert lin._chunk_rows() < rows
     x = np.random.default_rng(2).standard_normal((T, n)).astype(np.float32)
     out = np.full((T, rows), np.nan, np.float32)
     lin.matmul(x, out)
