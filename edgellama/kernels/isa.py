@@ -221,9 +221,8 @@ ISAS = (
     # AVX2 decode too takes a strip's 16 rows at once, as two halves of 8, to read each
     # line of a record once and load x once (1B Q4_0 matvec, one thread: 1.25x the bytes/s
     # of 8 rows); prefill's 4 tokens of 16 rows would not fit AVX2's 16 registers (0.75x)
-    Isa("AVX2 (vpmaddubsw)", frozenset({"avx2"}), _dot_avx2, lanes=8, rows=(16, 8), float_tile=(6, 8),
-        half=F16C,
-        int16_pairs=True, lookup=_pshufb(32, "llvm.x86.avx2.pshuf.b")),
+    Isa("AVX2 (vpmaddubsw)", frozenset({"avx2"}), _dot_avx2, lanes=8, rows=(16, 8),
+        float_tile=(6, 8), half=F16C, int16_pairs=True, lookup=_pshufb(32, "llvm.x86.avx2.pshuf.b")),
     Isa("AVX-512 VNNI (vpdpbusd)", frozenset({"avx512vnni", "avx512bw"}), _dot_vnni, lanes=16,
         rows=(16, 16), float_tile=(12, 16), half=F16C, weight_sums=_vnni_sum_w,
         tiles=frozenset({"amx-tile", "amx-int8"}), lookup=_pshufb(64, "llvm.x86.avx512.pshuf.b.512")),
