@@ -12,7 +12,7 @@ from gguf.constants import LlamaFileType
 from numba import njit, prange
 
 from ..kernels import float_gemm as fg
-from ..kernels.fp import bf16_to_f32, f16_bits, f16_to_f32
+from ..kernels.fp import bf16_to_f32, f16_bits, f16_to_f32, float_at
 from ..kernels.simd import DECODE_STREAMS
 from ..scratch import Scratch
 from .base import Linear, WeightFormat, release_pages
@@ -95,24 +95,12 @@ def dequantize_bf16(q, out):
     _widen_bf16(q.view(np.uint16), out)
 
 
-@njit(cache=True, fastmath=True, inline="always")
-def _float(w, i, k, kind):
-    # element k of row i of W as f32: kind 0 f32, 1 f16 bits, 2 bf16 bits (a runtime
-    # int: LLVM hoists the test out of the loop, where numba.literally would re-type
-    # every call, tens of milliseconds each)
-    if kind == 0:
-        return w[i, k]
-    if kind == 1:
-        return f16_to_f32(w[i, k])
-    return bf16_to_f32(w[i, k])
-
-
 @njit(cache=True, fastmath=True)
 def _row_dot(w, x, r, kind):
-    # row r of W (as _float reads it) . x
+    # row r of W (as float_at reads it) . x
     s = f32(0)
     for k in range(x.size):
-        s += _float(w, r, k, kind) * x[k]
+        s += float_at(w, r, k, kind) * x[k]
     return s
 
 
@@ -133,10 +121,10 @@ def matvec_float(w, x, out, kind):
             s0 = s1 = s2 = s3 = f32(0)
             for k in range(x.size):
                 xk = x[k]
-                s0 += _float(w, i, k, kind) * xk
-                s1 += _float(w, i + 1, k, kind) * xk
-                s2 += _float(w, i + 2, k, kind) * xk
-                s3 += _float(w, i + 3, k, kind) * xk
+                s0 += float_at(w, i, k, kind) * xk
+                s1 += float_at(w, i + 1, k, kind) * xk
+                s2 += float_at(w, i + 2, k, kind) * xk
+                s3 += float_at(w, i + 3, k, kind) * xk
             out[i], out[i + 1], out[i + 2], out[i + 3] = s0, s1, s2, s3
         else:
             for r in range(i, d):

@@ -33,7 +33,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 from .claim import take
-from .fp import bf16_to_f32, f16_to_f32
+from .fp import float_at
 from .isa import call_llvm, splat
 from .target import TARGET
 
@@ -44,10 +44,9 @@ K_STEP = 256                      # columns of a block widened at a time (ROWS x
 
 
 def _view(context, builder, aty, arr):
-    """(byte pointer to element 0, row stride in bytes, columns) of a 2-d f32 array."""
+    """(byte pointer to element 0, row stride in bytes) of a 2-d f32 array."""
     a = context.make_array(aty)(context, builder, arr)
-    base = builder.bitcast(a.data, ir.IntType(8).as_pointer())
-    return base, builder.extract_value(a.strides, 0), builder.extract_value(a.shape, 1)
+    return builder.bitcast(a.data, ir.IntType(8).as_pointer()), builder.extract_value(a.strides, 0)
 
 
 @intrinsic(prefer_literal=True)
@@ -69,11 +68,11 @@ def float_tile(typingctx, w, kc, x, acc, vecs):
         f32 = ir.FloatType()
         vf = ir.VectorType(f32, LANES)
         i64 = ir.IntType(64)
-        wp, _, _ = _view(context, builder, sig.args[0], args[0])
+        wp, _ = _view(context, builder, sig.args[0], args[0])
         ws = ir.Constant(i64, 4 * K_STEP)
         kc = args[1]
-        xp, xs, _ = _view(context, builder, sig.args[2], args[2])
-        ap, as_, _ = _view(context, builder, sig.args[3], args[3])
+        xp, xs = _view(context, builder, sig.args[2], args[2])
+        ap, as_ = _view(context, builder, sig.args[3], args[3])
 
         def vec_at(base, row, stride, v):
             off = builder.add(builder.mul(row, stride), ir.Constant(i64, 4 * LANES * v))
@@ -122,18 +121,11 @@ def float_tile(typingctx, w, kc, x, acc, vecs):
 
 
 @njit(cache=True)
-def _widen(src, k0, dst, kc, kind):
-    # dst[:kc] = src[k0:k0 + kc] as f32: kind 0 f32, 1 f16 bits, 2 bf16 bits (1-d rows,
-    # so the loops vectorise as contiguous loads)
-    if kind == 0:
-        for k in range(kc):
-            dst[k] = src[k0 + k]
-    elif kind == 1:
-        for k in range(kc):
-            dst[k] = f16_to_f32(src[k0 + k])
-    else:
-        for k in range(kc):
-            dst[k] = bf16_to_f32(src[k0 + k])
+def _widen(w, r, k0, dst, kc, kind):
+    # dst[:kc] = W[r, k0:k0 + kc] as f32 (fp.float_at's kinds; the loop vectorises as
+    # contiguous loads)
+    for k in range(kc):
+        dst[k] = float_at(w, r, k0 + k, kind)
 
 
 @njit(cache=True, parallel=True)
@@ -164,7 +156,7 @@ def _block(w, kind, xp, T, out, r0, p0, p1, wb, acc):
     for k0 in range(0, n, K_STEP):
         kc = min(K_STEP, n - k0)
         for r in range(nr):
-            _widen(w[r0 + r], k0, wb[r], kc, kind)
+            _widen(w, r0 + r, k0, wb[r], kc, kind)
         for p in range(p0, p1):
             t0 = p * PANEL
             if T - t0 > LANES:

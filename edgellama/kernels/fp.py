@@ -73,6 +73,18 @@ def bf16_to_f32(typingctx, h):
     return types.float32(types.uint16), codegen
 
 
+@njit(cache=True, fastmath=True, inline="always")
+def float_at(w, i, k, kind):
+    # element k of row i of W as f32: kind 0 f32, 1 f16 bits, 2 bf16 bits (a runtime
+    # int: LLVM hoists the test out of the loop, where numba.literally would re-type
+    # every call, tens of milliseconds each)
+    if kind == 0:
+        return w[i, k]
+    if kind == 1:
+        return f16_to_f32(w[i, k])
+    return bf16_to_f32(w[i, k])
+
+
 @njit(cache=True, inline="always")
 def f16_bits(x):
     # f32 -> IEEE half bits, round to nearest even (NumPy's npy_floatbits_to_halfbits)
