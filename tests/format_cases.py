@@ -17,7 +17,6 @@ import pytest
 from gguf import GGMLQuantizationType as G
 from gguf.quants import dequantize as ref_dequantize
 
-
 EPS = float(np.finfo(np.float32).eps)
 live = pytest.mark.skipif(not ggml_oracle.available(), reason="llama-cpp-python not installed")
 

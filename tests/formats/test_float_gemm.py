@@ -28,13 +28,16 @@ def _weights(rng, d, n, kind):
     return b, (b.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
-def _gemm(w, kind, x, parts=1):
+def _gemm(w, kind, x, parts=1, mr=MR, lanes=LANES):
+    """float_gemm with scratch of NaNs (no reliance on zeros) for a tile of mr x lanes."""
     T, n = x.shape
     threads = numba.config.NUMBA_NUM_THREADS
+    panel = 2 * lanes
+    P = -(-T // panel)
     out = np.full((T, w.shape[0]), np.nan, np.float32)
-    xp = np.full((fg.panels(T), n, PANEL), np.nan, np.float32)      # no reliance on zeros
-    wb = np.full((threads, ROWS, K_STEP), np.nan, np.float32)
-    acc = np.full((threads, ROWS, fg.panels(T) * PANEL), np.nan, np.float32)
+    xp = np.full((P, n, panel), np.nan, np.float32)
+    wb = np.full((threads, 8 * mr, K_STEP), np.nan, np.float32)
+    acc = np.full((threads, 8 * mr, P * panel), np.nan, np.float32)
     fg.float_gemm(w, kind, x, out, xp, wb, acc, np.zeros(1, np.int64), parts)
     return out
 
@@ -134,11 +137,4 @@ def test_every_rows_tile_shape_gives_the_product(monkeypatch, row):
     d, n, T = 2 * 8 * mr + mr + 3, K_STEP + 32, 2 * 2 * lanes + lanes - 1
     w, wf = _weights(rng, d, n, 1)
     x = rng.standard_normal((T, n), dtype=np.float32)
-    threads = numba.config.NUMBA_NUM_THREADS
-    out = np.full((T, d), np.nan, np.float32)
-    P = -(-T // (2 * lanes))
-    fg.float_gemm(w, 1, x, out, np.full((P, n, 2 * lanes), np.nan, np.float32),
-                  np.full((threads, 8 * mr, K_STEP), np.nan, np.float32),
-                  np.full((threads, 8 * mr, P * 2 * lanes), np.nan, np.float32),
-                  np.zeros(1, np.int64), 2)
-    _check(out, x, wf)
+    _check(_gemm(w, 1, x, 2, mr, lanes), x, wf)
