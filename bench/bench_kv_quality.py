@@ -3,7 +3,8 @@ against the same model with an f16 cache (mean KL divergence, top-1 agreement), 
 and llama.cpp's, on the same token ids.
 
     python bench/bench_kv_quality.py [--model GGUF] [--file bench/data/alice.txt]
-                                     [--ctx 2048] [--chunks 2] [--json OUT]
+                                     [--ctx 2048] [--chunks 2] [--activations fine]
+                                     [--json OUT]
 
 Chunks as `edgellama perplexity` makes them (the first half of each is context, the rest
 is scored). Ours: each type pair, and the quantized ones also without the Hadamard
@@ -60,10 +61,11 @@ def _configs(pairs):
             yield tk, tv, False
 
 
-def ours(path: str, chunks, pairs, targets, save=lambda stats: None) -> tuple[dict, list]:
+def ours(path: str, chunks, pairs, targets, save=lambda stats: None,
+         activations: str = "int8") -> tuple[dict, list]:
     """Each config's Stats against our f16 cache (save(results) after each); and the
     f16 run's log-probs (f32)."""
-    llm = edgellama.load(path, ctx=chunks.n_ctx)
+    llm = edgellama.load(path, ctx=chunks.n_ctx, activations=activations)
     m = llm.model
     refs = [log_softmax(chunk_logits(m, c)).astype(np.float32) for c in chunks]
     stats = {"f16/f16": {"mean_kl": 0.0, "top1": 1.0, "ppl": float(np.exp(np.mean(
@@ -119,6 +121,8 @@ def main() -> None:
     ap.add_argument("--no-ours", action="store_true")
     ap.add_argument("--pairs", default=",".join(f"{k}/{v}" for k, v in PAIRS))
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's")
+    ap.add_argument("--activations", choices=("int8", "fine"), default="int8",
+                    help="ours: fine leaves the cache's own cost, not int8 x's rounding redrawn")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.model is None:
@@ -129,6 +133,7 @@ def main() -> None:
     chunks = make_chunks(tokens, a.ctx, a.chunks, tok.bos_id if tok.add_bos else None, a.file)
     targets = [c[first_scored(len(c)) + 1:] for c in chunks]
     result = {"model": os.path.basename(a.model), "text": os.path.basename(a.file), "ctx": a.ctx,
+              "activations": a.activations,
               "chunks": len(chunks), "scored_tokens": int(sum(len(t) for t in targets)),
               "load_average": os.getloadavg(), "engines": {}}
     pairs = [tuple(p.split("/")) for p in a.pairs.split(",")]
@@ -138,7 +143,8 @@ def main() -> None:
             result["engines"]["edgellama"] = stats
             if a.json:
                 Path(a.json).write_text(json.dumps(result, indent=1))
-        result["engines"]["edgellama"], our_refs = ours(a.model, chunks, pairs, targets, save)
+        result["engines"]["edgellama"], our_refs = ours(a.model, chunks, pairs, targets, save,
+                                                        a.activations)
     if not a.no_llamacpp:
         result["engines"]["llama.cpp"], cross = llamacpp(a.model, chunks, pairs, targets,
                                                          our_refs, a.threads)

@@ -14,7 +14,10 @@ K and V are read in their stored type, never copied out dequantized:
           vpmaddubsw + vpmaddwd on AVX2, plain IR elsewhere) times the two block scales;
           V: each block's 32 values widened to f32 in registers, times the block's
           scale (a chunk's scales widened beforehand), and multiply-added with each
-          head's weight.
+          head's weight; a q8_0 V where the instruction set has a one-instruction int16
+          pair dot (Isa.v_int16: vpdpwssd) as exact integer sums instead, each weight
+          times its block's scale rounded to int16 per chunk, row and block (15 bits of
+          the largest: _round_weights), two positions a dot (_weighted_i16).
 The cache layouts (kv_cache.py): K in blocks of 16 positions (one vector lane per
 position), for q8_0 each block's int8 as quads (4 dims of one position in a 32-bit lane,
 byte 4g + i of position l of head-dim block b at 512 b + 64 g + 4 l + i), for q4_0 its
@@ -37,6 +40,7 @@ from ..formats.records import prep_q8_x
 from .fp import f16_to_f32, f32_to_f16, half_to_float_ir
 from .rows import _AVX512, _MIN_LOGIT, _VREGS, Rows, _exp_neg, _fma, _scores, _weighted, rows_ir
 from .simd import ISA, L2, Q8X, _dot, call_llvm, ir_ptr, prefetch_ir, splat
+from .target import TARGET
 
 F32 = np.float32
 KV_BLOCK = 16        # positions per block of K (one vector lane each)
@@ -238,6 +242,175 @@ def _weighted_q16(typingctx, v, w, out, hd, n, g, kind):
     return types.void(v, w, out, hd, n, g, kind), codegen
 
 
+W16 = 32767          # a q8_0 V's weights are rounded to int16 with this as their largest
+
+
+def _i16_blocks(g):
+    # head-dim blocks of 32 columns a pass of _weighted_i16 takes: 2 g int32 sums a block in
+    # registers, and 2 vectors of V's widened words
+    return max(1, min(4, (_VREGS - 2) // (2 * g)))
+
+
+def _lo_hi(t):
+    # the head-dim column (of a block's 32) of int32 lane d of the low (t = 0) or high (t =
+    # 1) interleave of two positions' words: punpcklwd / punpckhwd, per 128-bit lane
+    return [8 * (d // 4) + 4 * t + d % 4 for d in range(16)]
+
+
+@intrinsic(prefer_literal=True)
+def _weighted_i16(typingctx, v, wq, winv, out, hd, n, g):
+    """out.a[out.off + j out.stride + c] += f32(sum_p wq[(j nbk + b) _CHUNK + p] V(p, c))
+    winv[j nbk + b] for c < hd (b = c/32, nbk = hd/32), j < g (a constant), over the n
+    positions p of the Run v (int8 rows of hd from byte v.off of v.values; its scales
+    unused: _round_weights put them in the weights), n rounded up to even (wq's entry
+    past an odd n is 0). Two positions' int16 values interleave into int32 lanes (one
+    punpck{l,h}wd each way), which take the two positions' weights, an int32 broadcast,
+    as one word-pair dot (Isa.word_dot: vpdpwssd on AVX-512 VNNI); _i16_blocks(g) blocks
+    a pass over the positions, their 2 g int32 sums a block in registers. The sums are
+    exact: n W16 128 < 2^31."""
+    if not isinstance(g, types.IntegerLiteral):
+        return None
+    G = g.literal_value
+    BP = _i16_blocks(G)
+    word_dot = TARGET.word_dot
+
+    def codegen(context, builder, sig, args):
+        hda, na = args[4], args[5]
+        vty = sig.args[0]
+        vva, voa = (builder.extract_value(args[0], i) for i in range(2))
+        oty, oa, ooa, osa = rows_ir(builder, sig, args, 3)
+        arrays = {"v": (vty.types[0], vva), "wq": (sig.args[1], args[1]),
+                  "winv": (sig.args[2], args[2]), "out": (oty, oa)}
+        i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+        v16, w16 = ir.VectorType(f32, 16), ir.VectorType(i32, 16)
+        k64 = lambda v: ir.Constant(voa.type, v)
+        ptr = lambda name, off, ty: ir_ptr(context, builder, *arrays[name], off, ty)
+        nbk = builder.udiv(hda, k64(QBLOCK))
+        npairs = builder.udiv(builder.add(na, k64(1)), k64(2))
+        lanes = ir.VectorType(i32, 32)
+        mix = [ir.Constant(lanes, [x for c in _lo_hi(t) for x in (c, c + 32)]) for t in (0, 1)]
+        order = [_lo_hi(0).index(c) if c in _lo_hi(0) else 16 + _lo_hi(1).index(c) for c in range(32)]
+
+        def passes(first, count, bp):
+            # `count` passes of bp blocks each, from block `first`
+            accs = [[cgutils.alloca_once(builder, w16) for _ in range(2 * bp)] for _ in range(G)]
+            with cgutils.for_range(builder, count) as grp:
+                b0 = builder.add(first, builder.mul(grp.index, k64(bp)))
+                for row in accs:
+                    for a in row:
+                        builder.store(ir.Constant(w16, None), a)
+                with cgutils.for_range(builder, npairs) as pair:
+                    p = builder.mul(pair.index, k64(2))
+                    rows = [builder.add(builder.add(voa, builder.mul(builder.add(p, k64(t)), hda)),
+                                        builder.mul(b0, k64(QBLOCK))) for t in (0, 1)]
+                    for r in rows:
+                        for line in range(0, 32 * bp, 64):
+                            prefetch_ir(context, builder, *arrays["v"],
+                                        builder.add(r, k64(_PREFETCH_Q + line)), L2)
+                    for bi in range(bp):
+                        words = [builder.sext(builder.load(ptr("v", builder.add(r, k64(32 * bi)),
+                                                               ir.VectorType(i8, 32)), align=1),
+                                              ir.VectorType(i16, 32)) for r in rows]
+                        vals = [builder.bitcast(builder.shuffle_vector(words[0], words[1], m), w16)
+                                for m in mix]
+                        b = builder.add(b0, k64(bi))
+                        for j in range(G):
+                            row_jb = builder.add(builder.mul(k64(j), nbk), b)
+                            wo = builder.add(builder.mul(row_jb, k64(_CHUNK)), p)
+                            wp = splat(builder, builder.load(ptr("wq", wo, i32), align=4), 16)
+                            for t in (0, 1):
+                                a = accs[j][2 * bi + t]
+                                builder.store(word_dot(builder, builder.load(a), vals[t], wp), a)
+                # the block's 32 columns in order from the two interleaves, scaled, added
+                for j in range(G):
+                    for bi in range(bp):
+                        b = builder.add(b0, k64(bi))
+                        sc = builder.load(ptr("winv", builder.add(builder.mul(k64(j), nbk), b), f32))
+                        sc = splat(builder, sc, 16)
+                        lo, hi = (builder.load(accs[j][2 * bi + t]) for t in (0, 1))
+                        for h in (0, 16):
+                            cols = builder.shuffle_vector(lo, hi, ir.Constant(w16, order[h:h + 16]))
+                            o = ptr("out", builder.add(builder.add(ooa, builder.mul(k64(j), osa)),
+                                                       builder.add(builder.mul(b, k64(QBLOCK)), k64(h))), v16)
+                            add = builder.fmul(builder.sitofp(cols, v16), sc)
+                            builder.store(builder.fadd(builder.load(o, align=4), add), o, align=4)
+
+        full = builder.udiv(nbk, k64(BP))
+        passes(k64(0), full, BP)
+        if BP > 1:
+            done = builder.mul(full, k64(BP))
+            passes(done, builder.sub(nbk, done), 1)     # the blocks left over
+        return context.get_dummy_value()
+
+    return types.void(v, wq, winv, out, hd, n, g), codegen
+
+
+@nb.njit(cache=True, error_model="numpy", fastmath={"nnan", "ninf", "nsz"})
+def _scale_v_blocks(dvt, n, nbk, mx):
+    # dvt (nbk, _CHUNK): a chunk's n V scales by block -> mx[b] = max_p dv(p, b) and the
+    # row scaled in place to t(p, b) = dv(p, b) (W16 / mx[b]) (0 where mx[b] = 0)
+    for b in range(nbk):
+        m = max(_max_of(dvt, b * _CHUNK, n), F32(0.0))
+        mx[b] = m
+        s = F32(W16) / m if m > F32(0.0) else F32(0.0)
+        for p in range(n):
+            dvt[b * _CHUNK + p] *= s
+
+
+@nb.njit(cache=True, error_model="numpy", fastmath={"nnan", "ninf", "nsz"})
+def _round_weights(w, n, t, mx, nbk, g, wq, winv):
+    """A q8_0 V's weights for _weighted_i16, in f32 steps a twin can repeat (no
+    reassociation, reciprocal or contraction licence): for rows j < g of w (Rows), mw_j =
+    max_p w_jp and r_j = 1 / mw_j; wq[(j nbk + b) _CHUNK + p] = rint(w_jp r_j t(p, b)), an
+    int16 in [0, W16] (t and mx[:nbk] from _scale_v_blocks; 0 past n, to a multiple of
+    16), and winv[j nbk + b] = mw_j mx[b] / W16 (0 where every weight is: the step of the
+    largest products a row and block can have)."""
+    r = mx[nbk:nbk + _GMAX]
+    for j in range(g):
+        mw = max(_max_of(w.a, w.off + j * w.stride, n), F32(0.0))
+        r[j] = F32(1.0) / mw if mw > F32(0.0) else F32(0.0)
+        for b in range(nbk):
+            winv[j * nbk + b] = mw * mx[b] / F32(W16)
+    _round_rows(w, t, r, n, nbk, g, wq)
+
+
+@intrinsic
+def _round_rows(typingctx, w, t, r, n, nbk, g, wq):
+    """wq[(j nbk + b) _CHUNK + p] = int16(rint(w.a[w.off + j w.stride + p] r[j] t[b _CHUNK
+    + p])) for p < n, 0 from n to n rounded up to 16, j < g, b < nbk: 16 positions a step
+    (each row of w, t and wq has _CHUNK elements)."""
+    def codegen(context, builder, sig, args):
+        wty, wa, woa, wsa = rows_ir(builder, sig, args, 0)
+        na, nba, ga = args[3], args[4], args[5]
+        arrays = {"w": (wty, wa), "t": (sig.args[1], args[1]), "r": (sig.args[2], args[2]),
+                  "wq": (sig.args[6], args[6])}
+        f32, i32 = ir.FloatType(), ir.IntType(32)
+        v16, h16 = ir.VectorType(f32, 16), ir.VectorType(ir.IntType(16), 16)
+        k64 = lambda v: ir.Constant(na.type, v)
+        ptr = lambda name, off, ty: ir_ptr(context, builder, *arrays[name], off, ty)
+        lanes = ir.Constant(ir.VectorType(na.type, 16), list(range(16)))
+        with cgutils.for_range(builder, nba) as blk:
+            with cgutils.for_range(builder, builder.udiv(builder.add(na, k64(15)), k64(16))) as it:
+                p0 = builder.mul(it.index, k64(16))
+                inside = builder.icmp_unsigned("<", builder.add(splat(builder, p0, 16), lanes),
+                                               splat(builder, na, 16))
+                to = builder.add(builder.mul(blk.index, k64(_CHUNK)), p0)
+                tv = builder.load(ptr("t", to, v16), align=4)
+                with cgutils.for_range(builder, ga) as j:
+                    wo = builder.add(builder.add(woa, builder.mul(j.index, wsa)), p0)
+                    rj = splat(builder, builder.load(ptr("r", j.index, f32)), 16)
+                    x = builder.fmul(builder.fmul(builder.load(ptr("w", wo, v16), align=4), rj), tv)
+                    x = builder.select(inside, x, ir.Constant(v16, None))
+                    q = builder.trunc(builder.fptosi(call_llvm(builder, "llvm.rint.v16f32", v16, [x]),
+                                                     ir.VectorType(i32, 16)), h16)
+                    row_jb = builder.add(builder.mul(j.index, nba), blk.index)
+                    qo = builder.add(builder.mul(row_jb, k64(_CHUNK)), p0)
+                    builder.store(q, ptr("wq", qo, h16), align=2)
+        return context.get_dummy_value()
+
+    return types.void(w, t, r, n, nbk, g, wq), codegen
+
+
 @nb.njit(cache=True, inline="always")
 def _scores_q(k, q, qoff, s, hd, nblk, g, kind):
     # _scores_q16 with g and kind as constants, g 1.._GMAX
@@ -314,6 +487,27 @@ def _weighted_q(v, w, out, hd, n, g, kind):
             _weighted_q16(v, w, out, hd, n, 5, 1)
         elif g == 7:
             _weighted_q16(v, w, out, hd, n, 7, 1)
+
+
+@nb.njit(cache=True, inline="always")
+def _weighted_i16_g(v, wq, winv, out, hd, n, g):
+    # _weighted_i16 with g as a constant, g 1.._GMAX
+    if g == 4:
+        _weighted_i16(v, wq, winv, out, hd, n, 4)
+    elif g == 3:
+        _weighted_i16(v, wq, winv, out, hd, n, 3)
+    elif g == 8:
+        _weighted_i16(v, wq, winv, out, hd, n, 8)
+    elif g == 2:
+        _weighted_i16(v, wq, winv, out, hd, n, 2)
+    elif g == 1:
+        _weighted_i16(v, wq, winv, out, hd, n, 1)
+    elif g == 6:
+        _weighted_i16(v, wq, winv, out, hd, n, 6)
+    elif g == 5:
+        _weighted_i16(v, wq, winv, out, hd, n, 5)
+    elif g == 7:
+        _weighted_i16(v, wq, winv, out, hd, n, 7)
 
 
 @intrinsic
@@ -432,11 +626,28 @@ def _ov_chunk_scores(k, c0, n, q, r, s, g, gm):
     return quant
 
 
+def v_scratch_size(nbk):
+    """f32 elements of a thread's scratch for a quantized V's weighted sum (_v_scratch)."""
+    return nbk * _CHUNK + 2 * (nbk + _GMAX) + _GMAX * nbk * _CHUNK // 2 + _GMAX * nbk
+
+
+@nb.njit(cache=True, inline="always")
+def _v_scratch(dvf, nbk):
+    # dvf (v_scratch_size(nbk),) f32 -> for a q8_0 V: its scales by block dvt (nbk, _CHUNK)
+    # f32, maxima mx (nbk + _GMAX,) f32, the rounded weights wq (_GMAX nbk, _CHUNK) int16
+    # and their steps winv (_GMAX nbk,) f32
+    a = nbk * _CHUNK
+    b = a + 2 * (nbk + _GMAX)                # an even count: wq starts 4-byte aligned
+    c = b + _GMAX * nbk * _CHUNK // 2
+    return dvf[:a], dvf[a:a + nbk + _GMAX], dvf[b:c].view(np.int16), dvf[c:c + _GMAX * nbk]
+
+
 @overload(_chunk_weighted, inline="always")
 def _ov_chunk_weighted(v, c0, n, w, out, g, gm, dvf):
     # out.a[out.off + j out.stride + c] += sum_{p<n} w.a[w.off + j w.stride + p] v_{c0+p, c},
-    # j < g, gm rows a register-kernel call; v a Head, w and out Rows (dvf (_CHUNK hd/32,)
-    # f32 scratch: a quantized V's scales of the n positions, widened)
+    # j < g, gm rows a register-kernel call; v a Head, w and out Rows (dvf
+    # (v_scratch_size(hd/32),) f32 scratch: q4_0, the n positions' V scales, widened; q8_0,
+    # those by block and the rounded weights, _v_scratch)
     if v.types[0].dtype == types.uint16:
         def f16(v, c0, n, w, out, g, gm, dvf):
             hd = v.hd
@@ -450,6 +661,25 @@ def _ov_chunk_weighted(v, c0, n, w, out, g, gm, dvf):
                 _weighted_plain(v.values, base, hd, w.a, w.off, n, out.a, out.off, g)
         return f16
     kind = KIND_Q8 if v.types[0].dtype == types.int8 else KIND_Q4
+
+    if kind == KIND_Q8 and TARGET.v_int16:
+        def q8(v, c0, n, w, out, g, gm, dvf):
+            hd = v.hd
+            nbk = hd // QBLOCK
+            first = v.kvh * v.cap + c0
+            src = v.scales[first * nbk:(first + n) * nbk]
+            dvt, mx, wq, winv = _v_scratch(dvf, nbk)
+            for b in range(nbk):
+                for p in range(n):
+                    dvt[b * _CHUNK + p] = f16_to_f32(src[p * nbk + b])
+            _scale_v_blocks(dvt, n, nbk, mx)
+            run = Run(v.values, first * hd, dvt, 0)
+            for j0 in range(0, g, gm):
+                wj = Rows(w.a, w.off + j0 * w.stride, w.stride)
+                _round_weights(wj, n, dvt, mx, nbk, min(gm, g - j0), wq, winv)
+                _weighted_i16_g(run, wq, winv, Rows(out.a, out.off + j0 * out.stride, out.stride),
+                                hd, n, min(gm, g - j0))
+        return q8
 
     def quant(v, c0, n, w, out, g, gm, dvf):
         hd = v.hd
@@ -651,7 +881,7 @@ def attention_scratch_shapes(n_threads: int, n_heads: int, n_kv_heads: int,
     g = n_heads // n_kv_heads
     G = _TB * g
     nbk = head_dim // QBLOCK
-    return [((n_threads, G * (_CHUNK + 2 * head_dim + 2) + 2 * G * nbk + _CHUNK * nbk), np.float32),
+    return [((n_threads, G * (_CHUNK + 2 * head_dim + 2) + 2 * G * nbk + v_scratch_size(nbk)), np.float32),
             ((n_threads, max(1, G * head_dim)), np.int8),
             ((n_threads, max(1, G * nbk)), np.int32),
             ((n_kv_heads * _MAX_SPLITS, g * (head_dim + 2)), np.float32)]

@@ -6,10 +6,12 @@ reports, the target features it needs, the integer pair-dot lowering (`dot`: per
 32-bit lane, the sum of 4 weight bytes times 4 int8 activations, over a list of
 pairs), the 16-entry byte table lookup (`lookup`: IQ4's nibbles to their values),
 how wide its vectors are and how many rows of weights the tile intrinsics
-take per vector, whether its unsigned pair sums pass through int16 (so callers split
-their pairs: `pairs_per_dot`), how halves convert to f32 (`half_native`), and
-whether AMX tiles can come on top (`has_tiles`). simd.py's intrinsics, attention.py's
-quantized scores and amx.py read these fields; none of them branches on the name.
+take per vector, the int16 word-pair dot (`word_dot`) and whether attention's q8_0
+V sums with it (`v_int16`), whether its unsigned pair sums pass through int16 (so
+callers split their pairs: `pairs_per_dot`), how halves convert to f32
+(`half_native`), and whether AMX tiles can come on top (`has_tiles`). simd.py's
+intrinsics, attention.py's quantized scores and V and amx.py read these fields; none of
+them branches on the name.
 
 A new instruction set (Arm's sdot, say): one row at the end of ISAS (after the rows it
 beats), with its `needs`; its lowering functions here beside _dot_vnni / _dot_avx2 /
@@ -121,6 +123,29 @@ def _dot_generic(builder, n, pairs, signed, sum_w):
     return total
 
 
+# --- the word-pair dots: word_dot(builder, acc, a, b) -> <16 x i32> ------------------
+# a, b <16 x i32> of two int16 each per lane: acc + a.lo b.lo + a.hi b.hi per lane, exact
+# (the caller keeps the sums inside int32: attention's q8_0 V, 32767 x 127 a product).
+# Rows that set v_int16 have it in one instruction; elsewhere the generic IR (LLVM makes
+# AVX2's pmaddwd + paddd of it) serves the tests, and attention's V stays in f32, faster
+# there (bench/results/design_measurements.json, "q8_0 V's weighted sum").
+
+def _word_dot_vnni(builder, acc, a, b):
+    """vpdpwssd: 32 int16 products summed in pairs into 16 int32 lanes, one instruction."""
+    return call_llvm(builder, "llvm.x86.avx512.vpdpwssd.512", acc.type, [acc, a, b])
+
+
+def _word_dot_generic(builder, acc, a, b):
+    """Target-independent IR: widen the halves, multiply, add the even and odd products."""
+    i16, i32 = ir.IntType(16), ir.IntType(32)
+    wide = ir.VectorType(i32, 32)
+    prod = builder.mul(*(builder.sext(builder.bitcast(v, ir.VectorType(i16, 32)), wide) for v in (a, b)))
+    lanes = ir.VectorType(i32, 16)
+    even, odd = (builder.shuffle_vector(prod, prod, ir.Constant(lanes, list(range(k, 32, 2))))
+                 for k in (0, 1))
+    return builder.add(acc, builder.add(even, odd))
+
+
 # --- the 16-entry byte lookups: lookup(builder, table, idx) -> <m x i8> ----------------
 # table: 16 ints in [-128, 255] (as bytes); idx <m x i8> in [0, 16), m a multiple of 16.
 
@@ -179,6 +204,9 @@ class Isa:
     int16_pairs: bool = False      # unsigned pair sums are added in int16 before widening
     tiles: frozenset[str] = frozenset()   # features of AMX tiles on top (amx.py); empty: none
     lookup: Callable = _lookup_generic    # (builder, table, idx <m x i8>) -> <m x i8>: table[idx]
+    word_dot: Callable = _word_dot_generic   # (builder, acc, a, b) -> <16 x i32>: int16 pair dots
+    v_int16: bool = False          # a q8_0 V's weighted sum as word dots of int16 weights
+                                   # (attention._weighted_i16) rather than f32 multiply-adds
 
     def dot(self, builder, n, pairs, signed, sum_w=None):
         """<n x i32>: per 32-bit lane, the sum over pairs of the 4 byte products (the
@@ -225,7 +253,8 @@ ISAS = (
         float_tile=(6, 8), half=F16C, int16_pairs=True, lookup=_pshufb(32, "llvm.x86.avx2.pshuf.b")),
     Isa("AVX-512 VNNI (vpdpbusd)", frozenset({"avx512vnni", "avx512bw"}), _dot_vnni, lanes=16,
         rows=(16, 16), float_tile=(12, 16), half=F16C, weight_sums=_vnni_sum_w,
-        tiles=frozenset({"amx-tile", "amx-int8"}), lookup=_pshufb(64, "llvm.x86.avx512.pshuf.b.512")),
+        tiles=frozenset({"amx-tile", "amx-int8"}), lookup=_pshufb(64, "llvm.x86.avx512.pshuf.b.512"),
+        word_dot=_word_dot_vnni, v_int16=True),
 )
 GENERIC, AVX2, VNNI512 = 0, 1, 2           # indices into ISAS: the intrinsics' isa constant
 ISA_NAMES = {i: row.name for i, row in enumerate(ISAS)}

@@ -2,7 +2,10 @@
 than the features it needs, and the choice from a feature set is the one the kernels
 made before the table (VNNI needs BW's bytes too, AVX2 alone, else generic; f16 in one
 instruction with F16C and AVX on x86; AMX tiles on top of the VNNI row)."""
+import ctypes
+
 import llvmlite.binding as llvm
+import numpy as np
 import pytest
 from llvmlite import ir
 
@@ -20,6 +23,7 @@ def test_every_row_has_what_the_kernels_use(row):
     assert isinstance(row.needs, frozenset) and isinstance(row.tiles, frozenset)
     assert row.half is None or isinstance(row.half, frozenset)
     assert callable(row.pair_dot) and (row.weight_sums is None or callable(row.weight_sums))
+    assert callable(row.word_dot) and isinstance(row.v_int16, bool)
     # the tile intrinsics take rows[0] rows a vector for one token, rows[1] for TOKENS,
     # whole vectors of a strip; dot takes its lanes or twice them (attention: 16)
     assert len(row.rows) == 2 and TOKENS > 1
@@ -97,6 +101,48 @@ def test_every_row_lowers_its_lookup_with_only_the_features_it_needs(row):
         asm = _lowered_lookup(row, m)
         if row.lanes is not None:
             assert asm.count("pshufb") == -(-m // (4 * row.lanes))
+
+
+def _word_dot_module(row):
+    """f(acc, a, b, out: i32*): out[:16] = row.word_dot(acc, a, b), vectors of 16 int32."""
+    i32 = ir.IntType(32)
+    wide, ptr = ir.VectorType(i32, 16), ir.PointerType(i32)
+    m = ir.Module()
+    fn = ir.Function(m, ir.FunctionType(ir.VoidType(), [ptr] * 4), "f")
+    b = ir.IRBuilder(fn.append_basic_block())
+    acc, x, y = (b.load(b.bitcast(p, wide.as_pointer()), align=4) for p in fn.args[:3])
+    b.store(row.word_dot(b, acc, x, y), b.bitcast(fn.args[3], wide.as_pointer()), align=4)
+    b.ret_void()
+    return m
+
+
+@pytest.mark.parametrize("row", ROWS)
+def test_every_row_word_dot_is_exact_with_only_the_features_it_needs(row):
+    # attention's q8_0 V: per int32 lane, acc + the two int16 products, at the extremes its
+    # caller reaches (weights up to 32767, V bytes -128..127), run where the CPU can
+    _assembles_here(row)
+    m = _word_dot_module(row)
+    asm = _assembled(m, row)
+    if row.v_int16:         # attention sums a q8_0 V with it: one instruction
+        assert "vpdpwssd" in asm
+    if not row.needs <= FEATURES:
+        pytest.skip(f"{row.name}: Numba's target lacks its instructions")
+    parsed = llvm.parse_assembly(str(m))
+    tm = llvm.Target.from_default_triple().create_target_machine(
+        cpu="generic", features=",".join("+" + f for f in sorted(row.needs)))
+    engine = llvm.create_mcjit_compiler(parsed, tm)
+    engine.finalize_object()
+    f = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 4)(engine.get_function_address("f"))
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        acc = rng.integers(-2**30, 2**30, 16, dtype=np.int32)
+        a = rng.integers(-128, 128, 32).astype(np.int16)
+        b = rng.integers(0, 32768, 32).astype(np.int16)
+        a[:2], b[:2] = -128, 32767
+        out = np.empty(16, np.int32)
+        f(*(v.ctypes.data for v in (acc, a, b, out)))
+        ref = acc.astype(np.int64) + (a.astype(np.int64) * b).reshape(16, 2).sum(1)
+        np.testing.assert_array_equal(out, ref)
 
 
 @pytest.mark.parametrize("features,want", [
