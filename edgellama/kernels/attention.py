@@ -38,7 +38,8 @@ from numba.extending import intrinsic, overload
 
 from ..formats.records import prep_q8_x
 from .fp import f16_to_f32, f32_to_f16, half_to_float_ir
-from .rows import _AVX512, _MIN_LOGIT, _VREGS, Rows, _exp_neg, _fma, _scores, _weighted, rows_ir
+from .rows import (_AVX512, _MIN_LOGIT, _VREGS, Rows, _exp_neg, _fma, _scores, _weighted, in_passes,
+                   rows_ir)
 from .simd import ISA, L2, Q8X, _dot, call_llvm, ir_ptr, prefetch_ir, splat
 from .target import TARGET
 
@@ -232,11 +233,7 @@ def _weighted_q16(typingctx, v, w, out, hd, n, g, kind):
                     for h in range(2 * bp):
                         builder.store(builder.load(accs[j][h]), outs[j][h], align=4)
 
-        full = builder.udiv(nbk, k64(BP))
-        passes(k64(0), full, BP)
-        if BP > 1:
-            done = builder.mul(full, k64(BP))
-            passes(done, builder.sub(nbk, done), 1)     # the blocks left over
+        in_passes(builder, nbk, BP, passes)
         return context.get_dummy_value()
 
     return types.void(v, w, out, hd, n, g, kind), codegen
@@ -335,11 +332,7 @@ def _weighted_i16(typingctx, v, wq, winv, out, hd, n, g):
                             add = builder.fmul(builder.sitofp(cols, v16), sc)
                             builder.store(builder.fadd(builder.load(o, align=4), add), o, align=4)
 
-        full = builder.udiv(nbk, k64(BP))
-        passes(k64(0), full, BP)
-        if BP > 1:
-            done = builder.mul(full, k64(BP))
-            passes(done, builder.sub(nbk, done), 1)     # the blocks left over
+        in_passes(builder, nbk, BP, passes)
         return context.get_dummy_value()
 
     return types.void(v, wq, winv, out, hd, n, g), codegen

@@ -227,6 +227,18 @@ class Rows(NamedTuple):
     stride: int
 
 
+def in_passes(builder, total, per, passes):
+    """A register kernel's blocks in passes of `per` (as many as fit the registers), then
+    the blocks left over one a pass: passes(first, count, bp) emits `count` passes of bp
+    blocks from block `first`."""
+    k = lambda v: ir.Constant(total.type, v)
+    full = builder.udiv(total, k(per))
+    passes(k(0), full, per)
+    if per > 1:
+        done = builder.mul(full, k(per))
+        passes(done, builder.sub(total, done), 1)
+
+
 def rows_ir(builder, sig, args, k):
     """(array type, array, off, stride) of the Rows argument k inside a codegen."""
     ty, val = sig.args[k], args[k]
@@ -295,11 +307,7 @@ def _scores16(typingctx, kt, koff, q, s, hd, nblk, g):
                                         builder.mul(builder.add(b0, k64(b)), k64(16)))
                         builder.store(builder.load(a), ir_ptr(context, builder, sty, sa, o, v16), align=4)
 
-        full = builder.udiv(nba, k64(U))
-        passes(k64(0), full, U)
-        if U > 1:
-            done = builder.mul(full, k64(U))
-            passes(done, builder.sub(nba, done), 1)     # the blocks left over
+        in_passes(builder, nba, U, passes)
         return context.get_dummy_value()
 
     return types.void(kt, koff, q, s, hd, nblk, g), codegen

@@ -317,8 +317,8 @@ def q8_v_sum_twin(values, off, dv, w, n, g, hd, out):
 def test_q8_v_weighted_sum_is_its_twin_bit_for_bit(hd):
     # every row count a call takes (1.._GMAX: passes of _i16_blocks(g) blocks and the
     # blocks left over), odd and even position counts up to a chunk, V bytes at both
-    # ends, weights from zero to one (a row all zero: no weights), outputs added to; the
-    # scratch and the weights' rows past n hold values that would count if read
+    # ends, weights from zero to one (a row all zero), a block of zero scales, outputs
+    # added to; the scratch and the weights' rows past n hold values that would count if read
     f32 = np.float32
     r = np.random.default_rng(hd)
     nbk = hd // A.QBLOCK
@@ -330,9 +330,12 @@ def test_q8_v_weighted_sum_is_its_twin_bit_for_bit(hd):
             values[off:off + hd] = 127
             values[off + hd:off + 2 * hd] = -128
             dv = (r.random((n, nbk)) * 0.05).astype(f32)
+            if g == 2:
+                dv[:, -1] = 0                                # a block of zero scales
             w = np.full((g, A._CHUNK), 0.5, f32)            # past n: must not count
             w[:, :n] = r.random((g, n)).astype(f32) ** 4
-            w[g - 1, :n] = 0 if g > 1 else w[g - 1, :n]
+            if g > 2:
+                w[-1, :n] = 0                                # a row with no weight
             out = r.standard_normal(g * hd).astype(f32)
             want = q8_v_sum_twin(values, off, dv, w, n, g, hd, out)
             _q8_v_sum(values, off, dv, w.reshape(-1), n, g, hd, out, dvf)
