@@ -51,6 +51,7 @@ _NO_MAX = F32(-1e30)  # the running max before the first chunk
 _SPLIT_CHUNKS = 4    # chunks of positions a decoded token's work item covers at depth
 _MAX_SPLITS = 32     # splits of a decoded token's positions at most (longer ones cover more)
 KIND_Q8, KIND_Q4 = 0, 1
+W16 = 32767          # a q8_0 V's weights times scales, rounded to int16, reach this at most
 _PREFETCH_Q = 16384  # bytes ahead that the quantized kernels prefetch K and V, into L2
                      # (prefetcht1: L1's few fill buffers would cap the misses in flight);
                      # 4 KiB, or into L1, left q8_0's decode at depth 32768 waiting on
@@ -239,9 +240,6 @@ def _weighted_q16(typingctx, v, w, out, hd, n, g, kind):
     return types.void(v, w, out, hd, n, g, kind), codegen
 
 
-W16 = 32767          # a q8_0 V's weights are rounded to int16 with this as their largest
-
-
 def _i16_blocks(g):
     # head-dim blocks of 32 columns a pass of _weighted_i16 takes: 2 g int32 sums a block in
     # registers, and 2 vectors of V's widened words
@@ -356,8 +354,8 @@ def _round_weights(w, n, t, mx, nbk, g, wq, winv):
     reassociation, reciprocal or contraction licence): for rows j < g of w (Rows), mw_j =
     max_p w_jp and r_j = 1 / mw_j; wq[(j nbk + b) _CHUNK + p] = rint(w_jp r_j t(p, b)), an
     int16 in [0, W16] (t and mx[:nbk] from _scale_v_blocks; 0 past n, to a multiple of
-    16), and winv[j nbk + b] = mw_j mx[b] / W16 (0 where every weight is: the step of the
-    largest products a row and block can have)."""
+    16), and winv[j nbk + b] = mw_j mx[b] / W16: the step, 1/W16 of the largest product a
+    row and block can have (0 where the row's weights or the block's scales are all 0)."""
     r = mx[nbk:nbk + _GMAX]
     for j in range(g):
         mw = max(_max_of(w.a, w.off + j * w.stride, n), F32(0.0))
