@@ -24,7 +24,8 @@ Cases:
   (weights and K/V) times tokens/s over it says how close each engine is to the memory;
 - --baseline DIR: another checkout of edgellama (say main's, beside a branch) runs as a
   third engine in the same alternation, so a change's before and after are measured in
-  one run, each also as a ratio to llama.cpp;
+  one run, each also as a ratio to llama.cpp (its kernels and tiles cached apart from
+  this checkout's, in the cache folder's bench-baseline);
 - busy 1: the same with one CPU-bound process running beside it (what a laptop with a
   browser open looks like). edgellama runs with its default thread setting there
   (the column "threads" says what it was asked for; default = adaptive), llama.cpp
@@ -207,12 +208,16 @@ def run_one(engine: str, path: str, threads: int | None, depth: int, pp: int, tg
             baseline: str | None = None) -> dict:
     """One measurement in a process of its own; engine "baseline": edgellama imported
     from the checkout `baseline`."""
+    from edgellama.default_model import cache_dir
     if engine == "llama.cpp":
         path = with_tokenizer(path)
     env = None
     if engine == "baseline":
+        # a cache folder of its own: a model keeps one tile file, so the two trees would
+        # otherwise evict each other's and every run would repack and write its tiles
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [baseline, *filter(None, [os.environ.get("PYTHONPATH")])]))
+            [baseline, *filter(None, [os.environ.get("PYTHONPATH")])]),
+            EDGELLAMA_CACHE=str(cache_dir() / "bench-baseline"))
         engine = "edgellama"
     cmd = [sys.executable, __file__, "--worker", engine]
     if engine != "ceiling":
