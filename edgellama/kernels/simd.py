@@ -85,11 +85,16 @@ L1, L2 = 3, 2
 # the misses a core keeps in flight, and one record is less than the memory's latency
 # ahead ("records prefetch into L2", bench/results/design_measurements.json)
 RECORDS_AHEAD = 2
+# but a decode product on AMD Zen 4 whose weights are nibbles or bytes used as they are
+# (not rebuilt from fifth or sixth bits): there its blocks' lines prefetched just before
+# their loads (0 ahead) read memory faster than records ahead, which still serve the 5-
+# and 6-bit kernels best ("records prefetch on AMD Zen 4")
+PLAIN_DECODE_AHEAD = 0 if CPU_NAME == "znver4" else RECORDS_AHEAD
 # Row vectors a decode product walks side by side (_over_records), by CPU: on the Intel
 # Xeons 4 record streams keep more of the memory's latency covered and share each block's
-# x; on AMD Zen (measured on Zen 5) one stream, each tile read in order, reads memory
-# faster than 4 ("decode streams", "decode streams on AMD Zen 5":
-# bench/results/design_measurements.json)
+# x; on AMD Zen (measured on Zen 5 and Zen 4) one stream, each tile read in order, reads
+# memory faster than 4 ("decode streams", "decode streams on AMD Zen 5", "records
+# prefetch on AMD Zen 4": bench/results/design_measurements.json)
 DECODE_STREAMS = 1 if CPU_NAME.startswith("znver") else 4
 
 
@@ -229,20 +234,22 @@ Q5K_QH = Q4K_RECORD
 Q5K_RECORD = Q5K_QH + 8 * 64                         # 2880 bytes, 45 cache lines
 
 
-def _over_records(builder, fr, block_bytes, tokens, sums_per_token, block, finish):
+def _over_records(builder, fr, block_bytes, tokens, sums_per_token, block, finish, rebuilt):
     """The loops of the record intrinsics (blocks_gemm, q4k_gemm, q6_gemm, iq4xs_gemm)
     over a tile of records of fr.group blocks of 32 weights, block_bytes each (a
     constant), fr.nb blocks a row: per vector of n rows (lanes lane.. of their strip) and
     record, with rec its byte offset in q: zero `sums_per_token` f32 vectors per token
     (sums[j][t]); for its blocks k (an IR loop index), prefetch into L2 the block's share
-    of the record RECORDS_AHEAD on and call block(g, k, rec, lane, sums) (g the record's
-    index in the row, so block g * group + k of it); then finish(rec, lane, sums,
+    of the record RECORDS_AHEAD on (PLAIN_DECODE_AHEAD for one token, unless the weights
+    are `rebuilt` from fifth or sixth bits) and call block(g, k, rec, lane, sums) (g the
+    record's index in the row, so block g * group + k of it); then finish(rec, lane, sums,
     totals), totals[t] one f32 vector per token that block or finish adds to and that is
     stored to acc[t R + row] at the end. The blocks are a loop, not unrolled, and the
     prefetch of the record ahead is spread over them: both measured faster ("records
     loop and prefetch", bench/results/design_measurements.json). Decode (one token) walks
     DECODE_STREAMS vectors of rows side by side, record by record ("decode streams")."""
     k64, n, vf, group = fr.k64, fr.n, fr.vf, fr.group
+    records_ahead = PLAIN_DECODE_AHEAD if tokens == 1 and not rebuilt else RECORDS_AHEAD
     per_strip = RECORD_ROWS // n                        # row vectors per strip
     nsb = builder.udiv(fr.nb, group)                    # records per strip
     record = builder.mul(group, k64(block_bytes))
@@ -267,7 +274,7 @@ def _over_records(builder, fr, block_bytes, tokens, sums_per_token, block, finis
                 with cgutils.for_range(builder, group) as blk:
                     k = blk.index
                     for rec in recs:
-                        ahead = builder.add(builder.add(rec, builder.mul(record, k64(RECORDS_AHEAD))),
+                        ahead = builder.add(builder.add(rec, builder.mul(record, k64(records_ahead))),
                                             fr.at(k, block_bytes, 0))
                         for line in range(0, block_bytes, 64):
                             fr.prefetch(builder.add(ahead, k64(line)), L2)
@@ -471,7 +478,7 @@ def blocks_gemm(typingctx, q, x, acc, shape, isa):
             for a, s_ in zip(totals, sums[0]):
                 builder.store(builder.fadd(builder.load(a), builder.load(s_)), a)
 
-        _over_records(builder, fr, BLOCK_BYTES[KIND], TOK, 1, block, finish)
+        _over_records(builder, fr, BLOCK_BYTES[KIND], TOK, 1, block, finish, KIND in BLOCK_FIVE)
         return context.get_dummy_value()
 
     return types.void(q, x, acc, shape, isa), codegen
@@ -522,7 +529,7 @@ def q4k_gemm(typingctx, q, x, acc, shape, isa):
                 builder.store(fma(mv, xs, builder.load(a2)), a2)
 
         _over_records(builder, fr, (Q5K_RECORD if five else Q4K_RECORD) // 8, TOK, 2, block,
-                      _finish_d_dmin(fr, Q4K_D, Q4K_DMIN))
+                      _finish_d_dmin(fr, Q4K_D, Q4K_DMIN), five)
         return context.get_dummy_value()
 
     return types.void(q, x, acc, shape, isa), codegen
@@ -576,7 +583,7 @@ def iq4xs_gemm(typingctx, q, x, acc, shape, isa):
                 a = sums[0][t]
                 builder.store(fma(builder.sitofp(dot, vf), builder.fmul(scv, dx), builder.load(a)), a)
 
-        _over_records(builder, fr, IQ4XS_RECORD // 8, TOK, 1, block, _finish_d(fr, IQ4XS_D))
+        _over_records(builder, fr, IQ4XS_RECORD // 8, TOK, 1, block, _finish_d(fr, IQ4XS_D), False)
         return context.get_dummy_value()
 
     return types.void(q, x, acc, shape, isa), codegen
@@ -691,9 +698,9 @@ def q6_gemm(typingctx, q, x, acc, shape, isa):
                     builder.store(fma(ms[1], xm[1], fma(ms[0], xm[0], builder.load(a))), a)
 
         if mins:
-            _over_records(builder, fr, Q2K_RECORD // 8, TOK, 2, block, _finish_d_dmin(fr, Q6K_D, Q2K_DMIN))
+            _over_records(builder, fr, Q2K_RECORD // 8, TOK, 2, block, _finish_d_dmin(fr, Q6K_D, Q2K_DMIN), True)
         else:
-            _over_records(builder, fr, Q6K_RECORD // 8, TOK, 1, block, _finish_d(fr, Q6K_D))
+            _over_records(builder, fr, Q6K_RECORD // 8, TOK, 1, block, _finish_d(fr, Q6K_D), True)
         return context.get_dummy_value()
 
     return types.void(q, x, acc, shape, isa), codegen
