@@ -29,7 +29,9 @@ Cases:
 - busy 1: the same with one CPU-bound process running beside it (what a laptop with a
   browser open looks like). edgellama runs with its default thread setting there
   (the column "threads" says what it was asked for; default = adaptive), llama.cpp
-  with the given count, as a user would run it.
+  with the given count, as a user would run it;
+- first, untimed: one short run of each edgellama tree, so that a first load's tile
+  writing (tile_cache.py) is done and on disk before anything is timed.
 
 The weights are random with the real shapes (speed does not depend on values; files
 from `edgellama.benchmark.shape_file`; --type q4_k_m is llama.cpp's own quantizer's
@@ -285,6 +287,13 @@ def main() -> None:
     else:
         path = str(shape_file(a.shape, a.type))
     engines = (*ENGINES, "baseline") if a.baseline else ENGINES
+    # a tree's first load of a file repacks it and writes its tiles (tile_cache.py): do
+    # that untimed, and flush it to disk, so that no timed run shares the machine with
+    # the writeback
+    for e in engines:
+        if e != "llama.cpp":
+            run_one(e, path, None, 0, 16, 1, a.baseline)
+    os.sync()
     rows = []
     for busy in (int(b) for b in a.busy.split(",")):
         for depth in (int(d) for d in a.depth.split(",")):
