@@ -13,8 +13,8 @@ callers split their pairs: `pairs_per_dot`), how halves convert to f32
 intrinsics, attention.py's quantized scores and V and amx.py read these fields; none of
 them branches on the name.
 
-A new instruction set (Arm's sdot, say): one row at the end of ISAS (after the rows it
-beats), with its `needs`; its lowering functions here beside _dot_vnni / _dot_avx2 /
+A new instruction set (Arm's sdot, say): one row in ISAS (after the rows it beats,
+before those that beat it), with its `needs`; its lowering functions here beside _dot_vnni / _dot_avx2 /
 _dot_generic (the pair-dot, and weight sums if its signed dot wants them once per
 block); and its integer model in tests/formats/test_isa_models.py (MODELS), which
 checks each row's model against the exact sums at every caller's bounds.
@@ -53,21 +53,27 @@ def splat(builder, scalar, n):
 # pairs: (w <n x i32> of 4 weight bytes per lane, x i32 of 4 int8 activations, broadcast);
 # weights u8 (unsigned, < 64) or i8 (signed); x in [-127, 127] (records.prep_q8_x).
 
+def _vpdpbusd(n):
+    """LLVM's vpdpbusd over n int32 lanes: AVX-512 VNNI's (16) or, 8, AVX-VNNI's VEX form
+    where the target has no AVX-512 VL (LLVM picks the encoding by the features)."""
+    return f"llvm.x86.avx512.vpdpbusd.{32 * n}"
+
+
 def _vnni_sum_w(builder, n, ws):
     """<n x i32>: per 32-bit lane, the sum of the int8 weight bytes of all of ws."""
     wide = ir.VectorType(ir.IntType(32), n)
     ones = ir.Constant(wide, [0x01010101] * n)
     sum_w = ir.Constant(wide, None)
     for w in ws:
-        sum_w = call_llvm(builder, "llvm.x86.avx512.vpdpbusd.512", wide, [sum_w, ones, w])
+        sum_w = call_llvm(builder, _vpdpbusd(n), wide, [sum_w, ones, w])
     return sum_w
 
 
 def _dot_vnni(builder, n, pairs, signed, sum_w):
-    """vpdpbusd: 64 u8 x i8 products summed into 16 int32 lanes, one instruction."""
+    """vpdpbusd: 4n u8 x i8 products summed into n int32 lanes, one instruction."""
     i32 = ir.IntType(32)
     wide = ir.VectorType(i32, n)
-    name = "llvm.x86.avx512.vpdpbusd.512"
+    name = _vpdpbusd(n)
     total = ir.Constant(wide, None)
     if not signed:
         for w, x in pairs:
@@ -185,6 +191,18 @@ def _pshufb(width, name):
     return lookup
 
 
+def _half(builder, v, h, lanes):
+    """Half h (0 or 1) of vector v of 2 lanes elements."""
+    sel = ir.Constant(ir.VectorType(ir.IntType(32), lanes), list(range(h * lanes, (h + 1) * lanes)))
+    return builder.shuffle_vector(v, v, sel)
+
+
+def _joined(builder, halves):
+    """The two vectors of halves, one after the other."""
+    n = 2 * halves[0].type.count
+    return builder.shuffle_vector(halves[0], halves[1], ir.Constant(ir.VectorType(ir.IntType(32), n), list(range(n))))
+
+
 X_MAX = 127           # |x8| at most (prep_q8_x never gives -128)
 F16C = frozenset({"f16c", "avx"})   # x86's one-instruction f16 <-> f32 (F16C needs AVX's encoding)
 
@@ -212,15 +230,22 @@ class Isa:
         """<n x i32>: per 32-bit lane, the sum over pairs of the 4 byte products (the
         lowering's conventions above); n twice the lanes goes as two halves."""
         if self.lanes is not None and n == 2 * self.lanes:
-            i32 = ir.IntType(32)
-            half = lambda v, h: builder.shuffle_vector(
-                v, v, ir.Constant(ir.VectorType(i32, self.lanes), list(range(h, h + self.lanes))))
-            parts = [self.dot(builder, self.lanes, [(half(w, h), x) for w, x in pairs], signed,
-                              None if sum_w is None else half(sum_w, h))
-                     for h in (0, self.lanes)]
-            return builder.shuffle_vector(parts[0], parts[1],
-                                          ir.Constant(ir.VectorType(i32, n), list(range(n))))
+            half = lambda v, h: _half(builder, v, h, self.lanes)
+            return _joined(builder, [self.dot(builder, self.lanes, [(half(w, h), x) for w, x in pairs],
+                                              signed, None if sum_w is None else half(sum_w, h))
+                                     for h in (0, 1)])
         return self.pair_dot(builder, n, pairs, signed, sum_w)
+
+    def sum_w(self, builder, n, ws):
+        """What a signed dot of weights ws may take as its sum_w, once per block: the row's
+        weight_sums (None where it has none); n twice the lanes goes as two halves."""
+        if self.weight_sums is None:
+            return None
+        if self.lanes is not None and n == 2 * self.lanes:
+            return _joined(builder, [self.weight_sums(builder, self.lanes,
+                                                      [_half(builder, w, h, self.lanes) for w in ws])
+                                     for h in (0, 1)])
+        return self.weight_sums(builder, n, ws)
 
     def pairs_per_dot(self, wmax: int) -> int | None:
         """Unsigned pairs of weights up to wmax one dot may sum exactly: vpmaddubsw's
@@ -242,7 +267,8 @@ _GENERIC_HALF = {"x86_64": F16C, "i386": F16C, "i686": F16C,
                  "aarch64": frozenset(), "arm64": frozenset()}.get(ARCH)
 
 # Plainest first: target_isa takes the last row whose needs the target has, so a new
-# row goes after those it beats (and the existing rows keep their indices).
+# row goes after those it beats and before those that beat it (the names below keep
+# the indices the intrinsics take).
 ISAS = (
     Isa("generic", frozenset(), _dot_generic, lanes=None, rows=(8, 8), float_tile=(6, 4),
         half=_GENERIC_HALF),
@@ -251,12 +277,16 @@ ISAS = (
     # of 8 rows); prefill's 4 tokens of 16 rows would not fit AVX2's 16 registers (0.75x)
     Isa("AVX2 (vpmaddubsw)", frozenset({"avx2"}), _dot_avx2, lanes=8, rows=(16, 8),
         float_tile=(6, 8), half=F16C, int16_pairs=True, lookup=_pshufb(32, "llvm.x86.avx2.pshuf.b")),
+    # AVX-VNNI (Intel's client cores since Alder Lake: AVX2 and 256-bit vpdpbusd, no
+    # AVX-512): AVX2's shapes, its pair-dot one instruction with no int16 bound
+    Isa("AVX-VNNI (vpdpbusd)", frozenset({"avx2", "avxvnni"}), _dot_vnni, lanes=8, rows=(16, 8),
+        float_tile=(6, 8), half=F16C, weight_sums=_vnni_sum_w, lookup=_pshufb(32, "llvm.x86.avx2.pshuf.b")),
     Isa("AVX-512 VNNI (vpdpbusd)", frozenset({"avx512vnni", "avx512bw"}), _dot_vnni, lanes=16,
         rows=(16, 16), float_tile=(12, 16), half=F16C, weight_sums=_vnni_sum_w,
         tiles=frozenset({"amx-tile", "amx-int8"}), lookup=_pshufb(64, "llvm.x86.avx512.pshuf.b.512"),
         word_dot=_word_dot_vnni, v_int16=True),
 )
-GENERIC, AVX2, VNNI512 = 0, 1, 2           # indices into ISAS: the intrinsics' isa constant
+GENERIC, AVX2, AVX_VNNI, VNNI512 = 0, 1, 2, 3   # indices into ISAS: the intrinsics' isa constant
 ISA_NAMES = {i: row.name for i, row in enumerate(ISAS)}
 
 

@@ -14,11 +14,12 @@ group, t0, tokens, kind) (tokens and kind compile-time constants), and the instr
 set: an index of isa.ISAS, ISA for this target. The instructions:
 
     VNNI (AVX-512)  vpdpbusd: 64 u8 x i8 products summed into 16 int32 lanes, 1 instruction
+    AVX-VNNI        vpdpbusd on 256 bits: 32 products into 8 lanes (AVX2's shapes)
     AVX2            vpmaddubsw (u8 x i8 pairs -> int16) then vpmaddwd (-> int32)
     anything else   target-independent IR (widen, multiply, add), which LLVM lowers
 
 Nothing here branches on which: the intrinsics read the row's fields (rows per vector,
-weight_sums, pairs_per_dot) and call its dot. A new instruction set is a row of isa.py's
+sum_w, pairs_per_dot) and call its dot. A new instruction set is a row of isa.py's
 table, ISAS, and its lowering functions there (isa.py's docstring says what else), not
 an edit here. The row is chosen once (target.py), from the features Numba compiles for:
 the host CPU's unless NUMBA_CPU_NAME / NUMBA_CPU_FEATURES say otherwise (Numba's kernel
@@ -45,7 +46,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 from .fp import half_to_float_ir
-from .isa import AVX2, GENERIC, ISA_NAMES, ISAS, VNNI512, call_llvm, splat, target_isa  # noqa: F401
+from .isa import AVX2, AVX_VNNI, GENERIC, ISA_NAMES, ISAS, VNNI512, call_llvm, splat, target_isa  # noqa: F401
 from .target import CPU_NAME, ISA  # noqa: F401  (ISA: the intrinsics' isa constant for this target)
 
 
@@ -60,7 +61,7 @@ def _dot(builder, isa, n, pairs, signed, sum_w=None):
     lane, x i32 of 4 int8 activations, broadcast) of the 4 byte products, in the
     instructions of row `isa` of isa.ISAS (attention.py's scores take it so). Weights
     are u8 (no more pairs than the row's pairs_per_dot of their largest value) or, if
-    signed, i8; sum_w: the row's weight_sums of the pairs' weights, if the caller has
+    signed, i8; sum_w: the row's sum_w of the pairs' weights, if the caller has
     them."""
     return ISAS[isa].dot(builder, n, pairs, signed, sum_w)
 
@@ -457,7 +458,7 @@ def blocks_gemm(typingctx, q, x, acc, shape, isa):
                 ws = _nibble_sets(builder, lambda g: load(64 * g), load(256) if KIND in BLOCK_FIVE else None)
             if lut:
                 ws = [lookup_values(builder, row, w, table) for w in ws]
-            sum_w = row.weight_sums(builder, n, ws) if signed and row.weight_sums else None
+            sum_w = row.sum_w(builder, n, ws) if signed else None
             halves = builder.add(rec, builder.mul(lane, k64(2)))
             dv = fr.f16s("q", builder.add(halves, at(k, 32, 0)))
             mins = builder.add(halves, builder.mul(ga, k64(32)))     # the m after the d
@@ -571,7 +572,7 @@ def iq4xs_gemm(typingctx, q, x, acc, shape, isa):
             ws = _nibble_sets(builder, lambda g: builder.load(
                 ptr("q", builder.add(quads, at(k, 256, IQ4XS_QS + 64 * g)), wide), align=1))
             ws = [lookup_values(builder, row, w, table) for w in ws]
-            sum_w = row.weight_sums(builder, n, ws) if not biased and row.weight_sums else None
+            sum_w = row.sum_w(builder, n, ws) if not biased else None
             sc_at = builder.add(builder.add(rec, lane), at(k, 16, IQ4XS_SC))
             scv = builder.sitofp(builder.load(ptr("q", sc_at, ir.VectorType(i8, n)), align=1), vf)
             for t in range(TOK):

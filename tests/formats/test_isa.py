@@ -1,6 +1,6 @@
 """isa.py's table: every row has what the kernels use, lowers its pair-dot with no more
 than the features it needs, and the choice from a feature set is the one the kernels
-made before the table (VNNI needs BW's bytes too, AVX2 alone, else generic; f16 in one
+made before the table (VNNI needs BW's bytes too, AVX-VNNI AVX2 too, AVX2 alone, else generic; f16 in one
 instruction with F16C and AVX on x86; AMX tiles on top of the VNNI row)."""
 import ctypes
 
@@ -10,7 +10,7 @@ import pytest
 from llvmlite import ir
 
 from edgellama.kernels import isa
-from edgellama.kernels.isa import AVX2, GENERIC, ISA_NAMES, ISAS, VNNI512, target_isa
+from edgellama.kernels.isa import AVX2, AVX_VNNI, GENERIC, ISA_NAMES, ISAS, VNNI512, target_isa
 from edgellama.kernels.simd import RECORD_ROWS, TOKENS
 from edgellama.kernels.target import FEATURES, HALF_NATIVE, ISA, TARGET
 
@@ -47,7 +47,7 @@ def _lowered(row, n, signed):
     fn = ir.Function(m, ir.FunctionType(wide, [wide, wide, i32, i32]), "f")
     b = ir.IRBuilder(fn.append_basic_block())
     w0, w1, x0, x1 = fn.args
-    sum_w = row.weight_sums(b, n, [w0, w1]) if signed and row.weight_sums else None
+    sum_w = row.sum_w(b, n, [w0, w1]) if signed else None
     b.ret(row.dot(b, n, [(w0, x0), (w1, x1)], signed, sum_w))
     return _assembled(m, row)
 
@@ -152,6 +152,8 @@ def test_every_row_word_dot_is_exact_with_only_the_features_it_needs(row):
     ({"avx2", "avx512f", "avx512bw"}, AVX2),                  # Skylake-X: no VNNI
     ({"avx2", "avx512f", "avx512vnni"}, AVX2),                # VNNI without BW's bytes
     ({"avx2", "avx512f", "avx512bw", "avx512vnni"}, VNNI512),
+    ({"avx", "avx2", "fma", "f16c", "avxvnni"}, AVX_VNNI),     # Alder Lake and later clients
+    ({"avx2", "avxvnni", "avx512f", "avx512bw", "avx512vnni"}, VNNI512),   # Sapphire Rapids
     ({"avx512bw", "avx512vnni", "amx-tile", "amx-int8"}, VNNI512),
 ])
 def test_the_choice_from_features_is_as_before_the_table(features, want):
@@ -161,7 +163,7 @@ def test_the_choice_from_features_is_as_before_the_table(features, want):
 @pytest.mark.parametrize("features", [set(), {"avx"}, {"f16c"}, {"avx", "f16c"},
                                       {"avx2", "f16c", "avx"}, {"avx2", "avx"},
                                       {"avx512vnni", "avx512bw", "avx", "f16c"},
-                                      {"avx512vnni", "avx512bw", "avx2"}])
+                                      {"avx512vnni", "avx512bw", "avx2"}, {"avx2", "avxvnni", "avx", "f16c"}])
 def test_half_conversion_and_tiles_as_before_the_table(features):
     row = ISAS[target_isa(features)]
     if isa.ARCH in ("x86_64", "i386", "i686"):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from numba import literally, njit
 
-from edgellama.kernels.simd import (AVX2, BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, GENERIC, IQ4_VALUES, ISA, KIND_IQ4_NL,
+from edgellama.kernels.simd import (AVX2, AVX_VNNI, BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, GENERIC, IQ4_VALUES, ISA, KIND_IQ4_NL,
                             KIND_Q4_0, KIND_Q4_1,
                             KIND_Q5_0, KIND_Q5_1, KIND_Q8_0, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH,
                             Q5K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS, TOKENS,
@@ -42,6 +42,7 @@ def test_isa_is_the_best_the_target_has():
     assert target_isa({"avx2", "avx512f", "avx512bw"}) == AVX2       # Skylake-X: no VNNI
     assert target_isa({"avx2", "avx512f", "avx512vnni"}) == AVX2     # VNNI without BW's bytes
     assert target_isa({"avx2", "avx512f", "avx512bw", "avx512vnni"}) == VNNI512
+    assert target_isa({"avx", "avx2", "fma", "avxvnni"}) == AVX_VNNI         # Alder Lake
 
 
 ISA_PROBE = """
@@ -67,18 +68,25 @@ HASWELL = {"NUMBA_CPU_NAME": "haswell",      # an AVX2 CPU: the name alone keeps
                                  "+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,+xsave,+xsaveopt"}
 
 
+# an Intel client core since Alder Lake: AVX2 and AVX-VNNI, no AVX-512
+ALDER_LAKE = {"NUMBA_CPU_NAME": "alderlake",
+              "NUMBA_CPU_FEATURES": HASWELL["NUMBA_CPU_FEATURES"] + ",+avxvnni"}
+
+
 # Each a process compiling afresh; NUMBA_ENABLE_AVX=0 reaches target_isa as the same
 # feature set without AVX2 (test_isa_is_the_best_the_target_has), so runs under -m slow,
-# as does Haswell's AVX2 (its instructions run in this process too where the CPU has them).
+# as do Haswell's AVX2 and Alder Lake's AVX-VNNI (their instructions run in this process
+# too where the CPU has them).
 @pytest.mark.parametrize("env,isa", [({"NUMBA_CPU_NAME": "generic"}, GENERIC),
                                      pytest.param({"NUMBA_ENABLE_AVX": "0"}, GENERIC, marks=pytest.mark.slow),
-                                     pytest.param(HASWELL, AVX2, marks=pytest.mark.slow)])
+                                     pytest.param(HASWELL, AVX2, marks=pytest.mark.slow),
+                                     pytest.param(ALDER_LAKE, AVX_VNNI, marks=pytest.mark.slow)])
 def test_kernels_follow_numba_target_not_host(tmp_path, env, isa):
     """NUMBA_CPU_NAME=generic (a cache shared between machines) compiles for no vector
     extension: a kernel with the host's VNNI or AVX2 intrinsics would abort the process
     in LLVM. The kernels pick the target's instructions and still compute the product."""
-    if isa == AVX2 and not RUNS[AVX2]:
-        pytest.skip("this CPU cannot run AVX2 code")
+    if not RUNS[isa]:
+        pytest.skip(f"this CPU cannot run {ISA_NAMES[isa]} code")
     e = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CPU")}
     e.update(env, EDGELLAMA_CACHE=str(tmp_path))
     r = subprocess.run([sys.executable, "-c", ISA_PROBE], env=e, capture_output=True, text=True,
@@ -86,6 +94,40 @@ def test_kernels_follow_numba_target_not_host(tmp_path, env, isa):
     assert r.returncode == 0, r.stderr[-2000:]
     name, err = r.stdout.strip().split(" | ")
     assert name == ISA_NAMES[isa] and float(err) < 0.02
+
+
+COMPILE_PROBE = """
+import sys
+from pathlib import Path
+import edgellama
+from edgellama.kernels import jit
+from edgellama.kernels.simd import ISA, ISA_NAMES
+count = 0
+for path in sys.argv[1:]:
+    llm = edgellama.load(path, ctx=64, cache_type_k="q8_0", cache_type_v="q8_0")
+    for kernel, sig in jit.kernels_called(llm.model):   # found without running them
+        kernel.compile(sig)
+        count += 1
+print(ISA_NAMES[ISA], "|", count)
+"""
+
+
+@pytest.mark.slow
+def test_every_kernel_compiles_for_alder_lake_here(tmp_path):
+    """The AVX-VNNI row is the choice of CPUs none of our test machines is (where a CPU
+    has its instructions, the twins below run it): every kernel a forward pass of each
+    product family calls (and a q8_0 cache's scores) compiles for that target, nothing
+    run. The files are written here, on this CPU's own code."""
+    from tiny_gguf import write_tiny_gguf
+    paths = [str(write_tiny_gguf(tmp_path / f"{t}.gguf", t, dim=256, ffn=256, vocab=512, tokenizer=True))
+             for t in ("Q4_0", "Q8_0", "IQ4_NL", "Q5_1", "Q4_K", "Q6_K", "IQ4_XS")]
+    e = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CPU")}
+    e.update(ALDER_LAKE, EDGELLAMA_CACHE=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-c", COMPILE_PROBE, *paths], env=e, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    name, count = r.stdout.strip().splitlines()[-1].split(" | ")
+    assert name == ISA_NAMES[AVX_VNNI] and int(count) > 100
 
 
 # --- blocks_gemm: records of a per-32-block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) ----
