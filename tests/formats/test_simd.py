@@ -68,6 +68,14 @@ HASWELL = {"NUMBA_CPU_NAME": "haswell",      # an AVX2 CPU: the name alone keeps
                                  "+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,+xsave,+xsaveopt"}
 
 
+def target_env(**env):
+    """This process's environment without its NUMBA_CPU_* settings, and env: a child
+    compiling for the target env names."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CPU")}
+    e.update(env)
+    return e
+
+
 # an Intel client core since Alder Lake: AVX2 and AVX-VNNI, no AVX-512
 ALDER_LAKE = {"NUMBA_CPU_NAME": "alderlake",
               "NUMBA_CPU_FEATURES": HASWELL["NUMBA_CPU_FEATURES"] + ",+avxvnni"}
@@ -87,8 +95,7 @@ def test_kernels_follow_numba_target_not_host(tmp_path, env, isa):
     in LLVM. The kernels pick the target's instructions and still compute the product."""
     if not RUNS[isa]:
         pytest.skip(f"this CPU cannot run {ISA_NAMES[isa]} code")
-    e = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CPU")}
-    e.update(env, EDGELLAMA_CACHE=str(tmp_path))
+    e = target_env(**env, EDGELLAMA_CACHE=str(tmp_path))
     r = subprocess.run([sys.executable, "-c", ISA_PROBE], env=e, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -98,7 +105,6 @@ def test_kernels_follow_numba_target_not_host(tmp_path, env, isa):
 
 COMPILE_PROBE = """
 import sys
-from pathlib import Path
 import edgellama
 from edgellama.kernels import jit
 from edgellama.kernels.simd import ISA, ISA_NAMES
@@ -121,8 +127,7 @@ def test_every_kernel_compiles_for_alder_lake_here(tmp_path):
     from tiny_gguf import write_tiny_gguf
     paths = [str(write_tiny_gguf(tmp_path / f"{t}.gguf", t, dim=256, ffn=256, vocab=512, tokenizer=True))
              for t in ("Q4_0", "Q8_0", "IQ4_NL", "Q5_1", "Q4_K", "Q6_K", "IQ4_XS")]
-    e = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CPU")}
-    e.update(ALDER_LAKE, EDGELLAMA_CACHE=str(tmp_path / "cache"))
+    e = target_env(**ALDER_LAKE, EDGELLAMA_CACHE=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, "-c", COMPILE_PROBE, *paths], env=e, capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -257,8 +262,7 @@ def test_decode_streams_give_the_same_sums(monkeypatch, streams):
 def test_decode_streams_follow_numba_target(cpu, streams):
     """The count is the CPU Numba compiles for (NUMBA_CPU_NAME, as its kernel cache is
     keyed), not the host's."""
-    e = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CPU")}
-    e["NUMBA_CPU_NAME"] = cpu
+    e = target_env(NUMBA_CPU_NAME=cpu)
     r = subprocess.run([sys.executable, "-c", "from edgellama.kernels import simd; print(simd.DECODE_STREAMS)"],
                        env=e, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
