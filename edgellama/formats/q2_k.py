@@ -6,33 +6,28 @@ with a 4-bit scale and a 4-bit min per sub-block.
 q_e (2 bits) is bits 2k, 2k+1 of qs[32h + l], where h = e // 128, k = (e % 128) // 32,
 l = e % 32.
 
-Runtime tiles (lanes across rows, see base.TiledLinear), the file's 84 bytes per block:
-    w  (nt, nb*16*2*R) u16  per sub-block 2 words: word i holds q of elements 8i..8i+7
-                            in bits 2k, 2k+1
-    sc (nt, nb*16*R) u8     the scale bytes as in the file
-    d, dmin (nt, nb*R) u16  f16 bits
-Decode quantizes x to int8 per super-block (as q3_k.py), sums each sub-block's q xq in
-int16 lanes (exact: |sum| <= 16 * 3 * 127), then per super-block weights the sums by sc
-and the x sums of each sub-block by m in int32, and applies d, dmin and the x scale.
-
-Prefill is the record formats' int8 GEMM (q6_k.RewrittenTiles, x rounded per 32, as
-llama.cpp's q8_K sums): each tile is rewritten as Q6_K records with q6 = q + 32 and
-Q2_K's mins beside them (q2_records, simd.py's Q2K_*), d sum sc (q6 - 32) x8 - dmin sum
-m xs16 in q6_gemm (no AMX kernel takes the mins), while they are in its thread's cache.
+Runtime tiles are records of 16 rows and one super-block (records.py; simd.py's Q2K_*
+layout), the file's 84 bytes a row and super-block: the rows' d and dmin, the scale
+bytes as in the file, then per block of 32 its 2-bit values as Q6_K's crumb quads (byte
+j: elements j, j + 8, j + 16, j + 24). Decode and prefill are simd.q6_gemm's kind 2: x
+quantized to int8 per 32 (records.prep_q8_x; llama.cpp uses one scale per 256 for
+Q2_K), each 16-weight sub-block's q x8 summed exactly in the CPU's pair-dot
+instructions and weighted by its sc in int32, and dmin m times x's sum per 16 (as
+rounded) taken off in f32. No AMX kernel takes the mins. Why records of 2-bit values:
+"Q2_K and Q3_K records" in bench/results/design_measurements.json.
 """
 from __future__ import annotations
-
-from functools import cache
 
 import numpy as np
 from gguf.constants import LlamaFileType
 from numba import njit, prange
 
-from ..kernels.fp import f16_to_f32, get_f16, nearest_int, put_f16
-from ..kernels.simd import Q2K_DMIN, Q2K_M, Q2K_RECORD, Q6K_D, Q6K_QS, Q6K_SC, RECORD_ROWS
-from .base import WeightFormat, block_sizes, release_pages, repack_bytes, repack_halves
-from .q3_k import QK, pack_2bit, put_scale, quantize_x_block, tile_span
-from .q6_k import RewrittenTiles
+from ..kernels.fp import get_f16, nearest_int, put_f16
+from ..kernels.simd import Q2K_DMIN, Q2K_RECORD, Q2K_SC, Q6K_D, Q6K_QS, RECORD_ROWS
+from .base import WeightFormat, block_sizes
+from .q3_k import QK, pack_2bit, put_scale, tile_span
+from .q6_k import matmul_k16, matvec_k16, scaled16, sums16
+from .records import RecordLinear, prep_q8_x
 
 f32 = np.float32
 BS = block_sizes("Q2_K")[1]   # bytes per super-block
@@ -196,233 +191,99 @@ def dequantize_q2_k(q, out):
                 out[QK * b + 16 * j + i] = dl * f32(v) - ml
 
 
-# --- load: the file's blocks -> tiles ----------------------------------------------------
+# --- load: the file's blocks -> records ----------------------------------------------------
 
 @njit(cache=True, parallel=True)
-def repack_q2_k_words(raw, row0, w):
-    # raw (rows, nb*84) u8, file rows row0.. of W -> the tiles' words w (see the module
-    # doc). Sub-block by sub-block of one tile (L2-resident): contiguous lane writes.
+def repack_q2_k(raw, row0, q):
+    # raw (rows, nb*84) u8 -> rows row0.. of the tiles q (nt, R/16*nb*1344) u8: row t*R +
+    # r is lane r % 16 of strip r // 16, its super-block b in record strip*nb + b
+    # (simd.py's Q2K_* layout): per block k of 32, crumb byte j (< 8) = elements j, j+8,
+    # j+16, j+24 at bits 0, 2, 4, 6
     rows = raw.shape[0]
     nb = raw.shape[1] // BS
-    R = w.shape[1] // (nb * 32)
+    R = q.shape[1] // (nb * Q2K_RECORD) * RECORD_ROWS
     for t in prange(row0 // R, (row0 + rows - 1) // R + 1):
         r0, r1 = tile_span(row0, rows, R, t)
-        src = raw[t * R + r0 - row0:t * R + r1 - row0]
-        wt = w[t]
-        for b in range(nb):
-            for j in range(16):
-                g = 16 * b + j
-                o = BS * b + 16 + 32 * (j // 8) + 16 * (j % 2)
-                sh = 2 * ((j % 8) // 2)
-                for r in range(r1 - r0):
-                    qs = src[r, o:o + 16]
-                    w0 = 0
-                    w1 = 0
-                    for i in range(8):
-                        w0 |= ((np.int32(qs[i]) >> sh) & 3) << (2 * i)
-                        w1 |= ((np.int32(qs[8 + i]) >> sh) & 3) << (2 * i)
-                    wt[2 * g * R + r0 + r] = w0
-                    wt[(2 * g + 1) * R + r0 + r] = w1
-
-
-# --- decode: x prepared once per matvec, then int16 sub-block sums ------------------------
-
-@njit(cache=True, error_model="numpy")
-def prep_q2_k_x(x, xq, co, bs, xd):
-    # x (n,) f32 -> xd (nb,) the x scale per super-block and, per sub-block g (nb*16):
-    # co[g] (16,) int16, for word i co[g, 8i:8i+8] = (y0, y1 - 4 y0, .., y7 - 4 y6) with
-    # y = xq[8i:8i+8], so that sum_k ((u >> 2k) co[8i+k]) over a word u = its fields times
-    # their x (the terms telescope; products and partial sums may wrap int16 but are exact
-    # mod 2^16 and the total is within 16 * 3 * 127 < 2^15); bs[g] = sum(xq) for the mins.
-    for b in range(xd.size):
-        xd[b] = quantize_x_block(x, b, xq)
-        for j in range(16):
-            y = xq[16 * j:16 * j + 16]
-            c = co[16 * b + j]
-            s = 0
-            for i in range(2):
-                c[8 * i] = y[8 * i]
-                for k in range(1, 8):
-                    c[8 * i + k] = y[8 * i + k] - 4 * y[8 * i + k - 1]
-            for i in range(16):
-                s += y[i]
-            bs[16 * b + j] = s
-
-
-@njit(cache=True, fastmath=True, inline="always")
-def q2_sub(wt, o, c, s):
-    # s (R,) int16 = sum over one sub-block of q xq, its 2 words wt[o:o+2R] (lanes across
-    # rows) times the coefficients c = co[g] of prep_q2_k_x
-    R = s.size
-    a0 = c[0]; b01 = c[1]; b02 = c[2]; b03 = c[3]
-    b04 = c[4]; b05 = c[5]; b06 = c[6]; b07 = c[7]
-    a1 = c[8]; b11 = c[9]; b12 = c[10]; b13 = c[11]
-    b14 = c[12]; b15 = c[13]; b16 = c[14]; b17 = c[15]
-    p0 = wt[o:o + R]; p1 = wt[o + R:o + 2 * R]
-    for r in range(R):
-        u0 = np.int32(p0[r]); u1 = np.int32(p1[r])
-        # only 16 bits are stored: LLVM narrows it all to int16 vector ops
-        s[r] = np.int16(u0 * a0 + (u0 >> 2) * b01 + (u0 >> 4) * b02 + (u0 >> 6) * b03
-                        + (u0 >> 8) * b04 + (u0 >> 10) * b05 + (u0 >> 12) * b06 + (u0 >> 14) * b07
-                        + u1 * a1 + (u1 >> 2) * b11 + (u1 >> 4) * b12 + (u1 >> 6) * b13
-                        + (u1 >> 8) * b14 + (u1 >> 10) * b15 + (u1 >> 12) * b16 + (u1 >> 14) * b17)
-
-
-@cache
-def matvec_q2_k(R):
-    """The decode kernel for tiles of R rows, R a compile-time constant (see q3_k.py)."""
-
-    @njit(cache=True, fastmath=True, parallel=True)
-    def matvec(w, sc, d, dmin, co, bs, xd, out, scratch, s16):
-        # W (nt*R, n) Q2_K tiles w (nt, nb*32*R) u16, sc (nt, nb*16*R) u8, d, dmin
-        # (nt, nb*R) u16 @ x (prep_q2_k_x: co, bs, xd) -> out (d,); scratch (nt, R) f32,
-        # s16 (nt, 16*R) int16 (an int16-only loop: see q3_k.py)
-        nt = w.shape[0]
-        nb = xd.size
-        for t in prange(nt):
-            wt = w[t]
-            acc = scratch[t]
-            s = s16[t]
-            acc[:] = 0
+        v = np.empty(QK, np.int32)
+        qt = q[t]
+        for r in range(r0, r1):
+            row = raw[t * R + r - row0]
+            lane = r % RECORD_ROWS
             for b in range(nb):
-                for j in range(16):
-                    g = 16 * b + j
-                    q2_sub(wt, 2 * g * R, co[g], s[j * R:(j + 1) * R])
-                sb = sc[t, 16 * b * R:16 * (b + 1) * R]
-                db = d[t, b * R:(b + 1) * R]
-                dm = dmin[t, b * R:(b + 1) * R]
-                xb = bs[16 * b:16 * b + 16]
-                dx = xd[b]
-                for r in range(R):
-                    a = np.int32(0)              # sum sc s,      |a| <= 16 * 15 * 6096
-                    m = np.int32(0)              # 16 sum m bs,   |m| <= 16 * 16 * 15 * 2032
-                    for j in range(16):
-                        # 16 m = v - sc: no shift, which LLVM would do in int64 lanes
-                        v = np.int32(sb[j * R + r])
-                        lo = v & np.int32(15)
-                        a = np.int32(a + np.int32(s[j * R + r]) * lo)
-                        m = np.int32(m + (v - lo) * np.int32(xb[j]))
-                    acc[r] += dx * (f16_to_f32(db[r]) * f32(a) - f16_to_f32(dm[r]) * f32(m >> 4))
-            n = min(R, out.size - t * R)
-            out[t * R:t * R + n] = acc[:n]
-    return matvec
-
-
-# --- prefill: a tile at a time as q6_gemm's Q2_K records ----------------------------------
-
-@njit(cache=True)
-def q2_records(w, sc, d, dmin, R, qt):
-    # one Q2_K tile (w (nb*32*R,) u16, sc (nb*16*R,) u8, d, dmin (nb*R,) u16) -> qt (R/16 *
-    # nb * Q2K_RECORD,) u8: its rows as Q6_K records with q6 = q + 32 (so d sc (q6 - 32) is
-    # d sc q) and the mins (simd.py's Q6K_* and Q2K_* layouts). q6's low nibble is q, its
-    # high bits 2: every crumb byte is 0xAA.
-    nb = d.size // R
-    q32 = qt.view(np.uint32)
-    q16 = qt.view(np.uint16)
-    for s in range(R // RECORD_ROWS):
-        for b in range(nb):
-            rec = (s * nb + b) * Q2K_RECORD
-            for lane in range(RECORD_ROWS):
-                q16[(rec + Q6K_D) // 2 + lane] = d[b * R + RECORD_ROWS * s + lane]
-                q16[(rec + Q2K_DMIN) // 2 + lane] = dmin[b * R + RECORD_ROWS * s + lane]
-            for k in range(8):
-                ga = 16 * b + 2 * k            # the block's two sub-blocks: ga, ga + 1
-                for h in range(2):
-                    for lane in range(RECORD_ROWS):
-                        v = sc[(ga + h) * R + RECORD_ROWS * s + lane]
-                        qt[rec + Q6K_SC + 32 * k + 16 * h + lane] = v & 15
-                        qt[rec + Q2K_M + 32 * k + 16 * h + lane] = v >> 4
-                quads = (rec + Q6K_QS + 384 * k) // 4
-                for lane in range(RECORD_ROWS):
-                    r = RECORD_ROWS * s + lane
-                    a0 = np.int32(w[2 * ga * R + r])
-                    a1 = np.int32(w[(2 * ga + 1) * R + r])
-                    b0 = np.int32(w[(2 * ga + 2) * R + r])
-                    b1 = np.int32(w[(2 * ga + 3) * R + r])
-                    for g in range(4):             # nibble quads: bytes j = 4g + i
-                        ua = a0 if g < 2 else a1
-                        ub = b0 if g < 2 else b1
-                        v = 0
-                        for i in range(4):
-                            e = 2 * (4 * (g % 2) + i)
-                            v |= (((ua >> e) & 3) | (((ub >> e) & 3) << 4)) << (8 * i)
-                        q32[quads + 16 * g + lane] = v
-                    for g in range(2):             # crumb quads
-                        q32[quads + 64 + 16 * g + lane] = 0xAAAAAAAA
-
-
-@njit(cache=True, parallel=True)
-def q2_tiles(w, sc, d, dmin, t0, t1, R, recs):
-    # Q2_K tiles t0..t1 -> recs[:t1-t0] (q2_records), one tile a thread
-    for t in prange(t0, t1):
-        q2_records(w[t], sc[t], d[t], dmin[t], R, recs[t - t0])
+                blk = row[b * BS:(b + 1) * BS]
+                for e in range(QK):
+                    v[e] = (np.int32(blk[16 + 32 * (e // 128) + e % 32]) >> (2 * ((e % 128) // 32))) & 3
+                rec = (r // RECORD_ROWS * nb + b) * Q2K_RECORD
+                for i in range(2):
+                    qt[rec + Q6K_D + 2 * lane + i] = blk[80 + i]
+                    qt[rec + Q2K_DMIN + 2 * lane + i] = blk[82 + i]
+                for j in range(16):      # sub-block j = 2 k + h
+                    qt[rec + Q2K_SC + 16 * j + lane] = blk[j]
+                for k in range(8):
+                    o = rec + Q6K_QS + 128 * k + 4 * lane
+                    e = v[32 * k:32 * k + 32]
+                    for j in range(8):
+                        qt[o + 64 * (j >> 2) + (j & 3)] = e[j] | (e[8 + j] << 2) | (e[16 + j] << 4) | (e[24 + j] << 6)
 
 
 # --- embedding: dequantized rows -----------------------------------------------------------
-# No fastmath: the values are gguf's bit for bit, (d sc) q - dmin m with two roundings
-# (no fused multiply-add).
 
 @njit(cache=True)
-def rows_q2_k(w, sc, d, dmin, ids, out):
-    # Q2_K tiles, ids (T,) -> out (T, n) f32 dequantized rows
+def rows_q2_k(q, ids, out):
+    # Q2_K records, ids (T,) -> out (T, n) f32 dequantized rows, (d sc) q - dmin m as
+    # dequantize_q2_k
     nb = out.shape[1] // QK
-    R = d.shape[1] // nb
-    for k in range(ids.size):
-        t = ids[k] // R
-        r = ids[k] % R
-        row = out[k]
+    R = q.shape[1] // (nb * Q2K_RECORD) * RECORD_ROWS
+    for i in range(ids.size):
+        t = ids[i] // R
+        lane = ids[i] % R % RECORD_ROWS
+        row = out[i]
         for b in range(nb):
-            dd = f16_to_f32(d[t, b * R + r])
-            dm = f16_to_f32(dmin[t, b * R + r])
+            rec = q[t, (ids[i] % R // RECORD_ROWS * nb + b) * Q2K_RECORD:]
+            dd = get_f16(rec, Q6K_D + 2 * lane)
+            dm = get_f16(rec, Q2K_DMIN + 2 * lane)
             for j in range(16):
-                g = 16 * b + j
-                v = sc[t, g * R + r]
-                dl = dd * f32(v & 15)
-                ml = dm * f32(v >> 4)
-                for i in range(16):
-                    u = np.int32(w[t, (2 * g + i // 8) * R + r])
-                    row[QK * b + 16 * j + i] = dl * f32((u >> (2 * (i % 8))) & 3) - ml
+                s = rec[Q2K_SC + 16 * j + lane]
+                dl = dd * f32(s & 15)
+                ml = dm * f32(s >> 4)
+                o = Q6K_QS + 128 * (j // 2) + 4 * lane
+                for i2 in range(16):
+                    e = 16 * (j % 2) + i2           # element of block j // 2
+                    v = (np.int32(rec[o + 64 * ((e % 8) >> 2) + (e & 3)]) >> (2 * (e // 8))) & 3
+                    row[QK * b + 16 * j + i2] = dl * f32(v) - ml
 
 
-class Q2KLinear(RewrittenTiles):
-    """Q2_K in row tiles: w (nt, nb*32*R) u16, sc (nt, nb*16*R) u8, d, dmin (nt, nb*R) u16;
-    prefill on them rewritten as Q2_K records (q2_records)."""
-    mins = True
-
-    def tile_spec(self):
-        nb, nt, R = self.in_features // QK, self.nt, self.R
-        return {"w": ((nt, nb * 32 * R), np.uint16), "sc": ((nt, nb * 16 * R), np.uint8),
-                "d": ((nt, nb * R), np.uint16), "dmin": ((nt, nb * R), np.uint16)}
-
-    def _load(self, raws):
-        self._alloc_tiles()
-        row0 = 0
-        for raw in raws:
-            repack_q2_k_words(raw, row0, self.w)
-            repack_bytes(raw, row0, BS, 0, 16, self.sc)
-            repack_halves(raw, row0, BS, 80, self.d)
-            repack_halves(raw, row0, BS, 82, self.dmin)
-            release_pages(raw)
-            row0 += raw.shape[0]
+class Q2KLinear(RecordLinear):
+    """Q2_K in records of 16 rows and one super-block (simd.py's Q2K_* layout), the file's
+    bytes: decode and prefill are q6_gemm's kind 2."""
 
     def decode_buffers(self):
-        # per-tile sums (nt, R) f32, (nt, 16R) i16; prep_q2_k_x's xq, co, bs, xd
-        nb, nt, R = self.in_features // QK, self.nt, self.R
-        return (np.zeros((nt, R), f32), np.zeros((nt, 16 * R), np.int16),
-                np.zeros(QK, np.int16), np.zeros((nb * 16, 16), np.int16),
-                np.zeros(nb * 16, np.int16), np.zeros(nb, f32))
+        # RecordLinear's, and q6_gemm's x sums per 16 and xd times them (the mins)
+        n = self.in_features
+        return super().decode_buffers() + (np.zeros(n // 16, np.int32), np.zeros(n // 16, f32))
 
-    def matvec(self, x, out, scratch=None):
-        # int8 per 256 whether or not fine is set: fine would rewrite every tile per token
-        acc, s16, xq, co, bs, xd = self._buffers(scratch)
-        prep_q2_k_x(x, xq, co, bs, xd)
-        matvec_q2_k(self.R)(self.w, self.sc, self.d, self.dmin, co, bs, xd, out, acc, s16)
+    def _strip_bytes(self):
+        return self.in_features // QK * Q2K_RECORD
 
-    def _rewrite(self, t0, t1, recs):
-        q2_tiles(self.w, self.sc, self.d, self.dmin, t0, t1, self.R, recs)
+    def _repack(self, raw, row0):
+        repack_q2_k(raw, row0, self.q)
+
+    def _matvec(self, x, out, scratch):
+        x8, xd, xs8, xsum, acc, counter, xs16, xsum16 = self._buffers(scratch)
+        prep_q8_x(x, x8, xd, xs8, xsum)
+        sums16(x8, xs16)
+        scaled16(xd, xs16, xsum16)
+        matvec_k16(self.q, x8, xd, xs16, xsum16, out, acc, counter, 2)
+
+    def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
+        xs16 = sc.get("q6_xs16", (x8.size // 16,), np.int32)
+        xsum16 = sc.get("q6_xsum16", (x8.size // 16,))
+        sums16(x8, xs16)
+        scaled16(xd.reshape(-1), xs16, xsum16)
+        matmul_k16(self.q, x8, xd, xs16, xsum16, out, acc, 2)
 
     def _rows(self, ids, out):
-        rows_q2_k(self.w, self.sc, self.d, self.dmin, ids, out)
+        rows_q2_k(self.q, ids, out)
 
 
 Q2_K = WeightFormat("Q2_K", "scales:u8[16] (4-bit sc | 4-bit m << 4), qs:u8[64], d:f16, "

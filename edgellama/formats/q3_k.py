@@ -7,39 +7,31 @@ low_e is bits 2k, 2k+1 of qs[32h + l] and high_e bit e // 32 of hmask[l], where 
 k = (e % 128) // 32, l = e % 32. sc_j (6 bits): the low 4 from nibble j // 8 of
 scales[j % 8], the top 2 from bits 2 (j // 4) and up of scales[8 + j % 4].
 
-Runtime tiles (lanes across rows, see base.TiledLinear):
-    w  (nt, nb*16*3*R) u16  per sub-block 3 words: word i holds q of elements 5i..5i+4 in
-                            bits 3k..3k+2 and bit i of q_15 in bit 15
-    sc (nt, nb*16*R) i8     sc_j - 32
-    d  (nt, nb*R) u16       f16 bits
-114 bytes per super-block resident (110 in the file). Why 3-bit fields: decode multiplies
-every field of a word by x with one shift and one int16 multiply-add (see prep_q3_k_x),
-so a sub-block costs 18 of them; the file's 2-bit + 1-bit planes would cost 32.
-
-Decode quantizes x to int8 per super-block (llama.cpp's Q8_K: one scale per 256), sums
-each sub-block in int16 lanes (exact: |sum (q - 4) xq| <= 16 * 4 * 127), weights the
-sub-block sums by sc in int32, and applies d and the x scale once per super-block.
-
-Prefill is the record formats' int8 GEMM (q6_k.RewrittenTiles, x rounded per 32): each
-tile is rewritten as Q6_K records (q6_records: q6 = q + 28, a 16-weight scale each, as
-Q3_K's) and multiplied by q6_gemm, or on AMX tiles, while they are in its thread's
-cache. Holding them for the whole matrix would take 6.6 bits a weight beside the 3.6
-decode reads. Rewriting a tile costs about what eight decode products of it do (warm),
-so a prompt of a few tokens costs more than decoding them one by one would; from about
-a dozen tokens up it costs less (bench/results/design_measurements.json, "Q3_K and Q2_K prefill").
+Runtime tiles are records of 16 rows and one super-block (records.py; simd.py's
+Q3K_RECORD layout), 116 bytes a row and super-block (110 in the file): the rows' d, the
+scales as int8 sc - 32, then per block of 32 the low 2 bits of its values as Q6_K's
+crumb quads and their third bits as one word a row, ordered as Q5's fifth bits. Decode
+and prefill are simd.q6_gemm's kind 3: x quantized to int8 per 32 (records.prep_q8_x;
+llama.cpp uses one scale per 256 for Q3_K), each 16-weight sub-block's (q - 4) x8
+summed exactly in the CPU's pair-dot instructions and weighted by its scale in int32.
+Where AMX runs, prefill rewrites a run of tiles, one a thread, as Q6_K records (q6 = q +
+28) and multiplies them on AMX's tiles while they are in that thread's cache. Why
+records of 3-bit values: "Q2_K and Q3_K records" in bench/results/design_measurements.json.
 """
 from __future__ import annotations
 
-from functools import cache
-
+import numba
 import numpy as np
 from gguf.constants import LlamaFileType
 from numba import njit, prange
 
-from ..kernels.fp import f16_to_f32, get_f16, nearest_int, put_f16
-from ..kernels.simd import Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS
-from .base import WeightFormat, block_sizes, release_pages, repack_halves
-from .q6_k import RewrittenTiles
+from ..kernels.amx import KIND_Q6_K
+from ..kernels.fp import get_f16, nearest_int, put_f16
+from ..kernels.simd import K_GROUP, Q3K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS
+from . import records
+from .base import WeightFormat, block_sizes
+from .q6_k import matmul_k16, matvec_k16, sums16
+from .records import RecordLinear, prep_q8_x
 
 f32 = np.float32
 QK, BS = block_sizes("Q3_K")   # weights and bytes per super-block
@@ -47,7 +39,7 @@ GROUP_MAX_EPS = f32(1e-15)
 _CHUNK = 64                # super-blocks per parallel work item of the reference kernels
 
 
-# --- shared with q2_k: ggml's rounding and the K-quant activation side --------------------
+# --- shared with q2_k: ggml's packing and scales, the tiles' spans ----------------------
 
 @njit(cache=True, inline="always")
 def pack_2bit(L, out, o):
@@ -57,20 +49,6 @@ def pack_2bit(L, out, o):
         for l in range(32):
             e = 128 * h + l
             out[o + 32 * h + l] = L[e] | (L[e + 32] << 2) | (L[e + 64] << 4) | (L[e + 96] << 6)
-
-
-@njit(cache=True, inline="always")
-def quantize_x_block(x, b, xq):
-    # x[256b:256b+256] -> xq (256,) int in [-127, 127], rounded to nearest; returns the
-    # scale amax / 127 (as llama.cpp quantizes activations to Q8_K for K-quant dot products)
-    amax = f32(0)
-    for e in range(QK):
-        amax = max(amax, abs(x[QK * b + e]))
-    d = amax / f32(127)
-    inv = f32(1) / d if d > 0 else f32(0)
-    for e in range(QK):
-        xq[e] = int(np.rint(x[QK * b + e] * inv))
-    return d
 
 
 @njit(cache=True, inline="always")
@@ -235,258 +213,160 @@ def dequantize_q3_k(q, out):
                 out[QK * b + 16 * j + i] = dl * f32(v - 4)
 
 
-# --- load: the file's blocks -> tiles ----------------------------------------------------
+# --- load: the file's blocks -> records ----------------------------------------------------
 
 @njit(cache=True, parallel=True)
-def repack_q3_k(raw, row0, w, sc):
-    # raw (rows, nb*110) u8, file rows row0.. of W -> tiles w, sc (see the module doc).
-    # Sub-block by sub-block of one tile (L2-resident): contiguous lane writes.
+def repack_q3_k(raw, row0, q):
+    # raw (rows, nb*110) u8 -> rows row0.. of the tiles q (nt, R/16*nb*1856) u8: row t*R
+    # + r is lane r % 16 of strip r // 16, its super-block b in record strip*nb + b
+    # (simd.py's Q3K_RECORD layout): per block k of 32, crumb byte j (< 8) = the low 2
+    # bits of elements j, j+8, j+16, j+24 at bits 0, 2, 4, 6; the third bits' word: bit
+    # 8 i + 2 g + h that of element 16 h + 4 g + i
     rows = raw.shape[0]
     nb = raw.shape[1] // BS
-    R = sc.shape[1] // (16 * nb)
+    R = q.shape[1] // (nb * Q3K_RECORD) * RECORD_ROWS
     for t in prange(row0 // R, (row0 + rows - 1) // R + 1):
         r0, r1 = tile_span(row0, rows, R, t)
-        src = raw[t * R + r0 - row0:t * R + r1 - row0]
-        wt = w[t]
-        for b in range(nb):
-            o = BS * b
-            for j in range(16):
-                h, k, l0 = j // 8, (j % 8) // 2, 16 * (j % 2)
-                g = 16 * b + j
-                for r in range(r1 - r0):
-                    blk = src[r, o:o + BS]
-                    sc[t, g * R + r0 + r] = q3_scale(blk, 96, j)
-                    w0 = 0
-                    w1 = 0
-                    w2 = 0
-                    for i in range(16):
-                        low = (np.int32(blk[32 + 32 * h + l0 + i]) >> (2 * k)) & 3
-                        v = low | (((np.int32(blk[l0 + i]) >> (j // 2)) & 1) << 2)
-                        if i < 5:
-                            w0 |= v << (3 * i)
-                        elif i < 10:
-                            w1 |= v << (3 * i - 15)
-                        elif i < 15:
-                            w2 |= v << (3 * i - 30)
-                        else:
-                            w0 |= (v & 1) << 15
-                            w1 |= ((v >> 1) & 1) << 15
-                            w2 |= (v >> 2) << 15
-                    wt[(3 * g) * R + r0 + r] = w0
-                    wt[(3 * g + 1) * R + r0 + r] = w1
-                    wt[(3 * g + 2) * R + r0 + r] = w2
-
-
-# --- decode: x prepared once per matvec, then int16 sub-block sums ------------------------
-
-@njit(cache=True, error_model="numpy")
-def prep_q3_k_x(x, xq, co, xd):
-    # x (n,) f32 -> xd (nb,) the x scale per super-block and, per sub-block g, co[g] (19,)
-    # int16: for word i, co[g, 6i:6i+6] = (y0, y1 - 8 y0, .., y4 - 8 y3, 2^i y15 - 8 y4) with
-    # y = xq[5i:5i+5]; then for a word u, sum_k ((u >> 3k) co[6i+k]) = sum of its fields
-    # times their x (the terms telescope), its bit 15 counting 2^i q_15; co[g, 18] =
-    # -4 sum(xq) for the -4 offset. Products and partial sums may wrap int16 but are exact
-    # mod 2^16, and the total sum((q - 4) xq) is within 16 * 4 * 127 < 2^15: exact.
-    for b in range(xd.size):
-        xd[b] = quantize_x_block(x, b, xq)
-        for j in range(16):
-            y = xq[16 * j:16 * j + 16]
-            c = co[16 * b + j]
-            s = 0
-            for i in range(3):
-                c[6 * i] = y[5 * i]
-                for k in range(1, 5):
-                    c[6 * i + k] = y[5 * i + k] - 8 * y[5 * i + k - 1]
-                c[6 * i + 5] = (1 << i) * y[15] - 8 * y[5 * i + 4]
-            for i in range(16):
-                s += y[i]
-            c[18] = -4 * s
-
-
-@njit(cache=True, fastmath=True, inline="always")
-def q3_sub(wt, o, c, s):
-    # s (R,) int16 = sum over one sub-block of (q - 4) xq, its 3 words wt[o:o+3R] (lanes
-    # across rows) times the coefficients c = co[g] of prep_q3_k_x
-    R = s.size
-    a0 = c[0]; b01 = c[1]; b02 = c[2]; b03 = c[3]; b04 = c[4]; b05 = c[5]
-    a1 = c[6]; b11 = c[7]; b12 = c[8]; b13 = c[9]; b14 = c[10]; b15 = c[11]
-    a2 = c[12]; b21 = c[13]; b22 = c[14]; b23 = c[15]; b24 = c[16]; b25 = c[17]
-    m = c[18]
-    p0 = wt[o:o + R]; p1 = wt[o + R:o + 2 * R]; p2 = wt[o + 2 * R:o + 3 * R]
-    for r in range(R):
-        u0 = np.int32(p0[r]); u1 = np.int32(p1[r]); u2 = np.int32(p2[r])
-        # only 16 bits are stored: LLVM narrows it all to int16 vector ops
-        s[r] = np.int16(m + u0 * a0 + (u0 >> 3) * b01 + (u0 >> 6) * b02 + (u0 >> 9) * b03
-                        + (u0 >> 12) * b04 + (u0 >> 15) * b05
-                        + u1 * a1 + (u1 >> 3) * b11 + (u1 >> 6) * b12 + (u1 >> 9) * b13
-                        + (u1 >> 12) * b14 + (u1 >> 15) * b15
-                        + u2 * a2 + (u2 >> 3) * b21 + (u2 >> 6) * b22 + (u2 >> 9) * b23
-                        + (u2 >> 12) * b24 + (u2 >> 15) * b25)
-
-
-@cache
-def matvec_q3_k(R):
-    """The decode kernel for tiles of R rows. R is a compile-time constant here: the
-    weighting loop then reads its 32 runs of lanes at fixed offsets from two pointers
-    instead of 32 computed ones (a third less decode time at R = 256)."""
-
-    @njit(cache=True, fastmath=True, parallel=True)
-    def matvec(w, sc, d, co, xd, out, scratch, s16):
-        # W (nt*R, n) Q3_K tiles w (nt, nb*48*R) u16, sc (nt, nb*16*R) i8, d (nt, nb*R)
-        # u16 @ x (prep_q3_k_x: co, xd) -> out (d,); scratch (nt, R) f32, s16 (nt, 16*R)
-        # int16. The int16 sums go through s16 so that their loop is int16-only (32
-        # lanes a vector; mixed with the int32 weighting LLVM runs it 16 lanes wide).
-        nt = w.shape[0]
-        nb = xd.size
-        for t in prange(nt):
-            wt = w[t]
-            acc = scratch[t]
-            s = s16[t]
-            acc[:] = 0
+        v = np.empty(QK, np.int32)
+        qt = q[t]
+        q8 = qt.view(np.int8)
+        for r in range(r0, r1):
+            row = raw[t * R + r - row0]
+            lane = r % RECORD_ROWS
             for b in range(nb):
-                for j in range(16):
-                    g = 16 * b + j
-                    q3_sub(wt, 3 * g * R, co[g], s[j * R:(j + 1) * R])
-                sb = sc[t, 16 * b * R:16 * (b + 1) * R]
-                db = d[t, b * R:(b + 1) * R]
-                dx = xd[b]
-                for r in range(R):
-                    a = np.int32(0)              # |a| <= 16 * 32 * 8128 < 2^23
-                    for j in range(16):
-                        a = np.int32(a + np.int32(s[j * R + r]) * np.int32(sb[j * R + r]))
-                    acc[r] += f16_to_f32(db[r]) * dx * f32(a)
-            n = min(R, out.size - t * R)
-            out[t * R:t * R + n] = acc[:n]
-    return matvec
+                blk = row[b * BS:(b + 1) * BS]
+                for e in range(QK):
+                    j, l = e // 16, e % 32
+                    low = (np.int32(blk[32 + 32 * (e // 128) + l]) >> (2 * ((e % 128) // 32))) & 3
+                    v[e] = low | (((np.int32(blk[l]) >> (e // 32)) & 1) << 2)
+                rec = (r // RECORD_ROWS * nb + b) * Q3K_RECORD
+                qt[rec + Q6K_D + 2 * lane] = blk[108]
+                qt[rec + Q6K_D + 2 * lane + 1] = blk[109]
+                for j in range(16):      # sub-block j = 2 k + h
+                    q8[rec + Q6K_SC + 16 * j + lane] = q3_scale(blk, 96, j)
+                for k in range(8):
+                    o = rec + Q6K_QS + 192 * k + 4 * lane
+                    e = v[32 * k:32 * k + 32]
+                    for j in range(8):
+                        qt[o + 64 * (j >> 2) + (j & 3)] = ((e[j] & 3) | ((e[8 + j] & 3) << 2)
+                                                           | ((e[16 + j] & 3) << 4) | ((e[24 + j] & 3) << 6))
+                    for i in range(4):
+                        bits = 0
+                        for g in range(4):
+                            for h in range(2):
+                                bits |= (e[16 * h + 4 * g + i] >> 2) << (2 * g + h)
+                        qt[o + 128 + i] = bits
 
-
-# --- prefill: a tile at a time as Q6_K records, multiplied while they are in cache ------
 
 @njit(cache=True, inline="always")
-def q3_level(u0, u1, u2, e):
-    # level q (0..7) of element e (< 16) of a sub-block, from its 3 words
-    if e == 15:
-        return (u0 >> 15) | ((u1 >> 14) & 2) | ((u2 >> 13) & 4)
-    u = u0 if e < 5 else (u1 if e < 10 else u2)
-    return (u >> (3 * (e % 5))) & 7
+def q3_value(rec, k, lane, e):
+    # level q (0..7) of element e (< 32) of block k of one row (lane) of a Q3_K record
+    o = Q6K_QS + 192 * k + 4 * lane
+    low = (np.int32(rec[o + 64 * ((e % 8) >> 2) + (e & 3)]) >> (2 * (e // 8))) & 3
+    h, g, i = e // 16, (e % 16) // 4, e % 4
+    return low | (((np.int32(rec[o + 128 + i]) >> (2 * g + h)) & 1) << 2)
 
+
+# --- prefill on AMX: a tile at a time as Q6_K records, multiplied while they are in cache --
 
 @njit(cache=True)
-def q6_records(w, sc, d, R, qt):
-    # one Q3_K tile (w (nb*48*R,) u16, sc (nb*16*R,) i8, d (nb*R,) u16) -> qt (R/16 * nb *
+def q6_records(qt, nb, qt6):
+    # one tile of Q3_K records qt (R/16 * nb * Q3K_RECORD,) u8 -> qt6 (R/16 * nb *
     # Q6K_RECORD,) u8: its rows as Q6_K records (q6_k.py; simd.py's Q6K_* layout) with
     # q6 = q + 28, so d sc (q6 - 32) = d sc (q - 4): the same integers in the same sums.
-    # q6 is 28..35: its low nibble (q + 12) & 15, its high bits 1 + q // 4.
-    nb = d.size // R
-    q32 = qt.view(np.uint32)
-    q16 = qt.view(np.uint16)
-    q8 = qt.view(np.int8)
-    for s in range(R // RECORD_ROWS):
+    # q6 is 28..35: its low nibble (q + 12) & 15, its high bits 1 + q // 4. d and the
+    # scales sit where Q6_K's do.
+    v = np.empty(32, np.int32)
+    for s in range(qt.size // (nb * Q3K_RECORD)):
         for b in range(nb):
-            rec = (s * nb + b) * Q6K_RECORD
-            for lane in range(RECORD_ROWS):
-                q16[(rec + Q6K_D) // 2 + lane] = d[b * R + RECORD_ROWS * s + lane]
+            rec = qt[(s * nb + b) * Q3K_RECORD:]
+            rec6 = qt6[(s * nb + b) * Q6K_RECORD:]
+            rec6[:Q6K_QS] = rec[:Q6K_QS]
             for k in range(8):
-                ga = 16 * b + 2 * k            # the block's two sub-blocks: ga, ga + 1
-                for h in range(2):
-                    for lane in range(RECORD_ROWS):
-                        q8[rec + Q6K_SC + 32 * k + 16 * h + lane] = sc[(ga + h) * R + RECORD_ROWS * s + lane]
-                quads = (rec + Q6K_QS + 384 * k) // 4
                 for lane in range(RECORD_ROWS):
-                    r = RECORD_ROWS * s + lane
-                    a0 = np.int32(w[3 * ga * R + r])
-                    a1 = np.int32(w[(3 * ga + 1) * R + r])
-                    a2 = np.int32(w[(3 * ga + 2) * R + r])
-                    b0 = np.int32(w[(3 * ga + 3) * R + r])
-                    b1 = np.int32(w[(3 * ga + 4) * R + r])
-                    b2 = np.int32(w[(3 * ga + 5) * R + r])
-                    for g in range(4):             # nibble quads: bytes j = 4g + i
-                        v = 0
-                        for i in range(4):
-                            lo = (q3_level(a0, a1, a2, 4 * g + i) + 12) & 15
-                            hi = (q3_level(b0, b1, b2, 4 * g + i) + 12) & 15
-                            v |= (lo | (hi << 4)) << (8 * i)
-                        q32[quads + 16 * g + lane] = v
-                    for g in range(2):             # crumb quads: bytes j = 4g + i
-                        v = 0
-                        for i in range(4):
-                            j = 4 * g + i
-                            c = ((1 + (q3_level(a0, a1, a2, j) >> 2))
-                                 | ((1 + (q3_level(a0, a1, a2, 8 + j) >> 2)) << 2)
-                                 | ((1 + (q3_level(b0, b1, b2, j) >> 2)) << 4)
-                                 | ((1 + (q3_level(b0, b1, b2, 8 + j) >> 2)) << 6))
-                            v |= c << (8 * i)
-                        q32[quads + 64 + 16 * g + lane] = v
+                    for e in range(32):
+                        v[e] = q3_value(rec, k, lane, e) + 28
+                    o = Q6K_QS + 384 * k + 4 * lane
+                    for j in range(16):
+                        rec6[o + 64 * (j >> 2) + (j & 3)] = (v[j] & 15) | ((v[16 + j] & 15) << 4)
+                    for j in range(8):
+                        rec6[o + 256 + 64 * (j >> 2) + (j & 3)] = ((v[j] >> 4) | ((v[8 + j] >> 4) << 2)
+                                                                  | ((v[16 + j] >> 4) << 4) | ((v[24 + j] >> 4) << 6))
 
 
 @njit(cache=True, parallel=True)
-def q6_tiles(w, sc, d, t0, t1, R, recs):
-    # Q3_K tiles t0..t1 -> recs[:t1-t0] (q6_records), one tile a thread
+def q6_tiles(q, nb, t0, t1, recs):
+    # Q3_K record tiles t0..t1 -> recs[:t1-t0] (q6_records), one tile a thread
     for t in prange(t0, t1):
-        q6_records(w[t], sc[t], d[t], R, recs[t - t0])
+        q6_records(q[t], nb, recs[t - t0])
 
 
 # --- embedding: dequantized rows -----------------------------------------------------------
 
 @njit(cache=True)
-def rows_q3_k(w, sc, d, ids, out):
-    # Q3_K tiles, ids (T,) -> out (T, n) f32 dequantized rows
+def rows_q3_k(q, ids, out):
+    # Q3_K records, ids (T,) -> out (T, n) f32 dequantized rows, (d (sc - 32)) (q - 4)
+    # as dequantize_q3_k
     nb = out.shape[1] // QK
-    R = d.shape[1] // nb
-    for k in range(ids.size):
-        t = ids[k] // R
-        r = ids[k] % R
-        row = out[k]
+    R = q.shape[1] // (nb * Q3K_RECORD) * RECORD_ROWS
+    for i in range(ids.size):
+        t = ids[i] // R
+        lane = ids[i] % R % RECORD_ROWS
+        row = out[i]
         for b in range(nb):
-            dd = f16_to_f32(d[t, b * R + r])
+            rec = q[t, (ids[i] % R // RECORD_ROWS * nb + b) * Q3K_RECORD:]
+            dd = get_f16(rec, Q6K_D + 2 * lane)
             for j in range(16):
-                g = 16 * b + j
-                dl = dd * f32(sc[t, g * R + r])
-                u0 = np.int32(w[t, 3 * g * R + r])
-                u1 = np.int32(w[t, (3 * g + 1) * R + r])
-                u2 = np.int32(w[t, (3 * g + 2) * R + r])
-                for i in range(15):
-                    u = u0 if i < 5 else (u1 if i < 10 else u2)
-                    row[QK * b + 16 * j + i] = dl * f32(((u >> (3 * (i % 5))) & 7) - 4)
-                v = (u0 >> 15) | ((u1 >> 14) & 2) | ((u2 >> 13) & 4)
-                row[QK * b + 16 * j + 15] = dl * f32(v - 4)
+                dl = dd * f32(np.int8(rec[Q6K_SC + 16 * j + lane]))
+                for i2 in range(16):
+                    row[QK * b + 16 * j + i2] = dl * f32(q3_value(rec, j // 2, lane, 16 * (j % 2) + i2) - 4)
 
 
-class Q3KLinear(RewrittenTiles):
-    """Q3_K in row tiles: w (nt, nb*48*R) u16, sc (nt, nb*16*R) i8, d (nt, nb*R) u16;
-    prefill on them rewritten as Q6_K records (q6_records)."""
-
-    def tile_spec(self):
-        nb, nt, R = self.in_features // QK, self.nt, self.R
-        return {"w": ((nt, nb * 48 * R), np.uint16), "sc": ((nt, nb * 16 * R), np.int8),
-                "d": ((nt, nb * R), np.uint16)}
-
-    def _load(self, raws):
-        self._alloc_tiles()
-        row0 = 0
-        for raw in raws:
-            repack_q3_k(raw, row0, self.w, self.sc)
-            repack_halves(raw, row0, BS, 108, self.d)
-            release_pages(raw)
-            row0 += raw.shape[0]
+class Q3KLinear(RecordLinear):
+    """Q3_K in records of 16 rows and one super-block (simd.py's Q3K_RECORD layout):
+    decode and prefill are q6_gemm's kind 3; on AMX, prefill rewrites a run of tiles, one
+    a thread, as Q6_K records (q6_records) and multiplies them while they are in that
+    thread's cache (no AMX kernel reads 3-bit values)."""
 
     def decode_buffers(self):
-        # per-tile sums (nt, R) f32, (nt, 16R) i16; prep_q3_k_x's xq, co, xd
-        nb, nt, R = self.in_features // QK, self.nt, self.R
-        return (np.zeros((nt, R), f32), np.zeros((nt, 16 * R), np.int16),
-                np.zeros(QK, np.int16), np.zeros((nb * 16, 19), np.int16), np.zeros(nb, f32))
+        # RecordLinear's, and q6_gemm's x sums per 16
+        return super().decode_buffers() + (np.zeros(self.in_features // 16, np.int32),)
 
-    def matvec(self, x, out, scratch=None):
-        # int8 per 256 whether or not fine is set: fine would rewrite every tile per token
-        acc, s16, xq, co, xd = self._buffers(scratch)
-        prep_q3_k_x(x, xq, co, xd)
-        matvec_q3_k(self.R)(self.w, self.sc, self.d, co, xd, out, acc, s16)
+    def _strip_bytes(self):
+        return self.in_features // QK * Q3K_RECORD
 
-    def _rewrite(self, t0, t1, recs):
-        q6_tiles(self.w, self.sc, self.d, t0, t1, self.R, recs)
+    def _repack(self, raw, row0):
+        repack_q3_k(raw, row0, self.q)
+
+    def _matvec(self, x, out, scratch):
+        x8, xd, xs8, xsum, acc, counter, xs16 = self._buffers(scratch)
+        prep_q8_x(x, x8, xd, xs8, xsum)
+        sums16(x8, xs16)
+        matvec_k16(self.q, x8, xd, xs16, xs16, out, acc, counter, 3)
+
+    def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
+        xs16 = sc.get("q6_xs16", (x8.size // 16,), np.int32)
+        sums16(x8, xs16)
+        matmul_k16(self.q, x8, xd, xs16, xs16, out, acc, 3)
+
+    def _amx_records(self):
+        return KIND_Q6_K, K_GROUP
+
+    def _amx_product(self, xa, xda, xsuma, nb, out, acc, sc):
+        # out (T, out_features) over runs of tiles t0..t1, one a thread, rewritten in
+        # recs; each run's columns of out written in place (a copy from a buffer would be
+        # serial work beside the threads' products)
+        R, step, nsb = self.R, numba.get_num_threads(), self.in_features // QK
+        recs = sc.get("rewritten", (step, R // RECORD_ROWS * nsb * Q6K_RECORD), np.uint8)
+        for t0 in range(0, self.nt, step):
+            t1 = min(self.nt, t0 + step)
+            q6_tiles(self.q, nsb, t0, t1, recs)
+            records.matmul_blocks_amx(recs[:t1 - t0], xa, xda, xsuma, nb,
+                                      out[:, t0 * R:min(self.out_features, t1 * R)],
+                                      acc[:t1 - t0], K_GROUP, KIND_Q6_K)
 
     def _rows(self, ids, out):
-        rows_q3_k(self.w, self.sc, self.d, ids, out)
+        rows_q3_k(self.q, ids, out)
 
 
 Q3_K = WeightFormat("Q3_K", "hmask:u8[32], qs:u8[64], scales:u8[12] (6-bit), d:f16; "

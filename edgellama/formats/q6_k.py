@@ -25,7 +25,6 @@ layouts ("Q6_K records", bench/results/design_measurements.json).
 """
 from __future__ import annotations
 
-import numba
 import numpy as np
 from gguf.constants import LlamaFileType
 from numba import njit, prange
@@ -33,10 +32,8 @@ from numba import njit, prange
 from ..kernels.amx import KIND_Q6_K
 from ..kernels.claim import take
 from ..kernels.fp import get_f16, nearest_int, put_f16
-from ..kernels.simd import (ISA, K_GROUP, Q2K_MINS, Q2K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, Q8X,
-                            RECORD_ROWS, TOKENS, q6_gemm, tile)
-from . import records
-from .base import Linear, WeightFormat, block_sizes
+from ..kernels.simd import ISA, K_GROUP, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, Q8X, RECORD_ROWS, TOKENS, q6_gemm, tile
+from .base import WeightFormat, block_sizes
 from .records import RecordLinear, prep_q8_x
 
 f32 = np.float32
@@ -248,28 +245,29 @@ def scaled16(xd, xs16, xsum16):
 
 
 @njit(cache=True, parallel=True)
-def matvec_q6_k(q, x8, xd, xs16, out, acc, counter):
-    # W (nt*R, n) Q6_K tiles @ x (records.prep_q8_x, xs16 its sums per 16) -> out (d,);
-    # acc (nt, R) f32 per-tile sums; the tiles claimed one at a time (claim.py: counter)
+def matvec_k16(q, x8, xd, xs16, xsum16, out, acc, counter, kind):
+    # W (nt*R, n) tiles of q6_gemm's records of `kind` (6, 3 or 2: the format's bits) @ x
+    # (records.prep_q8_x, xs16 its sums per 16, xsum16 xd times them: Q2_K's mins) ->
+    # out (d,); acc (nt, R) f32 per-tile sums; the tiles claimed one at a time (claim.py:
+    # counter)
     R = acc.shape[1]
-    x = Q8X(x8, xd, xs16, None)
+    x = Q8X(x8, xd, xs16, xsum16)
     counter[0] = 0
     for _ in prange(q.shape[0]):
         while True:
             t = take(counter)
             if t >= q.shape[0]:
                 break
-            q6_gemm(q[t], x, acc[t], tile(xd.size, K_GROUP, 0, 1, 6), ISA)
+            decode_k16(q[t], x, acc[t], kind)
             n = min(R, out.size - t * R)
             out[t * R:t * R + n] = acc[t, :n]
 
 
 @njit(cache=True, parallel=True)
-def matmul_q6_k(q, x8, xd, xs16, xsum16, out, acc, mins):
-    # W (nt*R, n) Q6_K tiles (mins: Q2_K's records, simd.Q2K_*, and xsum16 (Tp*n/16,)
-    # f32 the x scale times each sum per 16; unread without mins) @ x
-    # (records.prep_q8_rows; x8 flat (Tp*n,), xs16 its sums per 16) -> out (T, dout) =
-    # x W^T; acc (nt, TOKENS, R) f32 per-tile sums
+def matmul_k16(q, x8, xd, xs16, xsum16, out, acc, kind):
+    # W (nt*R, n) tiles of q6_gemm's records of `kind` @ x (records.prep_q8_rows; x8 flat
+    # (Tp*n,), xs16 its sums per 16, xsum16 (Tp*n/16,) f32 xd times them, read for Q2_K's
+    # mins) -> out (T, dout) = x W^T; acc (nt, TOKENS, R) f32 per-tile sums
     T = out.shape[0]
     R = acc.shape[2]
     nsub = xd.shape[1]
@@ -279,12 +277,34 @@ def matmul_q6_k(q, x8, xd, xs16, xsum16, out, acc, mins):
         c0 = t * R
         nc = min(R, out.shape[1] - c0)
         for t0 in range(0, T, TOKENS):
-            if mins:
-                q6_gemm(q[t], x, a.reshape(-1), tile(nsub, K_GROUP, t0, TOKENS, Q2K_MINS), ISA)
-            else:
-                q6_gemm(q[t], x, a.reshape(-1), tile(nsub, K_GROUP, t0, TOKENS, 6), ISA)
+            prefill_k16(q[t], x, a.reshape(-1), nsub, t0, kind)
             for k in range(min(TOKENS, T - t0)):
                 out[t0 + k, c0:c0 + nc] = a[k, :nc]
+
+
+@njit(cache=True)
+def decode_k16(qt, x, acct, kind):
+    # acct (R,) = one tile qt of records of `kind` @ x (a Q8X of one row): q6_gemm with
+    # the kind a compile-time constant
+    nsub = x.xd.size
+    if kind == 6:
+        q6_gemm(qt, x, acct, tile(nsub, K_GROUP, 0, 1, 6), ISA)
+    elif kind == 3:
+        q6_gemm(qt, x, acct, tile(nsub, K_GROUP, 0, 1, 3), ISA)
+    else:
+        q6_gemm(qt, x, acct, tile(nsub, K_GROUP, 0, 1, 2), ISA)
+
+
+@njit(cache=True)
+def prefill_k16(qt, x, acct, nsub, t0, kind):
+    # acct (TOKENS*R,) = one tile qt of records of `kind` @ rows t0.. of x (a Q8X of rows
+    # of nsub blocks): q6_gemm with the kind a compile-time constant
+    if kind == 6:
+        q6_gemm(qt, x, acct, tile(nsub, K_GROUP, t0, TOKENS, 6), ISA)
+    elif kind == 3:
+        q6_gemm(qt, x, acct, tile(nsub, K_GROUP, t0, TOKENS, 3), ISA)
+    else:
+        q6_gemm(qt, x, acct, tile(nsub, K_GROUP, t0, TOKENS, 2), ISA)
 
 
 # --- embedding: dequantized rows -----------------------------------------------------------
@@ -338,7 +358,7 @@ class Q6KLinear(RecordLinear):
         x8, xd, xs8, xsum, acc, counter, xs16 = self._buffers(scratch)
         prep_q8_x(x, x8, xd, xs8, xsum)
         sums16(x8, xs16)
-        matvec_q6_k(self.q, x8, xd, xs16, out, acc, counter)
+        matvec_k16(self.q, x8, xd, xs16, xs16, out, acc, counter, 6)
 
     def _amx_records(self):
         return KIND_Q6_K, K_GROUP
@@ -346,52 +366,10 @@ class Q6KLinear(RecordLinear):
     def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
         xs16 = sc.get("q6_xs16", (x8.size // 16,), np.int32)
         sums16(x8, xs16)
-        matmul_q6_k(self.q, x8, xd, xs16, xs16, out, acc, False)
+        matmul_k16(self.q, x8, xd, xs16, xs16, out, acc, 6)
 
     def _rows(self, ids, out):
         rows_q6_k(self.q, ids, out)
-
-
-class RewrittenTiles(RecordLinear):
-    """A K-quant with tiles of its own (Q3_K, Q2_K), which decode reads a token at a time,
-    and whose prefill is RecordLinear's int8 GEMM on q6_gemm's records: a run of tiles,
-    one a thread, is rewritten as records (_rewrite: Q6_K's, or with mins Q2_K's) and
-    multiplied while they are in that thread's cache. Records for the whole matrix would
-    hold about twice the file's bytes beside the tiles."""
-    mins = False                 # Q2_K's records (simd.Q2K_*): no AMX kernel
-    matvecs = Linear.matvecs     # a token at a time, as decode (model.one_pass_verify)
-
-    def _rewrite(self, t0: int, t1: int, recs: np.ndarray) -> None:
-        """Tiles t0..t1 -> recs[:t1-t0], each (R/16 * super-blocks * record bytes,) u8."""
-        raise NotImplementedError
-
-    def _amx_records(self):
-        return None if self.mins else (KIND_Q6_K, K_GROUP)
-
-    def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
-        xs16 = sc.get("q6_xs16", (x8.size // 16,), np.int32)
-        sums16(x8, xs16)
-        xsum16 = sc.get("q6_xsum16", (x8.size // 16,)) if self.mins else xs16
-        if self.mins:
-            scaled16(xd.reshape(-1), xs16, xsum16)
-        self._by_records(out, sc, lambda recs, part: matmul_q6_k(
-            recs, x8, xd, xs16, xsum16, part, acc[:recs.shape[0]], self.mins))
-
-    def _amx_product(self, xa, xda, xsuma, nb, out, acc, sc):
-        self._by_records(out, sc, lambda recs, part: records.matmul_blocks_amx(
-            recs, xa, xda, xsuma, nb, part, acc[:recs.shape[0]], K_GROUP, KIND_Q6_K))
-
-    def _by_records(self, out, sc, product):
-        # out (T, out_features) = product(recs, part) over runs of tiles t0..t1, one a
-        # thread, rewritten in recs; part the run's columns of out, written in place (a
-        # copy from a buffer would be serial work beside the threads' products)
-        R, step = self.R, numba.get_num_threads()
-        size = Q2K_RECORD if self.mins else Q6K_RECORD
-        recs = sc.get("rewritten", (step, R // RECORD_ROWS * self.in_features // QK * size), np.uint8)
-        for t0 in range(0, self.nt, step):
-            t1 = min(self.nt, t0 + step)
-            self._rewrite(t0, t1, recs)
-            product(recs[:t1 - t0], out[:, t0 * R:min(self.out_features, t1 * R)])
 
 
 Q6_K = WeightFormat("Q6_K", "ql:u8[128], qh:u8[64], scales:i8[16], d:f16; "

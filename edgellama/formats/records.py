@@ -1,5 +1,6 @@
 """Records: the tile layout of the formats with pair-dot kernels (Q4_0, Q4_1, Q5_0, Q5_1,
-Q8_0, IQ4_NL, Q4_K, Q5_K, Q6_K, IQ4_XS), and what they share.
+Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS: every quantized type), and what they
+share.
 
 A record holds 16 rows (RECORD_ROWS) of a run of blocks, lanes across rows, in one
 address-ordered run (simd.py describes each layout and reads it). Decode quantizes x to
@@ -13,8 +14,6 @@ record_group(nb), the rows' f16 d (and m) of each block, then the blocks' bytes 
 quads, Q5's then its fifth bits; IQ4_NL's nibbles are looked up in the kernel); decode
 and prefill are one intrinsic, simd.blocks_gemm, which keeps its f32 sums in registers
 over a row.
-Q3_K's and Q2_K's prefill run here too, their tiles rewritten as Q6_K records a few at
-a time (q6_k.RewrittenTiles).
 Where the CPU has AMX and Linux grants the tiles (amx.enabled()), a prefill of
 AMX_MIN_ROWS or more rows multiplies 16 rows of x by a block of 16 rows of weights per
 tile instruction instead (amx.amx_blocks_gemm, matmul_blocks_amx), with the same bits.
@@ -181,8 +180,8 @@ def amx_a_tiles(x8, xd, xsum, xa, xda, xsuma):
 
 
 class RecordLinear(TiledLinear):
-    """What the record formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K, Q6_K,
-    IQ4_XS) share: their tiles q (nt, R/16 * strip bytes) u8, filled by _repack and then
+    """What the record formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K,
+    Q5_K, Q6_K, IQ4_XS) share: their tiles q (nt, R/16 * strip bytes) u8, filled by _repack and then
     the file's pages released; decode's buffers (x quantized to int8 per block of 32 by prep_q8_x, per-tile sums);
     and prefill as an int8 GEMM: x is quantized to int8 per block of 32, row by row, as
     decode and llama.cpp do, and each tile of weights is multiplied in place, never

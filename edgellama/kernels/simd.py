@@ -6,9 +6,10 @@ Numba has no vector types and LLVM does not find the pair-dot instructions in pl
 loops, so the tile intrinsics emit LLVM IR for the whole product of one tile of weights
 with 1 row of x (decode) or 4 (prefill), scales applied, the float sums in registers:
 `blocks_gemm` for the per-32-block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL),
-`q4k_gemm` for Q4_K and Q5_K, `iq4xs_gemm` for IQ4_XS, `q6_gemm` for Q6_K (5- and 6-bit
-values rebuilt in registers from nibbles and 1-bit or 2-bit fields; IQ4's 4-bit indices
-looked up in a 16-byte table). Each takes the weights q, the activations as one
+`q4k_gemm` for Q4_K and Q5_K, `iq4xs_gemm` for IQ4_XS, `q6_gemm` for the K-quants of
+16-weight sub-blocks, Q6_K, Q3_K and Q2_K (5-, 6- and 3-bit values rebuilt in registers
+from nibbles or 2-bit fields and 1-bit or 2-bit fields; IQ4's 4-bit indices looked up in
+a 16-byte table). Each takes the weights q, the activations as one
 Q8X (x8, xd, xs, xsum), the output acc, the call's shape as one Tile made by tile(nb,
 group, t0, tokens, kind) (tokens and kind compile-time constants), and the instruction
 set: an index of isa.ISAS, ISA for this target. The instructions:
@@ -405,13 +406,14 @@ def lookup_values(builder, row, w, table):
     return builder.bitcast(row.lookup(builder, table, builder.bitcast(w, b)), w.type)
 
 
-def fifth_bits_moved(builder, qh, f, mask):
-    """The fifth bits of nibble set f = 2 g + h (layout above) at bit 4 of each byte:
-    qh shifted by 4 - f, and-ed with mask (0x10 in every byte, qh's vector type)."""
+def fifth_bits_moved(builder, qh, f, mask, to=4):
+    """The fifth bits of nibble set f = 2 g + h (layout above) at bit `to` of each byte
+    (Q3_K's third bits: 2): qh shifted by to - f, and-ed with mask (1 << to in every
+    byte, qh's vector type)."""
     ty = qh.type
     count = lambda c: ir.Constant(ty, [c] * ty.count) if isinstance(ty, ir.VectorType) else ir.Constant(ty, c)
-    moved = (builder.shl(qh, count(4 - f)) if f < 4 else
-             builder.lshr(qh, count(f - 4)) if f > 4 else qh)
+    moved = (builder.shl(qh, count(to - f)) if f < to else
+             builder.lshr(qh, count(f - to)) if f > to else qh)
     return builder.and_(moved, mask)
 
 
@@ -590,10 +592,45 @@ def iq4xs_gemm(typingctx, q, x, acc, shape, isa):
     return types.void(q, x, acc, shape, isa), codegen
 
 
+# Q6_K tiles (q6_k.py) are records as Q4_K's, one per strip of RECORD_ROWS rows and
+# super-block; per record (byte offsets): the rows' d (f16) at Q6K_D, the int8 scales of
+# block k (of 32 weights) at Q6K_SC + 32 k + 16 h + lane for its elements 16 h.., and
+# block k's quads at Q6K_QS + 384 k: 4 of nibbles (byte j: the low 4 bits of elements j
+# and 16 + j), then 2 of crumbs (byte j: the high 2 bits of elements j, j + 8, j + 16,
+# j + 24 at bits 0, 2, 4, 6); quad g at 64 g, byte 4g + i of lane l at 64 g + 4 l + i.
+Q6K_D, Q6K_SC, Q6K_QS = 0, 32, 320                  # 32 bytes of padding before the quads
+Q6K_RECORD = Q6K_QS + 8 * 384                        # 3392 bytes, 53 cache lines
+# Q3_K's records (q3_k.py) are Q6_K's with 3-bit values: d at Q6K_D, the int8 sc - 32 at
+# Q6K_SC as Q6_K's scales, then per block k at Q6K_QS + 192 k its low 2 bits as Q6_K's 2
+# crumb quads and its third bits, one 32-bit word per lane at 128 + 4 lane: bit f = 2 g
+# + h of byte i the third bit of element 16 h + 4 g + i (Q5's fifth bits' order)
+Q3K_RECORD = Q6K_QS + 8 * 192                        # 1856 bytes, 29 cache lines
+# Q2_K's records (q2_k.py): the rows' d (f16) at Q6K_D and dmin at Q2K_DMIN, the file's
+# scale byte of block k's elements 16 h.. (4-bit sc, 4-bit m above it) at Q2K_SC + 32 k +
+# 16 h + lane, then per block k at Q6K_QS + 128 k its 2-bit values as Q6_K's 2 crumb
+# quads: the file's 84 bytes a row and super-block, nothing added
+Q2K_DMIN, Q2K_SC = 32, 64
+Q2K_RECORD = Q6K_QS + 8 * 128                        # 1344 bytes, 21 cache lines
+# q6_gemm's kinds: the format's bits, and per kind its record and block bytes, what
+# comes off each value (q - 32, q - 4, q), the largest value
+K16_RECORD = {6: Q6K_RECORD, 3: Q3K_RECORD, 2: Q2K_RECORD}
+K16_BLOCK = {6: 384, 3: 192, 2: 128}
+K16_OFFSET = {6: 32, 3: 4, 2: 0}
+K16_MAX = {6: 63, 3: 7, 2: 3}
+
+
+def _crumbs(builder, n, cw, g, h):
+    """The low 2 bits of elements 16 h + 4 g.. of a block (a byte each, <n x i32>) from its
+    crumb quads cw (2 <n x i32>): quad g % 2 holds them in field g // 2 + 2 h."""
+    f = (g >> 1) + 2 * h
+    w = cw[g & 1] if f == 0 else builder.lshr(cw[g & 1], ir.Constant(cw[0].type, [2 * f] * n))
+    return builder.and_(w, ir.Constant(cw[0].type, [0x03030303] * n))
+
+
 def _q6_values(builder, n, quad):
     """Q6_K's 6-bit values of one block of n rows: (lo, hi), 4 <n x i32> each, lane g of
     lo holding elements 4g..4g+3 of a row, of hi 16 + 4g..; quad(j) loads quad j (nibble
-    quads 0..3, crumb quads 4, 5; Q6_K's records below)."""
+    quads 0..3, crumb quads 4, 5; Q6_K's records above)."""
     i32 = ir.IntType(32)
     c = lambda v: ir.Constant(ir.VectorType(i32, n), [v] * n)
     nib = [quad(g) for g in range(4)]
@@ -611,19 +648,40 @@ def _q6_values(builder, n, quad):
     return lo, hi
 
 
-def _q6_offsets(builder, n, xs):
-    """32 times each half's sum of x (xs: 2 i32), splat: the -32 of q - 32 in _q6_sum."""
-    return [splat(builder, builder.shl(v, ir.Constant(ir.IntType(32), 5)), n) for v in xs]
+def _k16_values(builder, n, kind, quad):
+    """A block's values of n rows in q6_gemm's kind (lo, hi as _q6_values'): quad(j) loads
+    quad j of the block (Q6_K: 4 nibble and 2 crumb quads; Q3_K: 2 crumb quads and the
+    third bits' words; Q2_K: 2 crumb quads)."""
+    if kind == 6:
+        return _q6_values(builder, n, quad)
+    cw = [quad(0), quad(1)]
+    third = quad(2) if kind == 3 else None
+    bit2 = ir.Constant(cw[0].type, [0x04040404] * n)
+    lo, hi = [], []
+    for g in range(4):
+        for h, out in ((0, lo), (1, hi)):
+            v = _crumbs(builder, n, cw, g, h)
+            if third is not None:            # bit 2 g + h of each byte, moved to bit 2
+                v = builder.or_(v, fifth_bits_moved(builder, third, 2 * g + h, bit2, to=2))
+            out.append(v)
+    return lo, hi
 
 
-def _q6_sum(builder, row, n, lo, hi, xw, offs, scs):
+def _q6_offsets(builder, n, xs, offset):
+    """offset times each half's sum of x (xs: 2 i32), splat: the value's offset (Q6_K's
+    -32 of q - 32) in _q6_sum."""
+    return [splat(builder, builder.mul(v, ir.Constant(ir.IntType(32), offset)), n) for v in xs]
+
+
+def _q6_sum(builder, row, n, lo, hi, xw, offs, scs, wmax=63):
     """<n x i32>: sc0 (S0 - off0) + sc1 (S1 - off1), S0 and S1 the exact sums of lo and
-    hi (_q6_values) times the x words xw (8 i32 of 4 int8), offs _q6_offsets, scs the
-    rows' two int8 scales (<n x i32>); row the instruction set's isa.Isa."""
+    hi (_q6_values, values up to wmax) times the x words xw (8 i32 of 4 int8), offs
+    _q6_offsets (None: no offset), scs the rows' two scales (<n x i32>); row the
+    instruction set's isa.Isa."""
     res = None
     for h, qs in enumerate((lo, hi)):
-        s = _dot_bounded(builder, row, n, [(qs[g], xw[4 * h + g]) for g in range(4)], 63)
-        term = builder.mul(scs[h], builder.sub(s, offs[h]))
+        s = _dot_bounded(builder, row, n, [(qs[g], xw[4 * h + g]) for g in range(4)], wmax)
+        term = builder.mul(scs[h], s if offs is None else builder.sub(s, offs[h]))
         res = term if res is None else builder.add(res, term)
     return res
 
@@ -635,60 +693,55 @@ def _q6_scales(builder, n, load_i8):
     return [builder.sext(load_i8(h), wide) for h in range(2)]
 
 
-# Q6_K tiles (q6_k.py) are records as Q4_K's, one per strip of RECORD_ROWS rows and
-# super-block; per record (byte offsets): the rows' d (f16) at Q6K_D, the int8 scales of
-# block k (of 32 weights) at Q6K_SC + 32 k + 16 h + lane for its elements 16 h.., and
-# block k's quads at Q6K_QS + 384 k: 4 of nibbles (byte j: the low 4 bits of elements j
-# and 16 + j), then 2 of crumbs (byte j: the high 2 bits of elements j, j + 8, j + 16,
-# j + 24 at bits 0, 2, 4, 6); quad g at 64 g, byte 4g + i of lane l at 64 g + 4 l + i.
-Q6K_D, Q6K_SC, Q6K_QS = 0, 32, 320                  # 32 bytes of padding before the quads
-Q6K_RECORD = Q6K_QS + 8 * 384                        # 3392 bytes, 53 cache lines
-# Q2_K's prefill records (q2_k.py) are Q6_K's with q6 = q + 32, sc its 4-bit scales, and
-# its mins: the rows' dmin (f16) in Q6_K's padding at Q2K_DMIN, the 4-bit m of block k's
-# elements 16 h.. at Q2K_M + 32 k + 16 h + lane, after the quads
-Q2K_DMIN, Q2K_M = Q6K_SC + 256, Q6K_RECORD
-Q2K_RECORD = Q2K_M + 256                             # 3648 bytes, 57 cache lines
-Q2K_MINS = 2              # q6_gemm's kind for Q2_K's records (Q6_K's: 6, its bits)
-
-
 @intrinsic(prefer_literal=True)
 def q6_gemm(typingctx, q, x, acc, shape, isa):
-    """One tile of Q6_K records (q: R rows of shape.nb blocks of 32, layout above;
-    shape.group K_GROUP, shape.kind 6) times shape.tokens rows t0.. of x (Q8X: x8, xd,
-    xs = xs16 (Tp*2nb,) int32 its sums per 16): acc[k R + r] (f32, R = acc.size //
-    tokens) = row r . x_{t0+k} = sum over super-blocks of d sum over their blocks u of
-    dx_u S_u, S_u = sum over u's two halves of scale * sum((q - 32) x8), exact in int32
-    (|S_u| <= 2 * 128 * 16 * 32 * 127). With shape.kind Q2K_MINS, Q2_K's records and
-    x.xsum = xsum16 (Tp*2nb,) f32, dx_u times each sum per 16: less dmin times the sum
-    over halves of m xsum16. tokens (1 for decode, TOKENS for prefill) and isa
-    constants. Each block's 6-bit values are built once for the tokens, and the f32
-    sums of a vector of rows stay in registers over the whole row."""
-    TOK, layout, kind = tile_constants("q6_gemm", shape, isa)
-    mins = layout == Q2K_MINS
+    """One tile of the records of a K-quant with 16-weight sub-blocks (q: R rows of
+    shape.nb blocks of 32, shape.group K_GROUP; shape.kind its bits: 6 Q6_K, 3 Q3_K, 2
+    Q2_K, layouts above) times shape.tokens rows t0.. of x (Q8X: x8, xd, xs = xs16
+    (Tp*2nb,) int32 its sums per 16): acc[k R + r] (f32, R = acc.size // tokens) =
+    row r . x_{t0+k} = sum over super-blocks of d sum over their blocks u of dx_u S_u,
+    S_u = sum over u's two halves of scale * sum((q - offset) x8), exact in int32
+    (|S_u| <= 2 * 128 * 16 * 32 * 127), offset K16_OFFSET's. Q2_K's scale is the low
+    nibble of its scale byte, and x.xsum = xsum16 (Tp*2nb,) f32, dx_u times each sum per
+    16: dmin times the sum over halves of m xsum16 comes off (m the high nibble; xs is
+    not read). tokens (1 for decode, TOKENS for prefill) and isa constants. Each
+    block's values are built once for the tokens, and the f32 sums of a vector of rows
+    stay in registers over the whole row."""
+    TOK, kind, ISA_ = tile_constants("q6_gemm", shape, isa)
+    if kind not in K16_RECORD:
+        raise TypingError(f"q6_gemm: kind {kind} is not one of {sorted(K16_RECORD)}")
+    mins = kind == 2
 
     def codegen(context, builder, sig, args):
         i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
-        fr = _GemmFrame(context, builder, sig, args, kind, TOK)
+        fr = _GemmFrame(context, builder, sig, args, ISA_, TOK)
         k64, ptr, n, wide, vf, fma = fr.k64, fr.ptr, fr.n, fr.wide, fr.vf, fr.fma
         at, nsa, t0a = fr.at, fr.nb, fr.t0
+        c = lambda v: ir.Constant(wide, [v] * n)
 
         def block(sb, k, rec, lane, sums):
             u = builder.add(builder.mul(sb, k64(8)), k)
             quads = builder.add(rec, builder.mul(lane, k64(4)))
-            lo, hi = _q6_values(builder, n, lambda j: builder.load(
-                ptr("q", builder.add(quads, at(k, 384, Q6K_QS + 64 * j)), wide), align=1))
-            scales = lambda at0: _q6_scales(builder, n, lambda h: builder.load(
-                ptr("q", builder.add(builder.add(rec, lane), at(k, 32, at0 + 16 * h)),
-                    ir.VectorType(i8, n)), align=1))
-            scs = scales(Q6K_SC)
-            ms = [builder.sitofp(m, vf) for m in scales(Q2K_M)] if mins else None
+            lo, hi = _k16_values(builder, n, kind, lambda j: builder.load(
+                ptr("q", builder.add(quads, at(k, K16_BLOCK[kind], Q6K_QS + 64 * j)), wide), align=1))
+            sc_bytes = lambda h: builder.load(ptr("q", builder.add(builder.add(rec, lane), at(
+                k, 32, (Q2K_SC if mins else Q6K_SC) + 16 * h)), ir.VectorType(i8, n)), align=1)
+            if mins:                            # the scale byte: sc in bits 0-3, m in 4-7
+                both = [builder.zext(sc_bytes(h), wide) for h in range(2)]
+                scs = [builder.and_(v, c(15)) for v in both]
+                ms = [builder.uitofp(builder.lshr(v, c(4)), vf) for v in both]
+            else:
+                scs = _q6_scales(builder, n, sc_bytes)
             for t in range(TOK):
                 tok = builder.add(t0a, k64(t))
                 si = builder.add(builder.mul(tok, nsa), u)
-                xs = [builder.load(ptr("xs", builder.add(builder.mul(si, k64(2)), k64(h)), i32))
-                      for h in range(2)]
-                dot = _q6_sum(builder, fr.isa, n, lo, hi, _x_words(builder, fr, tok, u),
-                              _q6_offsets(builder, n, xs), scs)
+                offs = None
+                if K16_OFFSET[kind]:
+                    xs = [builder.load(ptr("xs", builder.add(builder.mul(si, k64(2)), k64(h)), i32))
+                          for h in range(2)]
+                    offs = _q6_offsets(builder, n, xs, K16_OFFSET[kind])
+                dot = _q6_sum(builder, fr.isa, n, lo, hi, _x_words(builder, fr, tok, u), offs, scs,
+                              K16_MAX[kind])
                 dx = splat(builder, builder.load(ptr("xd", si, f32)), n)
                 a = sums[0][t]
                 builder.store(fma(builder.sitofp(dot, vf), dx, builder.load(a)), a)
@@ -698,10 +751,11 @@ def q6_gemm(typingctx, q, x, acc, shape, isa):
                     a = sums[1][t]
                     builder.store(fma(ms[1], xm[1], fma(ms[0], xm[0], builder.load(a))), a)
 
+        block_bytes = K16_RECORD[kind] // 8
         if mins:
-            _over_records(builder, fr, Q2K_RECORD // 8, TOK, 2, block, _finish_d_dmin(fr, Q6K_D, Q2K_DMIN), True)
+            _over_records(builder, fr, block_bytes, TOK, 2, block, _finish_d_dmin(fr, Q6K_D, Q2K_DMIN), False)
         else:
-            _over_records(builder, fr, Q6K_RECORD // 8, TOK, 1, block, _finish_d(fr, Q6K_D), True)
+            _over_records(builder, fr, block_bytes, TOK, 1, block, _finish_d(fr, Q6K_D), True)
         return context.get_dummy_value()
 
     return types.void(q, x, acc, shape, isa), codegen

@@ -24,8 +24,7 @@ EPS = np.finfo(np.float32).eps
 ACTIVATIONS = {
     "Q4_0": (32, 32), "Q4_1": (32, 32), "Q5_0": (32, 32), "Q5_1": (32, 32), "Q8_0": (32, 32),
     "Q4_K": (32, 32), "Q5_K": (32, 32), "Q6_K": (32, 32),
-    "IQ4_NL": (32, 32), "IQ4_XS": (32, 32),
-    "Q2_K": (256, 32), "Q3_K": (256, 32),
+    "IQ4_NL": (32, 32), "IQ4_XS": (32, 32), "Q2_K": (32, 32), "Q3_K": (32, 32),
 }
 QUANTIZED = [n for n, f in FORMATS.items() if f.block_size > 1]
 
@@ -115,11 +114,6 @@ def test_the_record_formats_are_the_ones_with_fine_activations():
                                "Q6_K", "Q8_0"]
 
 
-# Q2_K's and Q3_K's prefill rewrites their tiles as Q6_K records (q6_k.RewrittenTiles);
-# doing that for every decoded token would cost several matvecs, so their fine decode
-# keeps int8 per 256
-FINE_DECODE_BLOCK = {"Q2_K": 256, "Q3_K": 256}
-
 
 @pytest.mark.parametrize("name", RECORDS)
 def test_fine_activations_are_exact_given_the_split_x(name):
@@ -134,8 +128,7 @@ def test_fine_activations_are_exact_given_the_split_x(name):
     check_exact(out, ref, split_x(x))
     vec = np.full(shape[0], np.nan, np.float32)
     lin.matvec(x[0], vec)
-    block = FINE_DECODE_BLOCK.get(name)
-    check_exact(vec, ref, rounded_x(x[0], block) if block else split_x(x[:1])[0])
+    check_exact(vec, ref, split_x(x[:1])[0])
     # the residual's rounding error is at most 1/254 of the first's: x̂ within xd/508
     xd = np.abs(x.reshape(5, -1, 32)).max(-1, keepdims=True) / 127
     assert np.all(np.abs(split_x(x) - x).reshape(5, -1, 32) <= xd / 508 * (1 + 1e-5) + 1e-12)

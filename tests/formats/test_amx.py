@@ -21,7 +21,8 @@ from gguf.quants import quantize
 
 from edgellama.kernels import amx
 from edgellama import formats
-from edgellama.formats import linear, records
+from edgellama.formats import FORMATS, linear, records
+from edgellama.formats.q3_k import q6_tiles
 from edgellama.kernels.simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, IQ4_VALUES, ISA, ISA_NAMES, KIND_IQ4_NL,
                             KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1,
                             KIND_Q8_0, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC,
@@ -327,11 +328,21 @@ def test_twin_has_the_vnni_kernels_bits(name, shape, T, vnni_only):
     assert np.array_equal(got.view(np.int32), twin_matmul(lin, x8, xd, xsum, T).view(np.int32))
 
 
-@pytest.mark.parametrize("name", list(SUPER_BLOCKS))
+def as_q6_k(lin):
+    """A Q3_K Linear's records rewritten as AMX's prefill rewrites them: a Q6_K Linear."""
+    nsb = lin.in_features // 256
+    recs = np.zeros((lin.nt, lin.R // RECORD_ROWS * nsb * Q6K_RECORD), np.uint8)
+    q6_tiles(lin.q, nsb, 0, lin.nt, recs)
+    return FORMATS["Q6_K"].linear.from_tiles(FORMATS["Q6_K"], [lin.out_features], lin.in_features, lin.R,
+                                             {"q": recs})
+
+
+@pytest.mark.parametrize("name", [*SUPER_BLOCKS, *REWRITTEN])
 @pytest.mark.parametrize("shape,T", [((300, 256), 17), ((48, 512), 5), ((16, 256), 1)])
 def test_super_block_twin_has_the_vnni_kernels_bits(name, shape, T, vnni_only):
     # the same for the super-block records: the twin of the AMX kernel gives q4k_gemm's
-    # (q6_gemm's, iq4xs_gemm's) bits
+    # (q6_gemm's, iq4xs_gemm's) bits; Q3_K's, on its records rewritten as Q6_K's, the bits
+    # of q6_gemm's kind 3 on its own
     lin, _ = make(name, shape, T)
     x = np.random.default_rng(T).standard_normal((T, shape[1])).astype(f32)
     x[0, :32] = 0                                 # a zero block of x (xd = 0)
@@ -340,7 +351,8 @@ def test_super_block_twin_has_the_vnni_kernels_bits(name, shape, T, vnni_only):
     got = np.empty((T, shape[0]), f32)
     lin.matmul(x, got)
     x8, xd, _, xsum = prep(x)
-    twin = (twin_matmul_q6(lin, x8, xd, T) if name == "Q6_K" else twin_matmul_xs(lin, x8, xd, T)
+    twin = (twin_matmul_q6(lin, x8, xd, T) if name == "Q6_K" else twin_matmul_q6(as_q6_k(lin), x8, xd, T)
+            if name == "Q3_K" else twin_matmul_xs(lin, x8, xd, T)
             if name == "IQ4_XS" else twin_matmul_k(lin, x8, xd, xsum, T))
     assert np.array_equal(got.view(np.int32), twin.view(np.int32))
 

@@ -68,6 +68,8 @@ CALLERS = {
     "Q4 nibbles": ((0, 15), 8),           # blocks_gemm, q4k_gemm bits 4
     "Q5 values": ((0, 31), 8),            # blocks_gemm Q5_0 / Q5_1, q4k_gemm bits 5
     "Q6_K": ((0, 63), 4),                 # _q6_sum, per half
+    "Q3_K": ((0, 7), 4),                  # _q6_sum of q6_gemm's kind 3, per half
+    "Q2_K": ((0, 3), 4),                  # _q6_sum of q6_gemm's kind 2, per half
 }
 
 

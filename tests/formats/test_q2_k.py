@@ -4,9 +4,9 @@ the NumPy twin as every format; inputs and helpers shared with test_q3_k.py).
 - quantize (ggml's quantize_row_q2_K_ref: make_qkx2_quants with nmax 3, rmin -0.5,
   rdelta 0.1, 15 steps, mean absolute error): overflowing scales counted, every level the
   nearest (independent of ggml).
-- decode: W @ xq but for float rounding (as test_q3_k.py), the int16 sums at their
-  bounds; resident size.
-- prefill (its tiles rewritten as Q6_K records and mins): exact at the sums' bounds.
+- decode: W @ xq but for float rounding (as test_q3_k.py), the sums at their bounds;
+  resident size (the file's); the embedding's rows.
+- prefill: exact at the sums' bounds.
 """
 import numpy as np
 import pytest
@@ -85,10 +85,10 @@ def extreme_blocks(n, d):
     return q, w
 
 
-def test_matvec_int16_sums_at_their_bounds():
-    # x = +-127 (xq = x, the x scale 1): row 0 reaches the int16 sub-block sum 16 * 3 *
-    # 127 = 6096 and the int32 sums 16 * 15 * 6096 and 16 * 15 * 16 * 127 per
-    # super-block; W @ x is then exact
+def test_matvec_sums_at_their_bounds():
+    # x = +-127 (xq = x, the x scale 1): row 0 reaches the sub-block sum 16 * 3 * 127 =
+    # 6096 and the int32 sum 2 * 15 * 6096 per block, and its mins 15 * 16 * 127 per 16;
+    # W @ x is then exact
     n, d = 512, 40
     q, w = extreme_blocks(n, d)
     lin = linear(Q2_K, [q], n)
@@ -99,9 +99,8 @@ def test_matvec_int16_sums_at_their_bounds():
 
 
 def test_prefill_at_the_extremes_is_exact():
-    # prefill's records (q6 = q + 32, the mins beside them): the same weights by x at
-    # +-127 in every block of 32 (the x scale 1), so the scale and min sums are exact
-    # integers and x W^T is exact
+    # prefill: the same weights by x at +-127 in every block of 32 (the x scale 1), so
+    # the scale and min sums are exact integers and x W^T is exact
     n, d = 512, 40
     q, w = extreme_blocks(n, d)
     lin = linear(Q2_K, [q], n)
@@ -110,6 +109,17 @@ def test_prefill_at_the_extremes_is_exact():
     out = np.empty((20, d), np.float32)
     lin.matmul(x, out)
     np.testing.assert_array_equal(out, x.astype(np.float64) @ w.T)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_rows_are_the_files_values(shape):
+    # the embedding's rows from the records: gguf-py's Q2_K values bit for bit
+    q = quantize(Q2_K, normalish(shape, 9))
+    lin = linear(Q2_K, [q], shape[1])
+    rows = np.empty(shape, np.float32)
+    lin.rows(np.arange(shape[0]), rows)
+    want = gguf_dequantize(q, G.Q2_K).reshape(shape)
+    np.testing.assert_array_equal(rows.view(np.uint32), want.view(np.uint32))
 
 
 def test_resident_memory_is_file_size():

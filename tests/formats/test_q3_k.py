@@ -2,14 +2,13 @@
 the NumPy twin as every format), and the helpers test_q2_k.py shares.
 
 - quantize: an overflowing scale counted; every level the nearest (independent of ggml).
-- decode: exactly W @ xq but for float rounding, xq = x rounded to int8 per 256 as the
-  kernel does (a tighter bound than the conformance test's), and the int16 sums at their
+- decode: exactly W @ xq but for float rounding, xq = x rounded to int8 per 32 as the
+  kernel does (a tighter bound than the conformance test's), and the sums at their
   bounds; resident size.
-- prefill: the Q6_K records it rewrites the tiles into hold the file's values bit for bit
-  (read back by Q6_K's own rows), the int32 sums at their bounds are exact, and it holds
-  one tile's records a thread.
+- prefill: the int32 sums at their bounds are exact; on AMX, the Q6_K records it
+  rewrites the records into hold the file's values bit for bit (read back by Q6_K's own
+  rows; test_amx.py checks their products).
 """
-import numba
 import numpy as np
 import pytest
 from format_cases import EPS, normalish, u24
@@ -20,7 +19,6 @@ from quantize_cases import K16_CASES as CASES
 from edgellama.formats.q3_k import Q3_K, q6_tiles
 from edgellama.formats.q6_k import Q6_K
 from edgellama.kernels.simd import Q6K_RECORD
-from edgellama.scratch import Scratch
 
 # (out, in): out not a multiple of any tile size (16 to 256 rows), in = 256 k
 SHAPES = [(300, 256), (37, 512), (1030, 256), (16, 768)]
@@ -37,8 +35,8 @@ def quantize(fmt, x: np.ndarray, counts=(0, 0)) -> np.ndarray:
 # --- runtime Linear checks ---------------------------------------------------------------
 
 def xq_twin(x: np.ndarray) -> np.ndarray:
-    """x as the decode kernels see it: per 256, rounded to the int8 grid of amax / 127."""
-    xb = x.reshape(-1, 256)
+    """x as the decode kernels see it: per 32, rounded to the int8 grid of amax / 127."""
+    xb = x.reshape(-1, 32)
     dx = np.abs(xb).max(1, keepdims=True) / np.float32(127)
     inv = np.float32(1) / np.where(dx > 0, dx, np.float32(1))
     xq = np.where(dx > 0, np.rint(xb * inv), 0)
@@ -50,15 +48,16 @@ def check_matvec(got: np.ndarray, w: np.ndarray, wmag: np.ndarray, x: np.ndarray
     term the magnitude of what is summed (|w| for Q3_K; |d sc q| + |dmin m| for Q2_K).
 
     With xq = xq_twin(x) the kernel's integer sums are exact, so got differs from W @ xq
-    by float rounding only: per super-block a few roundings, then nb f32 additions, so
-    (nb + 4) eps sum |terms|, with a margin of 4. The distance to W @ x is then the x
-    rounding, each x_i moving by at most amax_b / 254."""
+    by float rounding only: an f32 multiply-add per block of 32 and a few per
+    super-block, so (nb + 4) eps sum |terms| with nb the blocks of 32, with a margin of
+    4. The distance to W @ x is then the x rounding, each x_i moving by at most
+    amax_b / 254."""
     xq = xq_twin(x)
-    nb = x.size // 256
+    nb = x.size // 32
     tol = 4 * (nb + 4) * EPS * (wmag @ np.abs(xq)) + 1e-37
     err = np.abs(got - w @ xq)
     assert np.all(err <= tol), np.max(err / tol)
-    step = np.repeat(np.abs(x).reshape(-1, 256).max(1), 256) / 254
+    step = np.repeat(np.abs(x).reshape(-1, 32).max(1), 32) / 254
     assert np.all(np.abs(got - w @ x) <= tol + np.abs(w) @ step * 1.001)
 
 
@@ -135,10 +134,11 @@ def test_matvec_is_w_times_rounded_x(shape):
     check_linear(Q3_K, shape, q3_mag)
 
 
-def test_matvec_int16_sums_at_their_bounds():
+def test_matvec_sums_at_their_bounds():
     # weights at level -4 or 3 with the extreme scales -32 and 31, x = +-127 (xq = x, the
-    # x scale 1): row 0 all -4 with scale -32 reaches the int16 sub-block sum -8128 and
-    # the int32 sum 16 * 32 * 8128 per super-block; W @ x is then exact
+    # x scale 1): row 0 all -4 with scale -32 reaches the sub-block sum -8128 (AVX2's int16
+    # pair sums at 2 * 7 * 127 before the offset comes off) and the int32 sum 2 * 32 *
+    # 8128 per block; W @ x is then exact
     n, d = 512, 40
     blk = np.zeros((d, n // 256, 110), np.uint8)
     lvl = (u24(d * n, 50).reshape(d, n // 256, 256) % 2).astype(np.uint8) * 7   # 0 or 7
@@ -167,19 +167,30 @@ def test_resident_memory_about_file_size():
     q = quantize(Q3_K, normalish((1024, 1024), 60))
     lin = linear(Q3_K, [q], 1024)
     assert lin.nt * lin.R == 1024
-    assert resident_bytes(lin) == q.nbytes * 114 // 110  # +4 bytes a block: scales as i8
+    assert resident_bytes(lin) == q.nbytes * 116 // 110  # +6 bytes a block: scales as i8, padding
 
 
-# --- prefill: the tiles as Q6_K records ----------------------------------------------------
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_rows_are_the_files_values(shape):
+    # the embedding's rows from the records: gguf-py's Q3_K values bit for bit
+    q = quantize(Q3_K, weights(shape, 9))
+    lin = linear(Q3_K, [q], shape[1])
+    rows = np.empty(shape, np.float32)
+    lin.rows(np.arange(shape[0]), rows)
+    want = gguf_dequantize(q, G.Q3_K).reshape(shape)
+    np.testing.assert_array_equal(rows.view(np.uint32), want.view(np.uint32))
+
+
+# --- prefill ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_q6_records_hold_the_files_values(shape):
-    # the records prefill multiplies, read back by Q6_K's own row decoder: gguf-py's Q3_K
-    # values bit for bit, (d sc) (q - 4) = (d sc) (q6 - 32), and pad rows zero
+    # the records AMX's prefill multiplies, read back by Q6_K's own row decoder: gguf-py's
+    # Q3_K values bit for bit, (d sc) (q - 4) = (d sc) (q6 - 32), and pad rows zero
     q = quantize(Q3_K, weights(shape, 8))
     lin = linear(Q3_K, [q], shape[1])
     recs = np.zeros((lin.nt, lin.R // 16 * shape[1] // 256 * Q6K_RECORD), np.uint8)
-    q6_tiles(lin.w, lin.sc, lin.d, 0, lin.nt, lin.R, recs)
+    q6_tiles(lin.q, shape[1] // 256, 0, lin.nt, recs)
     q6 = Q6_K.linear.from_tiles(Q6_K, [lin.nt * lin.R], shape[1], lin.R, {"q": recs})
     rows = np.empty((lin.nt * lin.R, shape[1]), np.float32)
     q6.rows(np.arange(lin.nt * lin.R), rows)
@@ -209,14 +220,3 @@ def test_prefill_at_the_extremes_is_exact():
     out = np.empty((20, d), np.float32)
     lin.matmul(x, out)
     np.testing.assert_array_equal(out, x.astype(np.float64) @ w.T)
-
-
-def test_prefill_holds_a_tile_a_thread():
-    # the rewritten records are a run of tiles, one a thread, not the whole matrix
-    q = quantize(Q3_K, normalish((2048, 512), 61))
-    lin = linear(Q3_K, [q], 512)
-    sc = Scratch()
-    lin.matmul(normalish((16, 512), 62), np.empty((16, 2048), np.float32), sc)
-    held = sc.get("rewritten", (1,), np.uint8).base       # the whole buffer of that name
-    assert lin.nt > numba.get_num_threads()
-    assert held.size == numba.get_num_threads() * lin.R // 16 * 2 * Q6K_RECORD

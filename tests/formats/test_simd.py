@@ -1,4 +1,4 @@
-"""simd's tile intrinsics (blocks_gemm, q4k_gemm, iq4xs_gemm, q6_gemm),
+"""simd's tile intrinsics (blocks_gemm, q4k_gemm, iq4xs_gemm, q6_gemm and its Q3_K and Q2_K kinds),
 in each instruction set (all are compiled here; Numba's target must have the instructions
 to compile and run them, so the VNNI and AVX2 cases skip elsewhere), against a NumPy twin;
 and the instruction set chosen from that target."""
@@ -14,6 +14,7 @@ from edgellama.kernels.simd import (AVX2, AVX_VNNI, BLOCK_BYTES, BLOCK_HEAD, BLO
                             KIND_Q4_0, KIND_Q4_1,
                             KIND_Q5_0, KIND_Q5_1, KIND_Q8_0, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH,
                             Q5K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS, TOKENS,
+                            Q2K_DMIN, Q2K_RECORD, Q2K_SC, Q3K_RECORD,
                             VNNI512, IQ4XS_D, IQ4XS_QS, IQ4XS_RECORD, IQ4XS_SC, ISA_NAMES, ISAS, K_GROUP, Q8X,
                             blocks_gemm, iq4xs_gemm, q4k_gemm, q6_gemm, target_isa, tile)
 from edgellama.kernels import simd
@@ -79,6 +80,10 @@ def target_env(**env):
 # an Intel client core since Alder Lake: AVX2 and AVX-VNNI, no AVX-512
 ALDER_LAKE = {"NUMBA_CPU_NAME": "alderlake",
               "NUMBA_CPU_FEATURES": HASWELL["NUMBA_CPU_FEATURES"] + ",+avxvnni"}
+# an Intel server core since Ice Lake: AVX-512 with VNNI (no AMX)
+ICELAKE_SERVER = {"NUMBA_CPU_NAME": "icelake-server",
+                  "NUMBA_CPU_FEATURES": HASWELL["NUMBA_CPU_FEATURES"]
+                  + ",+avx512f,+avx512bw,+avx512cd,+avx512dq,+avx512vl,+avx512vnni"}
 
 
 # Each a process compiling afresh; NUMBA_ENABLE_AVX=0 reaches target_isa as the same
@@ -119,20 +124,22 @@ print(ISA_NAMES[ISA], "|", count)
 
 
 @pytest.mark.slow
-def test_every_kernel_compiles_for_alder_lake_here(tmp_path):
-    """The AVX-VNNI row is the choice of CPUs none of our test machines is (where a CPU
-    has its instructions, the twins below run it): every kernel a forward pass of each
-    product family calls (and a q8_0 cache's scores) compiles for that target, nothing
-    run. The files are written here, on this CPU's own code."""
+@pytest.mark.parametrize("env,isa", [(ALDER_LAKE, AVX_VNNI), (ICELAKE_SERVER, VNNI512)], ids=["alder_lake", "icelake"])
+def test_every_kernel_compiles_for_the_vnni_rows_here(tmp_path, env, isa):
+    """The AVX-VNNI row is the choice of CPUs none of our test machines is, and the
+    AVX-512 VNNI row that of only some (where a CPU has a row's instructions, the twins
+    below run it): every kernel a forward pass of each product family calls (and a q8_0
+    cache's scores) compiles for that target, nothing run. The files are written here,
+    on this CPU's own code."""
     from tiny_gguf import write_tiny_gguf
     paths = [str(write_tiny_gguf(tmp_path / f"{t}.gguf", t, dim=256, ffn=256, vocab=512, tokenizer=True))
-             for t in ("Q4_0", "Q8_0", "IQ4_NL", "Q5_1", "Q4_K", "Q6_K", "IQ4_XS")]
-    e = target_env(**ALDER_LAKE, EDGELLAMA_CACHE=str(tmp_path / "cache"))
+             for t in ("Q4_0", "Q8_0", "IQ4_NL", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q6_K", "IQ4_XS")]
+    e = target_env(**env, EDGELLAMA_CACHE=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, "-c", COMPILE_PROBE, *paths], env=e, capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     name, count = r.stdout.strip().splitlines()[-1].split(" | ")
-    assert name == ISA_NAMES[AVX_VNNI] and int(count) > 100
+    assert name == ISA_NAMES[isa] and int(count) > 100
 
 
 # --- blocks_gemm: records of a per-32-block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) ----
@@ -350,6 +357,115 @@ def test_q6_gemm_matches_twin(isa, R, tokens, case):
     if not RUNS[isa]:
         pytest.skip("Numba's target (this CPU, or NUMBA_CPU_*) lacks the instructions")
     got, want = gemm6_case(isa, R, tokens, case)
+    if case == "exact":
+        np.testing.assert_array_equal(got, want)
+    elif case == "random":
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    else:   # sums past 2^24 round in f32; an int16 or int32 overflow would be off by 2^15+
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+# --- q6_gemm's kinds 3 and 2: Q3_K's and Q2_K's records (per 16 rows and super-block: d,
+# the scale bytes, crumb quads; Q3_K's third bits after them, Q2_K's dmin) ----------------
+
+@njit
+def _gemm_low(q, x8, xd, xs16, xsum16, acc, nsub, t0, tokens, kind, isa):
+    q6_gemm(q, Q8X(x8, xd, xs16, xsum16), acc, tile(nsub, K_GROUP, t0, literally(tokens), literally(kind)),
+            literally(isa))
+
+
+def low_records(kind, d, dmin, sc, vals):
+    """A tile of Q3_K (kind 3) or Q2_K (2) records from per-row values: d, dmin (R, nsb)
+    f16 (dmin read for Q2_K), sc (R, nsub, 2) u8 the scale bytes of each block's halves
+    (Q3_K's int8 sc - 32, Q2_K's sc | m << 4), vals (R, nsub, 32) the 3- or 2-bit q."""
+    R, nsb = d.shape
+    size, per_block = (Q3K_RECORD, 192) if kind == 3 else (Q2K_RECORD, 128)
+    rec = np.zeros((R // RECORD_ROWS, nsb, size), np.uint8)
+    low = vals & 3
+    crumb = low[:, :, :8] | (low[:, :, 8:16] << 2) | (low[:, :, 16:24] << 4) | (low[:, :, 24:] << 6)
+    third = (vals >> 2).reshape(R, -1, 2, 4, 4)                  # (r, u, h, g, i)
+    words = sum(third[:, :, h, g, :] << (2 * g + h) for g in range(4) for h in range(2))   # (r, u, i)
+    for r in range(R):
+        strip, lane = divmod(r, RECORD_ROWS)
+        for b in range(nsb):
+            out = rec[strip, b]
+            out[Q6K_D + 2 * lane:Q6K_D + 2 * lane + 2] = d[r, b:b + 1].view(np.uint8)
+            if kind == 2:
+                out[Q2K_DMIN + 2 * lane:Q2K_DMIN + 2 * lane + 2] = dmin[r, b:b + 1].view(np.uint8)
+            for k in range(8):
+                u = 8 * b + k
+                for h in range(2):
+                    out[(Q2K_SC if kind == 2 else Q6K_SC) + 32 * k + 16 * h + lane] = sc[r, u, h]
+                o = Q6K_QS + per_block * k + 4 * lane
+                for j in range(8):
+                    out[o + 64 * (j // 4) + j % 4] = crumb[r, u, j]
+                if kind == 3:
+                    out[o + 128:o + 132] = words[r, u]
+    return rec.reshape(-1)
+
+
+def gemm_low_case(kind, isa, R, tokens, case):
+    """q6_gemm's acc for a random tile of R rows of Q3_K (kind 3) or Q2_K (2) records, 2
+    super-blocks, and `tokens` rows t0.. of x, and its float64 twin: per super-block d
+    sum_u dx_u S_u, S_u = sum over block u's halves of scale * sum((q - off) x8) (Q3_K:
+    the int8 scale, off 4; Q2_K: the scale byte's low nibble, off 0), Q2_K less dmin sum
+    over its halves of m xsum16 (the byte's high nibble; xsum16 = dx xs16). case "exact":
+    d, dmin and the x scales 1 or 2 and |x8| <= 15, so every f32 step is exact; "max",
+    "zero": every q the largest or 0 against x8 = +-127 and the extreme scales, the
+    largest sums (AVX2's int16 pair sums); "random"."""
+    nsub, t0 = 16, tokens
+    T = 2 * tokens
+    rng = np.random.default_rng(100 * kind + 10 * isa + R + tokens)
+    top = 7 if kind == 3 else 3
+    vals = rng.integers(0, top + 1, (R, nsub, 32))
+    sc = (rng.integers(-32, 32, (R, nsub, 2)).astype(np.int8).view(np.uint8) if kind == 3
+          else rng.integers(0, 256, (R, nsub, 2)).astype(np.uint8))
+    x8 = rng.integers(-127, 128, (T, 32 * nsub), dtype=np.int8)
+    d = rng.standard_normal((R, nsub // 8)).astype(np.float16)
+    dmin = rng.standard_normal((R, nsub // 8)).astype(np.float16)
+    xd = rng.random((T, nsub)).astype(np.float32)
+    if case == "exact":                        # every sum an integer below 2^24
+        x8 = rng.integers(-15, 16, x8.shape, dtype=np.int8)
+        d, dmin = ((2.0 ** rng.integers(0, 2, d.shape)).astype(np.float16) for _ in range(2))
+        xd = (2.0 ** rng.integers(0, 2, xd.shape)).astype(np.float32)
+    elif case in ("max", "zero"):
+        vals[:] = top if case == "max" else 0
+        ends = rng.random(sc.shape) < 0.5
+        sc = (np.where(ends, -32, 31).astype(np.int8).view(np.uint8) if kind == 3
+              else np.where(ends, 0xFF, 0x0F).astype(np.uint8))
+        x8 = np.where(rng.random(x8.shape) < 0.5, -127, 127).astype(np.int8)
+        d[:] = 1
+        dmin[:] = 1
+        xd[:] = 1
+    xs16 = x8.reshape(T, 2 * nsub, 16).astype(np.int32).sum(axis=2)
+    xsum16 = (np.repeat(xd, 2, axis=1) * xs16).astype(np.float32)
+    acc = np.full(tokens * R, 7, np.float32)
+    _gemm_low(low_records(kind, d, dmin, sc, vals), x8.reshape(-1), xd.reshape(-1), xs16.reshape(-1),
+              xsum16.reshape(-1), acc, nsub, t0, tokens, kind, isa)
+    if kind == 3:
+        scale, m, off = sc.view(np.int8).astype(np.int64), np.zeros(sc.shape, np.int64), 4
+    else:
+        scale, m, off = (sc & 15).astype(np.int64), (sc >> 4).astype(np.int64), 0
+    want = np.zeros((tokens, R))
+    for k in range(tokens):
+        tok = t0 + k
+        xh = x8[tok].reshape(nsub, 2, 16).astype(np.int64)
+        S = (scale * np.einsum("ruhe,uhe->ruh", vals.reshape(R, nsub, 2, 16) - off, xh)).sum(axis=2)
+        blocks = (xd[tok].astype(np.float64) * S).reshape(R, nsub // 8, 8).sum(axis=2)
+        mins = (m * xsum16[tok].reshape(nsub, 2).astype(np.float64)).sum(axis=2).reshape(R, nsub // 8, 8).sum(axis=2)
+        want[k] = (d.astype(np.float64) * blocks - dmin.astype(np.float64) * mins).sum(axis=1)
+    return acc.reshape(tokens, R), want
+
+
+@pytest.mark.parametrize("kind", [3, 2])
+@pytest.mark.parametrize("isa", list(RUNS))
+@pytest.mark.parametrize("R", [16, 32, 256])
+@pytest.mark.parametrize("tokens", [1, TOKENS])
+@pytest.mark.parametrize("case", ["exact", "max", "zero", "random"])
+def test_q6_gemm_low_bits_match_twin(kind, isa, R, tokens, case):
+    if not RUNS[isa]:
+        pytest.skip("Numba's target (this CPU, or NUMBA_CPU_*) lacks the instructions")
+    got, want = gemm_low_case(kind, isa, R, tokens, case)
     if case == "exact":
         np.testing.assert_array_equal(got, want)
     elif case == "random":
