@@ -26,8 +26,7 @@ from ..kernels.fp import get_f16, nearest_int, put_f16
 from ..kernels.simd import Q2K_DMIN, Q2K_RECORD, Q2K_SC, Q6K_D, Q6K_QS, RECORD_ROWS
 from .base import WeightFormat, block_sizes
 from .q3_k import QK, pack_2bit, put_scale, tile_span
-from .q6_k import matmul_k16, matvec_k16, scaled16, sums16
-from .records import RecordLinear, prep_q8_x
+from .q6_k import Sub16Linear
 
 f32 = np.float32
 BS = block_sizes("Q2_K")[1]   # bytes per super-block
@@ -253,34 +252,13 @@ def rows_q2_k(q, ids, out):
                     row[QK * b + 16 * j + i2] = dl * f32(v) - ml
 
 
-class Q2KLinear(RecordLinear):
+class Q2KLinear(Sub16Linear):
     """Q2_K in records of 16 rows and one super-block (simd.py's Q2K_* layout), the file's
     bytes: decode and prefill are q6_gemm's kind 2."""
-
-    def decode_buffers(self):
-        # RecordLinear's, and q6_gemm's x sums per 16 and xd times them (the mins)
-        n = self.in_features
-        return super().decode_buffers() + (np.zeros(n // 16, np.int32), np.zeros(n // 16, f32))
-
-    def _strip_bytes(self):
-        return self.in_features // QK * Q2K_RECORD
+    kind, record = 2, Q2K_RECORD
 
     def _repack(self, raw, row0):
         repack_q2_k(raw, row0, self.q)
-
-    def _matvec(self, x, out, scratch):
-        x8, xd, xs8, xsum, acc, counter, xs16, xsum16 = self._buffers(scratch)
-        prep_q8_x(x, x8, xd, xs8, xsum)
-        sums16(x8, xs16)
-        scaled16(xd, xs16, xsum16)
-        matvec_k16(self.q, x8, xd, xs16, xsum16, out, acc, counter, 2)
-
-    def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
-        xs16 = sc.get("q6_xs16", (x8.size // 16,), np.int32)
-        xsum16 = sc.get("q6_xsum16", (x8.size // 16,))
-        sums16(x8, xs16)
-        scaled16(xd.reshape(-1), xs16, xsum16)
-        matmul_k16(self.q, x8, xd, xs16, xsum16, out, acc, 2)
 
     def _rows(self, ids, out):
         rows_q2_k(self.q, ids, out)

@@ -30,8 +30,7 @@ from ..kernels.fp import get_f16, nearest_int, put_f16
 from ..kernels.simd import K_GROUP, Q3K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS
 from . import records
 from .base import WeightFormat, block_sizes
-from .q6_k import matmul_k16, matvec_k16, sums16
-from .records import RecordLinear, prep_q8_x
+from .q6_k import Sub16Linear
 
 f32 = np.float32
 QK, BS = block_sizes("Q3_K")   # weights and bytes per super-block
@@ -322,32 +321,15 @@ def rows_q3_k(q, ids, out):
                     row[QK * b + 16 * j + i2] = dl * f32(q3_value(rec, j // 2, lane, 16 * (j % 2) + i2) - 4)
 
 
-class Q3KLinear(RecordLinear):
+class Q3KLinear(Sub16Linear):
     """Q3_K in records of 16 rows and one super-block (simd.py's Q3K_RECORD layout):
     decode and prefill are q6_gemm's kind 3; on AMX, prefill rewrites a run of tiles, one
     a thread, as Q6_K records (q6_records) and multiplies them while they are in that
     thread's cache (no AMX kernel reads 3-bit values)."""
-
-    def decode_buffers(self):
-        # RecordLinear's, and q6_gemm's x sums per 16
-        return super().decode_buffers() + (np.zeros(self.in_features // 16, np.int32),)
-
-    def _strip_bytes(self):
-        return self.in_features // QK * Q3K_RECORD
+    kind, record = 3, Q3K_RECORD
 
     def _repack(self, raw, row0):
         repack_q3_k(raw, row0, self.q)
-
-    def _matvec(self, x, out, scratch):
-        x8, xd, xs8, xsum, acc, counter, xs16 = self._buffers(scratch)
-        prep_q8_x(x, x8, xd, xs8, xsum)
-        sums16(x8, xs16)
-        matvec_k16(self.q, x8, xd, xs16, xs16, out, acc, counter, 3)
-
-    def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
-        xs16 = sc.get("q6_xs16", (x8.size // 16,), np.int32)
-        sums16(x8, xs16)
-        matmul_k16(self.q, x8, xd, xs16, xs16, out, acc, 3)
 
     def _amx_records(self):
         return KIND_Q6_K, K_GROUP

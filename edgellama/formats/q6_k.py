@@ -341,32 +341,48 @@ def rows_q6_k(q, ids, out):
                     y[16 + j] = ds1 * f32(v[16 + j] - 32)
 
 
-class Q6KLinear(RecordLinear):
-    """Q6_K in records of 16 rows and one super-block (simd.py's Q6K_* layout)."""
+class Sub16Linear(RecordLinear):
+    """The K-quants of 16-weight sub-blocks (Q6_K, Q3_K, Q2_K): records of 16 rows and one
+    super-block that simd.q6_gemm reads as `kind` (the format's bits), record bytes per
+    strip and super-block; x's sums per 16 beside prep_q8_x's, and for Q2_K's mins xd
+    times them."""
+    kind: int
+    record: int
 
     def decode_buffers(self):
-        # RecordLinear's, and q6_gemm's x sums per 16
-        return super().decode_buffers() + (np.zeros(self.in_features // 16, np.int32),)
+        # RecordLinear's, and q6_gemm's x sums per 16 and xd times them
+        n = self.in_features
+        return super().decode_buffers() + (np.zeros(n // 16, np.int32), np.zeros(n // 16, f32))
 
     def _strip_bytes(self):
-        return self.in_features // QK * Q6K_RECORD
+        return self.in_features // QK * self.record
+
+    def _matvec(self, x, out, scratch):
+        x8, xd, xs8, xsum, acc, counter, xs16, xsum16 = self._buffers(scratch)
+        prep_q8_x(x, x8, xd, xs8, xsum)
+        sums16(x8, xs16)
+        if self.kind == 2:
+            scaled16(xd, xs16, xsum16)
+        matvec_k16(self.q, x8, xd, xs16, xsum16, out, acc, counter, self.kind)
+
+    def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
+        xs16 = sc.get("q6_xs16", (x8.size // 16,), np.int32)
+        xsum16 = sc.get("q6_xsum16", (x8.size // 16,))
+        sums16(x8, xs16)
+        if self.kind == 2:
+            scaled16(xd.reshape(-1), xs16, xsum16)
+        matmul_k16(self.q, x8, xd, xs16, xsum16, out, acc, self.kind)
+
+
+class Q6KLinear(Sub16Linear):
+    """Q6_K in records of 16 rows and one super-block (simd.py's Q6K_* layout)."""
+    kind, record = 6, Q6K_RECORD
 
     def _repack(self, raw, row0):
         repack_q6_k(raw, row0, self.q)
 
-    def _matvec(self, x, out, scratch):
-        x8, xd, xs8, xsum, acc, counter, xs16 = self._buffers(scratch)
-        prep_q8_x(x, x8, xd, xs8, xsum)
-        sums16(x8, xs16)
-        matvec_k16(self.q, x8, xd, xs16, xs16, out, acc, counter, 6)
-
     def _amx_records(self):
         return KIND_Q6_K, K_GROUP
-
-    def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
-        xs16 = sc.get("q6_xs16", (x8.size // 16,), np.int32)
-        sums16(x8, xs16)
-        matmul_k16(self.q, x8, xd, xs16, xs16, out, acc, 6)
 
     def _rows(self, ids, out):
         rows_q6_k(self.q, ids, out)

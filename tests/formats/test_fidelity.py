@@ -36,7 +36,7 @@ from edgellama.gguf import GGUFFile
 from edgellama.gguf_write import GGUFStreamWriter
 from edgellama.perplexity import log_softmax
 from reference import reference_forward
-from test_activation_rounding import ACTIVATIONS, EPS, FINE_DECODE_BLOCK, rounded_x
+from test_activation_rounding import ACTIVATIONS, EPS, rounded_x
 
 LAYERS = 6
 TOKENS = 40
@@ -141,7 +141,7 @@ def rounding(types: dict[str, str], phase: int, mode: str, rng):
         xf = np.asarray(x, np.float32)
         xf = xf * (1 + np.float32(3e-7) * rng.standard_normal(xf.shape).astype(np.float32))
         xh = rounded_x(xf, ACTIVATIONS.get(t, (0, 0))[phase])
-        if t in RECORD_TYPES and mode == "fine" and not (phase == 0 and t in FINE_DECODE_BLOCK):
+        if t in RECORD_TYPES and mode == "fine":
             xh = xh + rounded_x(xf - xh.astype(np.float32), 32)
         return xh @ W[name].T
     return product
@@ -256,7 +256,7 @@ def test_every_product_is_exact_given_the_rounded_x(fmt, mode, quantized, refere
     for w, phase, x, got in log:
         ws = np.concatenate([W[n] for n in names[id(w)]])
         t = types[names[id(w)][0]]
-        fine = t in RECORD_TYPES and mode == "fine" and not (phase == 0 and t in FINE_DECODE_BLOCK)
+        fine = t in RECORD_TYPES and mode == "fine"
         xh = rounded_x(x, ACTIVATIONS.get(t, (0, 0))[phase])
         if fine:
             xh = xh + rounded_x(x - xh.astype(np.float32), 32)

@@ -13,7 +13,7 @@ import pytest
 from format_cases import EPS, normalish, u24
 from gguf import GGMLQuantizationType as G
 from gguf.quants import dequantize as gguf_dequantize
-from test_q3_k import CASES, SHAPES, check_linear, linear, quantize, resident_bytes
+from test_q3_k import CASES, SHAPES, check_linear, check_rows, linear, quantize, resident_bytes
 
 from edgellama.formats.q2_k import Q2_K
 
@@ -113,13 +113,7 @@ def test_prefill_at_the_extremes_is_exact():
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_rows_are_the_files_values(shape):
-    # the embedding's rows from the records: gguf-py's Q2_K values bit for bit
-    q = quantize(Q2_K, normalish(shape, 9))
-    lin = linear(Q2_K, [q], shape[1])
-    rows = np.empty(shape, np.float32)
-    lin.rows(np.arange(shape[0]), rows)
-    want = gguf_dequantize(q, G.Q2_K).reshape(shape)
-    np.testing.assert_array_equal(rows.view(np.uint32), want.view(np.uint32))
+    check_rows(Q2_K, quantize(Q2_K, normalish(shape, 9)), shape)
 
 
 def test_resident_memory_is_file_size():

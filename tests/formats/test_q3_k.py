@@ -170,15 +170,19 @@ def test_resident_memory_about_file_size():
     assert resident_bytes(lin) == q.nbytes * 116 // 110  # +6 bytes a block: scales as i8, padding
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_rows_are_the_files_values(shape):
-    # the embedding's rows from the records: gguf-py's Q3_K values bit for bit
-    q = quantize(Q3_K, weights(shape, 9))
-    lin = linear(Q3_K, [q], shape[1])
+def check_rows(fmt, q: np.ndarray, shape) -> None:
+    """The embedding's rows, read back from fmt's records of file rows q: gguf-py's values
+    bit for bit."""
+    lin = linear(fmt, [q], shape[1])
     rows = np.empty(shape, np.float32)
     lin.rows(np.arange(shape[0]), rows)
-    want = gguf_dequantize(q, G.Q3_K).reshape(shape)
+    want = gguf_dequantize(q, G[fmt.name]).reshape(shape)
     np.testing.assert_array_equal(rows.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_rows_are_the_files_values(shape):
+    check_rows(Q3_K, quantize(Q3_K, weights(shape, 9)), shape)
 
 
 # --- prefill ------------------------------------------------------------------------------
