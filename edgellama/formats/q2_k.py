@@ -26,7 +26,7 @@ from ..kernels.fp import get_f16, nearest_int, put_f16
 from ..kernels.simd import Q2K_DMIN, Q2K_RECORD, Q2K_SC, Q6K_D, Q6K_QS, RECORD_ROWS
 from .base import WeightFormat, block_sizes
 from .q3_k import QK, pack_2bit, put_scale, tile_span
-from .q6_k import Sub16Linear
+from .q6_k import Sub16Linear, crumb, put_crumbs
 
 f32 = np.float32
 BS = block_sizes("Q2_K")[1]   # bytes per super-block
@@ -220,9 +220,7 @@ def repack_q2_k(raw, row0, q):
                     qt[rec + Q2K_SC + 16 * j + lane] = blk[j]
                 for k in range(8):
                     o = rec + Q6K_QS + 128 * k + 4 * lane
-                    e = v[32 * k:32 * k + 32]
-                    for j in range(8):
-                        qt[o + 64 * (j >> 2) + (j & 3)] = e[j] | (e[8 + j] << 2) | (e[16 + j] << 4) | (e[24 + j] << 6)
+                    put_crumbs(qt, o, v[32 * k:32 * k + 32], 0)
 
 
 # --- embedding: dequantized rows -----------------------------------------------------------
@@ -248,8 +246,7 @@ def rows_q2_k(q, ids, out):
                 o = Q6K_QS + 128 * (j // 2) + 4 * lane
                 for i2 in range(16):
                     e = 16 * (j % 2) + i2           # element of block j // 2
-                    v = (np.int32(rec[o + 64 * ((e % 8) >> 2) + (e & 3)]) >> (2 * (e // 8))) & 3
-                    row[QK * b + 16 * j + i2] = dl * f32(v) - ml
+                    row[QK * b + 16 * j + i2] = dl * f32(crumb(rec, o, e)) - ml
 
 
 class Q2KLinear(Sub16Linear):

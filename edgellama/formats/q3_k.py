@@ -30,7 +30,7 @@ from ..kernels.fp import get_f16, nearest_int, put_f16
 from ..kernels.simd import K_GROUP, Q3K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS
 from . import records
 from .base import WeightFormat, block_sizes
-from .q6_k import Sub16Linear
+from .q6_k import Sub16Linear, crumb, put_crumbs
 
 f32 = np.float32
 QK, BS = block_sizes("Q3_K")   # weights and bytes per super-block
@@ -235,7 +235,7 @@ def repack_q3_k(raw, row0, q):
             for b in range(nb):
                 blk = row[b * BS:(b + 1) * BS]
                 for e in range(QK):
-                    j, l = e // 16, e % 32
+                    l = e % 32
                     low = (np.int32(blk[32 + 32 * (e // 128) + l]) >> (2 * ((e % 128) // 32))) & 3
                     v[e] = low | (((np.int32(blk[l]) >> (e // 32)) & 1) << 2)
                 rec = (r // RECORD_ROWS * nb + b) * Q3K_RECORD
@@ -246,9 +246,7 @@ def repack_q3_k(raw, row0, q):
                 for k in range(8):
                     o = rec + Q6K_QS + 192 * k + 4 * lane
                     e = v[32 * k:32 * k + 32]
-                    for j in range(8):
-                        qt[o + 64 * (j >> 2) + (j & 3)] = ((e[j] & 3) | ((e[8 + j] & 3) << 2)
-                                                           | ((e[16 + j] & 3) << 4) | ((e[24 + j] & 3) << 6))
+                    put_crumbs(qt, o, e, 0)
                     for i in range(4):
                         bits = 0
                         for g in range(4):
@@ -261,9 +259,8 @@ def repack_q3_k(raw, row0, q):
 def q3_value(rec, k, lane, e):
     # level q (0..7) of element e (< 32) of block k of one row (lane) of a Q3_K record
     o = Q6K_QS + 192 * k + 4 * lane
-    low = (np.int32(rec[o + 64 * ((e % 8) >> 2) + (e & 3)]) >> (2 * (e // 8))) & 3
     h, g, i = e // 16, (e % 16) // 4, e % 4
-    return low | (((np.int32(rec[o + 128 + i]) >> (2 * g + h)) & 1) << 2)
+    return crumb(rec, o, e) | (((np.int32(rec[o + 128 + i]) >> (2 * g + h)) & 1) << 2)
 
 
 # --- prefill on AMX: a tile at a time as Q6_K records, multiplied while they are in cache --
@@ -288,9 +285,7 @@ def q6_records(qt, nb, qt6):
                     o = Q6K_QS + 384 * k + 4 * lane
                     for j in range(16):
                         rec6[o + 64 * (j >> 2) + (j & 3)] = (v[j] & 15) | ((v[16 + j] & 15) << 4)
-                    for j in range(8):
-                        rec6[o + 256 + 64 * (j >> 2) + (j & 3)] = ((v[j] >> 4) | ((v[8 + j] >> 4) << 2)
-                                                                  | ((v[16 + j] >> 4) << 4) | ((v[24 + j] >> 4) << 6))
+                    put_crumbs(rec6, o + 256, v, 4)
 
 
 @njit(cache=True, parallel=True)

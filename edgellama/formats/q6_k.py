@@ -186,6 +186,25 @@ def dequantize_q6_k(q, out):
                     out[b * QK + i] = ds * f32(u[i] - 32)
 
 
+# --- crumb quads: 2-bit fields of a block of 32 (Q6_K's high bits, Q3_K's and Q2_K's low) --
+
+@njit(cache=True, inline="always")
+def put_crumbs(qt, o, v, shift):
+    # bits shift, shift+1 of v[e] (32 values of one row's block) -> its 2 crumb quads at
+    # qt[o:] (o the block's quads plus 4 lane): byte j (< 8) holds elements j, j + 8,
+    # j + 16, j + 24 at bits 0, 2, 4, 6
+    for j in range(8):
+        qt[o + 64 * (j >> 2) + (j & 3)] = (((v[j] >> shift) & 3) | (((v[8 + j] >> shift) & 3) << 2)
+                                           | (((v[16 + j] >> shift) & 3) << 4)
+                                           | (((v[24 + j] >> shift) & 3) << 6))
+
+
+@njit(cache=True, inline="always")
+def crumb(rec, o, e):
+    # the 2-bit field of element e (< 32) from the crumb quads at rec[o:] (put_crumbs')
+    return (np.int32(rec[o + 64 * ((e % 8) >> 2) + (e & 3)]) >> (2 * (e // 8))) & 3
+
+
 # --- load: file blocks -> records --------------------------------------------------------
 
 @njit(cache=True, parallel=True)
@@ -218,10 +237,7 @@ def repack_q6_k(raw, row0, q):
                     o = rec + Q6K_QS + 384 * k + 4 * lane
                     for j in range(16):
                         qt[o + 64 * (j >> 2) + (j & 3)] = (e[j] & 15) | ((e[16 + j] & 15) << 4)
-                    for j in range(8):
-                        qt[o + 256 + 64 * (j >> 2) + (j & 3)] = (
-                            (e[j] >> 4) | ((e[8 + j] >> 4) << 2) | ((e[16 + j] >> 4) << 4)
-                            | ((e[24 + j] >> 4) << 6))
+                    put_crumbs(qt, o + 256, e, 4)
 
 
 # --- decode and prefill: simd.q6_gemm over x quantized to int8 -----------------------------
