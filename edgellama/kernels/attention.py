@@ -402,7 +402,7 @@ def _round_rows(typingctx, w, t, r, n, nbk, g, wq):
     return types.void(w, t, r, n, nbk, g, wq), codegen
 
 
-@nb.njit(cache=True, inline="always")
+@nb.njit(cache=True)
 def _scores_q(k, q, qoff, s, hd, nblk, g, kind):
     # _scores_q16 with g and kind as constants, g 1.._GMAX
     if kind == KIND_Q8:
@@ -441,7 +441,7 @@ def _scores_q(k, q, qoff, s, hd, nblk, g, kind):
             _scores_q16(k, q, qoff, s, hd, nblk, 7, 1)
 
 
-@nb.njit(cache=True, inline="always")
+@nb.njit(cache=True)
 def _weighted_q(v, w, out, hd, n, g, kind):
     # _weighted_q16 with g and kind as constants, g 1.._GMAX
     if kind == KIND_Q8:
@@ -480,7 +480,7 @@ def _weighted_q(v, w, out, hd, n, g, kind):
             _weighted_q16(v, w, out, hd, n, 7, 1)
 
 
-@nb.njit(cache=True, inline="always")
+@nb.njit(cache=True)
 def _weighted_i16_g(v, wq, winv, out, hd, n, g):
     # _weighted_i16 with g as a constant, g 1.._GMAX
     if g == 4:
@@ -576,6 +576,11 @@ class Query(NamedTuple):
     xs: object
 
 
+# The chunk helpers below, and the switches from a row count to a register kernel
+# (_scores_q, _weighted_q, _weighted_i16_g), are functions attention calls, not inlined:
+# each holds a register kernel for every row count 1.._GMAX, and inlined at attention's
+# call sites they made its compile most of a first start (design_measurements.json:
+# "Attention's compile"); called, each compiles once, at no loss of speed measured.
 def _chunk_scores(k, c0, n, q, r, s, g, gm):
     """Scores of query rows r.. over n positions from c0 (njit only: see the overload)."""
     raise NotImplementedError
@@ -586,7 +591,7 @@ def _chunk_weighted(v, c0, n, w, out, g, gm, dvf):
     raise NotImplementedError
 
 
-@overload(_chunk_scores, inline="always")
+@overload(_chunk_scores)
 def _ov_chunk_scores(k, c0, n, q, r, s, g, gm):
     # scores s.a[s.off + j s.stride + p] = q_{r+j} . k_{c0+p}, p < n rounded up to 16, j < g,
     # gm rows a register-kernel call; k a Head, q a Query, s Rows of stride _CHUNK
@@ -633,7 +638,7 @@ def _v_scratch(dvf, nbk):
     return dvf[:a], dvf[a:a + nbk + _GMAX], dvf[b:c].view(np.int16), dvf[c:c + _GMAX * nbk]
 
 
-@overload(_chunk_weighted, inline="always")
+@overload(_chunk_weighted)
 def _ov_chunk_weighted(v, c0, n, w, out, g, gm, dvf):
     # out.a[out.off + j out.stride + c] += sum_{p<n} w.a[w.off + j w.stride + p] v_{c0+p, c},
     # j < g, gm rows a register-kernel call; v a Head, w and out Rows (dvf
