@@ -100,24 +100,22 @@ def region_cost(reps: int) -> tuple[float, float]:
     return _median_time(lambda: par(a), reps, 200), _median_time(lambda: ser(a), reps, 200)
 
 
-_STAMPED = None
+_STAMPED = {}
 
 
-def _stamped_kernels():
-    """(matvec, now): records.matvec_blocks (its tiles claimed as it claims them, each
-    by its decode_tile) with each thread's first start and last finish stamped in begins,
-    ends (threads,) int64 (begins zero before), and the cycle counter; compiled on first
-    use."""
-    global _STAMPED
-    if _STAMPED is None:
+def _stamped_kernels(kind):
+    """(matvec, now): records.MATVEC_BLOCKS[kind] (its tiles claimed as it claims them,
+    each by blocks_gemm of that kind) with each thread's first start and last finish
+    stamped in begins, ends (threads,) int64 (begins zero before), and the cycle counter;
+    compiled on first use."""
+    if kind not in _STAMPED:
         import numba
         from llvmlite import ir
         from numba import njit, prange, types
         from numba.extending import intrinsic
-        from edgellama.formats.records import decode_tile
         from edgellama.kernels.claim import take
         from edgellama.kernels.isa import call_llvm
-        from edgellama.kernels.simd import Q8X
+        from edgellama.kernels.simd import ISA, Q8X, blocks_gemm, tile
 
         @intrinsic
         def cycles(typingctx):
@@ -126,7 +124,7 @@ def _stamped_kernels():
             return types.int64(), codegen
 
         @njit(parallel=True)
-        def matvec(q, x8, xd, xs8, xsum, out, acc, G, kind, counter, begins, ends):
+        def matvec(q, x8, xd, xs8, xsum, out, acc, G, counter, begins, ends):
             R = acc.shape[1]
             x = Q8X(x8, xd, xs8, xsum)
             counter[0] = 0
@@ -138,7 +136,7 @@ def _stamped_kernels():
                     t = take(counter)
                     if t >= q.shape[0]:
                         break
-                    decode_tile(q[t], x, acc[t], G, kind)
+                    blocks_gemm(q[t], x, acc[t], tile(xd.size, G, 0, 1, kind), ISA)
                     n = min(R, out.size - t * R)
                     out[t * R:t * R + n] = acc[t, :n]
                     ends[me] = cycles()
@@ -146,8 +144,8 @@ def _stamped_kernels():
         @njit
         def now():
             return cycles()
-        _STAMPED = matvec, now
-    return _STAMPED
+        _STAMPED[kind] = matvec, now
+    return _STAMPED[kind]
 
 
 def join_wait(m, reps: int) -> tuple[float, float] | None:
@@ -161,7 +159,6 @@ def join_wait(m, reps: int) -> tuple[float, float] | None:
     ws = [w for layer in m.layers for w in m.layer_linears(layer)]
     if not all(isinstance(w, BlocksLinear) for w in ws):
         return None
-    matvec, now = _stamped_kernels()
     threads = numba.get_num_threads()
     rng = np.random.default_rng(1)
     runs = []
@@ -175,9 +172,10 @@ def join_wait(m, reps: int) -> tuple[float, float] | None:
         idle = late = span = 0
         for w, x, out, acc, counter in runs:
             begins = np.zeros(n, np.int64)
+            matvec, now = _stamped_kernels(w.kind)
             ends = np.full(n, now(), np.int64)
             start = ends[0]
-            matvec(w.q, *x, out, acc, w.group, w.kind, counter, begins, ends)
+            matvec(w.q, *x, out, acc, w.group, counter, begins, ends)
             last = ends[:threads].max()
             idle += (last - ends[:threads]).mean()
             late += (np.where(begins[:threads] > 0, begins[:threads], last) - start).mean()

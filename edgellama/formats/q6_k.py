@@ -260,67 +260,53 @@ def scaled16(xd, xs16, xsum16):
         xsum16[i] = xd[i // 2] * f32(xs16[i])
 
 
-@njit(cache=True, parallel=True)
-def matvec_k16(q, x8, xd, xs16, xsum16, out, acc, counter, kind):
-    # W (nt*R, n) tiles of q6_gemm's records of `kind` (6, 3 or 2: the format's bits) @ x
-    # (records.prep_q8_x, xs16 its sums per 16, xsum16 xd times them: Q2_K's mins) ->
-    # out (d,); acc (nt, R) f32 per-tile sums; the tiles claimed one at a time (claim.py:
-    # counter)
-    R = acc.shape[1]
-    x = Q8X(x8, xd, xs16, xsum16)
-    counter[0] = 0
-    for _ in prange(q.shape[0]):
-        while True:
-            t = take(counter)
-            if t >= q.shape[0]:
-                break
-            decode_k16(q[t], x, acc[t], kind)
-            n = min(R, out.size - t * R)
-            out[t * R:t * R + n] = acc[t, :n]
+def _k16_kernels(kind):
+    """(matvec, matmul) of q6_gemm's records of `kind` (6, 3 or 2: the format's bits), the
+    kind a constant of their code: a model compiles the types it holds
+    (records._blocks_kernels)."""
+
+    @njit(cache=True, parallel=True)
+    def matvec_k16(q, x8, xd, xs16, xsum16, out, acc, counter):
+        # W (nt*R, n) tiles of the records @ x (records.prep_q8_x, xs16 its sums per 16,
+        # xsum16 xd times them: Q2_K's mins) -> out (d,); acc (nt, R) f32 per-tile sums;
+        # the tiles claimed one at a time (claim.py: counter)
+        R = acc.shape[1]
+        nsub = xd.size
+        x = Q8X(x8, xd, xs16, xsum16)
+        counter[0] = 0
+        for _ in prange(q.shape[0]):
+            while True:
+                t = take(counter)
+                if t >= q.shape[0]:
+                    break
+                q6_gemm(q[t], x, acc[t], tile(nsub, K_GROUP, 0, 1, kind), ISA)
+                n = min(R, out.size - t * R)
+                out[t * R:t * R + n] = acc[t, :n]
+
+    @njit(cache=True, parallel=True)
+    def matmul_k16(q, x8, xd, xs16, xsum16, out, acc):
+        # W (nt*R, n) tiles of the records @ x (records.prep_q8_rows; x8 flat (Tp*n,), xs16
+        # its sums per 16, xsum16 (Tp*n/16,) f32 xd times them, read for Q2_K's mins) ->
+        # out (T, dout) = x W^T; acc (nt, TOKENS, R) f32 per-tile sums
+        T = out.shape[0]
+        R = acc.shape[2]
+        nsub = xd.shape[1]
+        x = Q8X(x8, xd.reshape(-1), xs16, xsum16)
+        for t in prange(q.shape[0]):
+            a = acc[t]
+            c0 = t * R
+            nc = min(R, out.shape[1] - c0)
+            for t0 in range(0, T, TOKENS):
+                q6_gemm(q[t], x, a.reshape(-1), tile(nsub, K_GROUP, t0, TOKENS, kind), ISA)
+                for k in range(min(TOKENS, T - t0)):
+                    out[t0 + k, c0:c0 + nc] = a[k, :nc]
+
+    return matvec_k16, matmul_k16
 
 
-@njit(cache=True, parallel=True)
-def matmul_k16(q, x8, xd, xs16, xsum16, out, acc, kind):
-    # W (nt*R, n) tiles of q6_gemm's records of `kind` @ x (records.prep_q8_rows; x8 flat
-    # (Tp*n,), xs16 its sums per 16, xsum16 (Tp*n/16,) f32 xd times them, read for Q2_K's
-    # mins) -> out (T, dout) = x W^T; acc (nt, TOKENS, R) f32 per-tile sums
-    T = out.shape[0]
-    R = acc.shape[2]
-    nsub = xd.shape[1]
-    x = Q8X(x8, xd.reshape(-1), xs16, xsum16)
-    for t in prange(q.shape[0]):
-        a = acc[t]
-        c0 = t * R
-        nc = min(R, out.shape[1] - c0)
-        for t0 in range(0, T, TOKENS):
-            prefill_k16(q[t], x, a.reshape(-1), nsub, t0, kind)
-            for k in range(min(TOKENS, T - t0)):
-                out[t0 + k, c0:c0 + nc] = a[k, :nc]
-
-
-@njit(cache=True)
-def decode_k16(qt, x, acct, kind):
-    # acct (R,) = one tile qt of records of `kind` @ x (a Q8X of one row): q6_gemm with
-    # the kind a compile-time constant
-    nsub = x.xd.size
-    if kind == 6:
-        q6_gemm(qt, x, acct, tile(nsub, K_GROUP, 0, 1, 6), ISA)
-    elif kind == 3:
-        q6_gemm(qt, x, acct, tile(nsub, K_GROUP, 0, 1, 3), ISA)
-    else:
-        q6_gemm(qt, x, acct, tile(nsub, K_GROUP, 0, 1, 2), ISA)
-
-
-@njit(cache=True)
-def prefill_k16(qt, x, acct, nsub, t0, kind):
-    # acct (TOKENS*R,) = one tile qt of records of `kind` @ rows t0.. of x (a Q8X of rows
-    # of nsub blocks): q6_gemm with the kind a compile-time constant
-    if kind == 6:
-        q6_gemm(qt, x, acct, tile(nsub, K_GROUP, t0, TOKENS, 6), ISA)
-    elif kind == 3:
-        q6_gemm(qt, x, acct, tile(nsub, K_GROUP, t0, TOKENS, 3), ISA)
-    else:
-        q6_gemm(qt, x, acct, tile(nsub, K_GROUP, t0, TOKENS, 2), ISA)
+MATVEC_K16, MATMUL_K16 = {}, {}
+for _kind in (6, 3, 2):
+    MATVEC_K16[_kind], MATMUL_K16[_kind] = _k16_kernels(_kind)
 
 
 # --- embedding: dequantized rows -----------------------------------------------------------
@@ -379,7 +365,7 @@ class Sub16Linear(RecordLinear):
         sums16(x8, xs16)
         if self.kind == 2:
             scaled16(xd, xs16, xsum16)
-        matvec_k16(self.q, x8, xd, xs16, xsum16, out, acc, counter, self.kind)
+        MATVEC_K16[self.kind](self.q, x8, xd, xs16, xsum16, out, acc, counter)
 
     def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
         xs16 = sc.get("q6_xs16", (x8.size // 16,), np.int32)
@@ -387,7 +373,7 @@ class Sub16Linear(RecordLinear):
         sums16(x8, xs16)
         if self.kind == 2:
             scaled16(xd.reshape(-1), xs16, xsum16)
-        matmul_k16(self.q, x8, xd, xs16, xsum16, out, acc, self.kind)
+        MATMUL_K16[self.kind](self.q, x8, xd, xs16, xsum16, out, acc)
 
 
 class Q6KLinear(Sub16Linear):

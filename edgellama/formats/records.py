@@ -91,40 +91,8 @@ def prep_q8_split_rows(x, x8, xd, xs8, xsum):
 
 
 @njit(cache=True, parallel=True)
-def matmul_blocks(q, x8, xd, xs8, xsum, out, acc, G, kind):
-    # W (nt*R, n) records of a per-32-block format (kind KIND_*, G blocks a record) @ x
-    # (prep_q8_rows; x8 flat (Tp*n,)) -> out (T, dout) = x W^T; acc (nt, TOKENS, R) f32
-    # per-tile sums. A tile's weights (R rows, L2-sized) are read once per group of
-    # TOKENS rows of x.
-    T = out.shape[0]
-    R = acc.shape[2]
-    nb = xd.shape[1]
-    x = Q8X(x8, xd.reshape(-1), xs8.reshape(-1), xsum.reshape(-1))
-    for t in prange(q.shape[0]):
-        a = acc[t]
-        af = a.reshape(-1)
-        c0 = t * R
-        nc = min(R, out.shape[1] - c0)
-        for t0 in range(0, T, TOKENS):
-            if kind == KIND_Q4_0:
-                blocks_gemm(q[t], x, af, tile(nb, G, t0, TOKENS, KIND_Q4_0), ISA)
-            elif kind == KIND_Q4_1:
-                blocks_gemm(q[t], x, af, tile(nb, G, t0, TOKENS, KIND_Q4_1), ISA)
-            elif kind == KIND_Q5_0:
-                blocks_gemm(q[t], x, af, tile(nb, G, t0, TOKENS, KIND_Q5_0), ISA)
-            elif kind == KIND_Q5_1:
-                blocks_gemm(q[t], x, af, tile(nb, G, t0, TOKENS, KIND_Q5_1), ISA)
-            elif kind == KIND_IQ4_NL:
-                blocks_gemm(q[t], x, af, tile(nb, G, t0, TOKENS, KIND_IQ4_NL), ISA)
-            else:
-                blocks_gemm(q[t], x, af, tile(nb, G, t0, TOKENS, KIND_Q8_0), ISA)
-            for k in range(min(TOKENS, T - t0)):
-                out[t0 + k, c0:c0 + nc] = a[k, :nc]
-
-
-@njit(cache=True, parallel=True)
 def matmul_blocks_amx(q, xa, xda, xsuma, nb, out, acc, G, kind):
-    # matmul_blocks (or the K-quants' matmul_k, matmul_q6_k: kind KIND_Q4_K, KIND_Q5_K,
+    # MATMUL_BLOCKS's kernels (or the K-quants' MATMUL_K, MATMUL_K16: kind KIND_Q4_K, KIND_Q5_K,
     # KIND_Q6_K, G 8; IQ4_XS's matmul_xs: KIND_IQ4_XS, G 8) on AMX tiles
     # (amx.amx_blocks_gemm; amx.enabled() must be True), the same bits: xa, xda, xsuma
     # flat, x8, xd, xsum as amx_a_tiles lays them out (Tp a multiple of AMX_TOKENS, nb
@@ -342,40 +310,54 @@ def repack_blocks(raw, row0, q, G, kind):
                         qt[dst + 256 + i] = v
 
 
-@njit(cache=True, parallel=True)
-def matvec_blocks(q, x8, xd, xs8, xsum, out, acc, G, kind, counter):
-    # W (nt*R, n) records of a per-32-block format @ x (prep_q8_x) -> out (d,);
-    # acc (nt, R) f32 per-tile sums; the tiles claimed one at a time (claim.py: counter)
-    R = acc.shape[1]
-    x = Q8X(x8, xd, xs8, xsum)
-    counter[0] = 0
-    for _ in prange(q.shape[0]):
-        while True:
-            t = take(counter)
-            if t >= q.shape[0]:
-                break
-            decode_tile(q[t], x, acc[t], G, kind)
-            n = min(R, out.size - t * R)
-            out[t * R:t * R + n] = acc[t, :n]
+def _blocks_kernels(kind):
+    """(matvec, matmul) of the records of one per-32-block format, its kind (KIND_*) a
+    constant of their code: a model compiles the kinds it holds, not every kind
+    (each cached by its kind; jit.kernels_replaced finds them in MATVEC_BLOCKS and
+    MATMUL_BLOCKS)."""
+
+    @njit(cache=True, parallel=True)
+    def matvec_blocks(q, x8, xd, xs8, xsum, out, acc, G, counter):
+        # W (nt*R, n) records of the format (G blocks a record) @ x (prep_q8_x) -> out (d,);
+        # acc (nt, R) f32 per-tile sums; the tiles claimed one at a time (claim.py: counter)
+        R = acc.shape[1]
+        nb = xd.size
+        x = Q8X(x8, xd, xs8, xsum)
+        counter[0] = 0
+        for _ in prange(q.shape[0]):
+            while True:
+                t = take(counter)
+                if t >= q.shape[0]:
+                    break
+                blocks_gemm(q[t], x, acc[t], tile(nb, G, 0, 1, kind), ISA)
+                n = min(R, out.size - t * R)
+                out[t * R:t * R + n] = acc[t, :n]
+
+    @njit(cache=True, parallel=True)
+    def matmul_blocks(q, x8, xd, xs8, xsum, out, acc, G):
+        # W (nt*R, n) records of the format @ x (prep_q8_rows; x8 flat (Tp*n,)) -> out
+        # (T, dout) = x W^T; acc (nt, TOKENS, R) f32 per-tile sums. A tile's weights (R
+        # rows, L2-sized) are read once per group of TOKENS rows of x.
+        T = out.shape[0]
+        R = acc.shape[2]
+        nb = xd.shape[1]
+        x = Q8X(x8, xd.reshape(-1), xs8.reshape(-1), xsum.reshape(-1))
+        for t in prange(q.shape[0]):
+            a = acc[t]
+            af = a.reshape(-1)
+            c0 = t * R
+            nc = min(R, out.shape[1] - c0)
+            for t0 in range(0, T, TOKENS):
+                blocks_gemm(q[t], x, af, tile(nb, G, t0, TOKENS, kind), ISA)
+                for k in range(min(TOKENS, T - t0)):
+                    out[t0 + k, c0:c0 + nc] = a[k, :nc]
+
+    return matvec_blocks, matmul_blocks
 
 
-@njit(cache=True)
-def decode_tile(qt, x, acct, G, kind):
-    # acct (R,) = one tile qt of a per-32-block format's records @ x (a Q8X of one row),
-    # blocks_gemm with the kind a compile-time constant
-    nb = x.xd.size
-    if kind == KIND_Q4_0:
-        blocks_gemm(qt, x, acct, tile(nb, G, 0, 1, KIND_Q4_0), ISA)
-    elif kind == KIND_Q4_1:
-        blocks_gemm(qt, x, acct, tile(nb, G, 0, 1, KIND_Q4_1), ISA)
-    elif kind == KIND_Q5_0:
-        blocks_gemm(qt, x, acct, tile(nb, G, 0, 1, KIND_Q5_0), ISA)
-    elif kind == KIND_Q5_1:
-        blocks_gemm(qt, x, acct, tile(nb, G, 0, 1, KIND_Q5_1), ISA)
-    elif kind == KIND_IQ4_NL:
-        blocks_gemm(qt, x, acct, tile(nb, G, 0, 1, KIND_IQ4_NL), ISA)
-    else:
-        blocks_gemm(qt, x, acct, tile(nb, G, 0, 1, KIND_Q8_0), ISA)
+MATVEC_BLOCKS, MATMUL_BLOCKS = {}, {}
+for _kind in (KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1, KIND_Q8_0, KIND_IQ4_NL):
+    MATVEC_BLOCKS[_kind], MATMUL_BLOCKS[_kind] = _blocks_kernels(_kind)
 
 
 _IQ4 = np.array(IQ4_VALUES, np.int32)
@@ -444,13 +426,13 @@ class BlocksLinear(RecordLinear):
     def _matvec(self, x, out, scratch):
         x8, xd, xs8, xsum, acc, counter = self._buffers(scratch)
         prep_q8_x(x, x8, xd, xs8, xsum)
-        matvec_blocks(self.q, x8, xd, xs8, xsum, out, acc, self.group, self.kind, counter)
+        MATVEC_BLOCKS[self.kind](self.q, x8, xd, xs8, xsum, out, acc, self.group, counter)
 
     def _amx_records(self):
         return self.kind, self.group
 
     def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
-        matmul_blocks(self.q, x8, xd, xs8, xsum, out, acc, self.group, self.kind)
+        MATMUL_BLOCKS[self.kind](self.q, x8, xd, xs8, xsum, out, acc, self.group)
 
     def _rows(self, ids, out):
         rows_blocks(self.q, ids, out, self.group, self.kind)

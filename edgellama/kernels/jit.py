@@ -295,22 +295,34 @@ DRY_RUN_ROWS = 32
 
 @contextlib.contextmanager
 def kernels_replaced(stand_in: Callable[[Dispatcher], object | None]):
-    """For the block: every kernel of ours, in each module of the package that holds it,
-    replaced by stand_in(kernel) (None: left as it is); all put back after."""
-    patched = []
+    """For the block: every kernel of ours, in each module of the package that holds it
+    (by name, or in a module-level dict: the kernels a factory makes per kind, as
+    records.MATVEC_BLOCKS), replaced by stand_in(kernel) (None: left as it is); all put
+    back after."""
+    patched = []     # (holder, key, kernel): a module's attribute or a dict's entry
+    ours = lambda v: isinstance(v, Dispatcher) and v.py_func.__module__.startswith("edgellama.")
     try:
         for mod in [m for name, m in sys.modules.items()
                     if m is not None and (name == "edgellama" or name.startswith("edgellama."))]:
             for attr, value in list(vars(mod).items()):
-                if isinstance(value, Dispatcher) and value.py_func.__module__.startswith("edgellama."):
-                    new = stand_in(value)
+                held = [(mod, attr, value)] if ours(value) else \
+                    [(value, k, v) for k, v in value.items() if ours(v)] if type(value) is dict else []
+                for holder, key, kernel in held:
+                    new = stand_in(kernel)
                     if new is not None:
-                        patched.append((mod, attr, value))
-                        setattr(mod, attr, new)
+                        patched.append((holder, key, kernel))
+                        _put(holder, key, new)
         yield
     finally:
-        for mod, attr, value in patched:
-            setattr(mod, attr, value)
+        for holder, key, kernel in patched:
+            _put(holder, key, kernel)
+
+
+def _put(holder, key, value) -> None:
+    if isinstance(holder, dict):
+        holder[key] = value
+    else:
+        setattr(holder, key, value)
 
 
 def kernels_called(model) -> list[tuple[Dispatcher, tuple]]:
