@@ -240,7 +240,13 @@ class RecordLinear(TiledLinear):
         gemm = self._gemm_amx if height == GROUPS * AMX_TOKENS else self._gemm
         if not self.fine:
             prep_q8_rows(x, x8, xd, xs8, xsum)
-            gemm(x8.reshape(-1), xd, xs8, xsum, out, acc, sc)
+            # the kernels write C-ordered rows: a column slice of stacked projections' output
+            # (Q4_K_M's q and k beside a Q6_K v) goes through a scratch, so that each kernel
+            # compiles for one array layout, not two
+            dst = out if out.flags.c_contiguous else sc.get("q8_out", out.shape)
+            gemm(x8.reshape(-1), xd, xs8, xsum, dst, acc, sc)
+            if dst is not out:
+                out[...] = dst
             return
         prep_q8_split_rows(x, x8, xd, xs8, xsum)
         parts = sc.get("q8_parts", (rows, out.shape[1]))

@@ -88,3 +88,23 @@ def test_float_decode_rows_side_by_side_give_the_product(monkeypatch, streams, k
     out = np.full(37, np.nan, np.float32)
     fn(w, x, out, kind)
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("type_", [G.Q4_1, G.Q4_K, G.Q6_K])
+def test_a_column_slice_of_the_output_gets_the_rows_a_whole_output_does(type_):
+    # stacked projections of different types write column slices of one output (not
+    # C-ordered): through a scratch, the same numbers, and the kernels see C-ordered rows
+    # alone (one compile each, not one per layout)
+    from edgellama.formats import q4_k, q6_k, quantize as ours, records
+    w = np.random.default_rng(4).standard_normal((48, 512)).astype(np.float32)
+    lin = linear(int(type_), [(ours(w, type_.name).reshape(48, -1), w.shape)])
+    x = np.random.default_rng(5).standard_normal((20, 512)).astype(np.float32)
+    whole = np.empty((20, 48), np.float32)
+    lin.matmul(x, whole)
+    stacked = np.full((20, 100), np.float32(7))
+    lin.matmul(x, stacked[:, 30:78])
+    assert np.array_equal(stacked[:, 30:78], whole)
+    assert (stacked[:, :30] == 7).all() and (stacked[:, 78:] == 7).all()
+    out_arg = [(records.MATMUL_BLOCKS, 5), (q4_k.MATMUL_K, 4), (q6_k.MATMUL_K16, 5)]
+    outs = [sig[i] for kernels, i in out_arg for k in kernels.values() for sig in k.signatures]
+    assert outs and all(t.layout == "C" for t in outs)
