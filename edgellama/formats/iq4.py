@@ -27,12 +27,10 @@ from gguf.constants import LlamaFileType
 from numba import njit, prange
 
 from ..kernels.amx import KIND_IQ4_XS
-from ..kernels.claim import take
 from ..kernels.fp import get_f16, nearest_int, put_f16
-from ..kernels.simd import (IQ4_VALUES, IQ4XS_D, IQ4XS_QS, IQ4XS_RECORD, IQ4XS_SC, ISA, K_GROUP, KIND_IQ4_NL,
-                            Q8X, RECORD_ROWS, TOKENS, iq4xs_gemm, tile)
+from ..kernels.simd import IQ4_VALUES, IQ4XS_D, IQ4XS_QS, IQ4XS_RECORD, IQ4XS_SC, K_GROUP, KIND_IQ4_NL, RECORD_ROWS
 from .base import WeightFormat, block_sizes
-from .records import BlocksLinear, RecordLinear, prep_q8_x
+from .records import XS, BlocksLinear, RecordLinear, prep_q8_x, product_kernels
 
 f32 = np.float32
 NL_BYTES = block_sizes("IQ4_NL")[1]          # bytes per block of 32
@@ -250,38 +248,7 @@ def repack_xs(raw, row0, q):
                         qt[dst + 64 * (j >> 2) + (j & 3)] = row[o + 8 + 16 * k + j]
 
 
-@njit(cache=True, parallel=True)
-def matvec_xs(q, x8, xd, xs8, out, acc, counter):
-    # W (nt*R, n) IQ4_XS records @ x (prep_q8_x) -> out (d,); acc (nt, R) f32 per-tile
-    # sums; the tiles claimed one at a time (claim.py: counter)
-    R = acc.shape[1]
-    x = Q8X(x8, xd, xs8, None)
-    counter[0] = 0
-    for _ in prange(q.shape[0]):
-        while True:
-            t = take(counter)
-            if t >= q.shape[0]:
-                break
-            iq4xs_gemm(q[t], x, acc[t], tile(xd.size, K_GROUP, 0, 1, KIND_IQ4_XS), ISA)
-            n = min(R, out.size - t * R)
-            out[t * R:t * R + n] = acc[t, :n]
-
-
-@njit(cache=True, parallel=True)
-def matmul_xs(q, x8, xd, xs8, out, acc):
-    # W (nt*R, n) IQ4_XS records @ x (records.prep_q8_rows; x8 flat (Tp*n,)) -> out
-    # (T, dout) = x W^T; acc (nt, TOKENS, R) f32 per-tile sums
-    T = out.shape[0]
-    R = acc.shape[2]
-    x = Q8X(x8, xd.reshape(-1), xs8.reshape(-1), None)
-    for t in prange(q.shape[0]):
-        a = acc[t]
-        c0 = t * R
-        nc = min(R, out.shape[1] - c0)
-        for t0 in range(0, T, TOKENS):
-            iq4xs_gemm(q[t], x, a.reshape(-1), tile(xd.shape[1], K_GROUP, t0, TOKENS, KIND_IQ4_XS), ISA)
-            for k in range(min(TOKENS, T - t0)):
-                out[t0 + k, c0:c0 + nc] = a[k, :nc]
+matvec_xs, matmul_xs = product_kernels(XS, KIND_IQ4_XS)
 
 
 @njit(cache=True)
@@ -317,13 +284,13 @@ class IQ4_XSLinear(RecordLinear):
     def _matvec(self, x, out, scratch):
         x8, xd, xs8, xsum, acc, counter = self._buffers(scratch)
         prep_q8_x(x, x8, xd, xs8, xsum)
-        matvec_xs(self.q, x8, xd, xs8, out, acc, counter)
+        matvec_xs(self.q, x8, xd, xs8, None, out, acc, K_GROUP, counter)
 
     def _amx_records(self):
         return KIND_IQ4_XS, K_GROUP
 
     def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
-        matmul_xs(self.q, x8, xd, xs8, out, acc)
+        matmul_xs(self.q, x8, xd, xs8.reshape(-1), None, out, acc, K_GROUP)
 
     def _rows(self, ids, out):
         rows_xs(self.q, ids, out)

@@ -31,12 +31,11 @@ from gguf.constants import LlamaFileType
 from numba import njit, prange
 
 from ..kernels.amx import KIND_Q4_K, KIND_Q5_K
-from ..kernels.claim import take
 from ..kernels.fp import get_f16, nearest_int, put_f16
-from ..kernels.simd import (ISA, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH, Q5K_RECORD,
-                    RECORD_ROWS, TOKENS, K_GROUP, Q8X, q4k_gemm, tile)
+from ..kernels.simd import (Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH, Q5K_RECORD,
+                    RECORD_ROWS, K_GROUP)
 from .base import WeightFormat, block_sizes
-from .records import RecordLinear, prep_q8_x
+from .records import K_QUANT, RecordLinear, kernels_by_kind, prep_q8_x
 
 f32 = np.float32
 QK_K, Q4K_BYTES = block_sizes("Q4_K")   # weights and bytes per super-block
@@ -328,49 +327,7 @@ def repack_k(raw, row0, q, bs, record):
 
 # --- decode and prefill: simd.q4k_gemm --------------------------------------------------------
 
-def _k_kernels(bits):
-    """(matvec, matmul) of Q4_K (bits 4) or Q5_K (bits 5) records, the bits a constant of
-    their code: a model compiles the types it holds (records._blocks_kernels)."""
-
-    @njit(cache=True, parallel=True)
-    def matvec_k(q, x8, xd, xsum, out, acc, counter):
-        # W (nt*R, n) tiles @ x (prep_q8_x) -> out (d,); acc (nt, R) f32 per-tile sums; the
-        # tiles claimed one at a time (claim.py: counter)
-        R = acc.shape[1]
-        x = Q8X(x8, xd, None, xsum)
-        counter[0] = 0
-        for _ in prange(q.shape[0]):
-            while True:
-                t = take(counter)
-                if t >= q.shape[0]:
-                    break
-                q4k_gemm(q[t], x, acc[t], tile(xd.size, K_GROUP, 0, 1, bits), ISA)
-                n = min(R, out.size - t * R)
-                out[t * R:t * R + n] = acc[t, :n]
-
-    @njit(cache=True, parallel=True)
-    def matmul_k(q, x8, xd, xsum, out, acc):
-        # W (nt*R, n) tiles @ x (records.prep_q8_rows; x8 flat (Tp*n,)) -> out (T, dout)
-        # = x W^T; acc (nt, TOKENS, R) f32 per-tile sums
-        T = out.shape[0]
-        R = acc.shape[2]
-        nsub = xd.shape[1]
-        x = Q8X(x8, xd.reshape(-1), None, xsum.reshape(-1))
-        for t in prange(q.shape[0]):
-            a = acc[t]
-            c0 = t * R
-            nc = min(R, out.shape[1] - c0)
-            for t0 in range(0, T, TOKENS):
-                q4k_gemm(q[t], x, a.reshape(-1), tile(nsub, K_GROUP, t0, TOKENS, bits), ISA)
-                for k in range(min(TOKENS, T - t0)):
-                    out[t0 + k, c0:c0 + nc] = a[k, :nc]
-
-    return matvec_k, matmul_k
-
-
-MATVEC_K, MATMUL_K = {}, {}
-for _bits in (4, 5):
-    MATVEC_K[_bits], MATMUL_K[_bits] = _k_kernels(_bits)
+MATVEC_K, MATMUL_K = kernels_by_kind(K_QUANT, (4, 5))      # by bits: Q4_K, Q5_K
 
 
 # --- embedding --------------------------------------------------------------------------------
@@ -418,13 +375,13 @@ class Q4KLinear(RecordLinear):
     def _matvec(self, x, out, scratch):
         x8, xd, xs8, xsum, acc, counter = self._buffers(scratch)
         prep_q8_x(x, x8, xd, xs8, xsum)
-        MATVEC_K[self.BITS](self.q, x8, xd, xsum, out, acc, counter)
+        MATVEC_K[self.BITS](self.q, x8, xd, None, xsum, out, acc, K_GROUP, counter)
 
     def _amx_records(self):
         return (KIND_Q4_K if self.BITS == 4 else KIND_Q5_K), K_GROUP
 
     def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
-        MATMUL_K[self.BITS](self.q, x8, xd, xsum, out, acc)
+        MATMUL_K[self.BITS](self.q, x8, xd, None, xsum.reshape(-1), out, acc, K_GROUP)
 
     def _rows(self, ids, out):
         rows_k(self.q, ids, out, self.RECORD)

@@ -30,11 +30,10 @@ from gguf.constants import LlamaFileType
 from numba import njit, prange
 
 from ..kernels.amx import KIND_Q6_K
-from ..kernels.claim import take
 from ..kernels.fp import get_f16, nearest_int, put_f16
-from ..kernels.simd import ISA, K_GROUP, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, Q8X, RECORD_ROWS, TOKENS, q6_gemm, tile
+from ..kernels.simd import K_GROUP, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS
 from .base import WeightFormat, block_sizes
-from .records import RecordLinear, prep_q8_x
+from .records import SUB16, RecordLinear, kernels_by_kind, prep_q8_x
 
 f32 = np.float32
 QK, BS = block_sizes("Q6_K")   # weights and bytes per super-block
@@ -260,53 +259,7 @@ def scaled16(xd, xs16, xsum16):
         xsum16[i] = xd[i // 2] * f32(xs16[i])
 
 
-def _k16_kernels(kind):
-    """(matvec, matmul) of q6_gemm's records of `kind` (6, 3 or 2: the format's bits), the
-    kind a constant of their code: a model compiles the types it holds
-    (records._blocks_kernels)."""
-
-    @njit(cache=True, parallel=True)
-    def matvec_k16(q, x8, xd, xs16, xsum16, out, acc, counter):
-        # W (nt*R, n) tiles of the records @ x (records.prep_q8_x, xs16 its sums per 16,
-        # xsum16 xd times them: Q2_K's mins) -> out (d,); acc (nt, R) f32 per-tile sums;
-        # the tiles claimed one at a time (claim.py: counter)
-        R = acc.shape[1]
-        nsub = xd.size
-        x = Q8X(x8, xd, xs16, xsum16)
-        counter[0] = 0
-        for _ in prange(q.shape[0]):
-            while True:
-                t = take(counter)
-                if t >= q.shape[0]:
-                    break
-                q6_gemm(q[t], x, acc[t], tile(nsub, K_GROUP, 0, 1, kind), ISA)
-                n = min(R, out.size - t * R)
-                out[t * R:t * R + n] = acc[t, :n]
-
-    @njit(cache=True, parallel=True)
-    def matmul_k16(q, x8, xd, xs16, xsum16, out, acc):
-        # W (nt*R, n) tiles of the records @ x (records.prep_q8_rows; x8 flat (Tp*n,), xs16
-        # its sums per 16, xsum16 (Tp*n/16,) f32 xd times them, read for Q2_K's mins) ->
-        # out (T, dout) = x W^T; acc (nt, TOKENS, R) f32 per-tile sums
-        T = out.shape[0]
-        R = acc.shape[2]
-        nsub = xd.shape[1]
-        x = Q8X(x8, xd.reshape(-1), xs16, xsum16)
-        for t in prange(q.shape[0]):
-            a = acc[t]
-            c0 = t * R
-            nc = min(R, out.shape[1] - c0)
-            for t0 in range(0, T, TOKENS):
-                q6_gemm(q[t], x, a.reshape(-1), tile(nsub, K_GROUP, t0, TOKENS, kind), ISA)
-                for k in range(min(TOKENS, T - t0)):
-                    out[t0 + k, c0:c0 + nc] = a[k, :nc]
-
-    return matvec_k16, matmul_k16
-
-
-MATVEC_K16, MATMUL_K16 = {}, {}
-for _kind in (6, 3, 2):
-    MATVEC_K16[_kind], MATMUL_K16[_kind] = _k16_kernels(_kind)
+MATVEC_K16, MATMUL_K16 = kernels_by_kind(SUB16, (6, 3, 2))   # by bits: Q6_K, Q3_K, Q2_K
 
 
 # --- embedding: dequantized rows -----------------------------------------------------------
@@ -365,7 +318,7 @@ class Sub16Linear(RecordLinear):
         sums16(x8, xs16)
         if self.kind == 2:
             scaled16(xd, xs16, xsum16)
-        MATVEC_K16[self.kind](self.q, x8, xd, xs16, xsum16, out, acc, counter)
+        MATVEC_K16[self.kind](self.q, x8, xd, xs16, xsum16, out, acc, K_GROUP, counter)
 
     def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
         xs16 = sc.get("q6_xs16", (x8.size // 16,), np.int32)
@@ -373,7 +326,7 @@ class Sub16Linear(RecordLinear):
         sums16(x8, xs16)
         if self.kind == 2:
             scaled16(xd.reshape(-1), xs16, xsum16)
-        MATMUL_K16[self.kind](self.q, x8, xd, xs16, xsum16, out, acc)
+        MATMUL_K16[self.kind](self.q, x8, xd, xs16, xsum16, out, acc, K_GROUP)
 
 
 class Q6KLinear(Sub16Linear):

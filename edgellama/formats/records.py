@@ -28,7 +28,8 @@ from ..kernels.amx import AMX_TOKENS, GROUPS, KIND_IQ4_XS, KIND_Q4_K, KIND_Q5_K,
 from ..kernels.claim import take
 from ..kernels.fp import get_f16
 from ..kernels.simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, IQ4_VALUES, ISA, KIND_IQ4_NL, KIND_Q4_0,
-                            KIND_Q4_1, KIND_Q5_0, KIND_Q5_1, KIND_Q8_0, RECORD_ROWS, TOKENS, Q8X, blocks_gemm, tile)
+                            KIND_Q4_1, KIND_Q5_0, KIND_Q5_1, KIND_Q8_0, RECORD_ROWS, TOKENS, Q8X, blocks_gemm,
+                            iq4xs_gemm, q4k_gemm, q6_gemm, tile)
 from ..scratch import Scratch
 from .base import TiledLinear, release_pages
 
@@ -92,8 +93,8 @@ def prep_q8_split_rows(x, x8, xd, xs8, xsum):
 
 @njit(cache=True, parallel=True)
 def matmul_blocks_amx(q, xa, xda, xsuma, nb, out, acc, G, kind):
-    # MATMUL_BLOCKS's kernels (or the K-quants' MATMUL_K, MATMUL_K16: kind KIND_Q4_K, KIND_Q5_K,
-    # KIND_Q6_K, G 8; IQ4_XS's matmul_xs: KIND_IQ4_XS, G 8) on AMX tiles
+    # product_kernels' matmul (the K-quants' and IQ4_XS's with kind KIND_Q4_K, KIND_Q5_K,
+    # KIND_Q6_K or KIND_IQ4_XS, G 8) on AMX tiles
     # (amx.amx_blocks_gemm; amx.enabled() must be True), the same bits: xa, xda, xsuma
     # flat, x8, xd, xsum as amx_a_tiles lays them out (Tp a multiple of AMX_TOKENS, nb
     # blocks a row); acc (nt, GROUPS * AMX_TOKENS, R)
@@ -316,54 +317,83 @@ def repack_blocks(raw, row0, q, G, kind):
                         qt[dst + 256 + i] = v
 
 
-def _blocks_kernels(kind):
-    """(matvec, matmul) of the records of one per-32-block format, its kind (KIND_*) a
-    constant of their code: a model compiles the kinds it holds, not every kind
-    (each cached by its kind; jit.kernels_replaced finds them in MATVEC_BLOCKS and
-    MATMUL_BLOCKS)."""
+# The intrinsic a weight type's product kernels run (product_kernels' family): the
+# per-32-block formats' blocks_gemm, Q4_K and Q5_K's q4k_gemm, the 16-weight sub-block
+# K-quants' q6_gemm, IQ4_XS's iq4xs_gemm
+BLOCKS, K_QUANT, SUB16, XS = range(4)
+
+
+def product_kernels(family, kind):
+    """(matvec, matmul) of one weight type's records: `family`'s intrinsic with `kind`
+    (simd's KIND_*, or the K-quants' bits), both constants of the kernels' code, so that a
+    model compiles the types it holds and no others (each pair cached by its constants;
+    jit.kernels_replaced finds them where the format modules keep them). x comes as a
+    Q8X's arrays: x8, xd, xs (sums per block or half-block, or None), xsum (or None);
+    G blocks a record."""
 
     @njit(cache=True, parallel=True)
-    def matvec_blocks(q, x8, xd, xs8, xsum, out, acc, G, counter):
-        # W (nt*R, n) records of the format (G blocks a record) @ x (prep_q8_x) -> out (d,);
-        # acc (nt, R) f32 per-tile sums; the tiles claimed one at a time (claim.py: counter)
+    def matvec(q, x8, xd, xs, xsum, out, acc, G, counter):
+        # W (nt*R, n) records @ x (prep_q8_x; xd (nb,)) -> out (d,); acc (nt, R) f32
+        # per-tile sums; the tiles claimed one at a time (claim.py: counter)
         R = acc.shape[1]
         nb = xd.size
-        x = Q8X(x8, xd, xs8, xsum)
+        x = Q8X(x8, xd, xs, xsum)
         counter[0] = 0
         for _ in prange(q.shape[0]):
             while True:
                 t = take(counter)
                 if t >= q.shape[0]:
                     break
-                blocks_gemm(q[t], x, acc[t], tile(nb, G, 0, 1, kind), ISA)
+                shape = tile(nb, G, 0, 1, kind)    # in the loop: a parfor takes no Tile in
+                if family == BLOCKS:
+                    blocks_gemm(q[t], x, acc[t], shape, ISA)
+                elif family == K_QUANT:
+                    q4k_gemm(q[t], x, acc[t], shape, ISA)
+                elif family == SUB16:
+                    q6_gemm(q[t], x, acc[t], shape, ISA)
+                else:
+                    iq4xs_gemm(q[t], x, acc[t], shape, ISA)
                 n = min(R, out.size - t * R)
                 out[t * R:t * R + n] = acc[t, :n]
 
     @njit(cache=True, parallel=True)
-    def matmul_blocks(q, x8, xd, xs8, xsum, out, acc, G):
-        # W (nt*R, n) records of the format @ x (prep_q8_rows; x8 flat (Tp*n,)) -> out
-        # (T, dout) = x W^T; acc (nt, TOKENS, R) f32 per-tile sums. A tile's weights (R
-        # rows, L2-sized) are read once per group of TOKENS rows of x.
+    def matmul(q, x8, xd, xs, xsum, out, acc, G):
+        # W (nt*R, n) records @ x (prep_q8_rows; x8 flat (Tp*n,), xd (Tp, nb), xs and
+        # xsum flat) -> out (T, dout) = x W^T; acc (nt, TOKENS, R) f32 per-tile sums. A
+        # tile's weights (R rows, L2-sized) are read once per group of TOKENS rows of x.
         T = out.shape[0]
         R = acc.shape[2]
         nb = xd.shape[1]
-        x = Q8X(x8, xd.reshape(-1), xs8.reshape(-1), xsum.reshape(-1))
+        x = Q8X(x8, xd.reshape(-1), xs, xsum)
         for t in prange(q.shape[0]):
             a = acc[t]
             af = a.reshape(-1)
             c0 = t * R
             nc = min(R, out.shape[1] - c0)
             for t0 in range(0, T, TOKENS):
-                blocks_gemm(q[t], x, af, tile(nb, G, t0, TOKENS, kind), ISA)
+                shape = tile(nb, G, t0, TOKENS, kind)
+                if family == BLOCKS:
+                    blocks_gemm(q[t], x, af, shape, ISA)
+                elif family == K_QUANT:
+                    q4k_gemm(q[t], x, af, shape, ISA)
+                elif family == SUB16:
+                    q6_gemm(q[t], x, af, shape, ISA)
+                else:
+                    iq4xs_gemm(q[t], x, af, shape, ISA)
                 for k in range(min(TOKENS, T - t0)):
                     out[t0 + k, c0:c0 + nc] = a[k, :nc]
 
-    return matvec_blocks, matmul_blocks
+    return matvec, matmul
 
 
-MATVEC_BLOCKS, MATMUL_BLOCKS = {}, {}
-for _kind in (KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1, KIND_Q8_0, KIND_IQ4_NL):
-    MATVEC_BLOCKS[_kind], MATMUL_BLOCKS[_kind] = _blocks_kernels(_kind)
+def kernels_by_kind(family, kinds):
+    """({kind: matvec}, {kind: matmul}): product_kernels(family, kind) of each kind."""
+    pairs = {kind: product_kernels(family, kind) for kind in kinds}
+    return {k: p[0] for k, p in pairs.items()}, {k: p[1] for k, p in pairs.items()}
+
+
+MATVEC_BLOCKS, MATMUL_BLOCKS = kernels_by_kind(
+    BLOCKS, (KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1, KIND_Q8_0, KIND_IQ4_NL))
 
 
 _IQ4 = np.array(IQ4_VALUES, np.int32)
@@ -438,7 +468,7 @@ class BlocksLinear(RecordLinear):
         return self.kind, self.group
 
     def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
-        MATMUL_BLOCKS[self.kind](self.q, x8, xd, xs8, xsum, out, acc, self.group)
+        MATMUL_BLOCKS[self.kind](self.q, x8, xd, xs8.reshape(-1), xsum.reshape(-1), out, acc, self.group)
 
     def _rows(self, ids, out):
         rows_blocks(self.q, ids, out, self.group, self.kind)

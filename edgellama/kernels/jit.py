@@ -326,18 +326,20 @@ def _put(holder, key, value) -> None:
 
 
 def kernels_called(model) -> list[tuple[Dispatcher, tuple]]:
-    """The kernels, with their argument types, that one prefill and one decode step
-    call, in order of first use. Found by running both steps with every kernel of ours
-    replaced by a recorder (in the modules that call them), so nothing compiles: only
-    the Python around the kernels runs, on whatever the buffers hold. Call it before
-    other threads use our kernels."""
+    """The kernels, with their argument types, that a long prefill, a short one and a
+    decode step call, in order of first use. Found by running the three steps with every
+    kernel of ours replaced by a recorder (in the modules that call them), so nothing
+    compiles: only the Python around the kernels runs, on whatever the buffers hold.
+    Call it before other threads use our kernels."""
     calls: dict = {}
     cap = min(model.ctx, 2 * DRY_RUN_ROWS)
     seq = model.new_sequence(cap)
-    rows = DRY_RUN_ROWS if cap > DRY_RUN_ROWS else 2
+    rows = DRY_RUN_ROWS if cap > DRY_RUN_ROWS + 3 else 2
     with kernels_replaced(lambda kernel: _Recorder(kernel, calls)), \
             np.errstate(all="ignore"):    # the buffers hold whatever they held
-        model.forward([0] * rows, seq)    # batched (matmul) path
+        model.forward([0] * rows, seq)    # batched (matmul) path, rows in parallel
+        if rows > 2:                      # a short prompt's rows one by one (arrays of
+            model.forward([0] * 2, seq)   # several rows, laid out as a single row is not)
         model.forward([0], seq)           # decode (matvec) path
     return list(calls)
 

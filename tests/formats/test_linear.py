@@ -105,6 +105,6 @@ def test_a_column_slice_of_the_output_gets_the_rows_a_whole_output_does(type_):
     lin.matmul(x, stacked[:, 30:78])
     assert np.array_equal(stacked[:, 30:78], whole)
     assert (stacked[:, :30] == 7).all() and (stacked[:, 78:] == 7).all()
-    out_arg = [(records.MATMUL_BLOCKS, 5), (q4_k.MATMUL_K, 4), (q6_k.MATMUL_K16, 5)]
-    outs = [sig[i] for kernels, i in out_arg for k in kernels.values() for sig in k.signatures]
+    kernels = [*records.MATMUL_BLOCKS.values(), *q4_k.MATMUL_K.values(), *q6_k.MATMUL_K16.values()]
+    outs = [sig[5] for k in kernels for sig in k.signatures]         # matmul's out
     assert outs and all(t.layout == "C" for t in outs)

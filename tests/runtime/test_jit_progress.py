@@ -19,7 +19,7 @@ def test_dry_run_finds_the_kernels_and_warm_up_leaves_nothing_to_compile(tmp_pat
     assert watch.count == 0                       # nothing compiled or ran
     assert isinstance(K.rmsnorm, Dispatcher)      # the kernels are back in their modules
     names = [d.py_func.__name__ for d, _ in calls]
-    assert {"rmsnorm", "rope", "attention", "swiglu", "matvec_blocks"} <= set(names)
+    assert {"rmsnorm", "rope", "attention", "swiglu", "matvec"} <= set(names)
     # and a long prefill's own kernels: its rows in parallel, its K/V stores in parallel
     assert {"rmsnorm_rows", "rope_rows", "swiglu_rows", "add_rows", "store_f16_k"} <= set(names)
     assert len(calls) == len(set(calls))
@@ -40,18 +40,18 @@ def test_dry_run_finds_the_kernels_and_warm_up_leaves_nothing_to_compile(tmp_pat
 def test_a_model_compiles_the_product_kernels_of_its_own_types_alone(tmp_path):
     # the products' kernels are made per type (a constant of their code), held in dicts:
     # the dry run finds them there, puts them back, and lists only the file's type
-    from edgellama.formats import q4_k, q6_k, records
+    from edgellama.formats import iq4, q4_k, q6_k, records
     from edgellama.kernels.simd import KIND_Q4_1
     per_type = [records.MATVEC_BLOCKS, records.MATMUL_BLOCKS, q4_k.MATVEC_K, q4_k.MATMUL_K,
-                q6_k.MATVEC_K16, q6_k.MATMUL_K16]
+                q6_k.MATVEC_K16, q6_k.MATMUL_K16, {"xs": iq4.matvec_xs}, {"xs": iq4.matmul_xs}]
     every = {d: kind for kernels in per_type for kind, d in kernels.items()}
-    assert all(isinstance(d, Dispatcher) for d in every) and len(every) == 2 * (6 + 2 + 3)
+    assert all(isinstance(d, Dispatcher) for d in every) and len(every) == 2 * (6 + 2 + 3 + 1)
     llm = edgellama.load(write_tiny_gguf(tmp_path / "t.gguf", "Q4_1", ctx=256, vocab=512, tokenizer=True), ctx=64)
     with jit.Compiling() as watch:
         calls = jit.kernels_called(llm.model)
     assert watch.count == 0
     assert {every[d] for d, _ in calls if d in every} == {KIND_Q4_1}
-    assert {d.py_func.__name__ for d, _ in calls if d in every} == {"matvec_blocks", "matmul_blocks"}
+    assert {d.py_func.__name__ for d, _ in calls if d in every} == {"matvec", "matmul"}
     assert {d for kernels in per_type for d in kernels.values()} == set(every)   # put back
 
 
@@ -112,27 +112,3 @@ def test_warm_up_without_the_dry_run_still_compiles_both_paths(tmp_path, monkeyp
         llm.model.forward(list(range(5, 5 + K.PARALLEL_ROWS)), llm.seq)
         llm.model.forward([4], llm.seq)
     assert watch.count == 0
-
-
-def test_a_model_compiles_the_product_kernels_of_its_own_types_alone(tmp_path):
-    # the products' kernels are made per type (a constant of their code), held in dicts:
-    # the dry run finds them there, puts them back, and lists only the file's type
-    from edgellama.formats import q4_k, q6_k, records
-    from edgellama.kernels.simd import KIND_Q4_1
-    per_type = [records.MATVEC_BLOCKS, records.MATMUL_BLOCKS, q4_k.MATVEC_K, q4_k.MATMUL_K,
-                q6_k.MATVEC_K16, q6_k.MATMUL_K16]
-    every = {d: kind for kernels in per_type for kind, d in kernels.items()}
-    assert all(isinstance(d, Dispatcher) for d in every) and len(every) == 2 * (6 + 2 + 3)
-    llm = edgellama.load(write_tiny_gguf(tmp_path / "t.gguf", "Q4_1", ctx=256, vocab=512, tokenizer=True), ctx=64)
-    with jit.Compiling() as watch:
-        calls = jit.kernels_called(llm.model)
-    assert watch.count == 0
-    assert {every[d] for d, _ in calls if d in every} == {KIND_Q4_1}
-    assert {d.py_func.__name__ for d, _ in calls if d in every} == {"matvec_blocks", "matmul_blocks"}
-    assert {d for kernels in per_type for d in kernels.values()} == set(every)   # put back
-
-
-def test_the_dry_run_reaches_every_threshold_of_a_long_prefill():
-    from edgellama import kv_cache
-    from edgellama.formats import records
-    assert jit.DRY_RUN_ROWS >= max(K.PARALLEL_ROWS, kv_cache._PARALLEL_STORE, records.AMX_MIN_ROWS)
