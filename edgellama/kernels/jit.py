@@ -305,8 +305,12 @@ def kernels_replaced(stand_in: Callable[[Dispatcher], object | None]):
         for mod in [m for name, m in sys.modules.items()
                     if m is not None and (name == "edgellama" or name.startswith("edgellama."))]:
             for attr, value in list(vars(mod).items()):
-                held = [(mod, attr, value)] if ours(value) else \
-                    [(value, k, v) for k, v in value.items() if ours(v)] if type(value) is dict else []
+                if ours(value):
+                    held = [(mod, attr, value)]
+                elif type(value) is dict:
+                    held = [(value, k, v) for k, v in value.items() if ours(v)]
+                else:
+                    continue
                 for holder, key, kernel in held:
                     new = stand_in(kernel)
                     if new is not None:
@@ -332,16 +336,21 @@ def kernels_called(model) -> list[tuple[Dispatcher, tuple]]:
     compiles: only the Python around the kernels runs, on whatever the buffers hold.
     Call it before other threads use our kernels."""
     calls: dict = {}
+    with kernels_replaced(lambda kernel: _Recorder(kernel, calls)), \
+            np.errstate(all="ignore"):    # the buffers hold whatever they held
+        _every_path(model)
+    return list(calls)
+
+
+def _every_path(model) -> None:
+    """A long prefill, a short one and a decode step, in a sequence of their own."""
     cap = min(model.ctx, 2 * DRY_RUN_ROWS)
     seq = model.new_sequence(cap)
     rows = DRY_RUN_ROWS if cap > DRY_RUN_ROWS + 3 else 2
-    with kernels_replaced(lambda kernel: _Recorder(kernel, calls)), \
-            np.errstate(all="ignore"):    # the buffers hold whatever they held
-        model.forward([0] * rows, seq)    # batched (matmul) path, rows in parallel
-        if rows > 2:                      # a short prompt's rows one by one (arrays of
-            model.forward([0] * 2, seq)   # several rows, laid out as a single row is not)
-        model.forward([0], seq)           # decode (matvec) path
-    return list(calls)
+    model.forward([0] * rows, seq)        # batched (matmul) path, rows in parallel
+    if rows > 2:                          # a short prompt's rows one by one (arrays of
+        model.forward([0] * 2, seq)       # several rows, laid out as a single row is not)
+    model.forward([0], seq)               # decode (matvec) path
 
 
 @dataclass
@@ -354,18 +363,18 @@ class Warm:
 def warm_up(model, show: Callable[[int, int | None, str], None] | None = None) -> Warm:
     """Compile (or load from Numba's cache) every kernel model.forward needs, one at a
     time so that show(n, total, name) can tell which, then decode one token (starting
-    the threads), in a sequence of its own. The prefill path is not run: with any T it
-    dequantizes every weight once, seconds for a 3B model."""
+    the threads), in a sequence of its own. The prefill path is not run (it reads every
+    weight: seconds for a 3B model) unless the dry run fails: then every path runs."""
     t0 = time.perf_counter()
     with Compiling(show) as watch:
         try:
             todo = kernels_called(model)
         except Exception:   # noqa: BLE001 - tests/runtime/test_jit_progress.py fails on this
             # A kernel called in a way a recorder cannot stand in for (keyword arguments,
-            # a result the Python goes on to use): compile as both paths run instead,
+            # a result the Python goes on to use): compile as every path runs instead,
             # reported without a total.
             todo = None
-            model.forward([0, 0], model.new_sequence(min(model.ctx, 16)))
+            _every_path(model)
         watch.listed = set(todo or [])
         for i, (disp, sig) in enumerate(todo or []):
             watch.step = (i + 1, len(todo))
