@@ -46,7 +46,10 @@ def run_once(tree: Path, model: str) -> dict:
         env = dict(os.environ, EDGELLAMA_CACHE=cache, PYTHONPATH=str(tree))
         env.pop("NUMBA_CACHE_DIR", None)
         out = subprocess.run([sys.executable, "-c", _CHILD, model], env=env, cwd=tree,
-                             capture_output=True, text=True, check=True)
+                             capture_output=True, text=True)
+    if out.returncode != 0:      # a file that does not load: the child's own last line
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        sys.exit(f"bench_first_start: {model} in {tree}: {last}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
