@@ -88,14 +88,18 @@ def _dot_vnni(builder, n, pairs, signed, sum_w):
     return builder.sub(total, builder.shl(sum_w, ir.Constant(wide, [7] * n)))
 
 
-def _dot_avx2(builder, n, pairs, signed, sum_w):
+def _dot_avx2(builder, n, pairs, signed, sum_w, scale=None):
     """vpmaddubsw (u8 x i8 pairs -> int16, saturating) then vpmaddwd (-> int32); n = 8.
     Unsigned: all the pairs' int16 sums added before one widening (the caller keeps
-    them below 2^15: pairs_per_dot)."""
+    them below 2^15: pairs_per_dot), which multiplies them by `scale` (<n x i32>, each
+    within int16) where given: a scaled dot's multiply in the widening's, not after."""
     i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
     wide = ir.VectorType(i32, n)
     b32, h16 = ir.VectorType(i8, 32), ir.VectorType(i16, 16)
     ones16 = ir.Constant(h16, [1] * 16)
+    if scale is not None:      # each lane's scale in both of its int16 halves
+        low = builder.and_(scale, ir.Constant(wide, [0xFFFF] * n))
+        ones16 = builder.bitcast(builder.or_(low, builder.shl(scale, ir.Constant(wide, [16] * n))), h16)
     total, s = None, None
     for w, x in pairs:
         wb, xb = builder.bitcast(w, b32), builder.bitcast(splat(builder, x, n), b32)
@@ -220,6 +224,7 @@ class Isa:
     half: frozenset[str] | None    # features that make f16 -> f32 one instruction; None: never
     weight_sums: Callable | None = None   # (builder, n, ws): a signed dot's sum_w, once per block
     int16_pairs: bool = False      # unsigned pair sums are added in int16 before widening
+                                   # (pair_dot then takes a scale to widen by: scaled_dot)
     tiles: frozenset[str] = frozenset()   # features of AMX tiles on top (amx.py); empty: none
     lookup: Callable = _lookup_generic    # (builder, table, idx <m x i8>) -> <m x i8>: table[idx]
     word_dot: Callable = _word_dot_generic   # (builder, acc, a, b) -> <16 x i32>: int16 pair dots
@@ -235,6 +240,18 @@ class Isa:
                                               signed, None if sum_w is None else half(sum_w, h))
                                      for h in (0, 1)])
         return self.pair_dot(builder, n, pairs, signed, sum_w)
+
+    def scaled_dot(self, builder, n, pairs, scale):
+        """<n x i32>: scale (<n x i32>, |scale| <= 128) times the unsigned dot of pairs,
+        exact (the caller keeps the pairs within pairs_per_dot); AVX2 multiplies in its
+        widening, the others after the dot; n twice the lanes goes as two halves."""
+        if self.lanes is not None and n == 2 * self.lanes:
+            half = lambda v, h: _half(builder, v, h, self.lanes)
+            return _joined(builder, [self.scaled_dot(builder, self.lanes, [(half(w, h), x) for w, x in pairs],
+                                                     half(scale, h)) for h in (0, 1)])
+        if self.int16_pairs:
+            return self.pair_dot(builder, n, pairs, False, None, scale)
+        return builder.mul(scale, self.pair_dot(builder, n, pairs, False, None))
 
     def sum_w(self, builder, n, ws):
         """What a signed dot of weights ws may take as its sum_w, once per block: the row's

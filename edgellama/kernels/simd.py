@@ -67,13 +67,14 @@ def _dot(builder, isa, n, pairs, signed, sum_w=None):
     return ISAS[isa].dot(builder, n, pairs, signed, sum_w)
 
 
-def _dot_bounded(builder, row, n, pairs, wmax):
+def _dot_bounded(builder, row, n, pairs, wmax, scale=None):
     """_dot of unsigned weights up to wmax: pairs in runs of row.pairs_per_dot(wmax), the
-    runs' int32 sums added."""
+    runs' int32 sums added; times scale (<n x i32>) where given (row.scaled_dot)."""
     step = row.pairs_per_dot(wmax) or len(pairs)
     total = None
     for p0 in range(0, len(pairs), step):
-        part = row.dot(builder, n, pairs[p0:p0 + step], False)
+        run = pairs[p0:p0 + step]
+        part = row.dot(builder, n, run, False) if scale is None else row.scaled_dot(builder, n, run, scale)
         total = part if total is None else builder.add(total, part)
     return total
 
@@ -673,15 +674,18 @@ def _q6_offsets(builder, n, xs, offset):
     return [splat(builder, builder.mul(v, ir.Constant(ir.IntType(32), offset)), n) for v in xs]
 
 
-def _q6_sum(builder, row, n, lo, hi, xw, offs, scs, wmax=63):
+def _q6_sum(builder, row, n, lo, hi, xw, offs, scs, wmax):
     """<n x i32>: sc0 (S0 - off0) + sc1 (S1 - off1), S0 and S1 the exact sums of lo and
     hi (_q6_values, values up to wmax) times the x words xw (8 i32 of 4 int8), offs
-    _q6_offsets (None: no offset), scs the rows' two scales (<n x i32>); row the
-    instruction set's isa.Isa."""
+    _q6_offsets (None: no offset, and the scales multiplied in as row.scaled_dot does),
+    scs the rows' two scales (<n x i32>); row the instruction set's isa.Isa."""
     res = None
     for h, qs in enumerate((lo, hi)):
-        s = _dot_bounded(builder, row, n, [(qs[g], xw[4 * h + g]) for g in range(4)], wmax)
-        term = builder.mul(scs[h], s if offs is None else builder.sub(s, offs[h]))
+        pairs = [(qs[g], xw[4 * h + g]) for g in range(4)]
+        if offs is None:
+            term = _dot_bounded(builder, row, n, pairs, wmax, scs[h])
+        else:
+            term = builder.mul(scs[h], builder.sub(_dot_bounded(builder, row, n, pairs, wmax), offs[h]))
         res = term if res is None else builder.add(res, term)
     return res
 
@@ -698,19 +702,23 @@ def q6_gemm(typingctx, q, x, acc, shape, isa):
     """One tile of the records of a K-quant with 16-weight sub-blocks (q: R rows of
     shape.nb blocks of 32, shape.group K_GROUP; shape.kind its bits: 6 Q6_K, 3 Q3_K, 2
     Q2_K, layouts above) times shape.tokens rows t0.. of x (Q8X: x8, xd, xs = xs16
-    (Tp*2nb,) int32 its sums per 16): acc[k R + r] (f32, R = acc.size // tokens) =
-    row r . x_{t0+k} = sum over super-blocks of d sum over their blocks u of dx_u S_u,
-    S_u = sum over u's two halves of scale * sum((q - offset) x8), exact in int32
-    (|S_u| <= 2 * 128 * 16 * 32 * 127), offset K16_OFFSET's. Q2_K's scale is the low
-    nibble of its scale byte, and x.xsum = xsum16 (Tp*2nb,) f32, dx_u times each sum per
-    16: dmin times the sum over halves of m xsum16 comes off (m the high nibble; xs is
-    not read). tokens (1 for decode, TOKENS for prefill) and isa constants. Each
-    block's values are built once for the tokens, and the f32 sums of a vector of rows
-    stay in registers over the whole row."""
+    (Tp*2nb,) int32 its sums per 16, xsum = xsum16 (Tp*2nb,) f32, dx times them):
+    acc[k R + r] (f32, R = acc.size // tokens) = row r . x_{t0+k} = sum over super-blocks
+    of d sum over their blocks u of dx_u S_u, S_u = sum over u's two halves of scale *
+    sum((q - offset) x8), exact in int32 (|S_u| <= 2 * 128 * 16 * 63 * 127), offset
+    K16_OFFSET's. Q2_K's scale is the low nibble of its scale byte: dmin times the sum
+    over halves of m xsum16 comes off (m the high nibble; xs is not read). On AVX2
+    (int16_pairs) Q6_K's and Q3_K's offsets come off the same way, m = offset * scale
+    and dmin = d, and the scales multiply in the widening (isa.scaled_dot): fewer
+    instructions a token than the offset and scale in int32 ("q6_gemm offsets in f32",
+    bench/results/design_measurements.json); elsewhere they stay in int32, the bits of
+    AMX's prefill (amx.py). tokens (1 for decode, TOKENS for prefill) and isa constants.
+    Each block's values are built once for the tokens, and the f32 sums of a vector of
+    rows stay in registers over the whole row."""
     TOK, kind, ISA_ = tile_constants("q6_gemm", shape, isa)
     if kind not in K16_RECORD:
         raise TypingError(f"q6_gemm: kind {kind} is not one of {sorted(K16_RECORD)}")
-    mins = kind == 2
+    mins = kind == 2 or (K16_OFFSET[kind] and ISAS[ISA_].int16_pairs)   # an f32 sum to take off
 
     def codegen(context, builder, sig, args):
         i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
@@ -725,18 +733,20 @@ def q6_gemm(typingctx, q, x, acc, shape, isa):
             lo, hi = _k16_values(builder, n, kind, lambda j: builder.load(
                 ptr("q", builder.add(quads, at(k, K16_BLOCK[kind], Q6K_QS + 64 * j)), wide), align=1))
             sc_bytes = lambda h: builder.load(ptr("q", builder.add(builder.add(rec, lane), at(
-                k, 32, (Q2K_SC if mins else Q6K_SC) + 16 * h)), ir.VectorType(i8, n)), align=1)
-            if mins:                            # the scale byte: sc in bits 0-3, m in 4-7
+                k, 32, (Q2K_SC if kind == 2 else Q6K_SC) + 16 * h)), ir.VectorType(i8, n)), align=1)
+            if kind == 2:                       # the scale byte: sc in bits 0-3, m in 4-7
                 both = [builder.zext(sc_bytes(h), wide) for h in range(2)]
                 scs = [builder.and_(v, c(15)) for v in both]
                 ms = [builder.uitofp(builder.lshr(v, c(4)), vf) for v in both]
             else:
                 scs = _q6_scales(builder, n, sc_bytes)
+                off = ir.Constant(vf, [float(K16_OFFSET[kind])] * n)
+                ms = [builder.fmul(builder.sitofp(v, vf), off) for v in scs] if mins else None
             for t in range(TOK):
                 tok = builder.add(t0a, k64(t))
                 si = builder.add(builder.mul(tok, nsa), u)
                 offs = None
-                if K16_OFFSET[kind]:
+                if not mins and K16_OFFSET[kind]:
                     xs = [builder.load(ptr("xs", builder.add(builder.mul(si, k64(2)), k64(h)), i32))
                           for h in range(2)]
                     offs = _q6_offsets(builder, n, xs, K16_OFFSET[kind])
@@ -753,7 +763,8 @@ def q6_gemm(typingctx, q, x, acc, shape, isa):
 
         block_bytes = K16_RECORD[kind] // 8
         if mins:
-            _over_records(builder, fr, block_bytes, TOK, 2, block, _finish_d_dmin(fr, Q6K_D, Q2K_DMIN), False)
+            _over_records(builder, fr, block_bytes, TOK, 2, block,
+                          _finish_d_dmin(fr, Q6K_D, Q2K_DMIN if kind == 2 else Q6K_D), kind != 2)
         else:
             _over_records(builder, fr, block_bytes, TOK, 1, block, _finish_d(fr, Q6K_D), True)
         return context.get_dummy_value()

@@ -23,7 +23,7 @@ from edgellama.kernels import amx
 from edgellama import formats
 from edgellama.formats import FORMATS, linear, records
 from edgellama.formats.q3_k import q6_tiles
-from edgellama.kernels.simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, IQ4_VALUES, ISA, ISA_NAMES, KIND_IQ4_NL,
+from edgellama.kernels.simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, IQ4_VALUES, ISA, ISA_NAMES, ISAS, KIND_IQ4_NL,
                             KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1,
                             KIND_Q8_0, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC,
                             IQ4XS_D, IQ4XS_QS, IQ4XS_RECORD, IQ4XS_SC, Q5K_QH, Q5K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS, TOKENS)
@@ -343,6 +343,9 @@ def test_super_block_twin_has_the_vnni_kernels_bits(name, shape, T, vnni_only):
     # the same for the super-block records: the twin of the AMX kernel gives q4k_gemm's
     # (q6_gemm's, iq4xs_gemm's) bits; Q3_K's, on its records rewritten as Q6_K's, the bits
     # of q6_gemm's kind 3 on its own
+    if name in ("Q6_K", "Q3_K") and ISAS[ISA].int16_pairs:
+        pytest.skip("AVX2's q6_gemm takes Q6_K's and Q3_K's offsets off in f32; the bits AMX keeps "
+                    "are the AVX-512 VNNI kernels', which this target does not run")
     lin, _ = make(name, shape, T)
     x = np.random.default_rng(T).standard_normal((T, shape[1])).astype(f32)
     x[0, :32] = 0                                 # a zero block of x (xd = 0)

@@ -279,8 +279,8 @@ def test_decode_streams_follow_numba_target(cpu, streams):
 # --- q6_gemm: Q6_K records (per 16 rows and super-block: d, int8 scales, nibble and crumb quads)
 
 @njit
-def _gemm6(q, x8, xd, xs16, acc, nsub, t0, tokens, isa):
-    q6_gemm(q, Q8X(x8, xd, xs16, None), acc, tile(nsub, K_GROUP, t0, literally(tokens), 6),
+def _gemm6(q, x8, xd, xs16, xsum16, acc, nsub, t0, tokens, isa):
+    q6_gemm(q, Q8X(x8, xd, xs16, xsum16), acc, tile(nsub, K_GROUP, t0, literally(tokens), 6),
             literally(isa))
 
 
@@ -311,8 +311,10 @@ def q6_records(d, sc, vals):
 
 def gemm6_case(isa, R, tokens, case):
     """q6_gemm's acc for a random tile of R rows, 2 super-blocks, and `tokens` rows t0.. of
-    x, and its float64 twin: per super-block d sum_u dx_u S_u, S_u = sum over block u's
-    halves of scale * sum((q - 32) x8). case "exact": d and the x scales 1 or 2 and
+    x, its float64 twin: per super-block d sum_u dx_u S_u, S_u = sum over block u's
+    halves of scale * sum((q - 32) x8), and the sum of the magnitudes of the terms the
+    kernel may form in f32 (AVX2's d dx scale sum(q x8) and d 32 scale xsum16, apart:
+    q6_gemm). case "exact": d and the x scales 1 or 2 and
     |x8| <= 15, so every f32 step is exact; "max", "zero": every q 63 or 0 against
     x8 = +-127 and scales at the int8 bounds, the largest sums (vpmaddubsw pairs at
     2 * 63 * 127, summed two by two in int16); "random"."""
@@ -335,10 +337,11 @@ def gemm6_case(isa, R, tokens, case):
         d[:] = 1
         xd[:] = 1
     xs16 = x8.reshape(T, 2 * nsub, 16).astype(np.int32).sum(axis=2)
+    xsum16 = (np.repeat(xd, 2, axis=1) * xs16).astype(np.float32)
     acc = np.full(tokens * R, 7, np.float32)
-    _gemm6(q6_records(d, sc, vals), x8.reshape(-1), xd.reshape(-1), xs16.reshape(-1), acc,
+    _gemm6(q6_records(d, sc, vals), x8.reshape(-1), xd.reshape(-1), xs16.reshape(-1), xsum16.reshape(-1), acc,
            nsub, t0, tokens, isa)
-    want = np.zeros((tokens, R))
+    want, mag = np.zeros((tokens, R)), np.zeros((tokens, R))
     for k in range(tokens):
         tok = t0 + k
         xh = x8[tok].reshape(nsub, 2, 16).astype(np.int64)
@@ -346,7 +349,10 @@ def gemm6_case(isa, R, tokens, case):
              * np.einsum("ruhe,uhe->ruh", vals.reshape(R, nsub, 2, 16) - 32, xh)).sum(axis=2)
         blocks = (xd[tok].astype(np.float64) * S).reshape(R, nsub // 8, 8).sum(axis=2)
         want[k] = (d.astype(np.float64) * blocks).sum(axis=1)
-    return acc.reshape(tokens, R), want
+        parts = np.abs(sc * np.einsum("ruhe,uhe->ruh", vals.reshape(R, nsub, 2, 16), xh) * xd[tok].reshape(nsub, 1))
+        parts += np.abs(32.0 * sc * xsum16[tok].reshape(nsub, 2))
+        mag[k] = (np.abs(d.astype(np.float64)) * parts.sum(axis=2).reshape(R, nsub // 8, 8).sum(axis=2)).sum(axis=1)
+    return acc.reshape(tokens, R), want, mag
 
 
 # --- q6_gemm's kinds 3 and 2: Q3_K's and Q2_K's records (per 16 rows and super-block: d,
@@ -393,7 +399,9 @@ def gemm_low_case(kind, isa, R, tokens, case):
     super-blocks, and `tokens` rows t0.. of x, and its float64 twin: per super-block d
     sum_u dx_u S_u, S_u = sum over block u's halves of scale * sum((q - off) x8) (Q3_K:
     the int8 scale, off 4; Q2_K: the scale byte's low nibble, off 0), Q2_K less dmin sum
-    over its halves of m xsum16 (the byte's high nibble; xsum16 = dx xs16). case "exact":
+    over its halves of m xsum16 (the byte's high nibble; xsum16 = dx xs16); and the sum
+    of the magnitudes of the terms the kernel may form in f32 (gemm6_case's, Q3_K's
+    offset 4 as Q6_K's 32). case "exact":
     d, dmin and the x scales 1 or 2 and |x8| <= 15, so every f32 step is exact; "max",
     "zero": every q the largest or 0 against x8 = +-127 and the extreme scales, the
     largest sums (AVX2's int16 pair sums); "random"."""
@@ -430,15 +438,20 @@ def gemm_low_case(kind, isa, R, tokens, case):
         scale, m, off = sc.view(np.int8).astype(np.int64), np.zeros(sc.shape, np.int64), 4
     else:
         scale, m, off = (sc & 15).astype(np.int64), (sc >> 4).astype(np.int64), 0
-    want = np.zeros((tokens, R))
+    want, mag = np.zeros((tokens, R)), np.zeros((tokens, R))
     for k in range(tokens):
         tok = t0 + k
         xh = x8[tok].reshape(nsub, 2, 16).astype(np.int64)
         S = (scale * np.einsum("ruhe,uhe->ruh", vals.reshape(R, nsub, 2, 16) - off, xh)).sum(axis=2)
+        parts = np.abs(scale * np.einsum("ruhe,uhe->ruh", vals.reshape(R, nsub, 2, 16), xh) * xd[tok].reshape(nsub, 1))
+        parts = parts * np.abs(d.astype(np.float64)).repeat(8, axis=1)[:, :, None]
+        parts += np.abs((off * scale * d.astype(np.float64).repeat(8, axis=1)[:, :, None]
+                         + m * dmin.astype(np.float64).repeat(8, axis=1)[:, :, None]) * xsum16[tok].reshape(nsub, 2))
+        mag[k] = parts.sum(axis=(1, 2))
         blocks = (xd[tok].astype(np.float64) * S).reshape(R, nsub // 8, 8).sum(axis=2)
         mins = (m * xsum16[tok].reshape(nsub, 2).astype(np.float64)).sum(axis=2).reshape(R, nsub // 8, 8).sum(axis=2)
         want[k] = (d.astype(np.float64) * blocks - dmin.astype(np.float64) * mins).sum(axis=1)
-    return acc.reshape(tokens, R), want
+    return acc.reshape(tokens, R), want, mag
 
 
 @pytest.mark.parametrize("kind", [6, 3, 2])
@@ -449,13 +462,16 @@ def gemm_low_case(kind, isa, R, tokens, case):
 def test_q6_gemm_matches_twin(kind, isa, R, tokens, case):
     if not RUNS[isa]:
         pytest.skip("Numba's target (this CPU, or NUMBA_CPU_*) lacks the instructions")
-    got, want = gemm6_case(isa, R, tokens, case) if kind == 6 else gemm_low_case(kind, isa, R, tokens, case)
+    got, want, mag = gemm6_case(isa, R, tokens, case) if kind == 6 else gemm_low_case(kind, isa, R, tokens, case)
     if case == "exact":
         np.testing.assert_array_equal(got, want)
     elif case == "random":
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
-    else:   # sums past 2^24 round in f32; an int16 or int32 overflow would be off by 2^15+
-        np.testing.assert_allclose(got, want, rtol=1e-6)
+    else:   # sums past 2^24 round in f32, and where the offsets come off in f32 (AVX2) the
+        # terms they cancel (a few of their ulps: mag); an int16 or int32 overflow would be
+        # off by 2^15+, far more
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=2.0 ** -22 * mag.max())
+        assert 2.0 ** -22 * mag.max() < 2 ** 12
 
 
 # --- q4k_gemm: Q4_K and Q5_K records (per 16 rows and super-block: d, dmin, sc, m, nibble
