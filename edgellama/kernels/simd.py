@@ -707,10 +707,11 @@ def q6_gemm(typingctx, q, x, acc, shape, isa):
     of d sum over their blocks u of dx_u S_u, S_u = sum over u's two halves of scale *
     sum((q - offset) x8), exact in int32 (|S_u| <= 2 * 128 * 16 * 63 * 127), offset
     K16_OFFSET's. Q2_K's scale is the low nibble of its scale byte: dmin times the sum
-    over halves of m xsum16 comes off (m the high nibble; xs is not read). On AVX2
-    (int16_pairs) Q6_K's and Q3_K's offsets come off the same way, m = offset * scale
-    and dmin = d, and the scales multiply in the widening (isa.scaled_dot): fewer
-    instructions a token than the offset and scale in int32 ("q6_gemm offsets in f32",
+    over halves of m xsum16 comes off (m the high nibble; xs is not read). In AVX2's
+    prefill (int16_pairs, several tokens) Q6_K's and Q3_K's offsets come off the same
+    way, m = offset * scale and dmin = d (a block's m made once for its tokens), and the
+    scales multiply in the widening (isa.scaled_dot): fewer instructions a token than
+    the offset and scale in int32 ("q6_gemm offsets in f32",
     bench/results/design_measurements.json); elsewhere they stay in int32, the bits of
     AMX's prefill (amx.py). tokens (1 for decode, TOKENS for prefill) and isa constants.
     Each block's values are built once for the tokens, and the f32 sums of a vector of
@@ -718,7 +719,8 @@ def q6_gemm(typingctx, q, x, acc, shape, isa):
     TOK, kind, ISA_ = tile_constants("q6_gemm", shape, isa)
     if kind not in K16_RECORD:
         raise TypingError(f"q6_gemm: kind {kind} is not one of {sorted(K16_RECORD)}")
-    mins = kind == 2 or (K16_OFFSET[kind] and ISAS[ISA_].int16_pairs)   # an f32 sum to take off
+    # an f32 sum to take off: Q2_K's mins, and AVX2 prefill's offsets
+    mins = kind == 2 or (K16_OFFSET[kind] and ISAS[ISA_].int16_pairs and TOK > 1)
 
     def codegen(context, builder, sig, args):
         i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
