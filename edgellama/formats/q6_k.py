@@ -254,7 +254,7 @@ def sums16(x8, xs16):
 @njit(cache=True)
 def scaled16(xd, xs16, xsum16):
     # xd (m,) f32 the x scales per 32, xs16 (2m,) int32 -> xsum16 (2m,) f32 = xd xs16,
-    # the sum of each 16 of x as rounded (Q2_K's mins, AVX2's offsets)
+    # the sum of each 16 of x as rounded (Q2_K's mins, AVX2 prefill's offsets)
     for i in range(xs16.size):
         xsum16[i] = xd[i // 2] * f32(xs16[i])
 
@@ -300,7 +300,7 @@ class Sub16Linear(RecordLinear):
     """The K-quants of 16-weight sub-blocks (Q6_K, Q3_K, Q2_K): records of 16 rows and one
     super-block that simd.q6_gemm reads as `kind` (the format's bits), record bytes per
     strip and super-block; x's sums per 16 beside prep_q8_x's, and xd times them (Q2_K's
-    mins, and where q6_gemm takes the offsets off in f32)."""
+    mins, and in prefill the offsets where q6_gemm takes them off in f32)."""
     kind: int
     record: int
 
@@ -316,7 +316,8 @@ class Sub16Linear(RecordLinear):
         x8, xd, xs8, xsum, acc, counter, xs16, xsum16 = self._buffers(scratch)
         prep_q8_x(x, x8, xd, xs8, xsum)
         sums16(x8, xs16)
-        scaled16(xd, xs16, xsum16)
+        if self.kind == 2:
+            scaled16(xd, xs16, xsum16)
         MATVEC_K16[self.kind](self.q, x8, xd, xs16, xsum16, out, acc, K_GROUP, counter)
 
     def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
