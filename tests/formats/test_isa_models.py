@@ -35,10 +35,12 @@ def vnni_dot(w, x, signed):
     return int((xu * w).sum() - 128 * w.sum())
 
 
-def avx2_dot(w, x, signed, per_int16):
+def avx2_dot(w, x, signed, per_int16, scale=1):
     """vpmaddubsw: u8 w x i8 x, adjacent products summed to int16 with saturation;
     signed weights as |w| x sign(x, w); then per_int16 such results are added in int16
-    (wrapping) before vpmaddwd widens them (signed: each widened alone)."""
+    (wrapping) before vpmaddwd widens them (signed: each widened alone), multiplying
+    each int16 by `scale` (unsigned: isa.scaled_dot's scale in both int16 halves of the
+    lane; 1 for a plain dot) and adding the lane's two products in int32."""
     if signed:
         x = np.where(w < 0, -x.astype(np.int64), np.where(w == 0, 0, x))
         w = np.abs(w.astype(np.int64))
@@ -47,9 +49,12 @@ def avx2_dot(w, x, signed, per_int16):
     pairs = _sat16(prods[:, 0::2] + prods[:, 1::2])     # (pairs, 2) int16 per 32-bit lane
     if signed:
         return int(pairs.sum())
+    assert -32768 <= scale <= 32767
     total = 0
     for p0 in range(0, len(pairs), per_int16):
-        total += int(_wrap16(pairs[p0:p0 + per_int16].sum(axis=0)).sum())
+        widened = int((_wrap16(pairs[p0:p0 + per_int16].sum(axis=0)) * scale).sum())
+        assert -2 ** 31 <= widened < 2 ** 31
+        total += widened
     return total
 
 
@@ -127,6 +132,37 @@ def test_every_isa_model_is_exact_for_iq4_values(row):
         assert got == exact
 
 
+# q6_gemm's scaled dots (isa.Isa.scaled_dot, per half-block): (values, pairs, scales)
+SCALED = {
+    "Q6_K": ((0, 63), 4, (-128, 127)),
+    "Q3_K": ((0, 7), 4, (-32, 31)),
+    "Q2_K": ((0, 3), 4, (0, 15)),
+}
+
+
+def scaled_model(row, w, x, per16, scale):
+    """row.scaled_dot's integer steps: AVX2 multiplies in its widening (avx2_dot's
+    scale), the others multiply the int32 dot after."""
+    if row.int16_pairs:
+        return avx2_dot(w, x, False, per16, scale)
+    got = scale * MODELS[row.pair_dot](w, x, False, per16)
+    assert -2 ** 31 <= got < 2 ** 31
+    return got
+
+
+@pytest.mark.parametrize("row", [pytest.param(r, id=r.name) for r in isa.ISAS])
+@pytest.mark.parametrize("caller", SCALED)
+def test_every_scaled_dot_is_exact_at_the_callers_bounds(caller, row):
+    (lo, hi), pairs, (smin, smax) = SCALED[caller]
+    step = row.pairs_per_dot(hi) or pairs
+    rng = np.random.default_rng(1)
+    for w, x in _extremes(lo, hi, pairs, rng):
+        for scale in (smin, smax, int(rng.integers(smin, smax + 1))):
+            got = sum(scaled_model(row, w[p0:p0 + step], x[p0:p0 + step], step, scale)
+                      for p0 in range(0, pairs, step))
+            assert got == scale * int((w.astype(np.int64) * x).sum())
+
+
 def test_the_models_see_a_bound_broken():
     # one more nibble pair per int16 sum, or 6-bit values four at a time, would wrap: the
     # models are not exact by construction
@@ -137,6 +173,9 @@ def test_the_models_see_a_bound_broken():
     # IQ4's biased bytes (up to 241) in vpmaddubsw's int16 pairs saturate: AVX2 takes them signed
     w, x = np.full((1, 4), 113 + IQ4_BIAS), np.full((1, 4), 127)
     assert avx2_dot(w, x, False, 1) != int((w * x).sum())
+    # a scale past int16 in the widening would not be vpmaddwd's
+    with pytest.raises(AssertionError):
+        avx2_dot(np.full((1, 4), 3), np.full((1, 4), 127), False, 1, 40000)
 
 
 def test_activations_never_reach_minus_128():
