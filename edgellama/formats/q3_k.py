@@ -13,7 +13,8 @@ scales as int8 sc - 32, then per block of 32 the low 2 bits of its values as Q6_
 crumb quads and their third bits as one word a row, ordered as Q5's fifth bits. Decode
 and prefill are simd.q6_gemm's kind 3: x quantized to int8 per 32 (records.prep_q8_x;
 llama.cpp uses one scale per 256 for Q3_K), each 16-weight sub-block's (q - 4) x8
-summed exactly in the CPU's pair-dot instructions and weighted by its scale in int32.
+summed exactly in the CPU's pair-dot instructions and weighted by its scale in int32
+(AVX2's prefill: q x8, the offset taken off in f32 as a min, as Q6_K's).
 Where AMX runs, prefill rewrites a run of tiles, one a thread, as Q6_K records (q6 = q +
 28) and multiplies them on AMX's tiles while they are in that thread's cache. Why
 records of 3-bit values: "Q2_K and Q3_K records" in bench/results/design_measurements.json.

@@ -14,8 +14,9 @@ j + 8, j + 16, j + 24), both as quads of the strip's rows. 6.625 bits per weight
 (6.5625 in the file). Decode quantizes x to int8 per 32 (records.prep_q8_x, as the other
 pair-dot formats; llama.cpp uses one scale per 256 for Q6_K); decode and prefill are one
 intrinsic, simd.q6_gemm, which rebuilds the 6-bit values in registers, sums
-scale * (q - 32) * x8 over each block exactly in int32, and keeps its f32 sums in
-registers over a whole row. Where AMX runs, a prefill of records.AMX_MIN_ROWS or more
+scale * (q - 32) * x8 over each block exactly in int32 (AVX2's prefill: scale * q * x8,
+the offset taken off in f32 as a min), and keeps its f32 sums in registers over a whole
+row. Where AMX runs, a prefill of records.AMX_MIN_ROWS or more
 rows takes each half-block's sums from a tile instruction (amx.amx_blocks_gemm with kind
 KIND_Q6_K, records.matmul_blocks_amx), the same bits.
 Why crumbs: a crumb quad serves two nibble quads with a shift and a mask each, so the
