@@ -97,9 +97,9 @@ def dequantize_bf16(q, out):
 
 @njit(cache=True, fastmath=True)
 def _row_dot(w, x, r, kind):
-    # row r of W (as float_at reads it) . x
-    s = f32(0)
-    for k in range(x.size):
+    # row r of W (as float_at reads it) . x: fg.float_row_dot's steps, then the rest
+    s = fg.float_row_dot(w, r, x, kind)
+    for k in range(x.size - x.size % fg.ROW_STEP, x.size):
         s += float_at(w, r, k, kind) * x[k]
     return s
 
@@ -109,7 +109,8 @@ def matvec_float(w, x, out, kind):
     # W (d, n) f32, or f16 / bf16 bits (u16), @ x (n,) -> out (d,): DECODE_STREAMS rows
     # side by side (4 or 1, by CPU, as the record formats' decode), which read as that
     # many streams and share each load of x ("decode streams",
-    # bench/results/design_measurements.json)
+    # bench/results/design_measurements.json); one row at a time, each its own stream
+    # with four accumulators
     d = w.shape[0]
     if DECODE_STREAMS == 1:
         for r in prange(d):

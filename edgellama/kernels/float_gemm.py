@@ -1,6 +1,6 @@
-"""Prefill products of float weights (F32, F16, BF16) with f32 activations: our own GEMM,
-the weights widened to f32 a block at a time inside each thread, the products in
-registers.
+"""Products of float weights (F32, F16, BF16) with f32 activations: decode's row dot
+(float_row_dot, below) and prefill's GEMM, our own, the weights widened to f32 a block
+at a time inside each thread, the products in registers.
 
 F16 / BF16 prefill used to widen each run of rows into a buffer on one thread and hand
 it to NumPy's BLAS (which needs f32): the widening cost about as much as the products
@@ -33,8 +33,9 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 from .claim import take
-from .fp import float_at
+from .fp import float_at, half_to_float_ir
 from .isa import call_llvm, splat
+from .simd import L2
 from .target import TARGET
 
 MR, LANES = TARGET.float_tile     # register tile: MR weight rows x 2 vectors of LANES tokens
@@ -126,6 +127,108 @@ def _widen(w, r, k0, dst, kc, kind):
     # contiguous loads)
     for k in range(kc):
         dst[k] = float_at(w, r, k0 + k, kind)
+
+
+ROW_STEP = 4 * LANES              # columns per step of float_row_dot: 4 accumulators
+ROW_AHEAD = 16 << 10              # bytes ahead of its loads that float_row_dot prefetches
+
+
+@intrinsic
+def float_row_dot(typingctx, w, r, x, kind):
+    """f32: row r of W (d, n) times x[:m], m = n less n % ROW_STEP (the caller adds the
+    rest); W f32, or f16 (kind 1) / bf16 (kind 2) bits as u16, C-contiguous; x f32.
+    Decode's product of one row: four vectors of LANES accumulators take its columns in
+    turn, so consecutive multiply-adds do not wait on each other (LLVM's own loop kept
+    one), and each step prefetches the lines ROW_AHEAD bytes on into L2, into the next
+    rows (the hardware's prefetch alone left decode waiting on memory: "float decode
+    prefetch", bench/results/design_measurements.json). The four are added, then their
+    lanes by halves."""
+    if not (isinstance(w, types.Array) and w.ndim == 2 and w.layout == "C"
+            and w.dtype in (types.float32, types.uint16)):
+        raise TypingError(f"float_row_dot: C-contiguous 2-d float32 or uint16 weights expected, got {w}")
+    if not (isinstance(x, types.Array) and x.ndim == 1 and x.dtype == types.float32):
+        raise TypingError(f"float_row_dot: x must be 1-d float32, got {x}")
+    bits16 = w.dtype == types.uint16
+
+    def codegen(context, builder, sig, args):
+        f32, i16, i32, i64 = ir.FloatType(), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+        vf = ir.VectorType(f32, LANES)
+        wa = context.make_array(sig.args[0])(context, builder, args[0])
+        xa = context.make_array(sig.args[2])(context, builder, args[2])
+        n = builder.extract_value(wa.shape, 1)
+        row = builder.gep(wa.data, [builder.mul(args[1], n)])        # element pointer
+        row8 = builder.bitcast(row, ir.IntType(8).as_pointer())      # byte pointer
+        m = builder.sub(n, builder.srem(n, ir.Constant(i64, ROW_STEP)))
+        zero = ir.Constant(vf, None)
+
+        def f16(bits):
+            return half_to_float_ir(builder, bits)
+
+        def bf16(bits):
+            wide = builder.zext(bits, ir.VectorType(i32, LANES))
+            return builder.bitcast(builder.shl(wide, ir.Constant(wide.type, [16] * LANES)), vf)
+
+        def row_sum(widen):
+            # the loop over the row's steps, from the current block; leaves the builder
+            # after it and returns (the four accumulators added, that block)
+            wv = vf if widen is None else ir.VectorType(i16, LANES)
+            pre = builder.block
+            loop = builder.append_basic_block("float_row_dot.loop")
+            done = builder.append_basic_block("float_row_dot.done")
+            builder.cbranch(builder.icmp_signed(">", m, ir.Constant(i64, 0)), loop, done)
+            builder.position_at_end(loop)
+            k = builder.phi(i64)
+            k.add_incoming(ir.Constant(i64, 0), pre)
+            phis = [builder.phi(vf) for _ in range(4)]
+            new = []
+            esize = 4 if widen is None else 2
+            for line in range(0, ROW_STEP * esize, 64):     # the step's lines ROW_AHEAD on
+                at = builder.add(builder.mul(k, ir.Constant(i64, esize)), ir.Constant(i64, ROW_AHEAD + line))
+                call_llvm(builder, "llvm.prefetch.p0", ir.VoidType(),
+                          [builder.gep(row8, [at]), ir.Constant(i32, 0), ir.Constant(i32, L2), ir.Constant(i32, 1)])
+            for a, acc in enumerate(phis):
+                acc.add_incoming(zero, pre)
+                ka = builder.add(k, ir.Constant(i64, a * LANES))
+                wk = builder.load(builder.bitcast(builder.gep(row, [ka]), wv.as_pointer()), align=2)
+                xk = builder.load(builder.bitcast(builder.gep(xa.data, [ka]), vf.as_pointer()), align=4)
+                new.append(call_llvm(builder, f"llvm.fma.v{LANES}f32", vf,
+                                     [wk if widen is None else widen(wk), xk, acc]))
+            k1 = builder.add(k, ir.Constant(i64, ROW_STEP))
+            end = builder.block
+            k.add_incoming(k1, end)
+            for acc, v in zip(phis, new):
+                acc.add_incoming(v, end)
+            builder.cbranch(builder.icmp_signed("<", k1, m), loop, done)
+            builder.position_at_end(done)
+            sums = []
+            for v in new:
+                s = builder.phi(vf)
+                s.add_incoming(zero, pre)
+                s.add_incoming(v, end)
+                sums.append(s)
+            return builder.fadd(builder.fadd(sums[0], sums[1]), builder.fadd(sums[2], sums[3])), done
+
+        if not bits16:
+            v, _ = row_sum(None)
+        else:                                 # kind picks the widening, outside the loops
+            is_f16 = builder.icmp_signed("==", args[3], ir.Constant(args[3].type, 1))
+            with builder.if_else(is_f16) as (then, other):
+                with then:
+                    v16, b16 = row_sum(f16)
+                with other:
+                    vb, bb = row_sum(bf16)
+            v = builder.phi(vf)
+            v.add_incoming(v16, b16)
+            v.add_incoming(vb, bb)
+        lanes = LANES
+        while lanes > 1:                      # the lanes' sum by halves
+            lanes //= 2
+            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, LANES),
+                                                          [lanes + i if i < lanes else i for i in range(LANES)]))
+            v = builder.fadd(v, hi)
+        return builder.extract_element(v, ir.Constant(i32, 0))
+
+    return types.float32(w, types.int64, x, types.int64), codegen
 
 
 @njit(cache=True, parallel=True)

@@ -138,3 +138,39 @@ def test_every_rows_tile_shape_gives_the_product(monkeypatch, row):
     w, wf = _weights(rng, d, n, 1)
     x = rng.standard_normal((T, n), dtype=np.float32)
     _check(_gemm(w, 1, x, 2, mr, lanes), x, wf)
+
+
+# decode's row dot (float_row_dot, through floats.matvec_float, which adds the columns
+# past its steps): lengths under one step, one step, steps and a rest, and a model's
+ROW_LENGTHS = [7, fg.ROW_STEP, 3 * fg.ROW_STEP + 5, 2048]
+
+
+@pytest.mark.parametrize("kind", [0, 1, 2], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("n", ROW_LENGTHS)
+def test_float_row_dot_is_exact_where_every_sum_is(kind, n):
+    """Small integer weights and x: every product and partial sum is an integer under
+    2^24, so any order of f32 sums gives W x exactly; a column read twice, skipped or
+    taken from the wrong row or accumulator would not."""
+    from edgellama.formats.floats import matvec_float
+    rng = np.random.default_rng(n + kind)
+    d = 9
+    wi = rng.integers(-8, 9, (d, n)).astype(np.float32)
+    x = rng.integers(-8, 9, n).astype(np.float32)
+    w = [wi, wi.astype(np.float16).view(np.uint16), (wi.view(np.uint32) >> 16).astype(np.uint16)][kind]
+    out = np.full(d, np.nan, np.float32)
+    matvec_float(w, x, out, kind)
+    np.testing.assert_array_equal(out, wi.astype(np.int64) @ x.astype(np.int64))
+
+
+@pytest.mark.parametrize("kind", [0, 1, 2], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("n", ROW_LENGTHS)
+def test_float_row_dot_matches_float64_within_the_bound(kind, n):
+    """Random weights (f16 subnormals and a large one in row 0): within the bound of
+    any order of f32 sums, row by row against its float64 twin."""
+    from edgellama.formats.floats import matvec_float
+    rng = np.random.default_rng(100 + n + kind)
+    w, wf = _weights(rng, 5, n, kind)
+    x = rng.standard_normal((1, n)).astype(np.float32)
+    out = np.full(5, np.nan, np.float32)
+    matvec_float(w, x[0], out, kind)
+    _check(out[None, :], x, wf)
