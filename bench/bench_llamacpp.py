@@ -1,6 +1,6 @@
 """edgellama beside llama.cpp on the same GGUF files, same thread counts, same depths.
 
-    python bench/bench_llamacpp.py [--shape llama-3.2-1b] [--type q4_0|q4_k_m|...] [--threads 1,2]
+    python bench/bench_llamacpp.py [--shape llama-3.2-1b] [--type q4_0|q4_k_m|q5_k_m|bf16|...] [--threads 1,2]
                                    [--depth 0] [--busy 0,1] [--reps 2] [--json OUT]
                                    [--baseline DIR]
 
@@ -34,8 +34,9 @@ Cases:
   writing (tile_cache.py) is done and on disk before anything is timed.
 
 The weights are random with the real shapes (speed does not depend on values; files
-from `edgellama.benchmark.shape_file`; --type q4_k_m is llama.cpp's own quantizer's
-Q4_K_M of the shape's F16 file, made once). llama.cpp fills its cache at depth by really
+from `edgellama.benchmark.shape_file`; --type q4_k_m, q5_k_m, q3_k_m (and the other
+K-quant mixes) and bf16 are llama.cpp's own quantizer's files from the shape's F16 file,
+made once). llama.cpp fills its cache at depth by really
 prefilling `depth` tokens (untimed); edgellama fills it with synthetic K/V.
 """
 from __future__ import annotations
@@ -232,21 +233,28 @@ def run_one(engine: str, path: str, threads: int | None, depth: int, pp: int, tg
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def llamacpp_q4_k_m(shape: str) -> str:
-    """llama.cpp's own Q4_K_M of the shape's random F16 file (its quantizer's mix of Q4_K,
-    Q6_K and the rest), made once beside it."""
+# --type values made by llama.cpp's own quantizer from the shape's F16 file (its mixes,
+# which we do not write, and BF16): llama-cpp-python's file type constant for each
+LLAMACPP_MIXES = {"q3_k_s": "Q3_K_S", "q3_k_m": "Q3_K_M", "q3_k_l": "Q3_K_L", "q4_k_s": "Q4_K_S",
+                  "q4_k_m": "Q4_K_M", "q5_k_s": "Q5_K_S", "q5_k_m": "Q5_K_M", "bf16": "BF16"}
+
+
+def llamacpp_mix(shape: str, mix: str) -> str:
+    """llama.cpp's own quantization `mix` (a LLAMACPP_MIXES key) of the shape's random
+    F16 file (Q4_K_M: its quantizer's mix of Q4_K, Q6_K and the rest), made once beside
+    it."""
     import ctypes
     import llama_cpp
     from edgellama.benchmark import shape_file
     src = shape_file(shape, "F16")
-    dst = src.with_name(src.name.replace("-f16", "-q4_k_m-llamacpp"))
+    dst = src.with_name(src.name.replace("-f16", f"-{mix}-llamacpp"))
     if not dst.is_file():
         p = llama_cpp.llama_model_quantize_default_params()
-        p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+        p.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{LLAMACPP_MIXES[mix]}")
         tmp = dst.with_suffix(".part")
         try:
             if llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(p)):
-                raise SystemExit(f"llama.cpp could not quantize {src} to Q4_K_M")
+                raise SystemExit(f"llama.cpp could not quantize {src} to {LLAMACPP_MIXES[mix]}")
             tmp.replace(dst)
         finally:
             tmp.unlink(missing_ok=True)      # a failed or interrupted run leaves no part file
@@ -282,8 +290,8 @@ def main() -> None:
     from edgellama.machine import cpu_name
     if a.file:
         path = a.file
-    elif a.type.lower() == "q4_k_m":
-        path = llamacpp_q4_k_m(a.shape)
+    elif a.type.lower() in LLAMACPP_MIXES:
+        path = llamacpp_mix(a.shape, a.type.lower())
     else:
         path = str(shape_file(a.shape, a.type))
     engines = (*ENGINES, "baseline") if a.baseline else ENGINES
