@@ -53,7 +53,8 @@ from quant_quality import cpu_name  # noqa: E402
 
 # llama.cpp's file types by the names llama-quantize takes
 FTYPES = {"f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "q2_k": 10,
-          "q3_k_m": 12, "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18, "iq4_nl": 25, "iq4_xs": 30}
+          "q3_k_m": 12, "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18, "iq4_nl": 25, "iq4_xs": 30,
+          "bf16": 32}
 
 
 def quiet_llama_cpp() -> None:

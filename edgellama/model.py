@@ -17,6 +17,7 @@ from .gguf import GGUFFile
 from .kv_cache import KVCache, check_cache_type, fit_advice, make_cache
 from .kernels import attention as A
 from .formats import SUPPORTED, Linear, block_shape, type_name
+from .formats.floats import FloatLinear
 from .formats.records import RecordLinear
 from .machine import ThreadPolicy, available_memory
 from .scratch import Scratch
@@ -26,7 +27,9 @@ from .tile_cache import TileCache
 # to int8 per block of 32 (256 for Q2_K/Q3_K decode), as llama.cpp does. fine: the record
 # formats' matrices (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K, Q6_K, IQ4_XS)
 # multiply x as int8 plus its int8 residual (x within amax/64,516 a block) in the same pass over the weights: closer to
-# full precision, for the second row's arithmetic (bench/bench_activations.py).
+# full precision, for the second row's arithmetic (bench/bench_activations.py). BF16
+# weights' prefill, where the CPU has bf16 pair products, rounds x to bf16 as llama.cpp
+# does; fine keeps it in f32.
 ACTIVATIONS = ("int8", "fine")
 
 if TYPE_CHECKING:
@@ -165,7 +168,7 @@ class Transformer:
             raise EdgeError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {mode!r}")
         self.activations = mode
         for w in self.linears():
-            if isinstance(w, RecordLinear):
+            if isinstance(w, (RecordLinear, FloatLinear)):
                 w.fine = mode == "fine"
 
     # -- loading -------------------------------------------------------------

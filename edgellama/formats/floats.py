@@ -14,6 +14,7 @@ from numba import njit, prange
 from ..kernels import float_gemm as fg
 from ..kernels.fp import bf16_to_f32, f16_bits, f16_to_f32, float_at
 from ..kernels.simd import DECODE_STREAMS
+from ..kernels.target import BF16_PAIRS
 from ..scratch import Scratch
 from .base import Linear, WeightFormat, release_pages
 
@@ -135,6 +136,8 @@ def matvec_float(w, x, out, kind):
 class FloatLinear(Linear):
     """F32 / F16 / BF16 rows, views of the file (concatenated when stacked)."""
 
+    fine = False     # Transformer's activations="fine": BF16 prefill keeps x in f32 (matmul)
+
     def _load(self, raws):
         dtype = np.float32 if self.type_name == "F32" else np.uint16
         ws = [r.view(dtype) for r in raws]
@@ -154,11 +157,18 @@ class FloatLinear(Linear):
         T, n = x.shape
         threads = numba.config.NUMBA_NUM_THREADS       # get_thread_id() < this
         sc = scratch or Scratch()
-        xp = sc.get("float_x", (fg.panels(T), n, fg.PANEL))
         wbufs = sc.get("float_w", (threads, fg.ROWS, fg.K_STEP))
         accs = sc.get("float_acc", (threads, fg.ROWS, fg.panels(T) * fg.PANEL))
         counter = sc.get("float_counter", (1,), np.int64)
         parts = fg.token_parts(self.out_features, T, numba.get_num_threads())
+        if self.type_name == "BF16" and BF16_PAIRS and n % 2 == 0 and not self.fine:
+            # bf16 pair products, x rounded to bf16 as llama.cpp rounds it for these
+            # weights: twice the multiplies an instruction of f32's ("bf16 prefill",
+            # bench/results/design_measurements.json)
+            xp2 = sc.get("float_x2", (fg.panels(T), n // 2, fg.PANEL), np.uint32)
+            fg.bf16_gemm(self.w, x, out, xp2, wbufs, accs, counter, parts)
+            return
+        xp = sc.get("float_x", (fg.panels(T), n, fg.PANEL))
         fg.float_gemm(self.w, self._kind, x, out, xp, wbufs, accs, counter, parts)
 
     def _rows(self, ids, out):

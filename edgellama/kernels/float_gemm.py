@@ -33,7 +33,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 from .claim import take
-from .fp import float_at, half_to_float_ir
+from .fp import bf16_bits, float_at, half_to_float_ir
 from .isa import call_llvm, splat
 from .simd import L2
 from .target import TARGET
@@ -50,24 +50,38 @@ def _view(context, builder, aty, arr):
     return builder.bitcast(a.data, ir.IntType(8).as_pointer()), builder.extract_value(a.strides, 0)
 
 
-@intrinsic(prefer_literal=True)
-def float_tile(typingctx, w, kc, x, acc, vecs):
-    """acc (MR, vecs LANES) += w[:, :kc] @ x (kc, vecs LANES), all f32; w (MR, K_STEP)
-    C-contiguous (its row stride a constant, so the broadcasts' addresses are one
-    register and fixed offsets), x and acc any row strides (columns contiguous); vecs a
-    constant, 1 or 2. The accumulators stay in registers over the kc columns."""
+class _BFloat(ir.types.Type):
+    """LLVM's bfloat, which llvmlite's IR has no class for: AVX512_BF16's intrinsics take
+    vectors of it."""
+
+    def _to_string(self):
+        return "bfloat"
+
+    def __eq__(self, other):
+        return isinstance(other, _BFloat)
+
+    def __hash__(self):
+        return hash("bfloat")
+
+
+def _register_tile(name, w, kc, x, acc, vecs, pairs):
+    """(signature, codegen) of float_tile (pairs False) or bf16_tile (pairs True): the
+    type checks and the column loop with MR x vecs accumulators in registers."""
     if not (isinstance(vecs, types.IntegerLiteral) and vecs.literal_value in (1, 2)):
-        raise TypingError("float_tile: vecs must be the constant 1 or 2")
-    for a in (w, x, acc):
-        if not (isinstance(a, types.Array) and a.ndim == 2 and a.dtype == types.float32):
-            raise TypingError(f"float_tile: 2-d float32 arrays expected, got {a}")
+        raise TypingError(f"{name}: vecs must be the constant 1 or 2")
+    want = types.uint32 if pairs else types.float32
+    for a, dt in ((w, want), (x, want), (acc, types.float32)):
+        if not (isinstance(a, types.Array) and a.ndim == 2 and a.dtype == dt):
+            raise TypingError(f"{name}: a 2-d {dt} array expected, got {a}")
     if w.layout != "C":
-        raise TypingError("float_tile: w must be C-contiguous rows of K_STEP columns")
+        raise TypingError(f"{name}: w must be C-contiguous rows of K_STEP columns")
     V = vecs.literal_value
 
     def codegen(context, builder, sig, args):
-        f32 = ir.FloatType()
+        f32, i32 = ir.FloatType(), ir.IntType(32)
         vf = ir.VectorType(f32, LANES)
+        ve = ir.VectorType(i32 if pairs else f32, LANES)      # a vector of w's or x's elements
+        bf = ir.VectorType(_BFloat(), 2 * LANES)
         i64 = ir.IntType(64)
         wp, _ = _view(context, builder, sig.args[0], args[0])
         ws = ir.Constant(i64, 4 * K_STEP)
@@ -75,16 +89,24 @@ def float_tile(typingctx, w, kc, x, acc, vecs):
         xp, xs = _view(context, builder, sig.args[2], args[2])
         ap, as_ = _view(context, builder, sig.args[3], args[3])
 
-        def vec_at(base, row, stride, v):
+        def vec_at(base, row, stride, v, ty):
             off = builder.add(builder.mul(row, stride), ir.Constant(i64, 4 * LANES * v))
-            return builder.bitcast(builder.gep(base, [off]), vf.as_pointer())
+            return builder.bitcast(builder.gep(base, [off]), ty.as_pointer())
 
-        accs = [[vec_at(ap, ir.Constant(i64, r), as_, v) for v in range(V)] for r in range(MR)]
+        def step(wk, xk, a):
+            # a + w x: one fused multiply-add a lane, or (pairs) vdpbf16ps's two bf16
+            # products a lane added to it
+            if not pairs:
+                return call_llvm(builder, f"llvm.fma.v{LANES}f32", vf, [wk, xk, a])
+            return call_llvm(builder, f"llvm.x86.avx512bf16.dpbf16ps.{32 * LANES}", vf,
+                             [a, builder.bitcast(wk, bf), builder.bitcast(xk, bf)])
+
+        accs = [[vec_at(ap, ir.Constant(i64, r), as_, v, vf) for v in range(V)] for r in range(MR)]
         vals = [[builder.load(p, align=4) for p in row] for row in accs]
         # the column loop with the accumulators as phi nodes (kept in registers)
         pre = builder.block
-        loop = builder.append_basic_block("float_tile.loop")
-        done = builder.append_basic_block("float_tile.done")
+        loop = builder.append_basic_block(f"{name}.loop")
+        done = builder.append_basic_block(f"{name}.done")
         builder.cbranch(builder.icmp_signed(">", kc, ir.Constant(i64, 0)), loop, done)
         builder.position_at_end(loop)
         k = builder.phi(i64)
@@ -93,15 +115,14 @@ def float_tile(typingctx, w, kc, x, acc, vecs):
         for r in range(MR):
             for v in range(V):
                 phis[r][v].add_incoming(vals[r][v], pre)
-        xv = [builder.load(vec_at(xp, k, xs, v), align=4) for v in range(V)]
+        xv = [builder.load(vec_at(xp, k, xs, v, ve), align=4) for v in range(V)]
         kb = builder.mul(k, ir.Constant(i64, 4))
         new = []
         for r in range(MR):
             wrow = builder.add(builder.mul(ir.Constant(i64, r), ws), kb)
-            wr = builder.load(builder.bitcast(builder.gep(wp, [wrow]), f32.as_pointer()), align=4)
+            wr = builder.load(builder.bitcast(builder.gep(wp, [wrow]), ve.element.as_pointer()), align=4)
             b = splat(builder, wr, LANES)
-            new.append([call_llvm(builder, f"llvm.fma.v{LANES}f32", vf, [b, xv[v], phis[r][v]])
-                        for v in range(V)])
+            new.append([step(b, xv[v], phis[r][v]) for v in range(V)])
         k1 = builder.add(k, ir.Constant(i64, 1))
         end = builder.block
         k.add_incoming(k1, end)
@@ -119,6 +140,26 @@ def float_tile(typingctx, w, kc, x, acc, vecs):
         return context.get_dummy_value()
 
     return types.void(w, types.int64, x, acc, vecs), codegen
+
+
+@intrinsic(prefer_literal=True)
+def float_tile(typingctx, w, kc, x, acc, vecs):
+    """acc (MR, vecs LANES) += w[:, :kc] @ x (kc, vecs LANES), all f32; w (MR, K_STEP)
+    C-contiguous (its row stride a constant, so the broadcasts' addresses are one
+    register and fixed offsets), x and acc any row strides (columns contiguous); vecs a
+    constant, 1 or 2. The accumulators stay in registers over the kc columns."""
+    return _register_tile("float_tile", w, kc, x, acc, vecs, False)
+
+
+@intrinsic(prefer_literal=True)
+def bf16_tile(typingctx, w, kc, x, acc, vecs):
+    """float_tile's product over kc pairs of columns, on AVX512_BF16's vdpbf16ps (only
+    where the target has it: isa.Isa.bf16_pairs): w (MR, K_STEP) u32, each the bf16 bits
+    of a row's columns 2j (low half) and 2j + 1, as the file holds them; x (kc, vecs
+    LANES) u32, each the same of a token, rounded to bf16 (pack_tokens_bf16). Per lane
+    and pair the two products are exact in f32 and added to the sum (the instruction's
+    own rounding: inputs' subnormals as zero, the result's flushed)."""
+    return _register_tile("bf16_tile", w, kc, x, acc, vecs, True)
 
 
 @njit(cache=True)
@@ -247,6 +288,29 @@ def pack_tokens(x, xp):
                 xp[p, k, j] = x[t, k] if t < T else np.float32(0)
 
 
+@njit(cache=True, parallel=True)
+def pack_tokens_bf16(x, xp2):
+    # x (T, n) f32, n even -> xp2 (P, n/2, PANEL) u32: pack_tokens' layout of column pairs,
+    # each x[t, 2j] and x[t, 2j + 1] rounded to bf16 (fp.bf16_bits) in the low and high
+    # half, as bf16_tile takes them (tokens past T zero)
+    T, n = x.shape
+    m = n // 2
+    xb = x.view(np.uint32)
+    runs = (m + 63) // 64
+    for i in prange(xp2.shape[0] * runs):
+        p = i // runs
+        j0 = (i - p * runs) * 64
+        for j in range(j0, min(m, j0 + 64)):
+            for u in range(PANEL):
+                t = p * PANEL + u
+                if t < T:
+                    lo = np.uint32(bf16_bits(xb[t, 2 * j]))
+                    hi = np.uint32(bf16_bits(xb[t, 2 * j + 1]))
+                    xp2[p, j, u] = lo | (hi << np.uint32(16))
+                else:
+                    xp2[p, j, u] = 0
+
+
 @njit(cache=True)
 def _block(w, kind, xp, T, out, r0, p0, p1, wb, acc):
     # out[p0 PANEL:p1 PANEL (at most T), r0:r0 + nr] = rows r0.. of W times panels p0..p1
@@ -273,6 +337,51 @@ def _block(w, kind, xp, T, out, r0, p0, p1, wb, acc):
     for t in range(p0 * PANEL, min(T, p1 * PANEL)):
         for r in range(nr):
             out[t, r0 + r] = acc[r, t]
+
+
+@njit(cache=True)
+def _block_bf16(w2, xp2, T, out, r0, p0, p1, wb, acc):
+    # _block on bf16_tile: w2 (d, n/2) u32 the file's bf16 weights as column pairs, xp2
+    # pack_tokens_bf16's, wb (ROWS, K_STEP) u32 (K_STEP pairs: the rows copied, not
+    # widened)
+    d, m = w2.shape
+    nr = min(ROWS, d - r0)
+    tiles = -(-nr // MR) * MR
+    acc[:tiles, p0 * PANEL:p1 * PANEL] = 0    # (rows nr..tiles: products never read)
+    for j0 in range(0, m, K_STEP):
+        jc = min(K_STEP, m - j0)
+        wb[:nr, :jc] = w2[r0:r0 + nr, j0:j0 + jc]
+        for p in range(p0, p1):
+            t0 = p * PANEL
+            if T - t0 > LANES:
+                for k in range(0, tiles, MR):
+                    bf16_tile(wb[k:k + MR], jc, xp2[p, j0:j0 + jc], acc[k:k + MR, t0:t0 + PANEL], 2)
+            else:                             # the last tokens fill one vector
+                for k in range(0, tiles, MR):
+                    bf16_tile(wb[k:k + MR], jc, xp2[p, j0:j0 + jc, :LANES],
+                              acc[k:k + MR, t0:t0 + LANES], 1)
+    for t in range(p0 * PANEL, min(T, p1 * PANEL)):
+        for r in range(nr):
+            out[t, r0 + r] = acc[r, t]
+
+
+@njit(cache=True, parallel=True)
+def _gemm_bf16(w2, xp2, T, out, parts, wbufs, accs, counter):
+    # _gemm's items on _block_bf16 (compiled only where the target has AVX512_BF16)
+    blocks = -(-w2.shape[0] // ROWS)
+    P = xp2.shape[0]
+    items = blocks * parts
+    counter[0] = 0
+    for _ in prange(items):
+        while True:
+            i = take(counter)
+            if i >= items:
+                break
+            b = i // parts
+            q = i - b * parts
+            me = numba.get_thread_id()
+            _block_bf16(w2, xp2, T, out, b * ROWS, q * P // parts, (q + 1) * P // parts,
+                        wbufs[me], accs[me])
 
 
 @njit(cache=True, parallel=True)
@@ -314,3 +423,11 @@ def float_gemm(w, kind, x, out, xp, wbufs, accs, counter, parts=1):
     accs (threads, ROWS, panels(T) PANEL) f32; counter (1,) int64."""
     pack_tokens(x, xp)
     _gemm(w, kind, xp, x.shape[0], out, parts, wbufs, accs, counter)
+
+
+def bf16_gemm(w, x, out, xp2, wbufs, accs, counter, parts=1):
+    """float_gemm of bf16 weights (u16 bits, n even) on bf16_tile, x rounded to bf16 as
+    llama.cpp rounds it for these weights: where target.BF16_PAIRS. Scratch as
+    float_gemm's, but xp2 (panels(T), n/2, PANEL) u32."""
+    pack_tokens_bf16(x, xp2)
+    _gemm_bf16(w.view(np.uint32), xp2, x.shape[0], out, parts, wbufs.view(np.uint32), accs, counter)

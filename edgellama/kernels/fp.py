@@ -73,6 +73,15 @@ def bf16_to_f32(typingctx, h):
     return types.float32(types.uint16), codegen
 
 
+@njit(cache=True, inline="always")
+def bf16_bits(n):
+    # f32 bits (u32) -> bf16 bits (u16), nearest even; NaN stays a quiet NaN, inf inf
+    # (ggml_compute_fp32_to_bf16)
+    if (n & 0x7FFFFFFF) > 0x7F800000:
+        return np.uint16(((n >> 16) & 0xFFFF) | 64)
+    return np.uint16((np.uint64(n) + np.uint64(0x7FFF + ((n >> 16) & 1))) >> 16)
+
+
 @njit(cache=True, fastmath=True, inline="always")
 def float_at(w, i, k, kind):
     # element k of row i of W as f32: kind 0 f32, 1 f16 bits, 2 bf16 bits (a runtime

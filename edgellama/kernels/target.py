@@ -32,3 +32,5 @@ ISA = target_isa(FEATURES)
 TARGET = ISAS[ISA]
 # f16 <-> f32 in one instruction (fp.py): F16C on x86, always on AArch64
 HALF_NATIVE = TARGET.half_native(FEATURES)
+# BF16 weights' prefill on bf16 pair products (float_gemm.bf16_tile): AVX512_BF16
+BF16_PAIRS = TARGET.has_bf16_pairs(FEATURES)

@@ -10,7 +10,7 @@ import pytest
 from edgellama.kernels import float_gemm as fg
 from edgellama.kernels.float_gemm import K_STEP, LANES, MR, PANEL, ROWS, float_tile
 from edgellama.kernels.isa import ISAS
-from edgellama.kernels.target import TARGET
+from edgellama.kernels.target import BF16_PAIRS, TARGET
 
 EPS = np.finfo(np.float32).eps
 
@@ -174,3 +174,105 @@ def test_float_row_dot_matches_float64_within_the_bound(kind, n):
     out = np.full(5, np.nan, np.float32)
     matvec_float(w, x[0], out, kind)
     _check(out[None, :], x, wf)
+
+
+# BF16 prefill on AVX512_BF16's pair products (bf16_gemm: x rounded to bf16 as llama.cpp
+# rounds it for these weights)
+
+def _bf16_round(x):
+    """x (f32) rounded to bf16 as ggml_compute_fp32_to_bf16 does (nearest even; NaN a
+    quiet NaN), as f32: the NumPy twin of fp.bf16_bits."""
+    u = x.view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint32)
+    nan = (x.view(np.uint32) & 0x7FFFFFFF) > 0x7F800000
+    r[nan] = (x.view(np.uint32)[nan] >> 16) | 64
+    return (r << 16).view(np.float32)
+
+
+def test_bf16_packing_rounds_as_ggml_and_pairs_the_columns():
+    """pack_tokens_bf16 (runs on every CPU): ties to even either way, a carry into the
+    exponent, the largest finite value rounding to inf, inf, NaN, signed zero; column
+    2j in each word's low half and 2j + 1 in its high half; tokens past T zero."""
+    special = np.array([1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, 1 - 2.0 ** -25, -(1 + 2.0 ** -8),
+                        np.finfo(np.float32).max, np.inf, -np.inf, np.nan, -0.0, 1e-40],
+                       np.float32)
+    rng = np.random.default_rng(3)
+    T, n = PANEL + 5, 2 * K_STEP + 6
+    x = rng.standard_normal((T, n)).astype(np.float32)
+    x[0, :special.size] = special
+    x[3, 1:special.size + 1] = special
+    xp2 = np.full((2, n // 2, PANEL), 0xDEADBEEF, np.uint32)
+    fg.pack_tokens_bf16(x, xp2)
+    lo = (xp2 & 0xFFFF).astype(np.uint32) << 16
+    hi = xp2 & 0xFFFF0000
+    got = np.empty((2 * PANEL, n), np.float32)
+    got[:, 0::2] = lo.view(np.float32).transpose(0, 2, 1).reshape(2 * PANEL, n // 2)
+    got[:, 1::2] = hi.view(np.float32).transpose(0, 2, 1).reshape(2 * PANEL, n // 2)
+    want = np.zeros_like(got)
+    want[:T] = _bf16_round(x)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert got[0, 0] == 1 and got[0, 1] == 1 + 2.0 ** -6 and got[0, 2] == 1
+    assert got[0, 4] == np.inf and np.isnan(got[0, 7])
+
+
+def _bf16_gemm(w, x, parts=1):
+    """bf16_gemm with scratch of NaN bits (no reliance on zeros)."""
+    T, n = x.shape
+    threads = numba.config.NUMBA_NUM_THREADS
+    P = -(-T // PANEL)
+    out = np.full((T, w.shape[0]), np.nan, np.float32)
+    xp2 = np.full((P, n // 2, PANEL), 0x7FC07FC0, np.uint32)
+    wb = np.full((threads, ROWS, K_STEP), np.nan, np.float32)
+    acc = np.full((threads, ROWS, P * PANEL), np.nan, np.float32)
+    fg.bf16_gemm(w, x, out, xp2, wb, acc, np.zeros(1, np.int64), parts)
+    return out
+
+
+needs_bf16_pairs = pytest.mark.skipif(not BF16_PAIRS, reason="this CPU has no AVX512_BF16 "
+                                      "(the packing and the choice of path are tested everywhere)")
+
+
+@needs_bf16_pairs
+@pytest.mark.parametrize("d,n,T", SHAPES)
+def test_bf16_gemm_matches_float64_of_the_rounded_x_within_the_bound(d, n, T):
+    rng = np.random.default_rng(d * n + T + 1)
+    w, wf = _weights(rng, d, n, 2)
+    w[0, :5] = 0                            # the bf16 pair products flush subnormals
+    wf[0, :5] = 0
+    x = rng.standard_normal((T, n), dtype=np.float32)
+    _check(_bf16_gemm(w, x), _bf16_round(x), wf)
+
+
+@needs_bf16_pairs
+def test_bf16_gemm_is_exact_where_every_sum_is():
+    """Small integers: the pair products and every partial sum are exact in f32, so a
+    column, row or token misplaced anywhere would show."""
+    rng = np.random.default_rng(11)
+    d, n, T = 2 * ROWS + MR + 3, 2 * K_STEP + 34, 2 * PANEL + LANES - 3
+    wi = rng.integers(-8, 9, (d, n)).astype(np.float32)
+    x = rng.integers(-8, 9, (T, n)).astype(np.float32)
+    w = (wi.view(np.uint32) >> 16).astype(np.uint16)
+    for parts in (1, 2, 3):
+        np.testing.assert_array_equal(_bf16_gemm(w, x, parts), x.astype(np.int64) @ wi.T.astype(np.int64))
+
+
+@needs_bf16_pairs
+def test_bf16_weights_take_the_pair_products_unless_fine():
+    """A BF16 Linear's prefill: x rounded to bf16 by default (the pair products), in f32
+    with fine (the float GEMM), each within its own bound and not the other's."""
+    from edgellama.formats import linear
+    import gguf
+    rng = np.random.default_rng(12)
+    d, n, T = 40, K_STEP + 64, 9
+    w, wf = _weights(rng, d, n, 2)
+    w[0, :5] = 0
+    wf[0, :5] = 0
+    lin = linear(int(gguf.GGMLQuantizationType.BF16), [(w.view(np.uint8), (d, n))])
+    x = rng.standard_normal((T, n), dtype=np.float32)
+    out = np.empty((T, d), np.float32)
+    lin.matmul(x, out)
+    _check(out, _bf16_round(x), wf)
+    assert not np.allclose(out, x.astype(np.float64) @ wf.T, rtol=0, atol=1e-5)
+    lin.fine = True
+    lin.matmul(x, out)
+    _check(out, x, wf)

@@ -1,7 +1,8 @@
 """isa.py's table: every row has what the kernels use, lowers its pair-dot with no more
 than the features it needs, and the choice from a feature set is the one the kernels
 made before the table (VNNI needs BW's bytes too, AVX-VNNI AVX2 too, AVX2 alone, else generic; f16 in one
-instruction with F16C and AVX on x86; AMX tiles on top of the VNNI row)."""
+instruction with F16C and AVX on x86; AMX tiles and AVX512_BF16's pair products on top
+of the VNNI row)."""
 import ctypes
 
 import llvmlite.binding as llvm
@@ -12,7 +13,7 @@ from llvmlite import ir
 from edgellama.kernels import isa
 from edgellama.kernels.isa import AVX2, AVX_VNNI, GENERIC, ISA_NAMES, ISAS, VNNI512, target_isa
 from edgellama.kernels.simd import RECORD_ROWS, TOKENS
-from edgellama.kernels.target import FEATURES, HALF_NATIVE, ISA, TARGET
+from edgellama.kernels.target import BF16_PAIRS, FEATURES, HALF_NATIVE, ISA, TARGET
 
 ROWS = [pytest.param(row, id=row.name) for row in ISAS]
 
@@ -21,6 +22,7 @@ ROWS = [pytest.param(row, id=row.name) for row in ISAS]
 def test_every_row_has_what_the_kernels_use(row):
     assert row.name and ISA_NAMES[ISAS.index(row)] == row.name
     assert isinstance(row.needs, frozenset) and isinstance(row.tiles, frozenset)
+    assert isinstance(row.bf16_pairs, frozenset)
     assert row.half is None or isinstance(row.half, frozenset)
     assert callable(row.pair_dot) and (row.weight_sums is None or callable(row.weight_sums))
     assert callable(row.word_dot) and isinstance(row.v_int16, bool)
@@ -173,8 +175,13 @@ def test_half_conversion_and_tiles_as_before_the_table(features):
     amx = {"amx-tile", "amx-int8"}
     assert not row.has_tiles(features)
     assert row.has_tiles(features | amx) == (target_isa(features | amx) == VNNI512)
+    # BF16 prefill's pair products likewise on top of the VNNI row only
+    assert not row.has_bf16_pairs(features)
+    assert (row.has_bf16_pairs(features | {"avx512bf16"})
+            == (target_isa(features | {"avx512bf16"}) == VNNI512))
 
 
 def test_this_target_is_the_tables_choice():
     assert TARGET is ISAS[ISA] and ISA == target_isa(FEATURES)
     assert HALF_NATIVE == TARGET.half_native(FEATURES)
+    assert BF16_PAIRS == TARGET.has_bf16_pairs(FEATURES)

@@ -6,6 +6,7 @@ import pytest
 import edgellama
 from edgellama.formats import FORMATS, WRITABLE
 from edgellama.gguf import GGUFFile
+from edgellama.kernels.target import BF16_PAIRS
 from edgellama.model import KVCache, Transformer
 from edgellama.sampling import SamplingParams
 from reference import load_reference, reference_forward
@@ -43,10 +44,26 @@ def _rel_err(a, b):
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
+def _bf16_x_product(x, W, name):
+    """x W^T with x rounded to bf16 (nearest even): BF16 weights' prefill on the bf16
+    pair products (float_gemm.bf16_gemm)."""
+    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    xr = (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+    return xr.astype(np.float64) @ W[name].T
+
+
 def test_prefill_matches_reference(tiny):
     qtype, path, ref = tiny
     m = _model(path)
     out = m.forward(TOKENS, m.new_sequence(), all_logits=True)
+    if qtype == "BF16" and BF16_PAIRS:
+        # x rounded to bf16 by default, as llama.cpp multiplies BF16 weights: against the
+        # reference that rounds it so; with fine, x in f32, against the exact one
+        meta, W = load_reference(path)
+        assert _rel_err(out, reference_forward(meta, W, TOKENS, product=_bf16_x_product)) < TOL[qtype]
+        assert _rel_err(out, ref) > 10 * TOL[qtype]         # the rounding is there to see
+        m.set_activations("fine")
+        out = m.forward(TOKENS, m.new_sequence(), all_logits=True)
     assert _rel_err(out, ref) < TOL[qtype]
 
 
