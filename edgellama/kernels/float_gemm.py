@@ -22,6 +22,12 @@ multiplies them there with every token:
 The register tile's shape is the instruction set's row (isa.Isa.float_tile): 12 rows x
 32 tokens in AVX-512's 32 registers, 6 x 16 in AVX2's 16. Each output is one
 multiply-add chain over the columns in order, the same for every token and thread.
+
+BF16 weights, where the target has AVX512_BF16 (isa.Isa.bf16_pairs), take the same
+blocks and tiles on vdpbf16ps instead (bf16_gemm): the rows' bf16 pairs are copied as
+they are, x is rounded to bf16 and packed as pairs of columns (pack_tokens_bf16), and
+each instruction adds two products a lane: twice the multiplies of an f32 FMA, at
+llama.cpp's precision for these weights (x in bf16) rather than f32's.
 """
 from __future__ import annotations
 
