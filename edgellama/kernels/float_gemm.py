@@ -36,7 +36,7 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core.errors import TypingError
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from .claim import take
 from .fp import bf16_bits, float_at, half_to_float_ir
@@ -371,23 +371,17 @@ def _block_bf16(w2, xp2, T, out, r0, p0, p1, wb, acc):
             out[t, r0 + r] = acc[r, t]
 
 
-@njit(cache=True, parallel=True)
-def _gemm_bf16(w2, xp2, T, out, parts, wbufs, accs, counter):
-    # _gemm's items on _block_bf16 (compiled only where the target has AVX512_BF16)
-    blocks = -(-w2.shape[0] // ROWS)
-    P = xp2.shape[0]
-    items = blocks * parts
-    counter[0] = 0
-    for _ in prange(items):
-        while True:
-            i = take(counter)
-            if i >= items:
-                break
-            b = i // parts
-            q = i - b * parts
-            me = numba.get_thread_id()
-            _block_bf16(w2, xp2, T, out, b * ROWS, q * P // parts, (q + 1) * P // parts,
-                        wbufs[me], accs[me])
+def _item(w, kind, xp, T, out, r0, p0, p1, wb, acc):
+    """_gemm's work item: _block, or _block_bf16 where the weights come as bf16 pairs
+    (u32); chosen by the arguments' types, so that a target without AVX512_BF16 never
+    compiles bf16_tile."""
+
+
+@overload(_item)
+def _item_typed(w, kind, xp, T, out, r0, p0, p1, wb, acc):
+    if wb.dtype == types.uint32:
+        return lambda w, kind, xp, T, out, r0, p0, p1, wb, acc: _block_bf16(w, xp, T, out, r0, p0, p1, wb, acc)
+    return lambda w, kind, xp, T, out, r0, p0, p1, wb, acc: _block(w, kind, xp, T, out, r0, p0, p1, wb, acc)
 
 
 @njit(cache=True, parallel=True)
@@ -407,8 +401,8 @@ def _gemm(w, kind, xp, T, out, parts, wbufs, accs, counter):
             b = i // parts
             q = i - b * parts
             me = numba.get_thread_id()
-            _block(w, kind, xp, T, out, b * ROWS, q * P // parts, (q + 1) * P // parts,
-                   wbufs[me], accs[me])
+            _item(w, kind, xp, T, out, b * ROWS, q * P // parts, (q + 1) * P // parts,
+                  wbufs[me], accs[me])
 
 
 def panels(T: int) -> int:
@@ -436,4 +430,4 @@ def bf16_gemm(w, x, out, xp2, wbufs, accs, counter, parts=1):
     llama.cpp rounds it for these weights: where target.BF16_PAIRS. Scratch as
     float_gemm's, but xp2 (panels(T), n/2, PANEL) u32."""
     pack_tokens_bf16(x, xp2)
-    _gemm_bf16(w.view(np.uint32), xp2, x.shape[0], out, parts, wbufs.view(np.uint32), accs, counter)
+    _gemm(w.view(np.uint32), 2, xp2, x.shape[0], out, parts, wbufs.view(np.uint32), accs, counter)

@@ -1,8 +1,12 @@
-"""float_gemm.py, the prefill GEMM of F32 / F16 / BF16 weights: its products against
-float64 NumPy within the error bound of an f32 sum in any order, over shapes that leave
-partial register tiles, row blocks, column steps and token panels; the same bits
-whatever the thread count; its register tile on its own; and every instruction set's tile
-shape, run here."""
+"""float_gemm.py, the products of F32 / F16 / BF16 weights. Prefill's GEMM: its products
+against float64 NumPy within the error bound of an f32 sum in any order, over shapes that
+leave partial register tiles, row blocks, column steps and token panels; the same bits
+whatever the thread count; its register tile on its own; every instruction set's tile
+shape, run here; BF16 on the pair products (x rounded as ggml rounds it, where the CPU
+has AVX512_BF16). Decode's row dot: exact where every sum is, within the bound
+elsewhere."""
+from types import FunctionType
+
 import numba
 import numpy as np
 import pytest
@@ -131,8 +135,12 @@ def test_every_rows_tile_shape_gives_the_product(monkeypatch, row):
     mr, lanes = row.float_tile
     for name, value in (("MR", mr), ("LANES", lanes), ("ROWS", 8 * mr), ("PANEL", 2 * lanes)):
         monkeypatch.setattr(fg, name, value)
-    for f in ("pack_tokens", "_block", "_gemm"):      # callees first: callers bind them
+    for f in ("pack_tokens", "_block"):
         monkeypatch.setattr(fg, f, numba.njit(parallel=f != "_block")(getattr(fg, f).py_func))
+    # _gemm's items on the _block just made (its _item overload keeps the one it compiled)
+    g = fg._gemm.py_func
+    items_here = FunctionType(g.__code__, {**g.__globals__, "_item": fg._block}, g.__name__)
+    monkeypatch.setattr(fg, "_gemm", numba.njit(parallel=True)(items_here))
     rng = np.random.default_rng(mr * lanes)
     d, n, T = 2 * 8 * mr + mr + 3, K_STEP + 32, 2 * 2 * lanes + lanes - 1
     w, wf = _weights(rng, d, n, 1)
