@@ -116,10 +116,25 @@ def weight_parts(raw, fmt):
 
 # --- runtime Linear -------------------------------------------------------------------------
 
+def bf16_round(x):
+    """x (f32) rounded to bf16 as ggml_compute_fp32_to_bf16 rounds it (nearest even; NaN a
+    quiet NaN), as f32: what BF16 weights' prefill on the pair products multiplies
+    (float_gemm.bf16_gemm)."""
+    x = np.asarray(x, np.float32)
+    u = x.view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint32)
+    nan = (x.view(np.uint32) & 0x7FFFFFFF) > 0x7F800000
+    r[nan] = (x.view(np.uint32)[nan] >> 16) | 64
+    return (r << 16).view(np.float32)
+
+
 def check(got, ref_w, x, x_quantized=False, block=32, mag=None):
     """got = x @ ref_w.T to float32 accuracy; x_quantized: x was rounded to int8 per
-    block. mag (default |ref_w|): the magnitude of what a kernel sums per weight, where
-    that is more than |w| (a format with a min sums d q x and m x apart: |d q| + |m|)."""
+    block (True) or to bf16 ("bf16": then got = bf16(x) @ ref_w.T to float32 accuracy).
+    mag (default |ref_w|): the magnitude of what a kernel sums per weight, where that is
+    more than |w| (a format with a min sums d q x and m x apart: |d q| + |m|)."""
+    if x_quantized == "bf16":
+        x, x_quantized = bf16_round(x), False
     want = x.astype(np.float64) @ ref_w.T
     mag = np.abs(ref_w) if mag is None else mag
     tol = 64 * EPS * (np.abs(x) @ mag.T) + 1e-30
@@ -132,7 +147,7 @@ def check(got, ref_w, x, x_quantized=False, block=32, mag=None):
 
 def check_matmul(lin, ref_w, T, x_quantized=False, mag=None):
     """Prefill of T tokens; x_quantized: the format's prefill rounds x to int8 per block
-    (formats.records.RecordLinear)."""
+    (formats.records.RecordLinear) or to bf16 ("bf16")."""
     rows, n = ref_w.shape
     x = np.random.default_rng(2).standard_normal((T, n)).astype(np.float32)
     out = np.full((T, rows), np.nan, np.float32)

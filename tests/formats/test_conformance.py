@@ -28,6 +28,7 @@ from quantize_cases import GOLDEN, LIVE, golden_counts, small_cases, small_edge_
 from edgellama.errors import EdgeError
 from edgellama.formats import FORMATS, quantize
 from edgellama.formats.records import RecordLinear
+from edgellama.kernels.target import BF16_PAIRS
 
 ALL = list(FORMATS.values())
 QUANTIZED = [f for f in ALL if f.block_size > 1]
@@ -54,7 +55,10 @@ def decode_rounds(fmt) -> bool:
     return fmt.block_size > 1
 
 
-def prefill_rounds(fmt) -> bool:
+def prefill_rounds(fmt) -> bool | str:
+    # int8 per block (the record formats), bf16 (BF16 on the bf16 pair products), or not
+    if fmt.name == "BF16" and BF16_PAIRS:
+        return "bf16"
     return issubclass(fmt.linear, RecordLinear)
 
 

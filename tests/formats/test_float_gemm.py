@@ -11,6 +11,8 @@ import numba
 import numpy as np
 import pytest
 
+from format_cases import bf16_round
+
 from edgellama.kernels import float_gemm as fg
 from edgellama.kernels.float_gemm import K_STEP, LANES, MR, PANEL, ROWS, float_tile
 from edgellama.kernels.isa import ISAS
@@ -187,16 +189,6 @@ def test_float_row_dot_matches_float64_within_the_bound(kind, n):
 # BF16 prefill on AVX512_BF16's pair products (bf16_gemm: x rounded to bf16 as llama.cpp
 # rounds it for these weights)
 
-def _bf16_round(x):
-    """x (f32) rounded to bf16 as ggml_compute_fp32_to_bf16 does (nearest even; NaN a
-    quiet NaN), as f32: the NumPy twin of fp.bf16_bits."""
-    u = x.view(np.uint32).astype(np.uint64)
-    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint32)
-    nan = (x.view(np.uint32) & 0x7FFFFFFF) > 0x7F800000
-    r[nan] = (x.view(np.uint32)[nan] >> 16) | 64
-    return (r << 16).view(np.float32)
-
-
 def test_bf16_packing_rounds_as_ggml_and_pairs_the_columns():
     """pack_tokens_bf16 (runs on every CPU): ties to even either way, a carry into the
     exponent, the largest finite value rounding to inf, inf, NaN, signed zero; column
@@ -217,7 +209,7 @@ def test_bf16_packing_rounds_as_ggml_and_pairs_the_columns():
     got[:, 0::2] = lo.view(np.float32).transpose(0, 2, 1).reshape(2 * PANEL, n // 2)
     got[:, 1::2] = hi.view(np.float32).transpose(0, 2, 1).reshape(2 * PANEL, n // 2)
     want = np.zeros_like(got)
-    want[:T] = _bf16_round(x)
+    want[:T] = bf16_round(x)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     assert got[0, 0] == 1 and got[0, 1] == 1 + 2.0 ** -6 and got[0, 2] == 1
     assert got[0, 4] == np.inf and np.isnan(got[0, 7])
@@ -248,7 +240,7 @@ def test_bf16_gemm_matches_float64_of_the_rounded_x_within_the_bound(d, n, T):
     w[0, :5] = 0                            # the bf16 pair products flush subnormals
     wf[0, :5] = 0
     x = rng.standard_normal((T, n), dtype=np.float32)
-    _check(_bf16_gemm(w, x), _bf16_round(x), wf)
+    _check(_bf16_gemm(w, x), bf16_round(x), wf)
 
 
 @needs_bf16_pairs
@@ -279,7 +271,7 @@ def test_bf16_weights_take_the_pair_products_unless_fine():
     x = rng.standard_normal((T, n), dtype=np.float32)
     out = np.empty((T, d), np.float32)
     lin.matmul(x, out)
-    _check(out, _bf16_round(x), wf)
+    _check(out, bf16_round(x), wf)
     assert not np.allclose(out, x.astype(np.float64) @ wf.T, rtol=0, atol=1e-5)
     lin.fine = True
     lin.matmul(x, out)
