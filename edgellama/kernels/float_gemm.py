@@ -39,7 +39,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic, overload
 
 from .claim import take
-from .fp import bf16_bits, float_at, half_to_float_ir
+from .fp import bf16_bits, bf16_to_float_ir, float_at, half_to_float_ir
 from .isa import call_llvm, splat
 from .simd import L2
 from .target import TARGET
@@ -212,8 +212,7 @@ def float_row_dot(typingctx, w, r, x, kind):
             return half_to_float_ir(builder, bits)
 
         def bf16(bits):
-            wide = builder.zext(bits, ir.VectorType(i32, LANES))
-            return builder.bitcast(builder.shl(wide, ir.Constant(wide.type, [16] * LANES)), vf)
+            return bf16_to_float_ir(builder, bits)
 
         def row_sum(widen):
             # the loop over the row's steps, from the current block; leaves the builder

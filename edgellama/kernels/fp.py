@@ -64,12 +64,20 @@ def _f32_to_f16_native(typingctx, x):
     return types.uint16(types.float32), codegen
 
 
+def bf16_to_float_ir(builder, bits):
+    """IR: bfloat16 bits (i16 or <n x i16>) -> float (or <n x float>), exactly: the top
+    half of the f32 bit pattern."""
+    n = bits.type.count if isinstance(bits.type, ir.VectorType) else None
+    i32 = ir.VectorType(ir.IntType(32), n) if n else ir.IntType(32)
+    f32 = ir.VectorType(ir.FloatType(), n) if n else ir.FloatType()
+    return builder.bitcast(builder.shl(builder.zext(bits, i32), _like(i32, 16)), f32)
+
+
 @intrinsic
 def bf16_to_f32(typingctx, h):
-    # u16 bf16 bits -> f32: the top half of the f32 bit pattern
+    # u16 bf16 bits -> f32
     def codegen(context, builder, sig, args):
-        bits = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
-        return builder.bitcast(bits, ir.FloatType())
+        return bf16_to_float_ir(builder, args[0])
     return types.float32(types.uint16), codegen
 
 
