@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 import numba
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-from numba import njit, prange
+from numba import prange
 
+from ..kernels.jit import njit
 from ..scratch import Scratch
 
 def block_sizes(name: str) -> tuple[int, int]:

@@ -9,10 +9,11 @@ from __future__ import annotations
 import numba
 import numpy as np
 from gguf.constants import LlamaFileType
-from numba import njit, prange
+from numba import prange
 
 from ..kernels import float_gemm as fg
 from ..kernels.fp import bf16_to_f32, f16_bits, f16_to_f32, float_at
+from ..kernels.jit import njit
 from ..kernels.simd import DECODE_STREAMS
 from ..kernels.target import BF16_PAIRS
 from ..scratch import Scratch

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import numpy as np
 from gguf.constants import LlamaFileType
-from numba import njit, prange
+from numba import prange
 
 from ..kernels.amx import KIND_IQ4_XS
 from ..kernels.fp import get_f16, nearest_int, put_f16
+from ..kernels.jit import njit
 from ..kernels.simd import IQ4_VALUES, IQ4XS_D, IQ4XS_QS, IQ4XS_RECORD, IQ4XS_SC, K_GROUP, KIND_IQ4_NL, RECORD_ROWS
 from .base import WeightFormat, block_sizes
 from .records import XS, BlocksLinear, RecordLinear, prep_q8_x, product_kernels

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import numpy as np
 from gguf.constants import LlamaFileType
-from numba import njit, prange
+from numba import prange
 
 from ..kernels.fp import get_f16, nearest_int, put_f16
+from ..kernels.jit import njit
 from ..kernels.simd import Q2K_DMIN, Q2K_RECORD, Q2K_SC, Q6K_D, Q6K_QS, RECORD_ROWS
 from .base import WeightFormat, block_sizes
 from .q3_k import QK, pack_2bit, put_scale, tile_span

@@ -24,10 +24,11 @@ from __future__ import annotations
 import numba
 import numpy as np
 from gguf.constants import LlamaFileType
-from numba import njit, prange
+from numba import prange
 
 from ..kernels.amx import KIND_Q6_K
 from ..kernels.fp import get_f16, nearest_int, put_f16
+from ..kernels.jit import njit
 from ..kernels.simd import K_GROUP, Q3K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS
 from . import records
 from .base import WeightFormat, block_sizes

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 from gguf.constants import LlamaFileType
-from numba import njit, prange
+from numba import prange
 
 from ..kernels.fp import get_f16, put_f16, wrap_u8
+from ..kernels.jit import njit
 from ..kernels.simd import KIND_Q4_0, KIND_Q4_1
 from .base import WeightFormat, block_sizes
 from .records import BlocksLinear

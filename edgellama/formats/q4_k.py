@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import numpy as np
 from gguf.constants import LlamaFileType
-from numba import njit, prange
+from numba import prange
 
 from ..kernels.amx import KIND_Q4_K, KIND_Q5_K
 from ..kernels.fp import get_f16, nearest_int, put_f16
+from ..kernels.jit import njit
 from ..kernels.simd import (Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH, Q5K_RECORD,
                     RECORD_ROWS, K_GROUP)
 from .base import WeightFormat, block_sizes

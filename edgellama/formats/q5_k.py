@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 from gguf.constants import LlamaFileType
-from numba import njit, prange
+from numba import prange
 
 from ..kernels.fp import get_f16
+from ..kernels.jit import njit
 from ..kernels.simd import Q5K_RECORD
 from .base import WeightFormat
 from .q4_k import _CHUNK, _G, Q5K_BYTES, QK_K, Q4KLinear, k_group_scratch, k_scales, quantize_k_group

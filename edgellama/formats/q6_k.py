@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import numpy as np
 from gguf.constants import LlamaFileType
-from numba import njit, prange
+from numba import prange
 
 from ..kernels.amx import KIND_Q6_K
 from ..kernels.fp import get_f16, nearest_int, put_f16
+from ..kernels.jit import njit
 from ..kernels.simd import K_GROUP, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS
 from .base import WeightFormat, block_sizes
 from .records import SUB16, RecordLinear, kernels_by_kind, prep_q8_x

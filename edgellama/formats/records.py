@@ -21,12 +21,13 @@ tile instruction instead (amx.amx_blocks_gemm, matmul_blocks_amx), with the same
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from ..kernels import amx
 from ..kernels.amx import AMX_TOKENS, GROUPS, KIND_IQ4_XS, KIND_Q4_K, KIND_Q5_K, KIND_Q6_K, amx_blocks_gemm
 from ..kernels.claim import take
 from ..kernels.fp import get_f16
+from ..kernels.jit import njit
 from ..kernels.simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, IQ4_VALUES, ISA, KIND_IQ4_NL, KIND_Q4_0,
                             KIND_Q4_1, KIND_Q5_0, KIND_Q5_1, KIND_Q8_0, RECORD_ROWS, TOKENS, Q8X, blocks_gemm,
                             iq4xs_gemm, q4k_gemm, q6_gemm, tile)

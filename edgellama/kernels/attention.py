@@ -34,10 +34,11 @@ import numpy as np
 from llvmlite import ir
 from numba import prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
 
 from ..formats.records import prep_q8_x
 from .fp import f16_to_f32, f32_to_f16, half_to_float_ir
+from .jit import njit, overload
 from .rows import (_AVX512, _MIN_LOGIT, _VREGS, Rows, _exp_neg, _fma, _scores, _weighted, in_passes,
                    rows_ir)
 from .simd import ISA, L2, Q8X, _dot, call_llvm, ir_ptr, prefetch_ir, splat
@@ -336,7 +337,7 @@ def _weighted_i16(typingctx, v, wq, winv, out, hd, n, g):
     return types.void(v, wq, winv, out, hd, n, g), codegen
 
 
-@nb.njit(cache=True, error_model="numpy", fastmath={"nnan", "ninf", "nsz"})
+@njit(cache=True, error_model="numpy", fastmath={"nnan", "ninf", "nsz"})
 def _scale_v_blocks(dvt, n, nbk, mx):
     # dvt (nbk, _CHUNK): a chunk's n V scales by block -> mx[b] = max_p dv(p, b) and the
     # row scaled in place to t(p, b) = dv(p, b) (W16 / mx[b]) (0 where mx[b] = 0)
@@ -348,7 +349,7 @@ def _scale_v_blocks(dvt, n, nbk, mx):
             dvt[b * _CHUNK + p] *= s
 
 
-@nb.njit(cache=True, error_model="numpy", fastmath={"nnan", "ninf", "nsz"})
+@njit(cache=True, error_model="numpy", fastmath={"nnan", "ninf", "nsz"})
 def _round_weights(w, n, t, mx, nbk, g, wq, winv):
     """A q8_0 V's weights for _weighted_i16, in f32 steps a twin can repeat (no
     reassociation, reciprocal or contraction licence): for rows j < g of w (Rows), mw_j =
@@ -402,7 +403,7 @@ def _round_rows(typingctx, w, t, r, n, nbk, g, wq):
     return types.void(w, t, r, n, nbk, g, wq), codegen
 
 
-@nb.njit(cache=True)
+@njit(cache=True, fastmath=True)
 def _scores_q(k, q, qoff, s, hd, nblk, g, kind):
     # _scores_q16 with g and kind as constants, g 1.._GMAX
     if kind == KIND_Q8:
@@ -441,7 +442,7 @@ def _scores_q(k, q, qoff, s, hd, nblk, g, kind):
             _scores_q16(k, q, qoff, s, hd, nblk, 7, 1)
 
 
-@nb.njit(cache=True)
+@njit(cache=True, fastmath=True)
 def _weighted_q(v, w, out, hd, n, g, kind):
     # _weighted_q16 with g and kind as constants, g 1.._GMAX
     if kind == KIND_Q8:
@@ -480,7 +481,7 @@ def _weighted_q(v, w, out, hd, n, g, kind):
             _weighted_q16(v, w, out, hd, n, 7, 1)
 
 
-@nb.njit(cache=True)
+@njit(cache=True)
 def _weighted_i16_g(v, wq, winv, out, hd, n, g):
     # _weighted_i16 with g as a constant, g 1.._GMAX
     if g == 4:
@@ -530,7 +531,7 @@ def _max_of(typingctx, s, off, n):
 # -- f16 with a head dim not a multiple of 16: plain loops (functions of their own: inlined
 # at each of attention's call sites, their loop variables trip Numba's SSA check)
 
-@nb.njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def _scores_plain(kq, base, q32, r, hd, s, soff, nblk, g):
     # s[soff + j _CHUNK + 16 blk + l] = q_{r+j} . K(blk, l), K f16 bits (nblk, hd, 16) from base
     for blk in range(nblk):
@@ -542,7 +543,7 @@ def _scores_plain(kq, base, q32, r, hd, s, soff, nblk, g):
                 s[soff + j * _CHUNK + blk * KV_BLOCK + lane] = acc
 
 
-@nb.njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def _weighted_plain(vq, base, hd, w, woff, n, out, ooff, g):
     # out[ooff + j hd + i] += sum_p w[woff + j _CHUNK + p] V(p, i), V f16 bits (n, hd) from base
     for p in range(n):
@@ -581,6 +582,8 @@ class Query(NamedTuple):
 # each holds a register kernel for every row count 1.._GMAX, and inlined at attention's
 # call sites they made its compile most of a first start (design_measurements.json:
 # "Attention's compile"); called, each compiles once, at no loss of speed measured.
+# Each states attention's float licence (fastmath) but _weighted_i16_g, whose sums are
+# exact and whose twin scales and adds them without a fused multiply-add.
 def _chunk_scores(k, c0, n, q, r, s, g, gm):
     """Scores of query rows r.. over n positions from c0 (njit only: see the overload)."""
     raise NotImplementedError
@@ -591,7 +594,7 @@ def _chunk_weighted(v, c0, n, w, out, g, gm, dvf):
     raise NotImplementedError
 
 
-@overload(_chunk_scores)
+@overload(_chunk_scores, jit_options={"fastmath": True})
 def _ov_chunk_scores(k, c0, n, q, r, s, g, gm):
     # scores s.a[s.off + j s.stride + p] = q_{r+j} . k_{c0+p}, p < n rounded up to 16, j < g,
     # gm rows a register-kernel call; k a Head, q a Query, s Rows of stride _CHUNK
@@ -627,7 +630,7 @@ def v_scratch_size(nbk):
     return nbk * _CHUNK + 2 * (nbk + _GMAX) + _GMAX * nbk * _CHUNK // 2 + _GMAX * nbk
 
 
-@nb.njit(cache=True, inline="always")
+@njit(cache=True, inline="always")
 def _v_scratch(dvf, nbk):
     # dvf (v_scratch_size(nbk),) f32 -> for a q8_0 V: its scales by block dvt (nbk, _CHUNK)
     # f32, maxima mx (nbk + _GMAX,) f32, the rounded weights wq (_GMAX nbk, _CHUNK) int16
@@ -638,7 +641,7 @@ def _v_scratch(dvf, nbk):
     return dvf[:a], dvf[a:a + nbk + _GMAX], dvf[b:c].view(np.int16), dvf[c:c + _GMAX * nbk]
 
 
-@overload(_chunk_weighted)
+@overload(_chunk_weighted, jit_options={"fastmath": True})
 def _ov_chunk_weighted(v, c0, n, w, out, g, gm, dvf):
     # out.a[out.off + j out.stride + c] += sum_{p<n} w.a[w.off + j w.stride + p] v_{c0+p, c},
     # j < g, gm rows a register-kernel call; v a Head, w and out Rows (dvf
@@ -693,7 +696,7 @@ def _ov_chunk_weighted(v, c0, n, w, out, g, gm, dvf):
     return quant
 
 
-@nb.njit(cache=True, error_model="numpy", fastmath=True, parallel=True)
+@njit(cache=True, error_model="numpy", fastmath=True, parallel=True)
 def attention(q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si, sp, window):
     # q (T, H, hd) roped queries at positions pos0..pos0+T-1; one layer's cache, flat:
     # kq, ks (K and its scales), vq, vs (V and its scales), KV heads of `cap` positions, in the
@@ -844,7 +847,7 @@ def attention(q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si, sp, wind
         _merge_splits(sp, KV, nsplit, g, hd, out)
 
 
-@nb.njit(cache=True, error_model="numpy", fastmath=True)
+@njit(cache=True, error_model="numpy", fastmath=True)
 def _merge_splits(sp, KV, nsplit, g, hd, out):
     # sp (KV nsplit, g (hd + 2)): per KV head and split, the g rows' unnormalised outputs,
     # their running maxima and sums -> out (1, H, hd): each row's softmax over all splits
@@ -885,7 +888,7 @@ def attention_scratch_shapes(n_threads: int, n_heads: int, n_kv_heads: int,
 
 # -- storing K and V ---------------------------------------------------------------------
 
-@nb.njit(cache=True, inline="always")
+@njit(cache=True, inline="always")
 def _roundf(v):
     # C's roundf (half away from zero), as ggml's and gguf-py's q8_0 reference
     a = abs(v)
@@ -894,7 +897,7 @@ def _roundf(v):
     return -b if v < 0 else b
 
 
-@nb.njit(cache=True)
+@njit(cache=True)
 def _q8_block(x, base, vals):
     # x[base:base+32] f32 -> vals (32,) int8 and the f32 scale d (ggml's
     # quantize_row_q8_0_ref: d = amax / 127, q = roundf(x / d) with x / d as x * (1/d))
@@ -908,7 +911,7 @@ def _q8_block(x, base, vals):
     return d
 
 
-@nb.njit(cache=True)
+@njit(cache=True)
 def _q4_error(x, base, vals, d):
     # Σ (x - f16(d) (vals - 8))² over x[base:base+32], f64, in index order
     d16 = np.float64(f16_to_f32(f32_to_f16(d)))
@@ -919,13 +922,13 @@ def _q4_error(x, base, vals, d):
     return err
 
 
-@nb.njit(cache=True, inline="always")
+@njit(cache=True, inline="always")
 def _q4_level(v, s):
     # the q4_0 level (-8..7) of the value v at the inverse scale s
     return min(max(np.rint(np.float64(v) * s), -8.0), 7.0)
 
 
-@nb.njit(cache=True, fastmath={"reassoc"})
+@njit(cache=True, fastmath={"reassoc"})
 def _q4_sums(x, base, s):
     # levels l = clamp(rint(x s), -8, 7) of x[base:base+32] -> (Σ x l, Σ l²) in f64. Both
     # are exact in any order (a nonzero l needs |x| > x_max / 18, so every x l is a 28-bit
@@ -943,7 +946,7 @@ _Q4_SEARCH = (-9, -6, -3, 0, 3, 6, 9)   # scales -(8 + 0.1 i) / x_max tried by _
                                        # near-Gaussian blocks all of i = -9..9 gain no more
 
 
-@nb.njit(cache=True)
+@njit(cache=True)
 def _q4_block(x, base, vals):
     # x[base:base+32] f32 -> vals (32,) uint8 nibbles (level + 8) and the f32 scale d whose
     # f16 the cache stores: ggml's q4_0 layout, with whichever scale leaves the smaller
@@ -994,7 +997,7 @@ def _q4_block(x, base, vals):
 # Position p is stored at p % cap: a sliding-window layer's ring (kv_cache.py) reuses the
 # slots of positions its window has passed.
 
-@nb.njit(cache=True)
+@njit(cache=True)
 def store_f16_k_heads(kc, cap, pos, k, h0, h1):
     # k (T, KV, hd) f32 -> kc flat f16 bits (KV, cap/16, hd, 16) at positions pos.., heads h0..h1
     T, KV, hd = k.shape
@@ -1006,7 +1009,7 @@ def store_f16_k_heads(kc, cap, pos, k, h0, h1):
                 kc[base + i * KV_BLOCK] = f32_to_f16(k[t, h, i])
 
 
-@nb.njit(cache=True)
+@njit(cache=True)
 def store_f16_v_heads(vc, cap, pos, v, h0, h1):
     # v (T, KV, hd) f32 -> vc flat f16 bits (KV, cap, hd) at positions pos.., heads h0..h1
     T, KV, hd = v.shape
@@ -1017,7 +1020,7 @@ def store_f16_v_heads(vc, cap, pos, v, h0, h1):
                 vc[base + i] = f32_to_f16(v[t, h, i])
 
 
-@nb.njit(cache=True)
+@njit(cache=True)
 def store_q_k_heads(kq, ks, cap, pos, k, q4, h0, h1):
     # k (T, KV, hd) f32 -> q8_0 (kq int8) or q4_0 (q4, kq uint8) K at positions pos.., heads
     # h0..h1, in the quads of the module docstring; ks f16 bits (KV, cap/16, hd/32, 16)
@@ -1047,7 +1050,7 @@ def store_q_k_heads(kq, ks, cap, pos, k, q4, h0, h1):
                 ks[((h * (cap // KV_BLOCK) + blk) * nbk + b) * KV_BLOCK + lane] = f32_to_f16(d)
 
 
-@nb.njit(cache=True)
+@njit(cache=True)
 def store_q_v_heads(vq, vs, cap, pos, v, q4, h0, h1):
     # v (T, KV, hd) f32 -> q8_0 (vq int8 rows of hd) or q4_0 (q4, vq uint8 rows of hd/2, ggml's
     # nibble bytes) V at positions pos.., heads h0..h1; vs f16 bits (KV, cap, hd/32)
@@ -1073,31 +1076,31 @@ def store_q_v_heads(vq, vs, cap, pos, v, q4, h0, h1):
                 vs[p * nbk + b] = f32_to_f16(d)
 
 
-@nb.njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True)
 def store_f16_k(kc, cap, pos, k):
     for h in prange(k.shape[1]):
         store_f16_k_heads(kc, cap, pos, k, h, h + 1)
 
 
-@nb.njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True)
 def store_f16_v(vc, cap, pos, v):
     for h in prange(v.shape[1]):
         store_f16_v_heads(vc, cap, pos, v, h, h + 1)
 
 
-@nb.njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True)
 def store_q_k(kq, ks, cap, pos, k, q4):
     for h in prange(k.shape[1]):
         store_q_k_heads(kq, ks, cap, pos, k, q4, h, h + 1)
 
 
-@nb.njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True)
 def store_q_v(vq, vs, cap, pos, v, q4):
     for h in prange(v.shape[1]):
         store_q_v_heads(vq, vs, cap, pos, v, q4, h, h + 1)
 
 
-@nb.njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def hadamard(x, m):
     # x (T, nh, hd) in place: each run of m values (m a power of 2 dividing hd) times the
     # orthonormal Walsh-Hadamard matrix H_m / sqrt(m), symmetric, so its own inverse

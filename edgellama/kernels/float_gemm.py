@@ -34,13 +34,14 @@ from __future__ import annotations
 import numba
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import prange, types
 from numba.core.errors import TypingError
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
 
 from .claim import take
 from .fp import bf16_bits, bf16_to_float_ir, float_at, half_to_float_ir
 from .isa import call_llvm, splat
+from .jit import njit, overload
 from .simd import L2
 from .target import TARGET
 

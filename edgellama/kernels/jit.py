@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numba
+import numba.extending
 import numpy as np
 from numba.core import event as numba_event
 from numba.core.dispatcher import Dispatcher
@@ -25,6 +26,24 @@ from ..default_model import cache_dir
 
 # Why kernels compile in memory, when the cache cannot be written (the CLI says so once).
 cache_note: str | None = None
+
+
+def njit(*args, **options):
+    """numba.njit with the kernel's float licence its own: fastmath=False unless given.
+    Numba compiles a kernel that leaves fastmath unset with the licence of whichever
+    caller compiles it first, and the kernel cache keeps that build for every later
+    process: a kernel whose twin is exact took fused multiply-adds once attention (a
+    fastmath caller) had compiled it first. (A kernel inlined with inline="always" is
+    lowered inside its caller, under the caller's licence.)"""
+    options.setdefault("fastmath", False)
+    return numba.njit(*args, **options)
+
+
+def overload(func, jit_options=None, **options):
+    """numba.extending.overload whose implementations state their float licence as njit
+    above does (fastmath=False unless jit_options gives it)."""
+    return numba.extending.overload(func, jit_options={"fastmath": False, **(jit_options or {})},
+                                    **options)
 
 
 # Every file holding kernels, the intrinsics they inline (kernels/fp.py, simd.py, amx.py) or

@@ -8,7 +8,9 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
+
+from .jit import njit
 
 
 @njit(cache=True, fastmath=True, parallel=True)

@@ -18,6 +18,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .fp import half_to_float_ir
+from .jit import njit
 from .simd import call_llvm, ir_ptr, prefetch_ir, splat
 from .target import FEATURES
 
@@ -32,7 +33,7 @@ _PREFETCH = 4096    # f16 elements (8 KiB) ahead that attention prefetches K and
 # kernels below). Both run the same row kernel, so a row's result is the same bits
 # whichever runs it (speculative verification relies on that).
 
-@nb.njit(cache=True, error_model="numpy", fastmath=True)
+@njit(cache=True, error_model="numpy", fastmath=True)
 def _rmsnorm_row(x, w, eps, out):
     # x (E,), w (E,) -> out (E,) = x / sqrt(mean(x²) + eps) * w
     E = x.size
@@ -44,14 +45,14 @@ def _rmsnorm_row(x, w, eps, out):
         out[i] = x[i] * inv * w[i]
 
 
-@nb.njit(cache=True, error_model="numpy", fastmath=True)
+@njit(cache=True, error_model="numpy", fastmath=True)
 def rmsnorm(x, w, eps, out):
     # x (T, E), w (E,) -> out (T, E), row by row
     for t in range(x.shape[0]):
         _rmsnorm_row(x[t], w, eps, out[t])
 
 
-@nb.njit(cache=True, error_model="numpy", fastmath=True)
+@njit(cache=True, error_model="numpy", fastmath=True)
 def _rope_row(x, cos, sin):
     # x (nh, hd) in place; cos, sin (hd/2,). Rotates adjacent pairs (2i, 2i+1), the GGUF
     # llama layout (the converter permuted HF's rotate-half rows into it).
@@ -64,14 +65,14 @@ def _rope_row(x, cos, sin):
             x[h, 2 * i + 1] = a * s + b * c
 
 
-@nb.njit(cache=True, error_model="numpy", fastmath=True)
+@njit(cache=True, error_model="numpy", fastmath=True)
 def rope(x, cos, sin):
     # x (T, nh, hd) in place; cos, sin (T, hd/2), row by row
     for t in range(x.shape[0]):
         _rope_row(x[t], cos[t], sin[t])
 
 
-@nb.njit(cache=True, error_model="numpy", fastmath=True)
+@njit(cache=True, error_model="numpy", fastmath=True)
 def _rope_neox_row(x, cos, sin):
     # x (nh, hd) in place; cos, sin (hd/2,). Rotates pairs (i, i + hd/2), the NEOX layout
     # (HF's rotate_half; GGUF keeps HF's rows for these families: Qwen, Gemma).
@@ -85,14 +86,14 @@ def _rope_neox_row(x, cos, sin):
             x[h, m + i] = a * s + b * c
 
 
-@nb.njit(cache=True, error_model="numpy", fastmath=True)
+@njit(cache=True, error_model="numpy", fastmath=True)
 def rope_neox(x, cos, sin):
     # x (T, nh, hd) in place; cos, sin (T, hd/2), row by row
     for t in range(x.shape[0]):
         _rope_neox_row(x[t], cos[t], sin[t])
 
 
-@nb.njit(cache=True, error_model="numpy", fastmath=True)
+@njit(cache=True, error_model="numpy", fastmath=True)
 def _head_norm_row(x, off, nh, w, eps):
     # x (W,) in place: the nh heads x[off + h hd : off + (h+1) hd], each RMS-normed and
     # scaled by w (hd,) (Qwen 3's q/k norm). It takes the whole C-contiguous row, not a
@@ -105,7 +106,7 @@ def _head_norm_row(x, off, nh, w, eps):
         _rmsnorm_row(v, w, eps, v)
 
 
-@nb.njit(cache=True, error_model="numpy", fastmath=True)
+@njit(cache=True, error_model="numpy", fastmath=True)
 def head_norm(x, off, nh, w, eps):
     # x (T, W) in place, row by row
     for t in range(x.shape[0]):
@@ -120,7 +121,7 @@ def _bits_as_f32(typingctx, bits):
     return types.float32(types.int32), codegen
 
 
-@nb.njit(cache=True, error_model="numpy", fastmath=True, inline="always")
+@njit(cache=True, error_model="numpy", fastmath=True, inline="always")
 def _exp_neg(x):
     # e^x for x <= 0 to ~1e-7 relative, branch-free so softmax loops vectorise (Numba
     # has no vector math library: np.exp would be one libm call per element).
@@ -140,7 +141,7 @@ def _exp_neg(x):
     return p * _bits_as_f32((np.int32(k) + np.int32(127)) << np.int32(23))
 
 
-@nb.njit(cache=True, error_model="numpy", fastmath=True, inline="always")
+@njit(cache=True, error_model="numpy", fastmath=True, inline="always")
 def _sigmoid(z):
     # 1 / (1 + e) for z >= 0, e / (1 + e) below, e = e^-|z| <= 1: _exp_neg's range, and
     # SIMD (np.exp is a libm call per element: 4% of a 1B prefill)
@@ -148,7 +149,7 @@ def _sigmoid(z):
     return (F32(1.0) if z >= F32(0.0) else e) / (F32(1.0) + e)
 
 
-@nb.njit(cache=True, error_model="numpy", fastmath=True)
+@njit(cache=True, error_model="numpy", fastmath=True)
 def _swiglu_row(gate_up, out):
     # gate_up (2F,) = [gate | up] -> out (F,) = silu(gate) * up, silu(g) = g sigmoid(g).
     # One C-contiguous array, not two column slices of it: Numba vectorises only loops
@@ -159,7 +160,7 @@ def _swiglu_row(gate_up, out):
         out[i] = g * _sigmoid(g) * gate_up[F + i]
 
 
-@nb.njit(cache=True, error_model="numpy", fastmath=True)
+@njit(cache=True, error_model="numpy", fastmath=True)
 def swiglu(gate_up, out):
     # gate_up (T, 2F) -> out (T, F), row by row
     for t in range(out.shape[0]):
@@ -170,7 +171,7 @@ _GELU_C = F32(2.0 * 0.7978845608028654)       # 2 sqrt(2/pi)
 _GELU_A = F32(0.044715)
 
 
-@nb.njit(cache=True, error_model="numpy", fastmath=True)
+@njit(cache=True, error_model="numpy", fastmath=True)
 def _geglu_row(gate_up, out):
     # gate_up (2F,) = [gate | up] -> out (F,) = gelu(gate) * up, GELU's tanh form
     # 0.5 g (1 + tanh(u)), u = sqrt(2/pi) (g + 0.044715 g³), written g sigmoid(2u) to
@@ -182,14 +183,14 @@ def _geglu_row(gate_up, out):
         out[i] = g * _sigmoid(z) * gate_up[F + i]
 
 
-@nb.njit(cache=True, error_model="numpy", fastmath=True)
+@njit(cache=True, error_model="numpy", fastmath=True)
 def geglu(gate_up, out):
     # gate_up (T, 2F) -> out (T, F), row by row
     for t in range(out.shape[0]):
         _geglu_row(gate_up[t], out[t])
 
 
-@nb.njit(cache=True, error_model="numpy", fastmath=True)
+@njit(cache=True, error_model="numpy", fastmath=True)
 def softcap(x, cap):
     # x (T, V) in place: cap tanh(x / cap) (Gemma's final-logit soft-capping), tanh(y) as
     # 1 - 2 / (e^2y + 1) from e^-2|y| (_exp_neg: SIMD)
@@ -373,7 +374,7 @@ def _weighted16(typingctx, v, voff, w, out, hd, n, g):
     return types.void(v, voff, w, out, hd, n, g), codegen
 
 
-@nb.njit(cache=True, inline="always")
+@njit(cache=True, inline="always")
 def _scores(kt, koff, q, s, hd, nblk, g):
     # _scores16 with g as a constant, for the group sizes Llama models use (1..8; the
     # caller takes the plain loops for others)
@@ -395,7 +396,7 @@ def _scores(kt, koff, q, s, hd, nblk, g):
         _scores16(kt, koff, q, s, hd, nblk, 7)
 
 
-@nb.njit(cache=True, inline="always")
+@njit(cache=True, inline="always")
 def _weighted(v, voff, w, out, hd, n, g):
     # _weighted16 with g as a constant (1..8, as _scores)
     if g == 4:
@@ -416,14 +417,14 @@ def _weighted(v, voff, w, out, hd, n, g):
         _weighted16(v, voff, w, out, hd, n, 7)
 
 
-@nb.njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy")
 def _add_row(x, y):
     # x (E,) += y (E,)
     for i in range(x.size):
         x[i] += y[i]
 
 
-@nb.njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy")
 def add_inplace(x, y):
     # x (T, E) += y (T, E): the residual connection, row by row
     for t in range(x.shape[0]):
@@ -435,43 +436,43 @@ def add_inplace(x, y):
 # hundreds of rows go to the threads (serially, they would bound how much faster prefill
 # gets with more threads: bench_decode_split.py --prefill shows their share).
 
-@nb.njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True)
 def rmsnorm_rows(x, w, eps, out):
     for t in nb.prange(x.shape[0]):
         _rmsnorm_row(x[t], w, eps, out[t])
 
 
-@nb.njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True)
 def rope_rows(x, cos, sin):
     for t in nb.prange(x.shape[0]):
         _rope_row(x[t], cos[t], sin[t])
 
 
-@nb.njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True)
 def rope_neox_rows(x, cos, sin):
     for t in nb.prange(x.shape[0]):
         _rope_neox_row(x[t], cos[t], sin[t])
 
 
-@nb.njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True)
 def head_norm_rows(x, off, nh, w, eps):
     for t in nb.prange(x.shape[0]):
         _head_norm_row(x[t], off, nh, w, eps)
 
 
-@nb.njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True)
 def swiglu_rows(gate_up, out):
     for t in nb.prange(out.shape[0]):
         _swiglu_row(gate_up[t], out[t])
 
 
-@nb.njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True)
 def geglu_rows(gate_up, out):
     for t in nb.prange(out.shape[0]):
         _geglu_row(gate_up[t], out[t])
 
 
-@nb.njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True)
 def add_rows(x, y):
     for t in nb.prange(x.shape[0]):
         _add_row(x[t], y[t])

@@ -280,10 +280,10 @@ def test_max_of_matches_numpy():
             assert _max_of(base, off, n) == base[off:off + n].max(), (off, n)
 
 
-@numba.njit
-def _q8_v_sum(values, off, dv, w, n, g, hd, out, dvf):
+def _q8_v_sum_py(values, off, dv, w, n, g, hd, out, dvf, kernel):
     # a q8_0 V's weighted sum as attention's chunk step takes it: the scales by block,
     # scaled (_scale_v_blocks), the weights rounded (_round_weights), the int16 dots
+    # (kernel: A._weighted_i16_g)
     nbk = hd // A.QBLOCK
     dvt, mx, wq, winv = A._v_scratch(dvf, nbk)
     for b in range(nbk):
@@ -291,7 +291,12 @@ def _q8_v_sum(values, off, dv, w, n, g, hd, out, dvf):
             dvt[b * A._CHUNK + p] = dv[p, b]
     A._scale_v_blocks(dvt, n, nbk, mx)
     A._round_weights(A.Rows(w, 0, A._CHUNK), n, dvt, mx, nbk, g, wq, winv)
-    A._weighted_i16_g(A.Run(values, off, dvt, 0), wq, winv, A.Rows(out, 0, hd), hd, n, g)
+    kernel(A.Run(values, off, dvt, 0), wq, winv, A.Rows(out, 0, hd), hd, n, g)
+
+
+_q8_v_sum = numba.njit(_q8_v_sum_py)
+# as attention calls it: from a caller licensed to contract and reassociate
+_q8_v_sum_fastmath = numba.njit(fastmath=True)(_q8_v_sum_py)
 
 
 def q8_v_sum_twin(values, off, dv, w, n, g, hd, out):
@@ -313,8 +318,7 @@ def q8_v_sum_twin(values, off, dv, w, n, g, hd, out):
     return res
 
 
-@pytest.mark.parametrize("hd", [32, 64, 96, 128, 256])
-def test_q8_v_weighted_sum_is_its_twin_bit_for_bit(hd):
+def _check_q8_v_sum(hd, q8_v_sum, kernel):
     # every row count a call takes (1.._GMAX: passes of _i16_blocks(g) blocks and the
     # blocks left over), odd and even position counts up to a chunk, V bytes at both
     # ends, weights from zero to one (a row all zero), a block of zero scales, outputs
@@ -338,8 +342,23 @@ def test_q8_v_weighted_sum_is_its_twin_bit_for_bit(hd):
                 w[-1, :n] = 0                                # a row with no weight
             out = r.standard_normal(g * hd).astype(f32)
             want = q8_v_sum_twin(values, off, dv, w, n, g, hd, out)
-            _q8_v_sum(values, off, dv, w.reshape(-1), n, g, hd, out, dvf)
+            q8_v_sum(values, off, dv, w.reshape(-1), n, g, hd, out, dvf, kernel)
             np.testing.assert_array_equal(out.reshape(g, hd), want, err_msg=f"g {g} n {n}")
+
+
+@pytest.mark.parametrize("hd", [32, 64, 96, 128, 256])
+def test_q8_v_weighted_sum_is_its_twin_bit_for_bit(hd):
+    _check_q8_v_sum(hd, _q8_v_sum, A._weighted_i16_g)
+
+
+def test_q8_v_weighted_sum_compiled_first_by_attention_keeps_its_own_arithmetic():
+    # Numba compiles a kernel that leaves fastmath unset with its first caller's licence
+    # (attention's is fastmath), and the kernel cache keeps that build: the scaled sums
+    # were added with a fused multiply-add, one ulp from the twin, in every later run.
+    # A fresh, uncached copy of the kernel, compiled first from a fastmath caller:
+    licence = A._weighted_i16_g.targetoptions["fastmath"]
+    fresh = numba.njit(fastmath=licence)(A._weighted_i16_g.py_func)
+    _check_q8_v_sum(128, _q8_v_sum_fastmath, fresh)
 
 
 @pytest.mark.parametrize("type_k,type_v", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "f16")])
