@@ -12,7 +12,7 @@ from gguf.constants import LlamaFileType
 from numba import prange
 
 from ..kernels import float_gemm as fg
-from ..kernels.fp import bf16_to_f32, f16_bits, f16_to_f32, float_at
+from ..kernels.fp import bf16_bits, bf16_to_f32, f16_bits, f16_to_f32, float_at
 from ..kernels.jit import njit
 from ..kernels.simd import DECODE_STREAMS
 from ..kernels.target import BF16_PAIRS
@@ -46,19 +46,18 @@ def _quantize_f16(x, o16):
 
 @njit(parallel=True, cache=True)
 def _quantize_bf16(xb, o16):
-    # xb (n,) f32 bits -> o16 (n,) u16 bf16, nearest even (ggml_compute_fp32_to_bf16);
-    # returns (non-finite values, overflows to inf)
+    # xb (n,) f32 bits -> o16 (n,) u16 bf16, nearest even, NaN quiet and inf kept
+    # (fp.bf16_bits, ggml_compute_fp32_to_bf16); returns (non-finite values, finite
+    # values that round to inf)
     bad = 0
     over = 0
     for i in prange(xb.size):
         n = xb[i]
+        h = bf16_bits(n)
         if (n & 0x7FFFFFFF) >= 0x7F800000:
             bad += 1
-            h = np.uint16(((n & 0xFFFF0000) | (64 << 16)) >> 16)   # quiet NaN / inf as is
-        else:
-            h = np.uint16((np.uint64(n) + np.uint64(0x7FFF + ((n >> 16) & 1))) >> 16)
-            if (h & 0x7FFF) == 0x7F80:
-                over += 1
+        elif (h & 0x7FFF) == 0x7F80:
+            over += 1
         o16[i] = h
     return bad, over
 

@@ -49,3 +49,18 @@ def test_bf16_to_f32_exact():
     bits = np.arange(0, 65536, 7, dtype=np.uint32).astype(np.uint16)
     out = K.dequantize(bits.view(np.uint8)[None, :], "BF16")
     np.testing.assert_array_equal(out[0].view(np.uint32), bits.astype(np.uint32) << 16)
+
+
+def test_bf16_writer_bits_and_counts_at_the_specials():
+    # the writer's bits are gguf-py's (ggml's rounding) for inf, NaN and values that
+    # round up to inf, not only for finite ones; quantize() refuses all of them, so the
+    # counts are what tells it which message to give
+    from edgellama.formats.floats import quantize_bf16
+    x = np.float32([np.inf, -np.inf, np.nan, -np.nan, 3.4028235e38, -3.4028235e38,
+                    3.3e38, 1.0, -0.0, 1e-40] * 4)
+    x = np.concatenate([x, np.uint32([0x7F800001, 0xFFC00001, 0x7F7FFFFF, 0x00000001]).view(np.float32)])
+    out = np.empty(x.size, np.uint16)
+    bad, over = quantize_bf16(x, out.view(np.uint8))
+    assert (bad, over) == (4 * 4 + 2, 4 * 2 + 1)
+    ref = ref_quantize(x[None, :], T.BF16).view(np.uint16).reshape(-1)
+    np.testing.assert_array_equal(out, ref)
