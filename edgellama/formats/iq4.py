@@ -31,7 +31,7 @@ from ..kernels.fp import get_f16, nearest_int, put_f16
 from ..kernels.jit import njit
 from ..kernels.simd import IQ4_VALUES, IQ4XS_D, IQ4XS_QS, IQ4XS_RECORD, IQ4XS_SC, K_GROUP, KIND_IQ4_NL, RECORD_ROWS
 from .base import WeightFormat, block_sizes
-from .records import XS, BlocksLinear, RecordLinear, prep_q8_x, product_kernels
+from .records import NO_VALUES, XS, BlocksLinear, RecordLinear, prep_q8_x, product_kernels
 
 f32 = np.float32
 NL_BYTES = block_sizes("IQ4_NL")[1]          # bytes per block of 32
@@ -291,7 +291,7 @@ class IQ4_XSLinear(RecordLinear):
         return KIND_IQ4_XS, K_GROUP
 
     def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
-        matmul_xs(self.q, x8, xd, xs8.reshape(-1), None, out, acc, K_GROUP)
+        matmul_xs(self.q, x8, xd, xs8.reshape(-1), None, out, acc, K_GROUP, NO_VALUES)
 
     def _rows(self, ids, out):
         rows_xs(self.q, ids, out)

@@ -382,7 +382,7 @@ class Q4KLinear(RecordLinear):
         return (KIND_Q4_K if self.BITS == 4 else KIND_Q5_K), K_GROUP
 
     def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
-        MATMUL_K[self.BITS](self.q, x8, xd, None, xsum.reshape(-1), out, acc, K_GROUP)
+        MATMUL_K[self.BITS](self.q, x8, xd, None, xsum.reshape(-1), out, acc, K_GROUP, self._values(xd, sc, self.BITS))
 
     def _rows(self, ids, out):
         rows_k(self.q, ids, out, self.RECORD)

@@ -327,7 +327,7 @@ class Sub16Linear(RecordLinear):
         xsum16 = sc.get("q6_xsum16", (x8.size // 16,))
         sums16(x8, xs16)
         scaled16(xd.reshape(-1), xs16, xsum16)
-        MATMUL_K16[self.kind](self.q, x8, xd, xs16, xsum16, out, acc, K_GROUP)
+        MATMUL_K16[self.kind](self.q, x8, xd, xs16, xsum16, out, acc, K_GROUP, self._values(xd, sc, self.kind))
 
 
 class Q6KLinear(Sub16Linear):

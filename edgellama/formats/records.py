@@ -20,8 +20,9 @@ tile instruction instead (amx.amx_blocks_gemm, matmul_blocks_amx), with the same
 """
 from __future__ import annotations
 
+import numba
 import numpy as np
-from numba import prange
+from numba import get_thread_id, prange
 
 from ..kernels import amx
 from ..kernels.amx import AMX_TOKENS, GROUPS, KIND_IQ4_XS, KIND_Q4_K, KIND_Q5_K, KIND_Q6_K, amx_blocks_gemm
@@ -29,12 +30,29 @@ from ..kernels.claim import take
 from ..kernels.fp import get_f16
 from ..kernels.jit import njit
 from ..kernels.simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, IQ4_VALUES, ISA, KIND_IQ4_NL, KIND_Q4_0,
-                            KIND_Q4_1, KIND_Q5_0, KIND_Q5_1, KIND_Q8_0, RECORD_ROWS, TOKENS, Q8X, blocks_gemm,
-                            iq4xs_gemm, q4k_gemm, q6_gemm, tile)
+                            KIND_Q4_1, KIND_Q5_0, KIND_Q5_1, KIND_Q8_0, K_VALUES, RECORD_ROWS, TOKENS, Q8X,
+                            blocks_gemm, iq4xs_gemm, q4k_gemm, q6_gemm, tile, values_tile)
 from ..scratch import Scratch
 from .base import TiledLinear, release_pages
 
 f32 = np.float32
+# A product of this many rows of x or more unpacks each tile's K-quant values once
+# (simd.values_tile) rather than once for every TOKENS of them; fewer (decode, a few
+# sequences or draft tokens) rebuild them as they go. NO_VALUES: none.
+VALUES_MIN_ROWS = 4 * TOKENS
+NO_VALUES = np.zeros((1, 0), np.uint8)
+# bytes of values a window of a tile's rows holds at most (a byte a weight), to stay in
+# a core's L2 beside the window's records and x's rows while every group of TOKENS rows
+# reads them (a down projection's tile of 256 rows would hold 2 MiB: "values tiles",
+# bench/results/design_measurements.json)
+VALUES_WINDOW = 256 << 10
+
+
+@njit(cache=True)
+def values_rows(R, n):
+    """Rows of a tile of R rows of n weights that a values window takes: a multiple of
+    RECORD_ROWS."""
+    return min(R, max(RECORD_ROWS, VALUES_WINDOW // n // RECORD_ROWS * RECORD_ROWS))
 
 
 # --- decode: x quantized to int8 once per matvec, then pair-dot sums ----------------------
@@ -263,6 +281,15 @@ class RecordLinear(TiledLinear):
         acc (nt, TOKENS, R) f32 per-tile scratch; sc the Scratch for other buffers."""
         raise NotImplementedError
 
+    def _values(self, xd, sc, kind):
+        """The K-quants' matmul's `values`: each thread's values tile (simd.values_tile)
+        for a product of VALUES_MIN_ROWS rows of x or more (xd (Tp, nb)) where `kind` is
+        one of K_VALUES, else NO_VALUES."""
+        if xd.shape[0] < VALUES_MIN_ROWS or kind not in K_VALUES:
+            return NO_VALUES
+        rows = values_rows(self.R, self.in_features)
+        return sc.get("q8_values", (numba.get_num_threads(), rows * self.in_features), np.uint8)
+
 
 # --- the records: load, decode, embedding ----------------------------------------------------
 
@@ -330,7 +357,8 @@ def product_kernels(family, kind):
     model compiles the types it holds and no others (each pair cached by its constants;
     jit.kernels_replaced finds them where the format modules keep them). x comes as a
     Q8X's arrays: x8, xd, xs (sums per block or half-block, or None), xsum (or None);
-    G blocks a record."""
+    G blocks a record; matmul's values, each thread's values tile (K_VALUES kinds)."""
+    UNPACK = family in (K_QUANT, SUB16) and kind in K_VALUES
 
     @njit(cache=True, parallel=True)
     def matvec(q, x8, xd, xs, xsum, out, acc, G, counter):
@@ -358,31 +386,49 @@ def product_kernels(family, kind):
                 out[t * R:t * R + n] = acc[t, :n]
 
     @njit(cache=True, parallel=True)
-    def matmul(q, x8, xd, xs, xsum, out, acc, G):
+    def matmul(q, x8, xd, xs, xsum, out, acc, G, values):
         # W (nt*R, n) records @ x (prep_q8_rows; x8 flat (Tp*n,), xd (Tp, nb), xs and
         # xsum flat) -> out (T, dout) = x W^T; acc (nt, TOKENS, R) f32 per-tile sums. A
         # tile's weights (R rows, L2-sized) are read once per group of TOKENS rows of x.
+        # values (threads, values_rows(R, n) n) u8: each thread's values tile (the
+        # K_VALUES kinds; none if 0 wide: each group of rows rebuilds the values as it
+        # goes), which takes the tile a window of values_rows(R, n) rows at a time
         T = out.shape[0]
         R = acc.shape[2]
         nb = xd.shape[1]
         x = Q8X(x8, xd.reshape(-1), xs, xsum)
+        strip = q.shape[1] // (R // RECORD_ROWS)        # bytes of a strip's records
         for t in prange(q.shape[0]):
-            a = acc[t]
-            af = a.reshape(-1)
-            c0 = t * R
-            nc = min(R, out.shape[1] - c0)
-            for t0 in range(0, T, TOKENS):
-                shape = tile(nb, G, t0, TOKENS, kind)
-                if family == BLOCKS:
-                    blocks_gemm(q[t], x, af, shape, ISA)
-                elif family == K_QUANT:
-                    q4k_gemm(q[t], x, af, shape, ISA)
-                elif family == SUB16:
-                    q6_gemm(q[t], x, af, shape, ISA)
-                else:
-                    iq4xs_gemm(q[t], x, af, shape, ISA)
-                for k in range(min(TOKENS, T - t0)):
-                    out[t0 + k, c0:c0 + nc] = a[k, :nc]
+            af = acc[t].reshape(-1)
+            unpacked, e, rw = False, values[0], R
+            if UNPACK and values.shape[1] > 0:
+                unpacked, e, rw = True, values[get_thread_id()], values_rows(R, 32 * nb)
+            for w0 in range(0, R, rw):
+                nw = min(rw, R - w0)
+                qw = q[t, w0 // RECORD_ROWS * strip:(w0 + nw) // RECORD_ROWS * strip]
+                aw = af[:TOKENS * nw]
+                c0 = t * R + w0
+                nc = max(0, min(nw, out.shape[1] - c0))
+                if UNPACK and unpacked:
+                    values_tile(qw, e, tile(nb, G, 0, TOKENS, kind), ISA)
+                for t0 in range(0, T, TOKENS):
+                    shape = tile(nb, G, t0, TOKENS, kind)
+                    if family == BLOCKS:
+                        blocks_gemm(qw, x, aw, shape, ISA)
+                    elif family == K_QUANT:
+                        if UNPACK and unpacked:
+                            q4k_gemm(qw, x, aw, shape, ISA, e)
+                        else:
+                            q4k_gemm(qw, x, aw, shape, ISA)
+                    elif family == SUB16:
+                        if UNPACK and unpacked:
+                            q6_gemm(qw, x, aw, shape, ISA, e)
+                        else:
+                            q6_gemm(qw, x, aw, shape, ISA)
+                    else:
+                        iq4xs_gemm(qw, x, aw, shape, ISA)
+                    for k in range(min(TOKENS, T - t0)):
+                        out[t0 + k, c0:c0 + nc] = aw[k * nw:k * nw + nc]
 
     return matvec, matmul
 
@@ -469,7 +515,8 @@ class BlocksLinear(RecordLinear):
         return self.kind, self.group
 
     def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
-        MATMUL_BLOCKS[self.kind](self.q, x8, xd, xs8.reshape(-1), xsum.reshape(-1), out, acc, self.group)
+        MATMUL_BLOCKS[self.kind](self.q, x8, xd, xs8.reshape(-1), xsum.reshape(-1), out, acc, self.group,
+                                 NO_VALUES)
 
     def _rows(self, ids, out):
         rows_blocks(self.q, ids, out, self.group, self.kind)

@@ -108,3 +108,28 @@ def test_a_column_slice_of_the_output_gets_the_rows_a_whole_output_does(type_):
     kernels = [*records.MATMUL_BLOCKS.values(), *q4_k.MATMUL_K.values(), *q6_k.MATMUL_K16.values()]
     outs = [sig[5] for k in kernels for sig in k.signatures]         # matmul's out
     assert outs and all(t.layout == "C" for t in outs)
+
+
+@pytest.mark.parametrize("type_", [G.Q5_K, G.Q6_K, G.Q3_K, G.Q4_K])
+def test_a_long_prompt_gets_the_bits_of_short_ones(type_):
+    # a product of VALUES_MIN_ROWS rows of x or more unpacks each tile's values once, a
+    # window of rows at a time (8192 columns: windows of 32 rows, several a tile, the last
+    # tile's partly padding), where short ones rebuild them per group of TOKENS rows: the
+    # same integer sums, so the same bits, row for row (Q4_K keeps rebuilding: a check of
+    # the dispatch)
+    from edgellama.formats import quantize as ours, records
+    rng = np.random.default_rng(6)
+    shape = (520, 8192)
+    pool = ours(rng.standard_normal((64, shape[1])).astype(np.float32), type_.name).reshape(64, -1)
+    lin = linear(int(type_), [(pool[rng.integers(0, 64, shape[0])], shape)])      # 64 rows, shuffled
+    assert lin.R > records.values_rows(lin.R, shape[1]) and shape[0] % lin.R
+    T = 3 * records.VALUES_MIN_ROWS + 5
+    x = rng.standard_normal((T, shape[1])).astype(np.float32)
+    long_ = np.empty((T, shape[0]), np.float32)
+    lin.matmul(x, long_)
+    short = np.empty_like(long_)
+    step = records.VALUES_MIN_ROWS - 1
+    for t0 in range(0, T, step):
+        lin.matmul(x[t0:t0 + step], short[t0:t0 + step])
+    np.testing.assert_array_equal(long_, short)
+    assert np.isfinite(long_).all() and np.abs(long_).max() > 1

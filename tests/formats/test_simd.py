@@ -16,7 +16,8 @@ from edgellama.kernels.simd import (AVX2, AVX_VNNI, BLOCK_BYTES, BLOCK_HEAD, BLO
                             Q5K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS, TOKENS,
                             Q2K_DMIN, Q2K_RECORD, Q2K_SC, Q3K_RECORD,
                             VNNI512, IQ4XS_D, IQ4XS_QS, IQ4XS_RECORD, IQ4XS_SC, ISA_NAMES, ISAS, K_GROUP, Q8X,
-                            blocks_gemm, iq4xs_gemm, q4k_gemm, q6_gemm, target_isa, tile)
+                            K_VALUES, VALUES_BLOCK, blocks_gemm, iq4xs_gemm, q4k_gemm, q6_gemm, target_isa,
+                            tile, values_tile)
 from edgellama.kernels import simd
 from edgellama.kernels.amx import KIND_IQ4_XS
 from edgellama.kernels.target import FEATURES as _F
@@ -562,6 +563,87 @@ def test_q4k_gemm_matches_twin(isa, R, tokens, bits, case):
         np.testing.assert_array_equal(got, want)
     else:
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+# --- values tiles: a tile's K-quant values unpacked once (values_tile), then loaded by
+# q4k_gemm and q6_gemm: the same integers, so the same bits as rebuilding them ------------
+
+@njit
+def _gemm_k4_values(q, x8, xd, xsum, acc, nsub, t0, tokens, bits, isa, values):
+    shape = tile(nsub, K_GROUP, t0, literally(tokens), literally(bits))
+    values_tile(q, values, shape, literally(isa))
+    q4k_gemm(q, Q8X(x8, xd, None, xsum), acc, shape, literally(isa), values)
+
+
+@njit
+def _gemm_k16_values(q, x8, xd, xs16, xsum16, acc, nsub, t0, tokens, kind, isa, values):
+    shape = tile(nsub, K_GROUP, t0, literally(tokens), literally(kind))
+    values_tile(q, values, shape, literally(isa))
+    q6_gemm(q, Q8X(x8, xd, xs16, xsum16), acc, shape, literally(isa), values)
+
+
+def values_model(kind, vals):
+    """values_tile's bytes, in NumPy, of a tile whose rows have the levels vals (R, nsub,
+    32) (before any offset): per strip and block, 8 vectors of 16 rows x 4 bytes, vector
+    f = 2 g + h of Q4_K and Q5_K (h 0: elements 4g..4g+3, 1: 16 + 4g..) and f of the
+    others (f < 4: elements 4f.., else 16 + 4 (f - 4)..), each row's 4 bytes in turn."""
+    R, nsub, _ = vals.shape
+    out = np.zeros((R // RECORD_ROWS, nsub, 8, RECORD_ROWS, 4), np.uint8)
+    for f in range(8):
+        g, h = (f // 2, f % 2) if kind in (4, 5) else (f % 4, f // 4)
+        first = 16 * h + 4 * g
+        out[:, :, f] = vals[:, :, first:first + 4].reshape(R // RECORD_ROWS, RECORD_ROWS, nsub, 4).transpose(0, 2, 1, 3)
+    return out.reshape(-1)
+
+
+@pytest.mark.parametrize("kind", [5, 6, 3])
+@pytest.mark.parametrize("isa", [pytest.param(i, id=str(i)) for i in RUNS])
+@pytest.mark.parametrize("R", [16, 64])
+def test_values_tiles_give_the_same_bits(kind, isa, R):
+    """Per kind of K_VALUES and instruction set: values_tile writes the documented layout
+    (values_model), and q4k_gemm or q6_gemm given it returns exactly what it returns
+    rebuilding the values itself, on random records and x at the formats' extremes."""
+    if not RUNS[isa]:
+        pytest.skip("Numba's target (this CPU, or NUMBA_CPU_*) lacks the instructions")
+    assert kind in K_VALUES
+    nsub, tokens = 16, TOKENS
+    T = 2 * tokens
+    rng = np.random.default_rng(1000 * kind + 10 * isa + R)
+    top = {5: 31, 6: 63, 3: 7}[kind]
+    vals = rng.integers(0, top + 1, (R, nsub, 32))
+    vals[:, 0] = top                                       # a block at each extreme
+    vals[:, 1] = 0
+    x8 = rng.integers(-127, 128, (T, 32 * nsub), dtype=np.int8)
+    x8[:, :32] = 127
+    xd = rng.random((T, nsub)).astype(np.float32)
+    d, dmin = (rng.standard_normal((R, nsub // 8)).astype(np.float16) for _ in range(2))
+    if kind == 5:
+        sc, m = rng.integers(0, 64, (2, R, nsub), dtype=np.uint8)
+        q = k_records(d, dmin, sc, m, vals, 5)
+        xsum = rng.standard_normal((T, nsub)).astype(np.float32)
+        args = (q, x8.reshape(-1), xd.reshape(-1), xsum.reshape(-1))
+    else:
+        xs16 = x8.reshape(T, 2 * nsub, 16).astype(np.int32).sum(axis=2)
+        xsum16 = (np.repeat(xd, 2, axis=1) * xs16).astype(np.float32)
+        if kind == 6:
+            q = q6_records(d, rng.integers(-128, 128, (R, nsub, 2)).astype(np.int8), vals)
+        else:
+            q = low_records(3, d, dmin, rng.integers(-32, 32, (R, nsub, 2)).astype(np.int8).view(np.uint8), vals)
+        args = (q, x8.reshape(-1), xd.reshape(-1), xs16.reshape(-1), xsum16.reshape(-1))
+    rebuilt, loaded = (np.full(tokens * R, 7, np.float32) for _ in range(2))
+    values = np.full(R * nsub * 32 + 64, 0xEE, np.uint8)      # past the tile: untouched
+    if kind == 5:
+        _gemm4k(*args, rebuilt, nsub, tokens, tokens, 5, isa)
+        _gemm_k4_values(*args, loaded, nsub, tokens, tokens, 5, isa, values)
+    else:
+        (_gemm6(*args, rebuilt, nsub, tokens, tokens, isa) if kind == 6 else
+         _gemm_low(*args, rebuilt, nsub, tokens, tokens, kind, isa))
+        _gemm_k16_values(*args, loaded, nsub, tokens, tokens, kind, isa, values)
+    assert values.size - R * nsub * 32 == 64 and (values[R * nsub * 32:] == 0xEE).all()
+    np.testing.assert_array_equal(values[:R * nsub * 32], values_model(kind, vals))
+    assert R * nsub * 32 == R // RECORD_ROWS * nsub * VALUES_BLOCK
+    np.testing.assert_array_equal(loaded, rebuilt)
+    assert np.isfinite(rebuilt).all() and (rebuilt != 7).all()
 
 
 # --- iq4xs_gemm: IQ4_XS records (per 16 rows and super-block: d, int8 scales, nibble quads)
