@@ -209,7 +209,7 @@ class _GemmFrame(Operands):
 
     def at(self, i, stride, const):
         """The offset const + i * stride, i an IR integer."""
-        return self.builder.add(self.builder.mul(i, self.k64(stride)), self.k64(const))
+        return _at(self.builder, i, stride, const)
 
     def fma(self, a, b, c):
         return call_llvm(self.builder, f"llvm.fma.v{self.n}f32", self.vf, [a, b, c])
