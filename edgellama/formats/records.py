@@ -38,8 +38,10 @@ from .base import TiledLinear, release_pages
 f32 = np.float32
 # A product of this many rows of x or more unpacks each tile's K-quant values once
 # (simd.values_tile) rather than once for every TOKENS of them; fewer (decode, a few
-# sequences or draft tokens) rebuild them as they go. NO_VALUES: none.
-VALUES_MIN_ROWS = 4 * TOKENS
+# sequences or draft tokens, a short prompt) rebuild them as they go: writing the values
+# costs several passes' rebuilding, which fewer rows do not win back ("values tiles",
+# bench/results/design_measurements.json). NO_VALUES: none.
+VALUES_MIN_ROWS = 128
 NO_VALUES = np.zeros((1, 0), np.uint8)
 # bytes of values a window of a tile's rows holds at most (a byte a weight), to stay in
 # a core's L2 beside the window's records and x's rows while every group of TOKENS rows
