@@ -31,17 +31,16 @@ from ..kernels.fp import get_f16
 from ..kernels.jit import njit
 from ..kernels.simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, IQ4_VALUES, ISA, KIND_IQ4_NL, KIND_Q4_0,
                             KIND_Q4_1, KIND_Q5_0, KIND_Q5_1, KIND_Q8_0, K_VALUES, RECORD_ROWS, TOKENS, Q8X,
-                            blocks_gemm, iq4xs_gemm, q4k_gemm, q6_gemm, tile, values_tile)
+                            blocks_gemm, iq4xs_gemm, q4k_gemm, q6_gemm, tile)
 from ..scratch import Scratch
 from .base import TiledLinear, release_pages
 
 f32 = np.float32
-# A product of this many rows of x or more unpacks each tile's K-quant values once
-# (simd.values_tile) rather than once for every TOKENS of them; fewer (decode, a few
-# sequences or draft tokens, a short prompt) rebuild them as they go: writing the values
-# costs several passes' rebuilding, which fewer rows do not win back ("values tiles",
-# bench/results/design_measurements.json). NO_VALUES: none.
-VALUES_MIN_ROWS = 128
+# A product of this many rows of x or more rebuilds each tile's K-quant values once (its
+# first group of TOKENS rows stores them in a values tile, simd.py) rather than once for
+# every TOKENS of them; fewer (decode, a few sequences or draft tokens) rebuild them as
+# they go ("values tiles", bench/results/design_measurements.json). NO_VALUES: none.
+VALUES_MIN_ROWS = 4 * TOKENS
 NO_VALUES = np.zeros((1, 0), np.uint8)
 # bytes of values a window of a tile's rows holds at most (a byte a weight), to stay in
 # a core's L2 beside the window's records and x's rows while every group of TOKENS rows
@@ -284,7 +283,7 @@ class RecordLinear(TiledLinear):
         raise NotImplementedError
 
     def _values(self, xd, sc, kind):
-        """The K-quants' matmul's `values`: each thread's values tile (simd.values_tile)
+        """The K-quants' matmul's `values`: each thread's values tile (simd.py)
         for a product of VALUES_MIN_ROWS rows of x or more (xd (Tp, nb)) where `kind` is
         one of K_VALUES, else NO_VALUES."""
         if xd.shape[0] < VALUES_MIN_ROWS or kind not in K_VALUES:
@@ -394,7 +393,8 @@ def product_kernels(family, kind):
         # tile's weights (R rows, L2-sized) are read once per group of TOKENS rows of x.
         # values (threads, values_rows(R, n) n) u8: each thread's values tile (the
         # K_VALUES kinds; none if 0 wide: each group of rows rebuilds the values as it
-        # goes), which takes the tile a window of values_rows(R, n) rows at a time
+        # goes), which takes the tile a window of values_rows(R, n) rows at a time, the
+        # window's first group of rows storing the values that the others load
         T = out.shape[0]
         R = acc.shape[2]
         nb = xd.shape[1]
@@ -411,19 +411,21 @@ def product_kernels(family, kind):
                 aw = af[:TOKENS * nw]
                 c0 = t * R + w0
                 nc = max(0, min(nw, out.shape[1] - c0))
-                if UNPACK and unpacked:
-                    values_tile(qw, e, tile(nb, G, 0, TOKENS, kind), ISA)
                 for t0 in range(0, T, TOKENS):
                     shape = tile(nb, G, t0, TOKENS, kind)
                     if family == BLOCKS:
                         blocks_gemm(qw, x, aw, shape, ISA)
                     elif family == K_QUANT:
-                        if UNPACK and unpacked:
+                        if UNPACK and unpacked and t0 == 0:
+                            q4k_gemm(qw, x, aw, shape, ISA, e, 1)
+                        elif UNPACK and unpacked:
                             q4k_gemm(qw, x, aw, shape, ISA, e)
                         else:
                             q4k_gemm(qw, x, aw, shape, ISA)
                     elif family == SUB16:
-                        if UNPACK and unpacked:
+                        if UNPACK and unpacked and t0 == 0:
+                            q6_gemm(qw, x, aw, shape, ISA, e, 1)
+                        elif UNPACK and unpacked:
                             q6_gemm(qw, x, aw, shape, ISA, e)
                         else:
                             q6_gemm(qw, x, aw, shape, ISA)

@@ -502,7 +502,7 @@ def blocks_gemm(typingctx, q, x, acc, shape, isa):
 
 
 @intrinsic(prefer_literal=True)
-def q4k_gemm(typingctx, q, x, acc, shape, isa, values=None):
+def q4k_gemm(typingctx, q, x, acc, shape, isa, values=None, write=None):
     """One tile of Q4_K records (shape.kind 4 bits) or Q5_K records (5) (q: R rows of
     shape.nb sub-blocks of 32, layout above; shape.group K_GROUP) times shape.tokens rows
     t0.. of x (Q8X: x8, xd, xsum): acc[k R + r] (f32, R = acc.size // tokens) =
@@ -510,19 +510,20 @@ def q4k_gemm(typingctx, q, x, acc, shape, isa, values=None):
         d sum_u sc_u dx_u S_u - dmin sum_u m_u xsum_u,   S_u the exact int32 sum(q x8).
     tokens (1 for decode, TOKENS for prefill), bits and isa constants. Each sub-block's
     values are unpacked once for the tokens (Q5_K's fifth bits or-ed in as Q6_K's
-    crumbs are), or, given `values` (the tile's values_tile), loaded from there; the f32
-    sums of a vector of rows stay in registers over the whole row."""
+    crumbs are), or, given `values` (the tile's values tile), loaded from there (with
+    `write` 1: rebuilt and stored there); the f32 sums of a vector of rows stay in
+    registers over the whole row."""
     TOK, bits, kind = tile_constants("q4k_gemm", shape, isa)
     five = bits == 5
     block_bytes = (Q5K_RECORD if five else Q4K_RECORD) // 8
-    given = _values_given(values)
+    mode = _values_mode(values, write)
 
     def codegen(context, builder, sig, args):
         i8, f32 = ir.IntType(8), ir.FloatType()
         fr = _GemmFrame(context, builder, sig, args, kind, TOK)
         k64, ptr, n, wide, vf, fma, at = fr.k64, fr.ptr, fr.n, fr.wide, fr.vf, fr.fma, fr.at
         nsa, t0a = fr.nb, fr.t0
-        if given:
+        if mode:
             fr.arrays["values"] = (sig.args[5], args[5])
 
         def u8s(off):                                       # n u8 bytes of q -> <n x float>
@@ -530,11 +531,9 @@ def q4k_gemm(typingctx, q, x, acc, shape, isa, values=None):
 
         def block(sb, k, rec, lane, sums):                  # sums: scale (a1), min (a2)
             u = builder.add(builder.mul(sb, k64(8)), k)
-            if given:
-                ws = _values_loaded(builder, fr, rec, block_bytes, k, lane)
-            else:
-                ws = _k4_values(builder, lambda off: builder.load(ptr("q", off, wide), align=1),
-                                builder.add(rec, builder.mul(lane, k64(4))), k, five)
+            ws = _block_values(builder, fr, mode, rec, block_bytes, k, lane, lambda: _k4_values(
+                builder, lambda off: builder.load(ptr("q", off, wide), align=1),
+                builder.add(rec, builder.mul(lane, k64(4))), k, five))
             scv = u8s(builder.add(builder.add(rec, lane), at(k, 16, Q4K_SC)))
             mv = u8s(builder.add(builder.add(rec, lane), at(k, 16, Q4K_M)))
             for t in range(TOK):
@@ -552,7 +551,8 @@ def q4k_gemm(typingctx, q, x, acc, shape, isa, values=None):
         _over_records(builder, fr, block_bytes, TOK, 2, block, _finish_d_dmin(fr, Q4K_D, Q4K_DMIN), five)
         return context.get_dummy_value()
 
-    return types.void(q, x, acc, shape, isa, values if given else types.none), codegen
+    return types.void(q, x, acc, shape, isa, values if mode else types.none,
+                      write if mode == "write" else types.none), codegen
 
 
 # IQ4_XS tiles (iq4.py) are records as Q4_K's, one per strip of RECORD_ROWS rows and
@@ -722,7 +722,7 @@ def _q6_scales(builder, n, load_i8):
 
 
 @intrinsic(prefer_literal=True)
-def q6_gemm(typingctx, q, x, acc, shape, isa, values=None):
+def q6_gemm(typingctx, q, x, acc, shape, isa, values=None, write=None):
     """One tile of the records of a K-quant with 16-weight sub-blocks (q: R rows of
     shape.nb blocks of 32, shape.group K_GROUP; shape.kind its bits: 6 Q6_K, 3 Q3_K, 2
     Q2_K, layouts above) times shape.tokens rows t0.. of x (Q8X: x8, xd, xs = xs16
@@ -739,15 +739,15 @@ def q6_gemm(typingctx, q, x, acc, shape, isa, values=None):
     bench/results/design_measurements.json); elsewhere they stay in int32, the bits of
     AMX's prefill (amx.py). tokens (1 for decode, TOKENS for prefill) and isa constants.
     Each block's values are built once for the tokens, or, given `values` (the tile's
-    values_tile), loaded from there; the f32 sums of a vector of rows stay in registers
-    over the whole row."""
+    values tile), loaded from there (with `write` 1: built and stored there); the f32
+    sums of a vector of rows stay in registers over the whole row."""
     TOK, kind, ISA_ = tile_constants("q6_gemm", shape, isa)
     if kind not in K16_RECORD:
         raise TypingError(f"q6_gemm: kind {kind} is not one of {sorted(K16_RECORD)}")
     # an f32 sum to take off: Q2_K's mins, and AVX2 prefill's offsets
     mins = kind == 2 or (K16_OFFSET[kind] and ISAS[ISA_].int16_pairs and TOK > 1)
     block_bytes = K16_RECORD[kind] // 8
-    given = _values_given(values)
+    mode = _values_mode(values, write)
 
     def codegen(context, builder, sig, args):
         i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
@@ -755,16 +755,14 @@ def q6_gemm(typingctx, q, x, acc, shape, isa, values=None):
         k64, ptr, n, wide, vf, fma = fr.k64, fr.ptr, fr.n, fr.wide, fr.vf, fr.fma
         at, nsa, t0a = fr.at, fr.nb, fr.t0
         c = lambda v: ir.Constant(wide, [v] * n)
-        if given:
+        if mode:
             fr.arrays["values"] = (sig.args[5], args[5])
 
         def block(sb, k, rec, lane, sums):
             u = builder.add(builder.mul(sb, k64(8)), k)
-            if given:
-                vals = _values_loaded(builder, fr, rec, block_bytes, k, lane)
-            else:
-                vals = _k16_block_values(builder, n, kind, lambda off: builder.load(ptr("q", off, wide), align=1),
-                                         builder.add(rec, builder.mul(lane, k64(4))), k)
+            vals = _block_values(builder, fr, mode, rec, block_bytes, k, lane, lambda: _k16_block_values(
+                builder, n, kind, lambda off: builder.load(ptr("q", off, wide), align=1),
+                builder.add(rec, builder.mul(lane, k64(4))), k))
             lo, hi = vals[:4], vals[4:]
             sc_bytes = lambda h: builder.load(ptr("q", builder.add(builder.add(rec, lane), at(
                 k, 32, (Q2K_SC if kind == 2 else Q6K_SC) + 16 * h)), ir.VectorType(i8, n)), align=1)
@@ -802,17 +800,18 @@ def q6_gemm(typingctx, q, x, acc, shape, isa, values=None):
             _over_records(builder, fr, block_bytes, TOK, 1, block, _finish_d(fr, Q6K_D), True)
         return context.get_dummy_value()
 
-    return types.void(q, x, acc, shape, isa, values if given else types.none), codegen
+    return types.void(q, x, acc, shape, isa, values if mode else types.none,
+                      write if mode == "write" else types.none), codegen
 
 
 # Values tiles: a prefill of many tokens multiplies each tile of K-quant records by every
 # group of TOKENS rows of x, and each group rebuilt a block's 5-, 6- or 3-bit values from
-# nibbles, fifth bits and crumbs again. values_tile writes them once per tile (a window of
-# its rows), a byte each, and q4k_gemm and q6_gemm given them load them instead: the same
-# integers, so the same sums and bits. Per block of 32 and strip of 16 rows,
-# VALUES_BLOCK bytes, the blocks in record order: the block's 8 value vectors (the nibble
-# sets of _k4_values, or _k16_values' lo then hi), vector j at 64 j, row (lane) l's 4
-# bytes at 64 j + 4 l, as the records' quads are laid out.
+# nibbles, fifth bits and crumbs again. Given a values tile, the first group of a tile (a
+# window of its rows) rebuilds them and stores them there, a byte each (`write` 1), and
+# the others load them: the same integers, so the same sums and bits. Per block of 32 and
+# strip of 16 rows, VALUES_BLOCK bytes, the blocks in record order: the block's 8 value
+# vectors (the nibble sets of _k4_values, or _k16_values' lo then hi), vector j at 64 j,
+# row (lane) l's 4 bytes at 64 j + 4 l, as the records' quads are laid out.
 VALUES_BLOCK = 8 * 4 * RECORD_ROWS                   # 512 bytes
 # the kinds whose prefill takes values tiles (bits): Q5_K, Q6_K and Q3_K; Q4_K's and
 # Q2_K's values are a mask and a shift away, and loading them read slower ("values
@@ -820,59 +819,36 @@ VALUES_BLOCK = 8 * 4 * RECORD_ROWS                   # 512 bytes
 K_VALUES = (5, 6, 3)
 
 
-def _values_given(values):
-    """Whether a gemm intrinsic's optional `values` argument is there (a 1-d u8 array);
-    a TypingError if it is something else."""
+def _values_mode(values, write):
+    """None (no values tile: rebuild), "load" or "write" (rebuild and store) from a gemm
+    intrinsic's optional arguments (values a 1-d u8 array, write the constant 1); a
+    TypingError if they are something else."""
     if values is None or isinstance(values, types.NoneType):
-        return False
+        return None
     if not (isinstance(values, types.Array) and values.ndim == 1 and values.dtype == types.uint8):
-        raise TypingError(f"values must be a 1-d uint8 array (values_tile's), not {values}")
-    return True
+        raise TypingError(f"values must be a 1-d uint8 array (a values tile), not {values}")
+    if write is None or isinstance(write, types.NoneType):
+        return "load"
+    if not (isinstance(write, types.IntegerLiteral) and write.literal_value == 1):
+        raise TypingError(f"write must be the constant 1, not {write}")
+    return "write"
 
 
-def _values_loaded(builder, fr, rec, block_bytes, k, lane):
+def _block_values(builder, fr, mode, rec, block_bytes, k, lane, rebuild):
     """The 8 value vectors of block k of the record at byte rec of q (records of
-    block_bytes a block) for the n rows from `lane`, from the values tile."""
+    block_bytes a block) for the n rows from `lane`: rebuild() them (mode None), load
+    them from the values tile ("load"), or rebuild and store them there ("write")."""
+    if mode is None:
+        return rebuild()
     first = builder.udiv(rec, fr.k64(block_bytes))       # the record's first block (a constant divisor)
     at = builder.add(_at(builder, builder.add(first, k), VALUES_BLOCK, 0), builder.mul(lane, fr.k64(4)))
-    return [builder.load(fr.ptr("values", builder.add(at, fr.k64(64 * j)), fr.wide), align=1)
-            for j in range(8)]
-
-
-@intrinsic(prefer_literal=True)
-def values_tile(typingctx, q, values, shape, isa):
-    """The values of every block of a tile of K-quant records (q, as q4k_gemm's or
-    q6_gemm's; shape.kind their bits, shape.group K_GROUP) into `values` (1-d u8, at least
-    q.size // block bytes * VALUES_BLOCK), laid out as above for q4k_gemm and q6_gemm to
-    load. kind and isa constants (isa: the vectors' width, its prefill rows)."""
-    _, kind, ISA_ = tile_constants("values_tile", shape, isa, constant_tokens=False)
-    if kind not in K_VALUES:
-        raise TypingError(f"values_tile: kind {kind} is not one of {K_VALUES}")
-    _values_given(values)
-    block_bytes = {4: Q4K_RECORD, 5: Q5K_RECORD}.get(kind, K16_RECORD.get(kind)) // K_GROUP
-
-    def codegen(context, builder, sig, args):
-        n = ISAS[ISA_].rows[1]
-        wide = ir.VectorType(ir.IntType(32), n)
-        q_ty, v_ty = sig.args[0], sig.args[1]
-        nitems = context.make_array(q_ty)(context, builder, args[0]).nitems
-        k64 = lambda v: ir.Constant(nitems.type, v)
-        load = lambda off: builder.load(ir_ptr(context, builder, q_ty, args[0], off, wide), align=1)
-        with cgutils.for_range(builder, builder.udiv(nitems, k64(block_bytes))) as it:
-            blk = it.index                                # of all the tile's records
-            k = builder.urem(blk, k64(K_GROUP))
-            rec = builder.mul(builder.udiv(blk, k64(K_GROUP)), k64(K_GROUP * block_bytes))
-            for lane in range(0, RECORD_ROWS, n):
-                quads = builder.add(rec, k64(4 * lane))
-                vals = (_k4_values(builder, load, quads, k, kind == 5) if kind in (4, 5)
-                        else _k16_block_values(builder, n, kind, load, quads, k))
-                at = builder.add(builder.mul(blk, k64(VALUES_BLOCK)), k64(4 * lane))
-                for j, v in enumerate(vals):
-                    builder.store(v, ir_ptr(context, builder, v_ty, args[1], builder.add(at, k64(64 * j)), wide),
-                                  align=1)
-        return context.get_dummy_value()
-
-    return types.void(q, values, shape, isa), codegen
+    ptrs = [fr.ptr("values", builder.add(at, fr.k64(64 * j)), fr.wide) for j in range(8)]
+    if mode == "load":
+        return [builder.load(p, align=1) for p in ptrs]
+    vals = rebuild()
+    for v, p in zip(vals, ptrs):
+        builder.store(v, p, align=1)
+    return vals
 
 
 def prefetch_ir(context, builder, aty, arr, off, locality=L1):

@@ -17,7 +17,7 @@ from edgellama.kernels.simd import (AVX2, AVX_VNNI, BLOCK_BYTES, BLOCK_HEAD, BLO
                             Q2K_DMIN, Q2K_RECORD, Q2K_SC, Q3K_RECORD,
                             VNNI512, IQ4XS_D, IQ4XS_QS, IQ4XS_RECORD, IQ4XS_SC, ISA_NAMES, ISAS, K_GROUP, Q8X,
                             K_VALUES, VALUES_BLOCK, blocks_gemm, iq4xs_gemm, q4k_gemm, q6_gemm, target_isa,
-                            tile, values_tile)
+                            tile)
 from edgellama.kernels import simd
 from edgellama.kernels.amx import KIND_IQ4_XS
 from edgellama.kernels.target import FEATURES as _F
@@ -565,25 +565,26 @@ def test_q4k_gemm_matches_twin(isa, R, tokens, bits, case):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
 
-# --- values tiles: a tile's K-quant values unpacked once (values_tile), then loaded by
-# q4k_gemm and q6_gemm: the same integers, so the same bits as rebuilding them ------------
+# --- values tiles: a tile's K-quant values rebuilt once and stored (write 1), then loaded
+# by q4k_gemm and q6_gemm: the same integers, so the same bits as rebuilding them ---------
 
 @njit
-def _gemm_k4_values(q, x8, xd, xsum, acc, nsub, t0, tokens, bits, isa, values):
+def _gemm_k4_values(q, x8, xd, xsum, acc, acc2, nsub, t0, tokens, bits, isa, values):
+    # acc: the product storing the values; acc2: the same product loading them
     shape = tile(nsub, K_GROUP, t0, literally(tokens), literally(bits))
-    values_tile(q, values, shape, literally(isa))
-    q4k_gemm(q, Q8X(x8, xd, None, xsum), acc, shape, literally(isa), values)
+    q4k_gemm(q, Q8X(x8, xd, None, xsum), acc, shape, literally(isa), values, 1)
+    q4k_gemm(q, Q8X(x8, xd, None, xsum), acc2, shape, literally(isa), values)
 
 
 @njit
-def _gemm_k16_values(q, x8, xd, xs16, xsum16, acc, nsub, t0, tokens, kind, isa, values):
+def _gemm_k16_values(q, x8, xd, xs16, xsum16, acc, acc2, nsub, t0, tokens, kind, isa, values):
     shape = tile(nsub, K_GROUP, t0, literally(tokens), literally(kind))
-    values_tile(q, values, shape, literally(isa))
-    q6_gemm(q, Q8X(x8, xd, xs16, xsum16), acc, shape, literally(isa), values)
+    q6_gemm(q, Q8X(x8, xd, xs16, xsum16), acc, shape, literally(isa), values, 1)
+    q6_gemm(q, Q8X(x8, xd, xs16, xsum16), acc2, shape, literally(isa), values)
 
 
 def values_model(kind, vals):
-    """values_tile's bytes, in NumPy, of a tile whose rows have the levels vals (R, nsub,
+    """A values tile's bytes, in NumPy, of a tile whose rows have the levels vals (R, nsub,
     32) (before any offset): per strip and block, 8 vectors of 16 rows x 4 bytes, vector
     f = 2 g + h of Q4_K and Q5_K (h 0: elements 4g..4g+3, 1: 16 + 4g..) and f of the
     others (f < 4: elements 4f.., else 16 + 4 (f - 4)..), each row's 4 bytes in turn."""
@@ -600,9 +601,10 @@ def values_model(kind, vals):
 @pytest.mark.parametrize("isa", [pytest.param(i, id=str(i)) for i in RUNS])
 @pytest.mark.parametrize("R", [16, 64])
 def test_values_tiles_give_the_same_bits(kind, isa, R):
-    """Per kind of K_VALUES and instruction set: values_tile writes the documented layout
-    (values_model), and q4k_gemm or q6_gemm given it returns exactly what it returns
-    rebuilding the values itself, on random records and x at the formats' extremes."""
+    """Per kind of K_VALUES and instruction set: q4k_gemm or q6_gemm storing the values
+    (write 1) writes the documented layout (values_model), and storing or loading them
+    returns exactly what it returns rebuilding them, on random records and x at the
+    formats' extremes."""
     if not RUNS[isa]:
         pytest.skip("Numba's target (this CPU, or NUMBA_CPU_*) lacks the instructions")
     assert kind in K_VALUES
@@ -630,18 +632,19 @@ def test_values_tiles_give_the_same_bits(kind, isa, R):
         else:
             q = low_records(3, d, dmin, rng.integers(-32, 32, (R, nsub, 2)).astype(np.int8).view(np.uint8), vals)
         args = (q, x8.reshape(-1), xd.reshape(-1), xs16.reshape(-1), xsum16.reshape(-1))
-    rebuilt, loaded = (np.full(tokens * R, 7, np.float32) for _ in range(2))
+    rebuilt, stored, loaded = (np.full(tokens * R, 7, np.float32) for _ in range(3))
     values = np.full(R * nsub * 32 + 64, 0xEE, np.uint8)      # past the tile: untouched
     if kind == 5:
         _gemm4k(*args, rebuilt, nsub, tokens, tokens, 5, isa)
-        _gemm_k4_values(*args, loaded, nsub, tokens, tokens, 5, isa, values)
+        _gemm_k4_values(*args, stored, loaded, nsub, tokens, tokens, 5, isa, values)
     else:
         (_gemm6(*args, rebuilt, nsub, tokens, tokens, isa) if kind == 6 else
          _gemm_low(*args, rebuilt, nsub, tokens, tokens, kind, isa))
-        _gemm_k16_values(*args, loaded, nsub, tokens, tokens, kind, isa, values)
+        _gemm_k16_values(*args, stored, loaded, nsub, tokens, tokens, kind, isa, values)
     assert values.size - R * nsub * 32 == 64 and (values[R * nsub * 32:] == 0xEE).all()
     np.testing.assert_array_equal(values[:R * nsub * 32], values_model(kind, vals))
     assert R * nsub * 32 == R // RECORD_ROWS * nsub * VALUES_BLOCK
+    np.testing.assert_array_equal(stored, rebuilt)
     np.testing.assert_array_equal(loaded, rebuilt)
     assert np.isfinite(rebuilt).all() and (rebuilt != 7).all()
 
