@@ -360,7 +360,6 @@ def product_kernels(family, kind):
     Q8X's arrays: x8, xd, xs (sums per block or half-block, or None), xsum (or None);
     G blocks a record; matmul's values, each thread's values tile (K_VALUES kinds)."""
     UNPACK = family in (K_QUANT, SUB16) and kind in K_VALUES
-    k_gemm = q6_gemm if family == SUB16 else q4k_gemm        # the K-quants' intrinsic
 
     @njit(cache=True, parallel=True)
     def matvec(q, x8, xd, xs, xsum, out, acc, G, counter):
@@ -378,8 +377,10 @@ def product_kernels(family, kind):
                 shape = tile(nb, G, 0, 1, kind)    # in the loop: a parfor takes no Tile in
                 if family == BLOCKS:
                     blocks_gemm(q[t], x, acc[t], shape, ISA)
-                elif family == K_QUANT or family == SUB16:
-                    k_gemm(q[t], x, acc[t], shape, ISA)
+                elif family == K_QUANT:
+                    q4k_gemm(q[t], x, acc[t], shape, ISA)
+                elif family == SUB16:
+                    q6_gemm(q[t], x, acc[t], shape, ISA)
                 else:
                     iq4xs_gemm(q[t], x, acc[t], shape, ISA)
                 n = min(R, out.size - t * R)
@@ -414,13 +415,20 @@ def product_kernels(family, kind):
                     shape = tile(nb, G, t0, TOKENS, kind)
                     if family == BLOCKS:
                         blocks_gemm(qw, x, aw, shape, ISA)
-                    elif family == K_QUANT or family == SUB16:
+                    elif family == K_QUANT:
                         if UNPACK and unpacked and t0 == 0:
-                            k_gemm(qw, x, aw, shape, ISA, e, 1)
+                            q4k_gemm(qw, x, aw, shape, ISA, e, 1)
                         elif UNPACK and unpacked:
-                            k_gemm(qw, x, aw, shape, ISA, e)
+                            q4k_gemm(qw, x, aw, shape, ISA, e)
                         else:
-                            k_gemm(qw, x, aw, shape, ISA)
+                            q4k_gemm(qw, x, aw, shape, ISA)
+                    elif family == SUB16:
+                        if UNPACK and unpacked and t0 == 0:
+                            q6_gemm(qw, x, aw, shape, ISA, e, 1)
+                        elif UNPACK and unpacked:
+                            q6_gemm(qw, x, aw, shape, ISA, e)
+                        else:
+                            q6_gemm(qw, x, aw, shape, ISA)
                     else:
                         iq4xs_gemm(qw, x, aw, shape, ISA)
                     for k in range(min(TOKENS, T - t0)):
