@@ -411,6 +411,8 @@ def product_kernels(family, kind):
                 aw = af[:TOKENS * nw]
                 c0 = t * R + w0
                 nc = max(0, min(nw, out.shape[1] - c0))
+                # each intrinsic named here: one held in a variable of the closure made
+                # Numba's cache miss every run (the kernels compiled at every start)
                 for t0 in range(0, T, TOKENS):
                     shape = tile(nb, G, t0, TOKENS, kind)
                     if family == BLOCKS:
