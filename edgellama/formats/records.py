@@ -49,11 +49,15 @@ NO_VALUES = np.zeros((1, 0), np.uint8)
 VALUES_WINDOW = 256 << 10
 
 
-@njit(cache=True)
 def values_rows(R, n):
     """Rows of a tile of R rows of n weights that a values window takes: a multiple of
     RECORD_ROWS."""
     return min(R, max(RECORD_ROWS, VALUES_WINDOW // n // RECORD_ROWS * RECORD_ROWS))
+
+
+# values_rows for the kernels: a kernel of its own, so that Python calls the plain
+# function (warm-up's dry run stands recorders in for kernels, which return nothing)
+values_rows_jit = njit(cache=True, inline="always")(values_rows)
 
 
 # --- decode: x quantized to int8 once per matvec, then pair-dot sums ----------------------
@@ -404,7 +408,7 @@ def product_kernels(family, kind):
             af = acc[t].reshape(-1)
             unpacked, e, rw = False, values[0], R
             if UNPACK and values.shape[1] > 0:
-                unpacked, e, rw = True, values[get_thread_id()], values_rows(R, 32 * nb)
+                unpacked, e, rw = True, values[get_thread_id()], values_rows_jit(R, 32 * nb)
             for w0 in range(0, R, rw):
                 nw = min(rw, R - w0)
                 qw = q[t, w0 // RECORD_ROWS * strip:(w0 + nw) // RECORD_ROWS * strip]
