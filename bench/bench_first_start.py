@@ -7,7 +7,10 @@ alternating, so a drifting machine slows both alike.
     python bench/bench_first_start.py MODEL.gguf [MODEL.gguf ...] [--rounds 2]
                                       [--baseline DIR] [--json out.json]
 
-Prints one line a run: kernels compiled, seconds compiling, and the slowest kernels.
+Prints one line a run: kernels compiled, seconds compiling, and the slowest steps: each
+kernel's compile where they compile in turn, or, where helper processes compile them
+(jit.compile_in_processes: 2 cores or more), the time between one group of kernels
+being handed out and the next.
 """
 from __future__ import annotations
 

@@ -319,26 +319,34 @@ def kernels_replaced(stand_in: Callable[[Dispatcher], object | None]):
     records.MATVEC_BLOCKS), replaced by stand_in(kernel) (None: left as it is); all put
     back after."""
     patched = []     # (holder, key, kernel): a module's attribute or a dict's entry
-    ours = lambda v: isinstance(v, Dispatcher) and v.py_func.__module__.startswith("edgellama.")
     try:
-        for mod in [m for name, m in sys.modules.items()
-                    if m is not None and (name == "edgellama" or name.startswith("edgellama."))]:
-            for attr, value in list(vars(mod).items()):
-                if ours(value):
-                    held = [(mod, attr, value)]
-                elif type(value) is dict:
-                    held = [(value, k, v) for k, v in value.items() if ours(v)]
-                else:
-                    continue
-                for holder, key, kernel in held:
-                    new = stand_in(kernel)
-                    if new is not None:
-                        patched.append((holder, key, kernel))
-                        _put(holder, key, new)
+        for holder, key, kernel, _ in _kernel_homes():
+            new = stand_in(kernel)
+            if new is not None:
+                patched.append((holder, key, kernel))
+                _put(holder, key, new)
         yield
     finally:
         for holder, key, kernel in patched:
             _put(holder, key, kernel)
+
+
+def _kernel_homes() -> list[tuple[object, object, Dispatcher, tuple[str, str, object]]]:
+    """Every kernel of ours where the package's imported modules hold it: (holder, key,
+    kernel, address), the holder a module (key its attribute's name) or a module-level
+    dict (key the kernel's key there), the address (module name, attribute, dict key or
+    None) by which another process finds the same kernel."""
+    ours = lambda v: isinstance(v, Dispatcher) and v.py_func.__module__.startswith("edgellama.")
+    homes = []
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not (name == "edgellama" or name.startswith("edgellama.")):
+            continue
+        for attr, value in list(vars(mod).items()):
+            if ours(value):
+                homes.append((mod, attr, value, (name, attr, None)))
+            elif type(value) is dict:
+                homes += [(value, k, v, (name, attr, k)) for k, v in value.items() if ours(v)]
+    return homes
 
 
 def _put(holder, key, value) -> None:
@@ -372,6 +380,110 @@ def _every_path(model) -> None:
     model.forward([0], seq)               # decode (matvec) path
 
 
+# Processes a first start compiles kernels in at most, beside the waiting parent. A
+# model's compile is one long kernel (attention) and a score of shorter ones that take
+# about as long together: a second process takes those while the first compiles
+# attention, and more than a few would only cost memory (250 MB each).
+COMPILE_PROCESSES = 3
+
+
+def _cached(disp: Dispatcher, sig: tuple) -> bool:
+    """Whether Numba's kernel cache lists disp's compile for these argument types (its
+    index is read, the machine code is not loaded). Anything unexpected reads as cached:
+    the kernel then compiles in this process, as it would have."""
+    try:
+        cache = disp._cache
+        key = cache._index_key(sig, disp.targetctx.codegen())
+        return key in cache._cache_file._load_index()
+    except Exception:  # noqa: BLE001 - Numba's internals moved: compile here
+        return True
+
+
+def compile_in_processes(todo: list[tuple[Dispatcher, tuple]], show=None,
+                         total: int | None = None) -> tuple[int, float]:
+    """Compile the kernels of `todo` that the kernel cache lacks in helper processes
+    (compile_child.py), into the cache this process then loads them from: Numba compiles
+    one kernel at a time a process, and a first start's kernels took half a minute on
+    one core. Kernels whose cache index is one file (the closures a factory makes per
+    weight type) go to one process, so that two never write that index at once; the
+    largest kernels (by bytecode: attention) go first, each process taking the next group
+    as it finishes one. show(n, total, name) as in warm_up, as each group starts. Returns
+    (kernels compiled, seconds). Nothing happens where the cache cannot be written, with
+    fewer than 2 groups to compile or 2 cores, or where a process cannot start; a group
+    whose process fails is compiled by the caller's own pass."""
+    if cache_note is not None or not sys.executable:
+        return 0, 0.0
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    where = {kernel: address for _, _, kernel, address in _kernel_homes()}
+    groups: dict[tuple, list] = {}
+    for disp, sig in todo:
+        if disp in where and not _cached(disp, sig):
+            code = disp.py_func.__code__
+            groups.setdefault((code.co_filename, code.co_firstlineno),
+                              []).append((disp, (*where[disp], sig)))
+    tasks = sorted(groups.values(), key=lambda g: -len(g[0][0].py_func.__code__.co_code))
+    n = min(len(tasks), cores, COMPILE_PROCESSES)
+    if n < 2:
+        return 0, 0.0
+    import base64
+    import pickle
+    import selectors
+    import subprocess
+    t0 = time.perf_counter()
+    sel = selectors.DefaultSelector()
+    started = 0
+
+    def send(proc) -> bool:
+        nonlocal started
+        if not tasks:
+            proc.stdin.close()
+            return False
+        group = tasks.pop(0)
+        try:
+            proc.stdin.write(base64.b64encode(pickle.dumps([a for _, a in group])) + b"\n")
+            proc.stdin.flush()
+        except OSError:                 # the process is gone: the caller's pass compiles it
+            return False
+        started += len(group)
+        if show:
+            show(started, total, group[0][0].py_func.__name__)
+        return True
+
+    procs = []
+    try:
+        for _ in range(n):
+            try:
+                proc = subprocess.Popen([sys.executable, "-m", "edgellama.kernels.compile_child"],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.DEVNULL)
+            except OSError:
+                break
+            procs.append(proc)
+            if send(proc):
+                sel.register(proc.stdout, selectors.EVENT_READ, proc)
+        while sel.get_map():
+            for key, _ in sel.select():
+                proc = key.data
+                # a reply ends a group (an error one: it compiles in the caller's pass);
+                # a process that died leaves its group to that pass too
+                if not proc.stdout.readline() or not send(proc):
+                    sel.unregister(proc.stdout)
+    except BaseException:               # Ctrl-C: the helpers stop now, not after their group
+        for proc in procs:
+            proc.kill()
+        raise
+    finally:
+        for proc in procs:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+            proc.wait()
+        sel.close()
+    return sum(_cached(d, a[-1]) for g in groups.values() for d, a in g), time.perf_counter() - t0
+
+
 @dataclass
 class Warm:
     seconds: float            # compiling or loading the kernels, and one decode step
@@ -380,9 +492,10 @@ class Warm:
 
 
 def warm_up(model, show: Callable[[int, int | None, str], None] | None = None) -> Warm:
-    """Compile (or load from Numba's cache) every kernel model.forward needs, one at a
-    time so that show(n, total, name) can tell which, then decode one token (starting
-    the threads), in a sequence of its own. The prefill path is not run (it reads every
+    """Compile (or load from Numba's cache) every kernel model.forward needs, those the
+    cache lacks in helper processes on the other cores first (compile_in_processes),
+    then each in turn here, so that show(n, total, name) can tell which; then decode
+    one token (starting the threads), in a sequence of its own. The prefill path is not run (it reads every
     weight: seconds for a 3B model) unless the dry run fails: then every path runs."""
     t0 = time.perf_counter()
     with Compiling(show) as watch:
@@ -395,9 +508,10 @@ def warm_up(model, show: Callable[[int, int | None, str], None] | None = None) -
             todo = None
             _every_path(model)
         watch.listed = set(todo or [])
+        elsewhere, elsewhere_s = compile_in_processes(todo or [], show, len(todo or []))
         for i, (disp, sig) in enumerate(todo or []):
             watch.step = (i + 1, len(todo))
             disp.compile(sig)
         watch.step = None    # anything the list missed compiles below, still reported
         model.forward([0], model.new_sequence(min(model.ctx, 16)))
-    return Warm(time.perf_counter() - t0, watch.count, watch.seconds)
+    return Warm(time.perf_counter() - t0, watch.count + elsewhere, watch.seconds + elsewhere_s)

@@ -3,6 +3,8 @@ compiled (or loaded) in turn with its number shown, and the forward pass then co
 nothing more."""
 import io
 
+import pytest
+
 from edgellama.cli.progress import KernelProgress
 from numba.core.dispatcher import Dispatcher
 from tiny_gguf import write_tiny_gguf
@@ -112,3 +114,77 @@ def test_warm_up_without_the_dry_run_still_compiles_both_paths(tmp_path, monkeyp
         llm.model.forward(list(range(5, 5 + K.PARALLEL_ROWS)), llm.seq)
         llm.model.forward([4], llm.seq)
     assert watch.count == 0
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "IQ4_XS",
+                                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"])
+def test_the_dry_run_runs_for_every_weight_type(tmp_path, qtype):
+    # no Python between the kernels may use what a kernel returns (the recorders return
+    # nothing): a Q5_K, Q6_K or Q3_K prefill's values tile once asked a kernel for its
+    # size, and warm-up fell back to running every path without a total
+    llm = edgellama.load(write_tiny_gguf(tmp_path / "t.gguf", qtype, dim=256, ffn=256, ctx=256,
+                                         vocab=512, tokenizer=True), ctx=64)
+    names = {d.py_func.__name__ for d, _ in jit.kernels_called(llm.model)}   # raised, before
+    assert "attention" in names
+
+
+# Run in a fresh process with an empty kernel cache: the helper processes compile a few
+# small kernels of a tiny model, and this process then finds every one of them cached.
+HELPERS = """
+import json, sys
+import edgellama
+from edgellama.kernels import jit
+llm = edgellama.load(sys.argv[1], ctx=64)
+todo = [(d, s) for d, s in jit.kernels_called(llm.model)
+        if d.py_func.__name__ in ("rmsnorm", "rope", "swiglu", "add_inplace")]
+missing = sum(not jit._cached(d, s) for d, s in todo)
+shown = []
+compiled, seconds = jit.compile_in_processes(todo, lambda n, total, name: shown.append((n, total, name)), len(todo))
+with jit.Compiling() as watch:
+    for d, s in todo:
+        d.compile(s)
+print(json.dumps({"todo": len(todo), "missing": missing, "compiled": compiled,
+                  "here": watch.count, "shown": shown}))
+"""
+
+
+def test_helper_processes_fill_the_kernel_cache_this_process_loads(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    path = write_tiny_gguf(tmp_path / "t.gguf", "Q8_0", ctx=256, vocab=512, tokenizer=True)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env["EDGELLAMA_CACHE"] = str(tmp_path / "cache")
+    res = subprocess.run([sys.executable, "-c", HELPERS, str(path)], capture_output=True,
+                         text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.splitlines()[-1])
+    n = out["todo"]
+    assert n == out["missing"] >= 4                 # rope: a signature for each path
+    if len(os.sched_getaffinity(0)) < 2:          # one core: nothing to gain, none started
+        assert out["compiled"] == 0 and out["here"] == n
+        return
+    assert out["compiled"] == n and out["here"] == 0
+    assert max(k for k, _, _ in out["shown"]) == n and {t for _, t, _ in out["shown"]} == {n}
+
+
+def test_a_helper_that_dies_leaves_its_kernels_to_this_process(monkeypatch):
+    # helpers that exit at once (here: not Python at all) compile nothing, and the call
+    # returns rather than waiting on them; warm_up's own pass then compiles the kernels
+    monkeypatch.setattr(jit, "_cached", lambda d, s: False)
+    monkeypatch.setattr(jit.sys, "executable", "/bin/false")
+    monkeypatch.setattr(jit.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    import subprocess
+    popen, started = subprocess.Popen, []
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a) or popen(*a, **k))
+    assert jit.compile_in_processes(_some_kernels())[0] == 0
+    assert len(started) == 2                        # two groups: two helpers were tried
+
+
+def _some_kernels():
+    import numpy as np
+    import numba
+    x = numba.typeof(np.ones((2, 8), np.float32))
+    w = numba.typeof(np.ones(8, np.float32))
+    return [(K.rmsnorm_rows, (x, w, numba.float32, x)), (K.swiglu_rows, (x, x, x))]
