@@ -31,7 +31,7 @@ from ..kernels.fp import get_f16
 from ..kernels.jit import njit
 from ..kernels.simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, IQ4_VALUES, ISA, KIND_IQ4_NL, KIND_Q4_0,
                             KIND_Q4_1, KIND_Q5_0, KIND_Q5_1, KIND_Q8_0, K_VALUES, RECORD_ROWS, TOKENS, Q8X,
-                            blocks_gemm, iq4xs_gemm, q4k_gemm, q6_gemm, tile)
+                            blocks_gemm, iq4xs_gemm, k_gemm, tile)
 from ..scratch import Scratch
 from .base import TiledLinear, release_pages
 
@@ -352,7 +352,7 @@ def repack_blocks(raw, row0, q, G, kind):
 
 # The intrinsic a weight type's product kernels run (product_kernels' family): the
 # per-32-block formats' blocks_gemm, Q4_K and Q5_K's q4k_gemm, the 16-weight sub-block
-# K-quants' q6_gemm, IQ4_XS's iq4xs_gemm
+# K-quants' q6_gemm (those two through k_gemm), IQ4_XS's iq4xs_gemm
 BLOCKS, K_QUANT, SUB16, XS = range(4)
 
 
@@ -381,10 +381,8 @@ def product_kernels(family, kind):
                 shape = tile(nb, G, 0, 1, kind)    # in the loop: a parfor takes no Tile in
                 if family == BLOCKS:
                     blocks_gemm(q[t], x, acc[t], shape, ISA)
-                elif family == K_QUANT:
-                    q4k_gemm(q[t], x, acc[t], shape, ISA)
-                elif family == SUB16:
-                    q6_gemm(q[t], x, acc[t], shape, ISA)
+                elif family == K_QUANT or family == SUB16:
+                    k_gemm(q[t], x, acc[t], shape, ISA)
                 else:
                     iq4xs_gemm(q[t], x, acc[t], shape, ISA)
                 n = min(R, out.size - t * R)
@@ -415,26 +413,17 @@ def product_kernels(family, kind):
                 aw = af[:TOKENS * nw]
                 c0 = t * R + w0
                 nc = max(0, min(nw, out.shape[1] - c0))
-                # each intrinsic named here: one held in a variable of the closure made
-                # Numba's cache miss every run (the kernels compiled at every start)
                 for t0 in range(0, T, TOKENS):
                     shape = tile(nb, G, t0, TOKENS, kind)
                     if family == BLOCKS:
                         blocks_gemm(qw, x, aw, shape, ISA)
-                    elif family == K_QUANT:
+                    elif family == K_QUANT or family == SUB16:
                         if UNPACK and unpacked and t0 == 0:
-                            q4k_gemm(qw, x, aw, shape, ISA, e, 1)
+                            k_gemm(qw, x, aw, shape, ISA, e, 1)
                         elif UNPACK and unpacked:
-                            q4k_gemm(qw, x, aw, shape, ISA, e)
+                            k_gemm(qw, x, aw, shape, ISA, e)
                         else:
-                            q4k_gemm(qw, x, aw, shape, ISA)
-                    elif family == SUB16:
-                        if UNPACK and unpacked and t0 == 0:
-                            q6_gemm(qw, x, aw, shape, ISA, e, 1)
-                        elif UNPACK and unpacked:
-                            q6_gemm(qw, x, aw, shape, ISA, e)
-                        else:
-                            q6_gemm(qw, x, aw, shape, ISA)
+                            k_gemm(qw, x, aw, shape, ISA)
                     else:
                         iq4xs_gemm(qw, x, aw, shape, ISA)
                     for k in range(min(TOKENS, T - t0)):

@@ -813,6 +813,18 @@ def q6_gemm(typingctx, q, x, acc, shape, isa, values=None, write=None):
 # vectors (the nibble sets of _k4_values, or _k16_values' lo then hi), vector j at 64 j,
 # row (lane) l's 4 bytes at 64 j + 4 l, as the records' quads are laid out.
 VALUES_BLOCK = 8 * 4 * RECORD_ROWS                   # 512 bytes
+@intrinsic(prefer_literal=True)
+def k_gemm(typingctx, q, x, acc, shape, isa, values=None, write=None):
+    """q4k_gemm for a tile of Q4_K or Q5_K records (shape.kind 4 or 5), else q6_gemm (the
+    16-weight sub-block K-quants: 6, 3, 2), the same arguments: the product kernels call
+    one name for either. (A kernel that held one of the two in a closure variable
+    instead was compiled afresh at every start: Numba's cache keys a closure by its
+    variables' pickle, which an intrinsic's is not stable across processes.)"""
+    _, kind, _ = tile_constants("k_gemm", shape, isa)
+    gemm = q4k_gemm if kind in (4, 5) else q6_gemm
+    return gemm._defn(typingctx, q, x, acc, shape, isa, values, write)
+
+
 # the kinds whose prefill takes values tiles (bits): Q5_K, Q6_K and Q3_K; Q4_K's and
 # Q2_K's values are a mask and a shift away, and loading them read slower ("values
 # tiles", bench/results/design_measurements.json)
