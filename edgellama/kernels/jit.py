@@ -400,7 +400,7 @@ def _cached(disp: Dispatcher, sig: tuple) -> bool:
 
 
 def compile_in_processes(todo: list[tuple[Dispatcher, tuple]], show=None,
-                         total: int | None = None) -> tuple[int, float]:
+                         total: int | None = None, cores: int | None = None) -> tuple[int, float]:
     """Compile the kernels of `todo` that the kernel cache lacks in helper processes
     (compile_child.py), into the cache this process then loads them from: Numba compiles
     one kernel at a time a process, and a first start's kernels took half a minute on
@@ -408,15 +408,18 @@ def compile_in_processes(todo: list[tuple[Dispatcher, tuple]], show=None,
     weight type) go to one process, so that two never write that index at once; the
     largest kernels (by bytecode: attention) go first, each process taking the next group
     as it finishes one. show(n, total, name) as in warm_up, as each group starts. Returns
-    (kernels compiled, seconds). Nothing happens where the cache cannot be written, with
-    fewer than 2 groups to compile or 2 cores, or where a process cannot start; a group
-    whose process fails is compiled by the caller's own pass."""
+    (kernels compiled, seconds). `cores`: how many to use at most (the model's thread
+    count: `-t 1` keeps to one); None, those this process may run on. Nothing happens
+    where the cache cannot be written, with fewer than 2 groups to compile or 2 cores,
+    or where a process cannot start; a group whose process fails is compiled by the
+    caller's own pass."""
     if cache_note is not None or not sys.executable:
         return 0, 0.0
     try:
-        cores = len(os.sched_getaffinity(0))
+        mine = len(os.sched_getaffinity(0))
     except AttributeError:
-        cores = os.cpu_count() or 1
+        mine = os.cpu_count() or 1
+    cores = min(mine, cores or mine)
     where = {kernel: address for _, _, kernel, address in _kernel_homes()}
     groups: dict[tuple, list] = {}
     for disp, sig in todo:
@@ -508,7 +511,8 @@ def warm_up(model, show: Callable[[int, int | None, str], None] | None = None) -
             todo = None
             _every_path(model)
         watch.listed = set(todo or [])
-        elsewhere, elsewhere_s = compile_in_processes(todo or [], show, len(todo or []))
+        elsewhere, elsewhere_s = compile_in_processes(todo or [], show, len(todo or []),
+                                                      model.threads.max)
         for i, (disp, sig) in enumerate(todo or []):
             watch.step = (i + 1, len(todo))
             disp.compile(sig)

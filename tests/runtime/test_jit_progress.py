@@ -188,3 +188,13 @@ def _some_kernels():
     x = numba.typeof(np.ones((2, 8), np.float32))
     w = numba.typeof(np.ones(8, np.float32))
     return [(K.rmsnorm_rows, (x, w, numba.float32, x)), (K.swiglu_rows, (x, x, x))]
+
+
+def test_one_thread_asked_for_starts_no_helper(monkeypatch):
+    # `-t 1` (the model's thread count, which warm_up passes) keeps the compile on one core
+    import subprocess
+    monkeypatch.setattr(jit, "_cached", lambda d, s: False)
+    monkeypatch.setattr(jit.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    started = []
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a))
+    assert jit.compile_in_processes(_some_kernels(), cores=1) == (0, 0.0) and started == []
