@@ -433,57 +433,68 @@ def compile_in_processes(todo: list[tuple[Dispatcher, tuple]], show=None,
         return 0, 0.0
     import base64
     import pickle
-    import selectors
+    import queue
     import subprocess
+    import threading
     t0 = time.perf_counter()
-    sel = selectors.DefaultSelector()
-    started = 0
+    # (helper, kernels, name) as a group goes out, (helper, 0, None) as it comes back,
+    # None as a helper is done
+    events: queue.Queue = queue.Queue()
 
-    def send(proc) -> bool:
-        nonlocal started
-        if not tasks:
-            proc.stdin.close()
-            return False
-        group = tasks.pop(0)
+    def serve(proc) -> None:
+        # hand this helper the next group until none is left; a helper that dies (no
+        # reply) leaves its group to the caller's pass
         try:
-            proc.stdin.write(base64.b64encode(pickle.dumps([a for _, a in group])) + b"\n")
-            proc.stdin.flush()
-        except OSError:                 # the process is gone: the caller's pass compiles it
-            return False
-        started += len(group)
-        if show:
-            show(started, total, group[0][0].py_func.__name__)
-        return True
+            while tasks:
+                try:
+                    group = tasks.pop(0)
+                except IndexError:          # another helper took the last one
+                    break
+                proc.stdin.write(base64.b64encode(pickle.dumps([a for _, a in group])) + b"\n")
+                proc.stdin.flush()
+                events.put((proc, len(group), group[0][0].py_func.__name__))
+                if not proc.stdout.readline():
+                    break
+                events.put((proc, 0, None))
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+            events.put(None)
 
     procs = []
     try:
         for _ in range(n):
             try:
-                proc = subprocess.Popen([sys.executable, "-m", "edgellama.kernels.compile_child"],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=subprocess.DEVNULL)
+                procs.append(subprocess.Popen([sys.executable, "-m", "edgellama.kernels.compile_child"],
+                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                              stderr=subprocess.DEVNULL))
             except OSError:
                 break
-            procs.append(proc)
-            if send(proc):
-                sel.register(proc.stdout, selectors.EVENT_READ, proc)
-        while sel.get_map():
-            for key, _ in sel.select():
-                proc = key.data
-                # a reply ends a group (an error one: it compiles in the caller's pass);
-                # a process that died leaves its group to that pass too
-                if not proc.stdout.readline() or not send(proc):
-                    sel.unregister(proc.stdout)
-    except BaseException:               # Ctrl-C: the helpers stop now, not after their group
+            threading.Thread(target=serve, args=(procs[-1],), daemon=True).start()
+        # progress shown from this thread alone: the kernels handed out so far and the
+        # oldest group still compiling (attention: what a first start waits on last)
+        started, done, running = 0, 0, {}
+        while done < len(procs):
+            event = events.get()
+            if event is None:
+                done += 1
+                continue
+            proc, count, name = event
+            running.pop(proc, None)
+            if name is not None:
+                started += count
+                running[proc] = name
+            if show and running:
+                show(started, total, next(iter(running.values())))
+    except BaseException:                   # Ctrl-C: the helpers stop now, not after their group
         for proc in procs:
             proc.kill()
         raise
     finally:
         for proc in procs:
-            with contextlib.suppress(OSError):
-                proc.stdin.close()
             proc.wait()
-        sel.close()
     return sum(_cached(d, a[-1]) for g in groups.values() for d, a in g), time.perf_counter() - t0
 
 
@@ -498,8 +509,9 @@ def warm_up(model, show: Callable[[int, int | None, str], None] | None = None) -
     """Compile (or load from Numba's cache) every kernel model.forward needs, those the
     cache lacks in helper processes on the other cores first (compile_in_processes),
     then each in turn here, so that show(n, total, name) can tell which; then decode
-    one token (starting the threads), in a sequence of its own. The prefill path is not run (it reads every
-    weight: seconds for a 3B model) unless the dry run fails: then every path runs."""
+    one token (starting the threads), in a sequence of its own. The prefill path is not
+    run (it reads every weight: seconds for a 3B model) unless the dry run fails: then
+    every path runs."""
     t0 = time.perf_counter()
     with Compiling(show) as watch:
         try:

@@ -28,8 +28,11 @@ def test_dry_run_finds_the_kernels_and_warm_up_leaves_nothing_to_compile(tmp_pat
     shown = []
     warm = jit.warm_up(llm.model, lambda n, total, name: shown.append((n, total, name)))
     assert all(total == len(calls) for _, total, _ in shown)     # compiles, if any, numbered
-    # each compile shown, and the listed kernels another compiled as its callee counted too
-    assert len(shown) <= warm.compiled <= len(calls) and warm.seconds >= warm.compile_seconds
+    steps = [n for n, _, _ in shown]          # in turn, or as helper processes take them
+    assert steps == sorted(steps) and set(steps) <= set(range(1, len(calls) + 1))
+    # compiles shown, and the listed kernels another compiled as its callee counted too
+    assert bool(shown) == bool(warm.compiled) and warm.compiled <= len(calls)
+    assert warm.seconds >= warm.compile_seconds
     assert all(sig in d.overloads for d, sig in calls)
     assert llm.seq.pos == 0
     with jit.Compiling() as watch:
