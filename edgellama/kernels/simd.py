@@ -804,15 +804,6 @@ def q6_gemm(typingctx, q, x, acc, shape, isa, values=None, write=None):
                       write if mode == "write" else types.none), codegen
 
 
-# Values tiles: a prefill of many tokens multiplies each tile of K-quant records by every
-# group of TOKENS rows of x, and each group rebuilt a block's 5-, 6- or 3-bit values from
-# nibbles, fifth bits and crumbs again. Given a values tile, the first group of a tile (a
-# window of its rows) rebuilds them and stores them there, a byte each (`write` 1), and
-# the others load them: the same integers, so the same sums and bits. Per block of 32 and
-# strip of 16 rows, VALUES_BLOCK bytes, the blocks in record order: the block's 8 value
-# vectors (the nibble sets of _k4_values, or _k16_values' lo then hi), vector j at 64 j,
-# row (lane) l's 4 bytes at 64 j + 4 l, as the records' quads are laid out.
-VALUES_BLOCK = 8 * 4 * RECORD_ROWS                   # 512 bytes
 @intrinsic(prefer_literal=True)
 def k_gemm(typingctx, q, x, acc, shape, isa, values=None, write=None):
     """q4k_gemm for a tile of Q4_K or Q5_K records (shape.kind 4 or 5), else q6_gemm (the
@@ -825,6 +816,15 @@ def k_gemm(typingctx, q, x, acc, shape, isa, values=None, write=None):
     return gemm._defn(typingctx, q, x, acc, shape, isa, values, write)
 
 
+# Values tiles: a prefill of many tokens multiplies each tile of K-quant records by every
+# group of TOKENS rows of x, and each group rebuilt a block's 5-, 6- or 3-bit values from
+# nibbles, fifth bits and crumbs again. Given a values tile, the first group of a tile (a
+# window of its rows) rebuilds them and stores them there, a byte each (`write` 1), and
+# the others load them: the same integers, so the same sums and bits. Per block of 32 and
+# strip of 16 rows, VALUES_BLOCK bytes, the blocks in record order: the block's 8 value
+# vectors (the nibble sets of _k4_values, or _k16_values' lo then hi), vector j at 64 j,
+# row (lane) l's 4 bytes at 64 j + 4 l, as the records' quads are laid out.
+VALUES_BLOCK = 8 * 4 * RECORD_ROWS                   # 512 bytes
 # the kinds whose prefill takes values tiles (bits): Q5_K, Q6_K and Q3_K; Q4_K's and
 # Q2_K's values are a mask and a shift away, and loading them read slower ("values
 # tiles", bench/results/design_measurements.json)
