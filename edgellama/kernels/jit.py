@@ -463,13 +463,16 @@ def compile_in_processes(todo: list[tuple[Dispatcher, tuple]], show=None,
                 proc.stdin.close()
             events.put(None)
 
+    # the helpers import this copy of the package, wherever it was imported from
+    home = str(Path(__file__).resolve().parent.parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [home, os.environ.get("PYTHONPATH")])))
     procs = []
     try:
         for _ in range(n):
             try:
                 procs.append(subprocess.Popen([sys.executable, "-m", "edgellama.kernels.compile_child"],
                                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                              stderr=subprocess.DEVNULL))
+                                              stderr=subprocess.DEVNULL, env=env))
             except OSError:
                 break
             threading.Thread(target=serve, args=(procs[-1],), daemon=True).start()

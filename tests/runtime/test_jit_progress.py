@@ -173,6 +173,7 @@ def test_helper_processes_fill_the_kernel_cache_this_process_loads(tmp_path):
 
 
 def test_a_helper_that_dies_leaves_its_kernels_to_this_process(monkeypatch):
+    import os
     # helpers that exit at once (here: not Python at all) compile nothing, and the call
     # returns rather than waiting on them; warm_up's own pass then compiles the kernels
     monkeypatch.setattr(jit, "_cached", lambda d, s: False)
@@ -180,9 +181,13 @@ def test_a_helper_that_dies_leaves_its_kernels_to_this_process(monkeypatch):
     monkeypatch.setattr(jit.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     import subprocess
     popen, started = subprocess.Popen, []
-    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a) or popen(*a, **k))
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(k) or popen(*a, **k))
     assert jit.compile_in_processes(_some_kernels())[0] == 0
     assert len(started) == 2                        # two groups: two helpers were tried
+    # each imports this copy of the package, wherever it came from
+    from pathlib import Path
+    root = Path(edgellama.__file__).resolve().parent.parent
+    assert all(Path(k["env"]["PYTHONPATH"].split(os.pathsep)[0]) == root for k in started)
 
 
 def _some_kernels():
