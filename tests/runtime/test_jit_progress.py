@@ -1,7 +1,13 @@
-"""Warm-up: the kernels the forward pass needs are found without running them, each is
-compiled (or loaded) in turn with its number shown, and the forward pass then compiles
-nothing more."""
+"""Warm-up: the kernels the forward pass needs are found without running them (for every
+weight type), those the cache lacks are compiled in helper processes where there are
+cores for them, each is then loaded (or compiled) in turn with its number shown, and the
+forward pass then compiles nothing more."""
 import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -152,10 +158,6 @@ print(json.dumps({"todo": len(todo), "missing": missing, "compiled": compiled,
 
 
 def test_helper_processes_fill_the_kernel_cache_this_process_loads(tmp_path):
-    import json
-    import os
-    import subprocess
-    import sys
     path = write_tiny_gguf(tmp_path / "t.gguf", "Q8_0", ctx=256, vocab=512, tokenizer=True)
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
     env["EDGELLAMA_CACHE"] = str(tmp_path / "cache")
@@ -173,19 +175,16 @@ def test_helper_processes_fill_the_kernel_cache_this_process_loads(tmp_path):
 
 
 def test_a_helper_that_dies_leaves_its_kernels_to_this_process(monkeypatch):
-    import os
     # helpers that exit at once (here: not Python at all) compile nothing, and the call
     # returns rather than waiting on them; warm_up's own pass then compiles the kernels
     monkeypatch.setattr(jit, "_cached", lambda d, s: False)
     monkeypatch.setattr(jit.sys, "executable", "/bin/false")
     monkeypatch.setattr(jit.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    import subprocess
     popen, started = subprocess.Popen, []
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(k) or popen(*a, **k))
     assert jit.compile_in_processes(_some_kernels())[0] == 0
     assert len(started) == 2                        # two groups: two helpers were tried
     # each imports this copy of the package, wherever it came from
-    from pathlib import Path
     root = Path(edgellama.__file__).resolve().parent.parent
     assert all(Path(k["env"]["PYTHONPATH"].split(os.pathsep)[0]) == root for k in started)
 
@@ -200,7 +199,6 @@ def _some_kernels():
 
 def test_one_thread_asked_for_starts_no_helper(monkeypatch):
     # `-t 1` (the model's thread count, which warm_up passes) keeps the compile on one core
-    import subprocess
     monkeypatch.setattr(jit, "_cached", lambda d, s: False)
     monkeypatch.setattr(jit.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
     started = []
