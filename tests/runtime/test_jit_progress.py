@@ -204,3 +204,26 @@ def test_one_thread_asked_for_starts_no_helper(monkeypatch):
     started = []
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a))
     assert jit.compile_in_processes(_some_kernels(), cores=1) == (0, 0.0) and started == []
+
+
+def test_ctrl_c_while_helpers_compile_stops_them_at_once(monkeypatch, tmp_path):
+    # helpers that would take a minute (here: a script that sleeps, whatever it is sent):
+    # Ctrl-C in the parent (raised by the progress callback) ends the call at once, with
+    # every helper killed, not waited for
+    import time
+    sleeper = tmp_path / "helper"
+    sleeper.write_text("#!/bin/sh\nsleep 60\n")
+    sleeper.chmod(0o755)
+    monkeypatch.setattr(jit, "_cached", lambda d, s: False)
+    monkeypatch.setattr(jit.sys, "executable", str(sleeper))
+    monkeypatch.setattr(jit.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    popen, procs = subprocess.Popen, []
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: procs.append(popen(*a, **k)) or procs[-1])
+
+    def interrupt(n, total, name):
+        raise KeyboardInterrupt
+    t0 = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        jit.compile_in_processes(_some_kernels(), interrupt)
+    assert time.perf_counter() - t0 < 30 and len(procs) == 2
+    assert all(p.poll() is not None for p in procs)
