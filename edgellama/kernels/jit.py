@@ -459,8 +459,9 @@ def compile_in_processes(todo: list[tuple[Dispatcher, tuple]], show=None,
         except OSError:
             pass
         finally:
-            with contextlib.suppress(OSError):
-                proc.stdin.close()
+            for pipe in (proc.stdin, proc.stdout):
+                with contextlib.suppress(OSError):
+                    pipe.close()
             events.put(None)
 
     # the helpers import this copy of the package, wherever it was imported from

@@ -181,12 +181,15 @@ def test_a_helper_that_dies_leaves_its_kernels_to_this_process(monkeypatch):
     monkeypatch.setattr(jit.sys, "executable", "/bin/false")
     monkeypatch.setattr(jit.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     popen, started = subprocess.Popen, []
-    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(k) or popen(*a, **k))
+    monkeypatch.setattr(subprocess, "Popen",
+                        lambda *a, **k: started.append((k, popen(*a, **k))) or started[-1][1])
     assert jit.compile_in_processes(_some_kernels())[0] == 0
     assert len(started) == 2                        # two groups: two helpers were tried
     # each imports this copy of the package, wherever it came from
     root = Path(edgellama.__file__).resolve().parent.parent
-    assert all(Path(k["env"]["PYTHONPATH"].split(os.pathsep)[0]) == root for k in started)
+    assert all(Path(k["env"]["PYTHONPATH"].split(os.pathsep)[0]) == root for k, _ in started)
+    # and leaves no pipe open behind it (an unclosed one warns when it is collected)
+    assert all(p.stdin.closed and p.stdout.closed and p.returncode is not None for _, p in started)
 
 
 def _some_kernels():
