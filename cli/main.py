@@ -121,8 +121,11 @@ def _version(ctx, param, value):
     from edgellama import threading_layer
     from edgellama.kernels import jit   # noqa: F401  (jit sets Numba up first)
     from edgellama.kernels.amx import kernels_name
+    from edgellama.machine import cpu_quota
+    quota = cpu_quota()
+    limit = "" if quota is None else f", cgroup CPU limit {quota:g}"
     click.echo(f"edgellama {version('edgellama')} (Numba {numba.__version__}, "
-               f"{kernels_name()} kernels, threading layer {threading_layer.name()})")
+               f"{kernels_name()} kernels, threading layer {threading_layer.name()}{limit})")
     if note := threading_layer.note():
         click.echo(f"note: {note}", err=True)
     ctx.exit()

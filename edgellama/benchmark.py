@@ -436,7 +436,8 @@ def run(path: Path, ctx: int = 8192, n_prompt: int = 512, n_gen: int = 128, dept
     return {
         "model": g.get("general.name") or path.name, "file": str(path), "synthetic": synthetic,
         "full": full, "types": model.type_summary(), "size_bytes": weights, "params": params,
-        "threads": policy.current, "threads_auto": policy.auto,
+        "threads": policy.current, "threads_auto": policy.auto, "cpu_quota": policy.quota,
+        "threads_reply": min(policy.current, policy.memory_bound_max),
         "threading_layer": threading_layer.name(), "ctx": ctx, "n_prompt": n_prompt, "n_gen": n_gen, "depth": depth,
         "reps": reps,
         "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "kernels": kernels_name(),
@@ -549,14 +550,21 @@ def summary(r: dict) -> str:
             f"({s['words_per_token']} words per token, typical of English).")
 
 
+def _thread_note(r: dict) -> str:
+    """How the thread count was chosen, for the report's first line."""
+    if r.get("cpu_quota") is not None:
+        return (f" (automatic; the cgroup's CPU limit is {r['cpu_quota']:g}: "
+                f"{r['threads_reply']} for replies)")
+    return " (automatic)" if r.get("threads_auto") else ""
+
+
 def format_quick(r: dict) -> str:
     """The quick check: what was measured, then the one-sentence answer."""
     m, s = r["memory"], r["speed"]
     runtime = m["predicted_total"] - m["weights"] - m["kv_cache"]
     lines = [
         f"model   {r['model']}: {r['types']}, {r['size_bytes'] / GiB:.2f} GiB, "
-        f"{r['threads']} threads{' (automatic)' if r.get('threads_auto') else ''} "
-        f"(Numba threading layer {r['threading_layer']})",
+        f"{r['threads']} threads{_thread_note(r)} (Numba threading layer {r['threading_layer']})",
         f"memory  {_needed(m) / GiB:.2f} GiB at ctx {r['ctx']}: weights "
         f"{m['weights'] / GiB:.2f} GiB + KV cache {m['kv_cache'] / GiB:.2f} GiB "
         f"({m['type_k']} K, {m['type_v']} V) + runtime "

@@ -5,6 +5,7 @@ Imports no NumPy or Numba: the chat template renderer process uses resident_memo
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import platform
 import sys
@@ -118,17 +119,123 @@ _CPUINFO = "/proc/cpuinfo"
 
 
 def default_threads() -> int:
-    """The physical cores we may run on, performance cores only on a hybrid CPU. Decode
-    is bandwidth bound, so SMT siblings add nothing; and every matrix product ends at a
-    barrier, so a thread on a slower efficiency core would hold up the others at each
-    one (llama.cpp's default counts the same way)."""
+    """The physical cores we may run on, performance cores only on a hybrid CPU, and no
+    more than the CPUs' worth of time our cgroup allows (rounded up: prompts, whose
+    products are bound by arithmetic, use a fraction's thread; ThreadPolicy runs a reply's
+    passes on the whole CPUs). Decode is bandwidth bound, so SMT siblings add nothing;
+    every matrix product ends at a barrier, so a thread on a slower efficiency core
+    would hold up the others at each one (llama.cpp's default counts the same way); and
+    threads beyond a cgroup's CPU limit run in bursts, then wait out the rest of each
+    period (a container's `--cpus`, a Kubernetes CPU limit)."""
     try:
         cpus = set(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
     cpus = (cpus - efficiency_cpus()) or cpus
     core = _cpu_cores()
-    return max(1, len({core.get(c, c) for c in cpus}))
+    n = max(1, len({core.get(c, c) for c in cpus}))
+    quota = cpu_quota()
+    return n if quota is None else max(1, min(n, math.ceil(round(quota, 6))))
+
+
+# Which cgroups Linux says the process is in, and where each hierarchy is mounted
+_PROC_CGROUP = "/proc/self/cgroup"
+_MOUNTINFO = "/proc/self/mountinfo"
+
+
+def cpu_quota() -> float | None:
+    """The CPUs' worth of time this process's cgroups allow it (Linux's CPU bandwidth
+    limit: `docker run --cpus`, a Kubernetes CPU limit, systemd's CPUQuota=), the
+    smallest along its cgroup's path up to its hierarchy's root, in cgroup v2 or v1;
+    None where nothing limits it or Linux does not say."""
+    try:
+        with open(_PROC_CGROUP) as f:
+            groups = f.read().splitlines()
+        with open(_MOUNTINFO) as f:
+            mounts = f.read().splitlines()
+    except OSError:
+        return None
+    limits: list[float] = []
+    for line in groups:
+        hierarchy, _, rest = line.partition(":")
+        controllers, sep, path = rest.partition(":")
+        if not sep or not path.startswith("/"):
+            continue
+        v2 = hierarchy == "0" and controllers == ""
+        if not v2 and "cpu" not in controllers.split(","):
+            continue
+        for root, point in _cgroup_mounts(mounts, v2):
+            limits += _quotas_along(point, _below(path, root), v2)
+    return min(limits) if limits else None
+
+
+def _cgroup_mounts(mounts: list[str], v2: bool) -> list[tuple[str, str]]:
+    """(root within the hierarchy, mount point) of each cgroup2 mount (v2) or v1 mount
+    with the cpu controller, from /proc/self/mountinfo's lines."""
+    out = []
+    for line in mounts:
+        # ID PARENT MAJ:MIN ROOT MOUNT-POINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPER-OPTIONS
+        before, sep, after = line.partition(" - ")
+        fields, tail = before.split(), after.split()
+        if not sep or len(fields) < 5 or not tail:
+            continue
+        if (tail[0] == "cgroup2") if v2 else \
+                (tail[0] == "cgroup" and "cpu" in tail[-1].split(",")):
+            out.append((_unescape(fields[3]), _unescape(fields[4])))
+    return out
+
+
+def _unescape(field: str) -> str:
+    # mountinfo writes space, tab, newline and backslash in paths as octal escapes
+    for code in ("\\040", "\\011", "\\012", "\\134"):
+        field = field.replace(code, chr(int(code[1:], 8)))
+    return field
+
+
+def _below(path: str, root: str) -> str:
+    """The cgroup `path` relative to a mount of its hierarchy at `root`; "/" where the
+    mount does not reach it by name (a cgroup namespace shows the process its own group
+    as the root)."""
+    if root == "/":
+        return path
+    if path == root or path.startswith(root.rstrip("/") + "/"):
+        return path[len(root.rstrip("/")):] or "/"
+    return "/"
+
+
+def _quotas_along(point: str, rel: str, v2: bool) -> list[float]:
+    """The CPU limits (quota / period) set on the cgroup at point + rel and each of its
+    parents up to the mount point (only the mount point's where rel leads out of it, as
+    a path with ".." does from inside a cgroup namespace)."""
+    top = os.path.normpath(point)
+    inside = top.rstrip("/") + "/"
+    here = os.path.normpath(top + "/" + rel.lstrip("/"))
+    if not here.startswith(inside):
+        here = top
+    out = []
+    while True:
+        q = _quota_of(here, v2)
+        if q is not None:
+            out.append(q)
+        if here == top:
+            return out
+        here = os.path.dirname(here)
+
+
+def _quota_of(group: str, v2: bool) -> float | None:
+    try:
+        if v2:
+            with open(os.path.join(group, "cpu.max")) as f:
+                quota, period = f.read().split()       # "max 100000" or "150000 100000"
+        else:
+            with open(os.path.join(group, "cpu.cfs_quota_us")) as f:
+                quota = f.read().strip()                # -1: no limit
+            with open(os.path.join(group, "cpu.cfs_period_us")) as f:
+                period = f.read().strip()
+        q, p = int(quota), int(period)
+    except (OSError, ValueError):                       # "max", absent, unreadable
+        return None
+    return q / p if q > 0 and p > 0 else None
 
 
 def efficiency_cpus() -> set[int]:
@@ -212,12 +319,17 @@ class ThreadPolicy:
     own CPU time. Why: every matrix product ends at a barrier, so a thread that shares
     its core with someone else's busy process stalls all the others at every barrier;
     on 2 cores with one busy neighbour, 2 threads ran at a third of 1 thread's speed.
+    Automatic under a cgroup's CPU limit of a fraction (1.5 CPUs), a pass of at most
+    MEMORY_BOUND_ROWS rows (a reply's tokens) runs on the whole CPUs only (1): it waits on
+    memory, so a thread more adds little and its bursts are throttled; a prompt's passes,
+    bound by arithmetic, take the fraction's thread too.
     Applies to Numba's threads (per calling thread). NumPy's BLAS, which no product of
     ours runs on (the benchmark's NumPy comparison does), keeps one thread: its workers
     and Numba's spin-wait against each other when the two alternate ("BLAS threads",
     bench/results/design_measurements.json).
     """
     PERIOD = 0.5    # seconds between measurements (/proc/stat counts in 10 ms ticks)
+    MEMORY_BOUND_ROWS = 4   # a pass of this many rows or fewer reads weights more than it multiplies
 
     def __init__(self, threads: int | None = None):
         self.max = set_threads(threads)
@@ -225,6 +337,10 @@ class ThreadPolicy:
             self._cpus = sorted(os.sched_getaffinity(0))
         except AttributeError:
             self._cpus = []
+        self.quota = cpu_quota() if threads is None else None
+        # the most threads a memory-bound pass runs: the quota's whole CPUs
+        self.memory_bound_max = self.max if self.quota is None else \
+            max(1, min(self.max, int(round(self.quota, 6))))
         self.auto = threads is None and self.max > 1 and _busy_seconds(self._cpus) is not None
         self.current = self.max
         self.others: float | None = None   # cores busy with other processes (smoothed)
@@ -247,14 +363,18 @@ class ThreadPolicy:
         free = len(self._cpus) - self.others
         self.current = max(1, min(self.max, int(free + 0.5)))
 
-    def apply(self) -> int:
-        """Set this many threads for the work about to run (in the calling thread)."""
+    def apply(self, rows: int | None = None) -> int:
+        """Set the threads for a pass of `rows` rows (tokens) about to run, in the
+        calling thread; returns the count."""
         import numba
         if self.auto:
             self._measure()
-        numba.set_num_threads(self.current)
+        n = self.current
+        if rows is not None and rows <= self.MEMORY_BOUND_ROWS:
+            n = min(n, self.memory_bound_max)
+        numba.set_num_threads(n)
         _blas_threads(1)
-        return self.current
+        return n
 
 
 _blas = None        # threadpoolctl's controller of NumPy's BLAS, and the count it was set to

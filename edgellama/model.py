@@ -246,7 +246,7 @@ class Transformer:
         if pos + T > seq.ctx:
             raise EdgeError(f"{T} tokens at position {pos} do not fit the context of "
                             f"{seq.ctx} tokens")
-        self.threads.apply()
+        self.threads.apply(min(T, self.batch))
         all_out = np.empty((T, self.args.vocab_size), np.float32) if all_logits else None
         for start in range(0, T, self.batch):
             chunk = tokens[start:start + self.batch]
@@ -276,7 +276,7 @@ class Transformer:
             if s.pos + n > s.ctx:
                 raise EdgeError(f"a sequence is full ({s.ctx} tokens)")
         sc = scratch or seqs[0].scratch
-        self.threads.apply()
+        self.threads.apply(len(tokens))
         return self._run(tokens, seqs, counts, sc, True,
                          sc.get("logits_n", (len(tokens), self.args.vocab_size)))
 
@@ -293,7 +293,7 @@ class Transformer:
         if seq.pos + T > seq.ctx:
             raise EdgeError(f"{T} tokens at position {seq.pos} do not fit the context of "
                             f"{seq.ctx} tokens")
-        self.threads.apply()
+        self.threads.apply(T)
         return self._run(tokens, [seq], [T], seq.scratch, True,
                          seq.scratch.get("logits_verify", (T, self.args.vocab_size)))
 

@@ -109,6 +109,22 @@ def test_quick_json_has_no_suite_figures(tmp_path):
     assert r["memory"]["rss_peak"] >= r["memory"]["rss_after_load"]
 
 
+@pytest.mark.skipif(__import__("numba").config.NUMBA_NUM_THREADS < 2, reason="needs 2 Numba threads")
+def test_quick_check_states_a_cgroup_cpu_limit(tmp_path, monkeypatch):
+    # automatic threads under a 1.5-CPU limit on 2 cores: 2 for prompts, 1 for replies
+    from edgellama import machine
+    monkeypatch.setattr(machine, "cpu_quota", lambda: 1.5)
+    monkeypatch.setattr(machine, "default_threads", lambda: 2)
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "Q4_0", ctx=256)
+    res = CliRunner().invoke(main, ["bench", "-m", str(path), "--ctx", "64", "-p", "8", "-n", "2",
+                                    "--json"])
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.stdout)
+    assert (r["cpu_quota"], r["threads"], r["threads_reply"]) == (1.5, 2, 1)
+    assert "2 threads (automatic; the cgroup's CPU limit is 1.5: 1 for replies)" in \
+        B.format_quick(r).splitlines()[0]
+
+
 def test_a_one_token_prompt_and_reply_are_measured(tmp_path):
     # -p 1 -n 1 is the smallest run: it once stopped on an internal error (the decode step
     # it times took the prompt's second token, which a 1-token prompt does not have)

@@ -36,7 +36,16 @@ def test_help_imports_neither_numpy_nor_numba_and_version_names_the_threading_la
     assert "Commands:" in res.stdout
     version = next(line for line in res.stdout.splitlines() if line.startswith("edgellama "))
     assert version.startswith(f"edgellama {importlib.metadata.version('edgellama')} (Numba ")
-    assert re.search(r"threading layer (omp|tbb|workqueue)\)$", version), version
+    assert re.search(r"threading layer (omp|tbb|workqueue)(, cgroup CPU limit [0-9.]+)?\)$",
+                     version), version
+
+
+def test_version_names_a_cgroup_cpu_limit(monkeypatch):
+    from edgellama import machine
+    monkeypatch.setattr(machine, "cpu_quota", lambda: 1.5)
+    res = CliRunner().invoke(main_module.main, ["--version"])
+    assert res.exit_code == 0, res.output
+    assert res.output.splitlines()[0].endswith(", cgroup CPU limit 1.5)"), res.output
 
 
 def test_workqueue_is_named_with_what_to_install():
@@ -46,7 +55,7 @@ def test_workqueue_is_named_with_what_to_install():
     res = subprocess.run([sys.executable, "-m", "edgellama", "--version"], capture_output=True,
                          text=True, timeout=120, env=env)
     assert res.returncode == 0, res.stderr
-    assert res.stdout.rstrip().endswith("threading layer workqueue)")
+    assert re.search(r"threading layer workqueue(, cgroup CPU limit [0-9.]+)?\)$", res.stdout.rstrip())
     assert res.stderr.count("note: ") == 1 and "libgomp" in res.stderr and "tbb" in res.stderr
 
 

@@ -1,5 +1,6 @@
 """default_threads: physical cores in our affinity mask, performance cores only on a
-hybrid CPU (scripted /proc/cpuinfo and /sys/devices/cpu_atom/cpus)."""
+hybrid CPU, no more than the cgroup's CPU limit allows (scripted /proc/cpuinfo,
+/sys/devices/cpu_atom/cpus and cpu_quota; cpu_quota itself: test_cpu_quota.py)."""
 import pytest
 
 from edgellama import machine
@@ -21,7 +22,7 @@ def _cpuinfo(cores: dict[int, int], phys: int = 0, arm: bool = False) -> str:
 
 @pytest.fixture
 def machine_with(tmp_path, monkeypatch):
-    def setup(cores, affinity=None, atom=None, arm=False):
+    def setup(cores, affinity=None, atom=None, arm=False, quota=None):
         info = tmp_path / "cpuinfo"
         info.write_text(_cpuinfo(cores, arm=arm))
         monkeypatch.setattr(machine, "_CPUINFO", str(info))
@@ -31,6 +32,7 @@ def machine_with(tmp_path, monkeypatch):
         monkeypatch.setattr(machine, "_ATOM_CPUS", str(atom_file))
         mask = set(cores) if affinity is None else set(affinity)
         monkeypatch.setattr(machine.os, "sched_getaffinity", lambda pid: mask, raising=False)
+        monkeypatch.setattr(machine, "cpu_quota", lambda: quota)
         return machine.default_threads()
     return setup
 
@@ -64,3 +66,15 @@ def test_unreadable_or_odd_files_fall_back_to_logical_cpus(machine_with):
     assert machine_with({c: 0 for c in range(6)}, arm=True) == 6
     assert machine_with({c: c % 2 for c in range(4)}, atom="garbage") == 2
     assert machine_with({c: c % 2 for c in range(4)}, atom="") == 2
+
+
+def test_a_cgroup_cpu_limit_caps_the_count(machine_with):
+    # 8 cores, a container limited to 2.5 CPUs: 3 threads (prompts use the fraction's
+    # thread; ThreadPolicy keeps a reply's passes to 2), never fewer than 1, and a limit
+    # above the cores changes nothing
+    cores = {c: c for c in range(8)}
+    assert machine_with(cores, quota=2.5) == 3
+    assert machine_with(cores, quota=2.0) == 2
+    assert machine_with(cores, quota=0.3) == 1
+    assert machine_with(cores, quota=16.0) == 8
+    assert machine_with(cores, quota=None) == 8
