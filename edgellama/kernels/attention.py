@@ -38,6 +38,7 @@ from numba.extending import intrinsic
 
 from ..formats.records import prep_q8_x
 from .fp import f16_to_f32, f32_to_f16, half_to_float_ir
+from .items import Items, call_item, item_address
 from .jit import njit, overload
 from .rows import (_AVX512, _MIN_LOGIT, _VREGS, Rows, _exp_neg, _fma, _scores, _weighted, in_passes,
                    rows_ir)
@@ -696,7 +697,6 @@ def _ov_chunk_weighted(v, c0, n, w, out, g, gm, dvf):
     return quant
 
 
-@njit(cache=True, error_model="numpy", fastmath=True, parallel=True)
 def attention(q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si, sp, window):
     # q (T, H, hd) roped queries at positions pos0..pos0+T-1; one layer's cache, flat:
     # kq, ks (K and its scales), vq, vs (V and its scales), KV heads of `cap` positions, in the
@@ -719,14 +719,24 @@ def attention(q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si, sp, wind
     # at most _MAX_SPLITS) as items, so more threads than KV heads have work; the splits'
     # partial softmaxes are merged after (flash decoding). The splits follow the depth
     # alone, so the sums' order, and the result, is the same at every thread count.
+    # Each work item runs _attention_item, called by address from _attention_items'
+    # parallel loop (kernels/items.py: the body compiles once, not again inside the loop).
+    _ITEMS.run(_attention_items, (0, 0, 0, 0),
+               (q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si, sp, window))
+
+
+@njit(cache=True, error_model="numpy", fastmath=True, parallel=True)
+def _attention_items(table, q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si, sp, window):
+    # attention's work items (split and ordered as it says) in parallel, each
+    # _attention_item for these types at its address in `table`, then a decoded token's
+    # splits merged; returns 0, or 1 having run nothing where the table lacks that address
+    fptr = item_address(table, (0, 0, 0, 0),
+                        (q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si, sp, window))
+    if fptr == 0:
+        return 1
     T, H, hd = q.shape
     g = H // KV
-    G = _TB * g
-    nbk = hd // QBLOCK
-    quant_k = ks.size > 0
     nblocks = -(-T // _TB)
-    gk = min(g, _GMAX) if T == 1 else (_BATCH_Q if quant_k else _BATCH_F16)   # rows a call
-    gv = min(g, _GMAX) if T == 1 else (_BATCH_Q if vs.size > 0 else _BATCH_F16)
     nsplit, per = 1, 0
     first = max(0, pos0 - window + 1) // _CHUNK * _CHUNK if window > 0 else 0
     if T == 1:
@@ -735,116 +745,136 @@ def attention(q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si, sp, wind
         per = -(-nchunks // nsplit)                 # chunks a split
         nsplit = -(-nchunks // per)                 # none empty
     for item in prange(nblocks * KV * nsplit):
-        split, rest = item % nsplit, item // nsplit
-        tb, kvh = rest // KV, rest % KV
-        tb = tb // 2 if tb % 2 == 0 else nblocks - 1 - tb // 2
-        t0 = tb * _TB
-        nt = min(T, t0 + _TB) - t0
-        buf = sf[nb.get_thread_id()]
-        s = buf[:G * _CHUNK]
-        q32 = buf[G * _CHUNK:G * (_CHUNK + hd)]
-        mrow = buf[G * (_CHUNK + hd):G * (_CHUNK + hd + 1)]
-        lrow = buf[G * (_CHUNK + hd + 1):G * (_CHUNK + hd + 2)]
-        qd = buf[G * (_CHUNK + hd + 2):G * (_CHUNK + hd + 2) + G * nbk]
-        xsum = buf[G * (_CHUNK + hd + 2) + G * nbk:G * (_CHUNK + hd + 2) + 2 * G * nbk]
-        o32 = buf[G * (_CHUNK + hd + 2) + 2 * G * nbk:G * (_CHUNK + 2 * hd + 2) + 2 * G * nbk]
-        dvf = buf[G * (_CHUNK + 2 * hd + 2) + 2 * G * nbk:]
-        q8, qs8 = s8[nb.get_thread_id()], si[nb.get_thread_id()]
-        kh, vh = Head(kq, ks, hd, cap, kvh), Head(vq, vs, hd, cap, kvh)
-        qr = Query(q32, q8, qd, qs8)
+        call_item(fptr, (item, nsplit, per, first),
+                  (q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si, sp, window))
+    if nsplit > 1:
+        _merge_splits(sp, KV, nsplit, g, hd, out)
+    return 0
+
+
+@njit(cache=True, error_model="numpy", fastmath=True)
+def _attention_item(item, nsplit, per, first, q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8,
+                    si, sp, window):
+    # work item `item` of attention's nsplit splits of per chunks from position `first`
+    T, H, hd = q.shape
+    g = H // KV
+    G = _TB * g
+    nbk = hd // QBLOCK
+    quant_k = ks.size > 0
+    nblocks = -(-T // _TB)
+    gk = min(g, _GMAX) if T == 1 else (_BATCH_Q if quant_k else _BATCH_F16)   # rows a call
+    gv = min(g, _GMAX) if T == 1 else (_BATCH_Q if vs.size > 0 else _BATCH_F16)
+    split, rest = item % nsplit, item // nsplit
+    tb, kvh = rest // KV, rest % KV
+    tb = tb // 2 if tb % 2 == 0 else nblocks - 1 - tb // 2
+    t0 = tb * _TB
+    nt = min(T, t0 + _TB) - t0
+    buf = sf[nb.get_thread_id()]
+    s = buf[:G * _CHUNK]
+    q32 = buf[G * _CHUNK:G * (_CHUNK + hd)]
+    mrow = buf[G * (_CHUNK + hd):G * (_CHUNK + hd + 1)]
+    lrow = buf[G * (_CHUNK + hd + 1):G * (_CHUNK + hd + 2)]
+    qd = buf[G * (_CHUNK + hd + 2):G * (_CHUNK + hd + 2) + G * nbk]
+    xsum = buf[G * (_CHUNK + hd + 2) + G * nbk:G * (_CHUNK + hd + 2) + 2 * G * nbk]
+    o32 = buf[G * (_CHUNK + hd + 2) + 2 * G * nbk:G * (_CHUNK + 2 * hd + 2) + 2 * G * nbk]
+    dvf = buf[G * (_CHUNK + 2 * hd + 2) + 2 * G * nbk:]
+    q8, qs8 = s8[nb.get_thread_id()], si[nb.get_thread_id()]
+    kh, vh = Head(kq, ks, hd, cap, kvh), Head(vq, vs, hd, cap, kvh)
+    qr = Query(q32, q8, qd, qs8)
+    for tt in range(nt):
+        for j in range(g):
+            r = tt * g + j
+            for i in range(hd):
+                q32[r * hd + i] = q[t0 + tt, kvh * g + j, i] * scale
+            if quant_k:
+                prep_q8_x(q32[r * hd:(r + 1) * hd], q8[r * hd:(r + 1) * hd],
+                          qd[r * nbk:(r + 1) * nbk], qs8[r * nbk:(r + 1) * nbk],
+                          xsum[r * nbk:(r + 1) * nbk])
+            mrow[r] = _NO_MAX
+            lrow[r] = F32(0.0)
+            for i in range(hd):
+                o32[r * hd + i] = F32(0.0)
+    end = pos0 + t0 + nt                          # positions the last token sees
+    # the chunks from the first one the block's first token sees
+    c_lo = max(0, pos0 + t0 - window + 1) // _CHUNK * _CHUNK if window > 0 else 0
+    c_hi = end
+    if nsplit > 1:
+        c_lo = first + split * per * _CHUNK
+        c_hi = min(end, c_lo + per * _CHUNK)
+    for c0 in range(c_lo, c_hi, _CHUNK):
+        pc = c0 % cap                             # where the chunk lies
+        whole = c0 + _CHUNK <= pos0 + t0 + 1      # every token sees the whole chunk
+        # scores, 16 positions at a time: a token's last block also scores positions
+        # past its own, which the softmax never reads
+        if whole:
+            _chunk_scores(kh, pc, _CHUNK, qr, 0, Rows(s, 0, _CHUNK), nt * g, gk)
+        else:
+            for tt in range(nt):
+                n = min(pos0 + t0 + tt + 1, c0 + _CHUNK) - c0
+                if n > 0:
+                    _chunk_scores(kh, pc, n, qr, tt * g, Rows(s, tt * g * _CHUNK, _CHUNK),
+                                  g, gk)
+        # the running max and sum; weights e^(s - max) below e^-30 of it are zero
+        # (1e-13, far under f32 resolution next to the max's 1): tiny weights make
+        # subnormal products, ~100x slower on x86
+        for tt in range(nt):
+            n = min(pos0 + t0 + tt + 1, c0 + _CHUNK) - c0
+            # positions before m0 are outside the token's window: weight zero
+            m0 = max(0, pos0 + t0 + tt - window + 1 - c0) if window > 0 else 0
+            for j in range(g):
+                if n <= 0:
+                    continue
+                r = tt * g + j
+                sj = s[r * _CHUNK:r * _CHUNK + n]
+                if m0 > 0:
+                    for p in range(min(m0, n)):
+                        sj[p] = F32(0.0)
+                    if m0 >= n:
+                        continue
+                mx = _max_of(s, r * _CHUNK + m0, n - m0)
+                if mx > mrow[r]:
+                    d = mrow[r] - mx
+                    f = _exp_neg(max(d, _MIN_LOGIT)) if d > _MIN_LOGIT else F32(0.0)
+                    lrow[r] *= f
+                    for i in range(hd):
+                        o32[r * hd + i] *= f
+                    mrow[r] = mx
+                m = mrow[r]
+                tot = F32(0.0)
+                sv = sj[m0:]          # a loop from 0 vectorises (no negative indices)
+                for p in range(sv.size):
+                    x = sv[p] - m
+                    e = _exp_neg(max(x, _MIN_LOGIT))
+                    e = e if x > _MIN_LOGIT else F32(0.0)
+                    sv[p] = e
+                    tot += e
+                lrow[r] += tot
+        if whole:
+            _chunk_weighted(vh, pc, _CHUNK, Rows(s, 0, _CHUNK), Rows(o32, 0, hd), nt * g, gv,
+                            dvf)
+        else:
+            for tt in range(nt):
+                n = min(pos0 + t0 + tt + 1, c0 + _CHUNK) - c0
+                if n > 0:
+                    _chunk_weighted(vh, pc, n, Rows(s, tt * g * _CHUNK, _CHUNK),
+                                    Rows(o32, tt * g * hd, hd), g, gv, dvf)
+    if nsplit > 1:                               # the split's part, merged below
+        part = sp[kvh * nsplit + split]
+        for j in range(g):
+            for i in range(hd):
+                part[j * hd + i] = o32[j * hd + i]
+            part[g * hd + j] = mrow[j]
+            part[g * hd + g + j] = lrow[j]
+    else:
         for tt in range(nt):
             for j in range(g):
                 r = tt * g + j
+                inv = F32(1.0) / lrow[r]
                 for i in range(hd):
-                    q32[r * hd + i] = q[t0 + tt, kvh * g + j, i] * scale
-                if quant_k:
-                    prep_q8_x(q32[r * hd:(r + 1) * hd], q8[r * hd:(r + 1) * hd],
-                              qd[r * nbk:(r + 1) * nbk], qs8[r * nbk:(r + 1) * nbk],
-                              xsum[r * nbk:(r + 1) * nbk])
-                mrow[r] = _NO_MAX
-                lrow[r] = F32(0.0)
-                for i in range(hd):
-                    o32[r * hd + i] = F32(0.0)
-        end = pos0 + t0 + nt                          # positions the last token sees
-        # the chunks from the first one the block's first token sees
-        c_lo = max(0, pos0 + t0 - window + 1) // _CHUNK * _CHUNK if window > 0 else 0
-        c_hi = end
-        if nsplit > 1:
-            c_lo = first + split * per * _CHUNK
-            c_hi = min(end, c_lo + per * _CHUNK)
-        for c0 in range(c_lo, c_hi, _CHUNK):
-            pc = c0 % cap                             # where the chunk lies
-            whole = c0 + _CHUNK <= pos0 + t0 + 1      # every token sees the whole chunk
-            # scores, 16 positions at a time: a token's last block also scores positions
-            # past its own, which the softmax never reads
-            if whole:
-                _chunk_scores(kh, pc, _CHUNK, qr, 0, Rows(s, 0, _CHUNK), nt * g, gk)
-            else:
-                for tt in range(nt):
-                    n = min(pos0 + t0 + tt + 1, c0 + _CHUNK) - c0
-                    if n > 0:
-                        _chunk_scores(kh, pc, n, qr, tt * g, Rows(s, tt * g * _CHUNK, _CHUNK),
-                                      g, gk)
-            # the running max and sum; weights e^(s - max) below e^-30 of it are zero
-            # (1e-13, far under f32 resolution next to the max's 1): tiny weights make
-            # subnormal products, ~100x slower on x86
-            for tt in range(nt):
-                n = min(pos0 + t0 + tt + 1, c0 + _CHUNK) - c0
-                # positions before m0 are outside the token's window: weight zero
-                m0 = max(0, pos0 + t0 + tt - window + 1 - c0) if window > 0 else 0
-                for j in range(g):
-                    if n <= 0:
-                        continue
-                    r = tt * g + j
-                    sj = s[r * _CHUNK:r * _CHUNK + n]
-                    if m0 > 0:
-                        for p in range(min(m0, n)):
-                            sj[p] = F32(0.0)
-                        if m0 >= n:
-                            continue
-                    mx = _max_of(s, r * _CHUNK + m0, n - m0)
-                    if mx > mrow[r]:
-                        d = mrow[r] - mx
-                        f = _exp_neg(max(d, _MIN_LOGIT)) if d > _MIN_LOGIT else F32(0.0)
-                        lrow[r] *= f
-                        for i in range(hd):
-                            o32[r * hd + i] *= f
-                        mrow[r] = mx
-                    m = mrow[r]
-                    tot = F32(0.0)
-                    sv = sj[m0:]          # a loop from 0 vectorises (no negative indices)
-                    for p in range(sv.size):
-                        x = sv[p] - m
-                        e = _exp_neg(max(x, _MIN_LOGIT))
-                        e = e if x > _MIN_LOGIT else F32(0.0)
-                        sv[p] = e
-                        tot += e
-                    lrow[r] += tot
-            if whole:
-                _chunk_weighted(vh, pc, _CHUNK, Rows(s, 0, _CHUNK), Rows(o32, 0, hd), nt * g, gv,
-                                dvf)
-            else:
-                for tt in range(nt):
-                    n = min(pos0 + t0 + tt + 1, c0 + _CHUNK) - c0
-                    if n > 0:
-                        _chunk_weighted(vh, pc, n, Rows(s, tt * g * _CHUNK, _CHUNK),
-                                        Rows(o32, tt * g * hd, hd), g, gv, dvf)
-        if nsplit > 1:                               # the split's part, merged below
-            part = sp[kvh * nsplit + split]
-            for j in range(g):
-                for i in range(hd):
-                    part[j * hd + i] = o32[j * hd + i]
-                part[g * hd + j] = mrow[j]
-                part[g * hd + g + j] = lrow[j]
-        else:
-            for tt in range(nt):
-                for j in range(g):
-                    r = tt * g + j
-                    inv = F32(1.0) / lrow[r]
-                    for i in range(hd):
-                        out[t0 + tt, kvh * g + j, i] = o32[r * hd + i] * inv
-    if nsplit > 1:
-        _merge_splits(sp, KV, nsplit, g, hd, out)
+                    out[t0 + tt, kvh * g + j, i] = o32[r * hd + i] * inv
+
+
+_ITEMS = Items(__name__, "_attention_item")
 
 
 @njit(cache=True, error_model="numpy", fastmath=True)

@@ -381,9 +381,8 @@ def _every_path(model) -> None:
 
 
 # Processes a first start compiles kernels in at most, beside the waiting parent. A
-# model's compile is one long kernel (attention) and a score of shorter ones that take
-# about as long together: a second process takes those while the first compiles
-# attention, and more than a few would only cost memory (250 MB each).
+# model's compile is a few long kernels (attention's work item, one a KV cache type) and
+# a score of shorter ones: more than a few processes would only cost memory (250 MB each).
 COMPILE_PROCESSES = 3
 
 
@@ -406,7 +405,7 @@ def compile_in_processes(todo: list[tuple[Dispatcher, tuple]], show=None,
     one kernel at a time a process, and a first start's kernels took half a minute on
     one core. Kernels whose cache index is one file (the closures a factory makes per
     weight type) go to one process, so that two never write that index at once; the
-    largest kernels (by bytecode: attention) go first, each process taking the next group
+    largest kernels (by bytecode: attention's work item) go first, each process taking the next group
     as it finishes one. show(n, total, name) as groups go out and come back: n the kernels
     handed out so far, name the oldest group still compiling. Returns
     (kernels compiled, seconds). `cores`: how many to use at most (the model's thread
@@ -479,7 +478,7 @@ def compile_in_processes(todo: list[tuple[Dispatcher, tuple]], show=None,
                 break
             threading.Thread(target=serve, args=(procs[-1],), daemon=True).start()
         # progress shown from this thread alone: the kernels handed out so far and the
-        # oldest group still compiling (attention: what a first start waits on last)
+        # oldest group still compiling (the largest went first)
         started, done, running = 0, 0, {}
         while done < len(procs):
             event = events.get()
