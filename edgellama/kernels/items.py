@@ -21,7 +21,8 @@ neither holds nor re-optimizes it and is cached too:
 The table holds, per set of argument types, the item kernel's address compiled for
 exactly those types beside a 64-bit hash of their names; item_address finds the slot of
 the types the loop was compiled for (the hash a constant of its code) and gives 0 where
-the table holds no address for them: a call with another types' address cannot happen.
+the table holds no address for them: short of two type lists with one 64-bit hash, a
+call never gets another types' address.
 Then Items.run adds the item kernel for those types (compiled or loaded once a process)
 and runs the loop again. A call costs a table read, not a Python look-up of its
 arguments' types.
