@@ -56,6 +56,7 @@ class KernelProgress:
                 self._ticker.start()
             else:
                 click.echo(f"{what}...", file=self.line.stream)
+        name = name.lstrip("_")      # a private kernel's name, as a user reads it
         self.step = f"{what}: {n}/{total} {name}" if total else f"{what}: {name}"
         self._draw()
 

@@ -108,6 +108,13 @@ def test_kernel_progress_off_a_terminal_is_two_lines():
     assert quiet.getvalue() == ""
 
 
+def test_kernel_progress_names_kernels_without_a_leading_underscore():
+    p = KernelProgress(io.StringIO())
+    p(2, 21, "_attention_item")
+    assert p.step.endswith(": 2/21 attention_item")
+    p.done(21, 1.0)
+
+
 def test_warm_up_without_the_dry_run_still_compiles_both_paths(tmp_path, monkeypatch):
     llm = edgellama.load(write_tiny_gguf(tmp_path / "t.gguf", "Q8_0", ctx=256, vocab=512,
                                          tokenizer=True), ctx=64)
