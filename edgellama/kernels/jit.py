@@ -405,9 +405,9 @@ def compile_in_processes(todo: list[tuple[Dispatcher, tuple]], show=None,
     one kernel at a time a process, and a first start's kernels took half a minute on
     one core. Kernels whose cache index is one file (the closures a factory makes per
     weight type) go to one process, so that two never write that index at once; the
-    largest kernels (by bytecode: attention's work item) go first, each process taking the next group
-    as it finishes one. show(n, total, name) as groups go out and come back: n the kernels
-    handed out so far, name the oldest group still compiling. Returns
+    largest kernels (by bytecode: attention's work item) go first, each process taking
+    the next group as it finishes one. show(n, total, name) as groups go out and come
+    back: n the kernels handed out so far, name the oldest group still compiling. Returns
     (kernels compiled, seconds). `cores`: how many to use at most (the model's thread
     count: `-t 1` keeps to one); None, those this process may run on. Nothing happens
     where the cache cannot be written, with fewer than 2 groups to compile or 2 cores,
