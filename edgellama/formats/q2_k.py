@@ -13,7 +13,8 @@ j: elements j, j + 8, j + 16, j + 24). Decode and prefill are simd.q6_gemm's kin
 quantized to int8 per 32 (records.prep_q8_x; llama.cpp uses one scale per 256 for
 Q2_K), each 16-weight sub-block's q x8 summed exactly in the CPU's pair-dot
 instructions and weighted by its sc in int32, and dmin m times x's sum per 16 (as
-rounded) taken off in f32. No AMX kernel takes the mins. Why records of 2-bit values:
+rounded) taken off in f32; on AMX, prefill's integer sums are tile products (amx.py).
+Why records of 2-bit values:
 "Q2_K and Q3_K records" in bench/results/design_measurements.json.
 """
 from __future__ import annotations
@@ -22,12 +23,13 @@ import numpy as np
 from gguf.constants import LlamaFileType
 from numba import prange
 
+from ..kernels.amx import KIND_Q2_K
 from ..kernels.fp import get_f16, nearest_int, put_f16
 from ..kernels.jit import njit
-from ..kernels.simd import Q2K_DMIN, Q2K_RECORD, Q2K_SC, Q6K_D, Q6K_QS, RECORD_ROWS
+from ..kernels.simd import K_GROUP, Q2K_DMIN, Q2K_RECORD, Q2K_SC, Q6K_D, Q6K_QS, RECORD_ROWS
 from .base import WeightFormat, block_sizes
 from .q3_k import QK, pack_2bit, put_scale, tile_span
-from .q6_k import Sub16Linear, crumb, put_crumbs
+from .q6_k import Sub16Linear, crumb, put_crumbs, scaled16, sums16
 
 f32 = np.float32
 BS = block_sizes("Q2_K")[1]   # bytes per super-block
@@ -252,11 +254,24 @@ def rows_q2_k(q, ids, out):
 
 class Q2KLinear(Sub16Linear):
     """Q2_K in records of 16 rows and one super-block (simd.py's Q2K_* layout), the file's
-    bytes: decode and prefill are q6_gemm's kind 2."""
+    bytes: decode and prefill are q6_gemm's kind 2; on AMX, prefill takes each block's
+    scaled integer dot from a tile instruction (amx.amx_blocks_gemm with kind KIND_Q2_K)
+    and the mins from x's sums per 16 (as rounded), the same bits."""
     kind, record = 2, Q2K_RECORD
 
     def _repack(self, raw, row0):
         repack_q2_k(raw, row0, self.q)
+
+    def _amx_records(self):
+        return KIND_Q2_K, K_GROUP
+
+    def _gemm_amx(self, x8, xd, xs8, xsum, out, acc, sc):
+        # the mins take x's sums per 16 (q6_gemm's xsum16), laid out as the A tiles' sums
+        xs16 = sc.get("q6_xs16", (x8.size // 16,), np.int32)
+        xsum16 = sc.get("q6_xsum16", (xd.shape[0], 2 * xd.shape[1]))
+        sums16(x8, xs16)
+        scaled16(xd.reshape(-1), xs16, xsum16.reshape(-1))
+        super()._gemm_amx(x8, xd, xs8, xsum16, out, acc, sc)
 
     def _rows(self, ids, out):
         rows_q2_k(self.q, ids, out)

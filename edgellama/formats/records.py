@@ -25,7 +25,8 @@ import numpy as np
 from numba import get_thread_id, prange
 
 from ..kernels import amx
-from ..kernels.amx import AMX_TOKENS, GROUPS, KIND_IQ4_XS, KIND_Q4_K, KIND_Q5_K, KIND_Q6_K, amx_blocks_gemm
+from ..kernels.amx import (AMX_TOKENS, GROUPS, KIND_IQ4_XS, KIND_Q2_K, KIND_Q4_K, KIND_Q5_K, KIND_Q6_K,
+                           amx_blocks_gemm)
 from ..kernels.claim import take
 from ..kernels.fp import get_f16
 from ..kernels.jit import njit
@@ -118,10 +119,10 @@ def prep_q8_split_rows(x, x8, xd, xs8, xsum):
 @njit(cache=True, parallel=True)
 def matmul_blocks_amx(q, xa, xda, xsuma, nb, out, acc, G, kind):
     # product_kernels' matmul (the K-quants' and IQ4_XS's with kind KIND_Q4_K, KIND_Q5_K,
-    # KIND_Q6_K or KIND_IQ4_XS, G 8) on AMX tiles
+    # KIND_Q6_K, KIND_Q2_K or KIND_IQ4_XS, G 8) on AMX tiles
     # (amx.amx_blocks_gemm; amx.enabled() must be True), the same bits: xa, xda, xsuma
     # flat, x8, xd, xsum as amx_a_tiles lays them out (Tp a multiple of AMX_TOKENS, nb
-    # blocks a row); acc (nt, GROUPS * AMX_TOKENS, R)
+    # blocks a row; Q2_K's xsum its sums per 16); acc (nt, GROUPS * AMX_TOKENS, R)
     T = out.shape[0]
     R = acc.shape[2]
     span = GROUPS * AMX_TOKENS
@@ -151,6 +152,8 @@ def matmul_blocks_amx(q, xa, xda, xsuma, nb, out, acc, G, kind):
                 amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q6_K))
             elif kind == KIND_IQ4_XS:
                 amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_IQ4_XS))
+            elif kind == KIND_Q2_K:
+                amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q2_K))
             else:
                 amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q8_0))
             for k in range(min(span, T - t0)):
@@ -161,15 +164,18 @@ def matmul_blocks_amx(q, xa, xda, xsuma, nb, out, acc, G, kind):
 def amx_a_tiles(x8, xd, xsum, xa, xda, xsuma):
     # x8 (Tp, n) int8 -> xa (Tp/16, n/32, 16, 32): each A tile (16 tokens x one block's
     # 32 bytes) in 512 bytes in a row (strided by n, a tile's 16 rows fall in one or two
-    # L1 sets, n a multiple of 2048, and miss each other out of the cache); xd, xsum
-    # (Tp, n/32) -> xda, xsuma (Tp/16, n/32, 16), a block's 16 scales in one line
+    # L1 sets, n a multiple of 2048, and miss each other out of the cache); xd (Tp, n/32)
+    # -> xda (Tp/16, n/32, 16), a block's 16 scales in one line, and the sums xsum (Tp,
+    # m) -> xsuma (Tp/16, m, 16) the same way (m = n/32, or n/16 for Q2_K's per 16)
     for g in prange(xa.shape[0]):
         for b in range(xa.shape[1]):
             for i in range(AMX_TOKENS):
                 for j in range(32):
                     xa[g, b, i, j] = x8[g * AMX_TOKENS + i, 32 * b + j]
                 xda[g, b, i] = xd[g * AMX_TOKENS + i, b]
-                xsuma[g, b, i] = xsum[g * AMX_TOKENS + i, b]
+        for c in range(xsum.shape[1]):
+            for i in range(AMX_TOKENS):
+                xsuma[g, c, i] = xsum[g * AMX_TOKENS + i, c]
 
 
 class RecordLinear(TiledLinear):
@@ -241,7 +247,7 @@ class RecordLinear(TiledLinear):
         Tp, nb = xd.shape
         xa = sc.get("amx_xa", (Tp // AMX_TOKENS, nb, AMX_TOKENS, 32), np.int8)
         xda = sc.get("amx_xda", (Tp // AMX_TOKENS, nb, AMX_TOKENS))
-        xsuma = sc.get("amx_xsuma", (Tp // AMX_TOKENS, nb, AMX_TOKENS))
+        xsuma = sc.get("amx_xsuma", (Tp // AMX_TOKENS, xsum.shape[1], AMX_TOKENS))
         amx_a_tiles(x8.reshape(Tp, -1), xd, xsum, xa, xda, xsuma)
         self._amx_product(xa.reshape(-1), xda.reshape(-1), xsuma.reshape(-1), nb, out, acc, sc)
 

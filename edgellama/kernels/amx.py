@@ -1,7 +1,7 @@
 """AMX (Advanced Matrix Extensions) int8 tile products for prefill of the per-32-block
-formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), of the K-quants Q4_K, Q5_K and Q6_K and
-of IQ4_XS, bit-identical to simd.blocks_gemm's (simd.q4k_gemm's, simd.q6_gemm's,
-simd.iq4xs_gemm's) VNNI products.
+formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), of the K-quants Q4_K, Q5_K, Q6_K and
+Q2_K and of IQ4_XS, bit-identical to simd.blocks_gemm's (simd.q4k_gemm's,
+simd.q6_gemm's, simd.iq4xs_gemm's) VNNI products.
 
 One tdpbssd / tdpbsud multiplies a tile of 16 rows of x (A: 16 tokens x the 32 int8
 of one block, packed 512 bytes in a row by records.amx_a_tiles) by one block of a strip
@@ -26,8 +26,13 @@ so its tiles are half-blocks (A: 16 tokens x 16 bytes, B: 4 rows x 64) and its v
 go in less 32 (s8, tdpbssd): C_h = S_h - 32 xs_h exactly, and q6_gemm's integer
 sc0 C_0 + sc1 C_1 is formed in f32 as fma(C_1, sc1, C_0 sc0), exact because every
 partial stays below 2^24 (|C_h| <= 16 * 32 * 127, |sc| <= 128), before its
-fma(dot, dx, s) and fma(d, s, total). IQ4_XS's records take Q4_K's steps without the
-mins: its nibbles looked up (s8, tdpbssd, C = S), s = fma(float(C), sc dx, s) with its
+fma(dot, dx, s) and fma(d, s, total). Q2_K's scales are per 16 weights too, but its
+values (0..3) times their 4-bit scales fit a byte (<= 45): its B tiles are whole blocks
+of the scaled values, so tdpbsud gives q6_gemm's integer dot sc0 S_0 + sc1 S_1 itself,
+then its float steps (s = fma(float(C), dx, s), mn = fma(m1, xsum16_1, fma(m0,
+xsum16_0, mn)) with x's sums per 16 as rounded, fma(d, s, total), fma(-dmin, mn,
+total)): half the tile products and float steps a block of Q6_K's. IQ4_XS's records
+take Q4_K's steps without the mins: its nibbles looked up (s8, tdpbssd, C = S), s = fma(float(C), sc dx, s) with its
 int8 sc, then fma(d, s, total).
 
 Linux hands out the tile state only to a process that asked for it
@@ -51,8 +56,9 @@ from numba.extending import intrinsic
 from .fp import half_to_float_ir
 from .simd import (BLOCK_BYTES, BLOCK_FIVE, BLOCK_HEAD, BLOCK_LUT, BLOCK_MINS, BLOCK_OFFSET, BLOCK_QUADS,
                    IQ4_VALUES, IQ4XS_D, IQ4XS_QS, IQ4XS_RECORD, IQ4XS_SC, KIND_Q8_0, Q4K_D, Q4K_DMIN, Q4K_M,
-                   Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH, Q5K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS, Operands, _q6_values, call_llvm, fifth_bits_moved, splat,
-                   tile_constants)
+                   Q2K_DMIN, Q2K_RECORD, Q2K_SC, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH, Q5K_RECORD, Q6K_D, Q6K_QS,
+                   Q6K_RECORD, Q6K_SC, RECORD_ROWS, Operands, _k16_values, _q6_values, call_llvm, fifth_bits_moved,
+                   splat, tile_constants)
 from .target import _ARCH, FEATURES, TARGET
 
 # Numba's target has the tile instructions on top of the chosen instruction set (isa.py's
@@ -61,8 +67,9 @@ from .target import _ARCH, FEATURES, TARGET
 COMPILED = TARGET.has_tiles(FEATURES) and _ARCH == "x86_64"
 AMX_TOKENS = 16             # rows of x per A tile (a tile's 16 rows)
 # amx_blocks_gemm's kinds for the K-quant records (simd.py's Q4K_*, Q5K_*, Q6K_* layouts),
-# after simd's per-32-block KIND_Q4_0 .. KIND_IQ4_NL; and IQ4_XS's (simd.py's IQ4XS_*)
-KIND_Q4_K, KIND_Q5_K, KIND_Q6_K, KIND_IQ4_XS = 6, 7, 8, 9
+# after simd's per-32-block KIND_Q4_0 .. KIND_IQ4_NL; IQ4_XS's (simd.py's IQ4XS_*) and
+# Q2_K's (simd.py's Q2K_*)
+KIND_Q4_K, KIND_Q5_K, KIND_Q6_K, KIND_IQ4_XS, KIND_Q2_K = 6, 7, 8, 9, 10
 
 SYS_ARCH_PRCTL = 158        # x86-64
 ARCH_GET_XCOMP_PERM, ARCH_REQ_XCOMP_PERM = 0x1022, 0x1023
@@ -141,8 +148,8 @@ def tile_config(kind: int) -> list[int]:
 def amx_blocks_gemm(typingctx, q, x, acc, shape):
     """One tile of a per-32-block format's records (q: R rows of shape.nb blocks,
     shape.group blocks a record, simd.py's layout), or of a K-quant's (KIND_Q4_K,
-    KIND_Q5_K, KIND_Q6_K: a record a super-block, its 8 blocks of 32 the blocks; Q6_K's
-    tile products are half-blocks), times shape.tokens rows t0.. of x
+    KIND_Q5_K, KIND_Q6_K, KIND_Q2_K: a record a super-block, its 8 blocks of 32 the
+    blocks; Q6_K's tile products are half-blocks), times shape.tokens rows t0.. of x
     (a multiple of AMX_TOKENS, at most GROUPS of them; t0 a multiple of AMX_TOKENS):
     acc[k R + r] (f32, R = acc.size // (GROUPS * AMX_TOKENS)) = row r . x_{t0+k}, every
     bit as simd.blocks_gemm (simd.q4k_gemm, simd.q6_gemm) gives it. x: simd.Q8X of x8 as A tiles,
@@ -187,13 +194,15 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
         sums = [cgutils.alloca_once(builder, vf) for _ in range(AMX_TOKENS)]
         k4 = KIND in (KIND_Q4_K, KIND_Q5_K)
         xs = KIND == KIND_IQ4_XS
-        mins = [cgutils.alloca_once(builder, vf) for _ in range(AMX_TOKENS)] if k4 else []
+        mins = ([cgutils.alloca_once(builder, vf) for _ in range(AMX_TOKENS)] if k4 or KIND == KIND_Q2_K
+                else [])
 
         acc_n = ops.nitems("acc")
         R = builder.udiv(acc_n, k64(GROUPS * AMX_TOKENS))
         nsb = builder.udiv(nba, ga)                           # records per strip
-        if k4 or xs or KIND == KIND_Q6_K:
+        if k4 or xs or KIND in (KIND_Q6_K, KIND_Q2_K):
             size, qs, qb = ((Q6K_RECORD, Q6K_QS, 384) if KIND == KIND_Q6_K else
+                            (Q2K_RECORD, Q6K_QS, 128) if KIND == KIND_Q2_K else
                             (IQ4XS_RECORD, IQ4XS_QS, 256) if xs else
                             (Q5K_RECORD if KIND == KIND_Q5_K else Q4K_RECORD, Q4K_QS, 256))
             record, share = k64(size), size // 8                  # share: a block's, to prefetch
@@ -202,7 +211,7 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
             record, share = builder.mul(ga, k64(BLOCK_BYTES[KIND])), BLOCK_BYTES[KIND]
             quads_at = lambda rec, k: builder.add(builder.add(rec, builder.mul(ga, k64(BLOCK_HEAD[KIND]))),
                                                   builder.mul(k, k64(BLOCK_QUADS[KIND])))
-        tdp = "tdpbsud" if KIND in (*BLOCK_MINS, KIND_Q4_K, KIND_Q5_K) else "tdpbssd"
+        tdp = "tdpbsud" if KIND in (*BLOCK_MINS, KIND_Q4_K, KIND_Q5_K, KIND_Q2_K) else "tdpbssd"
         offset = BLOCK_OFFSET[KIND] if KIND < len(BLOCK_OFFSET) else 0
 
         def tile_block(rec, sb, tg, u, tset):
@@ -321,6 +330,43 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
                 p = ptr("acc", builder.add(builder.mul(R, builder.add(arow, k64(t))), r0), vf)
                 builder.store(fma(dv, builder.load(s_), builder.load(p, align=4)), p, align=4)
 
+        def float_sums_q2(rec, sb, r0, tg):
+            """acc rows of token group tg += the Q2_K record's float sums, q6_gemm's kind
+            2 in its order: per block s = fma(dot, dx, s), dot = C (the scales are in the
+            B bytes, module docstring), mn = fma(m1, xsum16_1, fma(m0, xsum16_0, mn)),
+            then once a record acc + d s - dmin mn."""
+            for a in (*sums, *mins):
+                builder.store(ir.Constant(vf, None), a)
+            gi = builder.add(builder.udiv(t0a, k64(AMX_TOKENS)), tg)
+            hb = half(tg)
+            four = ir.Constant(ir.VectorType(i8, 16), [4] * 16)
+            with cgutils.for_range(builder, ga) as k_loop:
+                k = k_loop.index
+                b = builder.add(builder.mul(sb, ga), k)
+                ms = [builder.uitofp(builder.lshr(builder.load(ptr("q", builder.add(rec, builder.add(
+                    k64(Q2K_SC + 16 * h), builder.mul(k, k64(32)))), ir.VectorType(i8, 16)), align=1), four), vf)
+                    for h in range(2)]
+                crow = builder.add(hb, builder.mul(k, k64(AMX_TOKENS)))
+                for t, s_ in enumerate(sums):
+                    c = builder.load(builder.gep(cbase, [builder.add(crow, k64(t))]), align=64)
+                    blk = builder.add(builder.mul(gi, nba), b)
+                    dx = splat(builder, builder.load(ptr("xd", builder.add(builder.mul(blk, k64(AMX_TOKENS)), k64(t)),
+                                                         f32)), 16)
+                    builder.store(fma(builder.sitofp(c, vf), dx, builder.load(s_)), s_)
+                    # xsum: x's sums per 16, (Tp/16, 2 nb, 16)
+                    xm = [splat(builder, builder.load(ptr("xsum", builder.add(builder.mul(builder.add(
+                        builder.mul(blk, k64(2)), k64(h)), k64(AMX_TOKENS)), k64(t)), f32)), 16) for h in range(2)]
+                    builder.store(fma(ms[1], xm[1], fma(ms[0], xm[0], builder.load(mins[t]))), mins[t])
+            dv = half_to_float_ir(builder, builder.load(ptr("q", builder.add(rec, k64(Q6K_D)),
+                                                            ir.VectorType(i16, 16)), align=2))
+            mnv = builder.fneg(half_to_float_ir(builder, builder.load(
+                ptr("q", builder.add(rec, k64(Q2K_DMIN)), ir.VectorType(i16, 16)), align=2)))
+            arow = builder.mul(tg, k64(AMX_TOKENS))
+            for t, s_ in enumerate(sums):
+                p = ptr("acc", builder.add(builder.mul(R, builder.add(arow, k64(t))), r0), vf)
+                total = fma(dv, builder.load(s_), builder.load(p, align=4))
+                builder.store(fma(mnv, builder.load(mins[t]), total), p, align=4)
+
         def float_sums(rec, sb, r0, tg):
             """acc rows of token group tg += the record's float sums, blocks_gemm's
             operations in its order."""
@@ -328,6 +374,8 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
                 return float_sums_k(rec, sb, r0, tg)
             if KIND == KIND_Q6_K:
                 return float_sums_q6(rec, sb, r0, tg)
+            if KIND == KIND_Q2_K:
+                return float_sums_q2(rec, sb, r0, tg)
             for s_ in sums:
                 builder.store(ir.Constant(vf, None), s_)
             gi = builder.add(builder.udiv(t0a, k64(AMX_TOKENS)), tg)     # token group in x
@@ -360,9 +408,20 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
             """Block k's values as B bytes: (lo, hi), 4 <64 x i8> each, lo[g] holding
             elements 4g..4g+3 of the 16 rows (row l's at bytes 4l..), hi[g] 16 + 4g..;
             Q4_0's less 8, Q5_0's less 16, Q6_K's less 32 and IQ4_NL's looked up (s8),
-            Q4_1's, Q5_1's, Q4_K's and Q5_K's unsigned."""
+            Q4_1's, Q5_1's, Q4_K's, Q5_K's and Q2_K's unsigned."""
             byte = lambda v: ir.Constant(v64, [v] * 64)
             quads = quads_at(rec, k)
+            if KIND == KIND_Q2_K:
+                # its 2-bit values (crumb quads) times their half's 4-bit scale, a byte
+                # each: a row's 4 bytes (<= 3) times its scale (<= 15) in one i32 multiply,
+                # no byte carrying into the next (45 < 256)
+                lo, hi = _k16_values(builder, 16, 2, lambda j: builder.load(
+                    ptr("q", builder.add(quads, k64(64 * j)), vi), align=1))
+                scs = [builder.zext(builder.and_(builder.load(ptr("q", builder.add(rec, builder.add(
+                    k64(Q2K_SC + 16 * h), builder.mul(k, k64(32)))), ir.VectorType(i8, 16)), align=1),
+                    ir.Constant(ir.VectorType(i8, 16), [15] * 16)), vi) for h in range(2)]
+                return ([builder.bitcast(builder.mul(v, scs[0]), v64) for v in lo],
+                        [builder.bitcast(builder.mul(v, scs[1]), v64) for v in hi])
             if KIND == KIND_Q6_K:
                 lo, hi = _q6_values(builder, 16, lambda j: builder.load(
                     ptr("q", builder.add(quads, k64(64 * j)), vi), align=1))

@@ -1,5 +1,5 @@
-"""AMX prefill of the per-32-block formats, of the K-quants Q4_K, Q5_K and Q6_K, of
-IQ4_XS, and of Q3_K through its tiles rewritten as Q6_K records (amx.py,
+"""AMX prefill of the per-32-block formats, of the K-quants Q4_K, Q5_K, Q6_K and Q2_K,
+of IQ4_XS, and of Q3_K through its tiles rewritten as Q6_K records (amx.py,
 records.matmul_blocks_amx).
 
 A NumPy twin of the tile arithmetic (tdpbssd / tdpbsud on the B tiles the kernel makes
@@ -26,7 +26,8 @@ from edgellama.formats.q3_k import q6_tiles
 from edgellama.kernels.simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, IQ4_VALUES, ISA, ISA_NAMES, ISAS, KIND_IQ4_NL,
                             KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1,
                             KIND_Q8_0, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC,
-                            IQ4XS_D, IQ4XS_QS, IQ4XS_RECORD, IQ4XS_SC, Q5K_QH, Q5K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS, TOKENS)
+                            IQ4XS_D, IQ4XS_QS, IQ4XS_RECORD, IQ4XS_SC, Q2K_DMIN, Q2K_RECORD, Q2K_SC, Q5K_QH,
+                            Q5K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS, TOKENS)
 
 f32, f64 = np.float32, np.float64
 KINDS = {"Q4_0": (G.Q4_0, KIND_Q4_0), "Q4_1": (G.Q4_1, KIND_Q4_1), "Q8_0": (G.Q8_0, KIND_Q8_0),
@@ -213,8 +214,54 @@ def twin_matmul_q6(lin, x8, xd, T):
     return twin_records(lin, Q6K_RECORD, nb // 8, Tp, T, record)
 
 
+def b_tile_q2(rec, k):
+    """Q2_K's B tile (8, 64) uint8 of block k: the 2-bit values from the record's two
+    crumb quads (row g of half h: crumb quad g % 2, field g // 2 + 2 h; rows 0..3 elements
+    0..15, 4..7 16..31), each times its row's 4-bit scale of that half (<= 45)."""
+    quads = rec[Q6K_QS + 128 * k:Q6K_QS + 128 * (k + 1)].reshape(2, 64)
+    rows = []
+    for h in range(2):
+        sc = np.repeat(rec[Q2K_SC + 32 * k + 16 * h:Q2K_SC + 32 * k + 16 * h + 16] & 15, 4)  # byte 4 l + i: row l's
+        rows += [((quads[g % 2] >> (2 * (g // 2 + 2 * h))) & 3) * sc for g in range(4)]
+    return np.stack(rows).astype(np.uint8)
+
+
+def sums_per_16(x8, xd):
+    """(Tp, n/16) f32: each 16 of x as rounded, xd times the exact int sum of its x8
+    (q6_k.scaled16's product)."""
+    xs16 = x8.reshape(x8.shape[0], -1, 16).astype(np.int32).sum(axis=2)
+    return np.repeat(xd, 2, axis=1) * xs16.astype(f32)
+
+
+def twin_matmul_q2(lin, x8, xd, T):
+    """out (T, out_features) of a Q2_K Linear as the AMX kernel computes it: per strip,
+    record (a super-block) and block, the int32 C of tdpbsud (x8 by the values times
+    their scales: C = sc0 S_0 + sc1 S_1 exactly) and q6_gemm's kind 2 f32 steps:
+    s = fma(float(C), dx, s), mn = fma(m1, xsum16_1, fma(m0, xsum16_0, mn)) block by
+    block, then total = fma(d, s, total), total = fma(-dmin, mn, total) record by
+    record."""
+    Tp, nb = xd.shape
+    xsum16 = sums_per_16(x8, xd)
+
+    def record(rec, sb, total):
+        s, mn = np.zeros_like(total), np.zeros_like(total)
+        for k in range(8):
+            b = sb * 8 + k
+            C = c_tiles(x8, b, b_tile_q2(rec, k)).astype(f32)
+            m = [np.broadcast_to((rec[Q2K_SC + 32 * k + 16 * h:Q2K_SC + 32 * k + 16 * h + 16] >> 4)
+                                 .astype(f32)[None], s.shape) for h in range(2)]
+            s = fma(C, np.broadcast_to(xd[:, b:b + 1], s.shape), s)
+            xm = [np.broadcast_to(xsum16[:, 2 * b + h:2 * b + h + 1], s.shape) for h in range(2)]
+            mn = fma(m[1], xm[1], fma(m[0], xm[0], mn))
+        dv = rec[Q6K_D:Q6K_D + 32].view(np.float16).astype(f32)
+        mnv = rec[Q2K_DMIN:Q2K_DMIN + 32].view(np.float16).astype(f32)
+        total = fma(np.broadcast_to(dv[None], s.shape), s, total)
+        return fma(np.broadcast_to(-mnv[None], s.shape), mn, total)
+    return twin_records(lin, Q2K_RECORD, nb // 8, Tp, T, record)
+
+
 # the formats whose records are a super-block of 256 weights (the K-quants', IQ4_XS's)
-SUPER_BLOCKS = {"Q4_K": G.Q4_K, "Q5_K": G.Q5_K, "Q6_K": G.Q6_K, "IQ4_XS": G.IQ4_XS}
+SUPER_BLOCKS = {"Q4_K": G.Q4_K, "Q5_K": G.Q5_K, "Q6_K": G.Q6_K, "Q2_K": G.Q2_K, "IQ4_XS": G.IQ4_XS}
 REWRITTEN = {"Q3_K": G.Q3_K}     # prefill rewrites its tiles as Q6_K records (q3_k.py)
 
 
@@ -355,7 +402,7 @@ def test_super_block_twin_has_the_vnni_kernels_bits(name, shape, T, vnni_only):
     lin.matmul(x, got)
     x8, xd, _, xsum = prep(x)
     twin = (twin_matmul_q6(lin, x8, xd, T) if name == "Q6_K" else twin_matmul_q6(as_q6_k(lin), x8, xd, T)
-            if name == "Q3_K" else twin_matmul_xs(lin, x8, xd, T)
+            if name == "Q3_K" else twin_matmul_q2(lin, x8, xd, T) if name == "Q2_K" else twin_matmul_xs(lin, x8, xd, T)
             if name == "IQ4_XS" else twin_matmul_k(lin, x8, xd, xsum, T))
     assert np.array_equal(got.view(np.int32), twin.view(np.int32))
 
@@ -388,9 +435,37 @@ def test_q6_k_twin_tiles_give_the_exact_half_block_sums():
                 assert np.array_equal(C[:, :n], want[:, r0:r0 + n, 2 * k + h]), (r0, k, h)
 
 
+def test_q2_k_twin_tiles_give_the_exact_scaled_block_sums():
+    # Q2_K's B tiles (its values times their scales) by x8's blocks: exactly
+    # sc0 sum(q x8) + sc1 sum(q x8) over the halves of each block, from the file's 2-bit
+    # values and scale bytes (the B tiles made of the records are right, and the scaled
+    # values fit the unsigned bytes tdpbsud reads)
+    shape = (20, 256)
+    lin, data = make("Q2_K", shape, 11)
+    x8, _, _, _ = prep(np.random.default_rng(12).standard_normal((16, 256)).astype(f32))
+    x8[0] = 127
+    x8[1] = -127
+    data[2, :16] = 0xFF                                    # the largest scales (15) and mins
+    lin = linear(int(G.Q2_K), [(data, shape)])
+    qs = data[:, 16:80].astype(np.int64)                   # q_e: bits 2k of qs[32 h + l]
+    e = np.arange(256)
+    q = (qs[:, 32 * (e // 128) + e % 32] >> (2 * ((e % 128) // 32))) & 3
+    sc = (data[:, :16] & 15).astype(np.int64)              # (rows, 16): per sub-block of 16
+    half = np.einsum("rbe,tbe->trb", q.reshape(shape[0], 16, 16), x8.astype(np.int64).reshape(16, 16, 16))
+    want = (half * sc[None]).reshape(16, shape[0], 8, 2).sum(axis=3)       # (tokens, rows, blocks)
+    assert (q * np.repeat(sc, 16, axis=1)).max() == 45
+    for r0 in (0, 16):
+        t, strip = divmod(r0, lin.R)
+        o = strip // RECORD_ROWS * Q2K_RECORD               # a row of one super-block
+        for k in range(8):
+            C = tdp(x8[:, 32 * k:32 * k + 32], b_tile_q2(lin.q[t, o:o + Q2K_RECORD], k))
+            n = min(16, shape[0] - r0)
+            assert np.array_equal(C[:, :n], want[:, r0:r0 + n, k]), (r0, k)
+
+
 # --- permission and fallback ------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind, K", [(KIND_Q4_0, 32), (amx.KIND_Q4_K, 32), (amx.KIND_Q6_K, 16)])
+@pytest.mark.parametrize("kind, K", [(KIND_Q4_0, 32), (amx.KIND_Q4_K, 32), (amx.KIND_Q6_K, 16), (amx.KIND_Q2_K, 32)])
 def test_tile_config_bytes(kind, K):
     cfg = amx.tile_config(kind)
     assert len(cfg) == 64 and cfg[0] == 1 and cfg[1] == 0
