@@ -15,22 +15,19 @@ and prefill are simd.q6_gemm's kind 3: x quantized to int8 per 32 (records.prep_
 llama.cpp uses one scale per 256 for Q3_K), each 16-weight sub-block's (q - 4) x8
 summed exactly in the CPU's pair-dot instructions and weighted by its scale in int32
 (AVX2's prefill: q x8, the offset taken off in f32 as a min, as Q6_K's).
-Where AMX runs, prefill rewrites a run of tiles, one a thread, as Q6_K records (q6 = q +
-28) and multiplies them on AMX's tiles while they are in that thread's cache. Why
-records of 3-bit values: "Q2_K and Q3_K records" in bench/results/design_measurements.json.
+Where AMX runs, prefill multiplies the records on AMX's tiles, each value less 4 times
+its scale in a byte (amx.py). Why records of 3-bit values: "Q2_K and Q3_K records" in bench/results/design_measurements.json.
 """
 from __future__ import annotations
 
-import numba
 import numpy as np
 from gguf.constants import LlamaFileType
 from numba import prange
 
-from ..kernels.amx import KIND_Q6_K
+from ..kernels.amx import KIND_Q3_K, Q3K_BIAS
 from ..kernels.fp import get_f16, nearest_int, put_f16
 from ..kernels.jit import njit
-from ..kernels.simd import K_GROUP, Q3K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS
-from . import records
+from ..kernels.simd import K_GROUP, Q3K_RECORD, Q6K_D, Q6K_QS, Q6K_SC, RECORD_ROWS
 from .base import WeightFormat, block_sizes
 from .q6_k import Sub16Linear, crumb, put_crumbs
 
@@ -265,38 +262,6 @@ def q3_value(rec, k, lane, e):
     return crumb(rec, o, e) | (((np.int32(rec[o + 128 + i]) >> (2 * g + h)) & 1) << 2)
 
 
-# --- prefill on AMX: a tile at a time as Q6_K records, multiplied while they are in cache --
-
-@njit(cache=True)
-def q6_records(qt, nb, qt6):
-    # one tile of Q3_K records qt (R/16 * nb * Q3K_RECORD,) u8 -> qt6 (R/16 * nb *
-    # Q6K_RECORD,) u8: its rows as Q6_K records (q6_k.py; simd.py's Q6K_* layout) with
-    # q6 = q + 28, so d sc (q6 - 32) = d sc (q - 4): the same integers in the same sums.
-    # q6 is 28..35: its low nibble (q + 12) & 15, its high bits 1 + q // 4. d and the
-    # scales sit where Q6_K's do.
-    v = np.empty(32, np.int32)
-    for s in range(qt.size // (nb * Q3K_RECORD)):
-        for b in range(nb):
-            rec = qt[(s * nb + b) * Q3K_RECORD:]
-            rec6 = qt6[(s * nb + b) * Q6K_RECORD:]
-            rec6[:Q6K_QS] = rec[:Q6K_QS]
-            for k in range(8):
-                for lane in range(RECORD_ROWS):
-                    for e in range(32):
-                        v[e] = q3_value(rec, k, lane, e) + 28
-                    o = Q6K_QS + 384 * k + 4 * lane
-                    for j in range(16):
-                        rec6[o + 64 * (j >> 2) + (j & 3)] = (v[j] & 15) | ((v[16 + j] & 15) << 4)
-                    put_crumbs(rec6, o + 256, v, 4)
-
-
-@njit(cache=True, parallel=True)
-def q6_tiles(q, nb, t0, t1, recs):
-    # Q3_K record tiles t0..t1 -> recs[:t1-t0] (q6_records), one tile a thread
-    for t in prange(t0, t1):
-        q6_records(q[t], nb, recs[t - t0])
-
-
 # --- embedding: dequantized rows -----------------------------------------------------------
 
 @njit(cache=True)
@@ -320,29 +285,22 @@ def rows_q3_k(q, ids, out):
 
 class Q3KLinear(Sub16Linear):
     """Q3_K in records of 16 rows and one super-block (simd.py's Q3K_RECORD layout):
-    decode and prefill are q6_gemm's kind 3; on AMX, prefill rewrites a run of tiles, one
-    a thread, as Q6_K records (q6_records) and multiplies them while they are in that
-    thread's cache (no AMX kernel reads 3-bit values)."""
+    decode and prefill are q6_gemm's kind 3; on AMX, prefill takes each block's scaled
+    integer dot from a tile instruction (amx.amx_blocks_gemm with kind KIND_Q3_K), the
+    same bits."""
     kind, record = 3, Q3K_RECORD
 
     def _repack(self, raw, row0):
         repack_q3_k(raw, row0, self.q)
 
     def _amx_records(self):
-        return KIND_Q6_K, K_GROUP
+        return KIND_Q3_K, K_GROUP
 
-    def _amx_product(self, xa, xda, xsuma, nb, out, acc, sc):
-        # out (T, out_features) over runs of tiles t0..t1, one a thread, rewritten in
-        # recs; each run's columns of out written in place (a copy from a buffer would be
-        # serial work beside the threads' products)
-        R, step, nsb = self.R, numba.get_num_threads(), self.in_features // QK
-        recs = sc.get("rewritten", (step, R // RECORD_ROWS * nsb * Q6K_RECORD), np.uint8)
-        for t0 in range(0, self.nt, step):
-            t1 = min(self.nt, t0 + step)
-            q6_tiles(self.q, nsb, t0, t1, recs)
-            records.matmul_blocks_amx(recs[:t1 - t0], xa, xda, xsuma, nb,
-                                      out[:, t0 * R:min(self.out_features, t1 * R)],
-                                      acc[:t1 - t0], K_GROUP, KIND_Q6_K)
+    def _gemm_amx(self, x8, xd, xs8, xsum, out, acc, sc):
+        # the tiles' bias comes off with x's block sums: Q3K_BIAS xs8, exact in f32
+        bias = sc.get("q3_bias", xd.shape)
+        np.multiply(xs8, Q3K_BIAS, out=bias, casting="unsafe")
+        super()._gemm_amx(x8, xd, xs8, bias, out, acc, sc)
 
     def _rows(self, ids, out):
         rows_q3_k(self.q, ids, out)

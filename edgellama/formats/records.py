@@ -25,8 +25,8 @@ import numpy as np
 from numba import get_thread_id, prange
 
 from ..kernels import amx
-from ..kernels.amx import (AMX_TOKENS, GROUPS, KIND_IQ4_XS, KIND_Q2_K, KIND_Q4_K, KIND_Q5_K, KIND_Q6_K,
-                           amx_blocks_gemm)
+from ..kernels.amx import (AMX_TOKENS, GROUPS, KIND_IQ4_XS, KIND_Q2_K, KIND_Q3_K, KIND_Q4_K, KIND_Q5_K,
+                           KIND_Q6_K, amx_blocks_gemm)
 from ..kernels.claim import take
 from ..kernels.fp import get_f16
 from ..kernels.jit import njit
@@ -119,10 +119,11 @@ def prep_q8_split_rows(x, x8, xd, xs8, xsum):
 @njit(cache=True, parallel=True)
 def matmul_blocks_amx(q, xa, xda, xsuma, nb, out, acc, G, kind):
     # product_kernels' matmul (the K-quants' and IQ4_XS's with kind KIND_Q4_K, KIND_Q5_K,
-    # KIND_Q6_K, KIND_Q2_K or KIND_IQ4_XS, G 8) on AMX tiles
+    # KIND_Q6_K, KIND_Q2_K, KIND_Q3_K or KIND_IQ4_XS, G 8) on AMX tiles
     # (amx.amx_blocks_gemm; amx.enabled() must be True), the same bits: xa, xda, xsuma
     # flat, x8, xd, xsum as amx_a_tiles lays them out (Tp a multiple of AMX_TOKENS, nb
-    # blocks a row; Q2_K's xsum its sums per 16); acc (nt, GROUPS * AMX_TOKENS, R)
+    # blocks a row; Q2_K's xsum its sums per 16, Q3_K's amx.Q3K_BIAS times its block
+    # sums); acc (nt, GROUPS * AMX_TOKENS, R)
     T = out.shape[0]
     R = acc.shape[2]
     span = GROUPS * AMX_TOKENS
@@ -154,6 +155,8 @@ def matmul_blocks_amx(q, xa, xda, xsuma, nb, out, acc, G, kind):
                 amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_IQ4_XS))
             elif kind == KIND_Q2_K:
                 amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q2_K))
+            elif kind == KIND_Q3_K:
+                amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q3_K))
             else:
                 amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q8_0))
             for k in range(min(span, T - t0)):

@@ -56,7 +56,7 @@ from numba.extending import intrinsic
 from .fp import half_to_float_ir
 from .simd import (BLOCK_BYTES, BLOCK_FIVE, BLOCK_HEAD, BLOCK_LUT, BLOCK_MINS, BLOCK_OFFSET, BLOCK_QUADS,
                    IQ4_VALUES, IQ4XS_D, IQ4XS_QS, IQ4XS_RECORD, IQ4XS_SC, KIND_Q8_0, Q4K_D, Q4K_DMIN, Q4K_M,
-                   Q2K_DMIN, Q2K_RECORD, Q2K_SC, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH, Q5K_RECORD, Q6K_D, Q6K_QS,
+                   Q2K_DMIN, Q2K_RECORD, Q2K_SC, Q3K_RECORD, Q4K_QS, Q4K_RECORD, Q4K_SC, Q5K_QH, Q5K_RECORD, Q6K_D, Q6K_QS,
                    Q6K_RECORD, Q6K_SC, RECORD_ROWS, Operands, _k16_values, _q6_values, call_llvm, fifth_bits_moved,
                    splat, tile_constants)
 from .target import _ARCH, FEATURES, TARGET
@@ -67,9 +67,11 @@ from .target import _ARCH, FEATURES, TARGET
 COMPILED = TARGET.has_tiles(FEATURES) and _ARCH == "x86_64"
 AMX_TOKENS = 16             # rows of x per A tile (a tile's 16 rows)
 # amx_blocks_gemm's kinds for the K-quant records (simd.py's Q4K_*, Q5K_*, Q6K_* layouts),
-# after simd's per-32-block KIND_Q4_0 .. KIND_IQ4_NL; IQ4_XS's (simd.py's IQ4XS_*) and
-# Q2_K's (simd.py's Q2K_*)
-KIND_Q4_K, KIND_Q5_K, KIND_Q6_K, KIND_IQ4_XS, KIND_Q2_K = 6, 7, 8, 9, 10
+# after simd's per-32-block KIND_Q4_0 .. KIND_IQ4_NL; IQ4_XS's (simd.py's IQ4XS_*),
+# Q2_K's (simd.py's Q2K_*) and Q3_K's (Q3K_RECORD)
+KIND_Q4_K, KIND_Q5_K, KIND_Q6_K, KIND_IQ4_XS, KIND_Q2_K, KIND_Q3_K = 6, 7, 8, 9, 10, 11
+# what Q3_K's B bytes add to each sc (q - 4) (-124..128) to make it unsigned (0..252)
+Q3K_BIAS = 124
 
 SYS_ARCH_PRCTL = 158        # x86-64
 ARCH_GET_XCOMP_PERM, ARCH_REQ_XCOMP_PERM = 0x1022, 0x1023
@@ -200,9 +202,10 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
         acc_n = ops.nitems("acc")
         R = builder.udiv(acc_n, k64(GROUPS * AMX_TOKENS))
         nsb = builder.udiv(nba, ga)                           # records per strip
-        if k4 or xs or KIND in (KIND_Q6_K, KIND_Q2_K):
+        if k4 or xs or KIND in (KIND_Q6_K, KIND_Q2_K, KIND_Q3_K):
             size, qs, qb = ((Q6K_RECORD, Q6K_QS, 384) if KIND == KIND_Q6_K else
                             (Q2K_RECORD, Q6K_QS, 128) if KIND == KIND_Q2_K else
+                            (Q3K_RECORD, Q6K_QS, 192) if KIND == KIND_Q3_K else
                             (IQ4XS_RECORD, IQ4XS_QS, 256) if xs else
                             (Q5K_RECORD if KIND == KIND_Q5_K else Q4K_RECORD, Q4K_QS, 256))
             record, share = k64(size), size // 8                  # share: a block's, to prefetch
@@ -211,7 +214,7 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
             record, share = builder.mul(ga, k64(BLOCK_BYTES[KIND])), BLOCK_BYTES[KIND]
             quads_at = lambda rec, k: builder.add(builder.add(rec, builder.mul(ga, k64(BLOCK_HEAD[KIND]))),
                                                   builder.mul(k, k64(BLOCK_QUADS[KIND])))
-        tdp = "tdpbsud" if KIND in (*BLOCK_MINS, KIND_Q4_K, KIND_Q5_K, KIND_Q2_K) else "tdpbssd"
+        tdp = "tdpbsud" if KIND in (*BLOCK_MINS, KIND_Q4_K, KIND_Q5_K, KIND_Q2_K, KIND_Q3_K) else "tdpbssd"
         offset = BLOCK_OFFSET[KIND] if KIND < len(BLOCK_OFFSET) else 0
 
         def tile_block(rec, sb, tg, u, tset):
@@ -367,6 +370,32 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
                 total = fma(dv, builder.load(s_), builder.load(p, align=4))
                 builder.store(fma(mnv, builder.load(mins[t]), total), p, align=4)
 
+        def float_sums_q3(rec, sb, r0, tg):
+            """acc rows of token group tg += the Q3_K record's float sums, q6_gemm's kind
+            3 in its order: per block s = fma(dot, dx, s), dot = C - Q3K_BIAS xs8 formed
+            exactly in f32 (xsum: Q3K_BIAS times x's block sums, module docstring), then
+            once a record fma(d, s, acc)."""
+            for s_ in sums:
+                builder.store(ir.Constant(vf, None), s_)
+            gi = builder.add(builder.udiv(t0a, k64(AMX_TOKENS)), tg)
+            hb = half(tg)
+            with cgutils.for_range(builder, ga) as k_loop:
+                k = k_loop.index
+                b = builder.add(builder.mul(sb, ga), k)
+                crow = builder.add(hb, builder.mul(k, k64(AMX_TOKENS)))
+                for t, s_ in enumerate(sums):
+                    c = builder.load(builder.gep(cbase, [builder.add(crow, k64(t))]), align=64)
+                    si = builder.add(builder.mul(builder.add(builder.mul(gi, nba), b), k64(AMX_TOKENS)), k64(t))
+                    bias = splat(builder, builder.load(ptr("xsum", si, f32)), 16)
+                    dx = splat(builder, builder.load(ptr("xd", si, f32)), 16)
+                    builder.store(fma(builder.fsub(builder.sitofp(c, vf), bias), dx, builder.load(s_)), s_)
+            dv = half_to_float_ir(builder, builder.load(ptr("q", builder.add(rec, k64(Q6K_D)),
+                                                            ir.VectorType(i16, 16)), align=2))
+            arow = builder.mul(tg, k64(AMX_TOKENS))
+            for t, s_ in enumerate(sums):
+                p = ptr("acc", builder.add(builder.mul(R, builder.add(arow, k64(t))), r0), vf)
+                builder.store(fma(dv, builder.load(s_), builder.load(p, align=4)), p, align=4)
+
         def float_sums(rec, sb, r0, tg):
             """acc rows of token group tg += the record's float sums, blocks_gemm's
             operations in its order."""
@@ -376,6 +405,8 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
                 return float_sums_q6(rec, sb, r0, tg)
             if KIND == KIND_Q2_K:
                 return float_sums_q2(rec, sb, r0, tg)
+            if KIND == KIND_Q3_K:
+                return float_sums_q3(rec, sb, r0, tg)
             for s_ in sums:
                 builder.store(ir.Constant(vf, None), s_)
             gi = builder.add(builder.udiv(t0a, k64(AMX_TOKENS)), tg)     # token group in x
@@ -422,6 +453,17 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
                     ir.Constant(ir.VectorType(i8, 16), [15] * 16)), vi) for h in range(2)]
                 return ([builder.bitcast(builder.mul(v, scs[0]), v64) for v in lo],
                         [builder.bitcast(builder.mul(v, scs[1]), v64) for v in hi])
+            if KIND == KIND_Q3_K:
+                # its 3-bit values less 4 times their half's int8 scale plus Q3K_BIAS, a
+                # byte each, in byte arithmetic modulo 256: the true value is 0..252
+                lo, hi = _k16_values(builder, 16, 3, lambda j: builder.load(
+                    ptr("q", builder.add(quads, k64(64 * j)), vi), align=1))
+                scs = [builder.bitcast(builder.mul(builder.zext(builder.load(ptr("q", builder.add(rec, builder.add(
+                    k64(Q6K_SC + 16 * h), builder.mul(k, k64(32)))), ir.VectorType(i8, 16)), align=1), vi),
+                    ir.Constant(vi, [0x01010101] * 16)), v64) for h in range(2)]   # a row's sc in its 4 bytes
+                scaled = lambda v, h: builder.add(builder.mul(builder.sub(builder.bitcast(v, v64), byte(4)), scs[h]),
+                                                  byte(Q3K_BIAS))
+                return [scaled(v, 0) for v in lo], [scaled(v, 1) for v in hi]
             if KIND == KIND_Q6_K:
                 lo, hi = _q6_values(builder, 16, lambda j: builder.load(
                     ptr("q", builder.add(quads, k64(64 * j)), vi), align=1))

@@ -1,6 +1,5 @@
-"""AMX prefill of the per-32-block formats, of the K-quants Q4_K, Q5_K, Q6_K and Q2_K,
-of IQ4_XS, and of Q3_K through its tiles rewritten as Q6_K records (amx.py,
-records.matmul_blocks_amx).
+"""AMX prefill of the per-32-block formats, of the K-quants Q4_K, Q5_K, Q6_K, Q3_K and
+Q2_K, and of IQ4_XS (amx.py, records.matmul_blocks_amx).
 
 A NumPy twin of the tile arithmetic (tdpbssd / tdpbsud on the B tiles the kernel makes
 of the records, then blocks_gemm's float operations in its order) is checked against
@@ -21,12 +20,11 @@ from gguf.quants import quantize
 
 from edgellama.kernels import amx
 from edgellama import formats
-from edgellama.formats import FORMATS, linear, records
-from edgellama.formats.q3_k import q6_tiles
+from edgellama.formats import linear, records
 from edgellama.kernels.simd import (BLOCK_BYTES, BLOCK_HEAD, BLOCK_QUADS, IQ4_VALUES, ISA, ISA_NAMES, ISAS, KIND_IQ4_NL,
                             KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1,
                             KIND_Q8_0, Q4K_D, Q4K_DMIN, Q4K_M, Q4K_QS, Q4K_RECORD, Q4K_SC,
-                            IQ4XS_D, IQ4XS_QS, IQ4XS_RECORD, IQ4XS_SC, Q2K_DMIN, Q2K_RECORD, Q2K_SC, Q5K_QH,
+                            IQ4XS_D, IQ4XS_QS, IQ4XS_RECORD, IQ4XS_SC, Q2K_DMIN, Q2K_RECORD, Q2K_SC, Q3K_RECORD, Q5K_QH,
                             Q5K_RECORD, Q6K_D, Q6K_QS, Q6K_RECORD, Q6K_SC, RECORD_ROWS, TOKENS)
 
 f32, f64 = np.float32, np.float64
@@ -260,19 +258,57 @@ def twin_matmul_q2(lin, x8, xd, T):
     return twin_records(lin, Q2K_RECORD, nb // 8, Tp, T, record)
 
 
+def b_tile_q3(rec, k):
+    """Q3_K's B tile (8, 64) uint8 of block k: its 3-bit values (crumbs as Q2_K's, the
+    third bit of row g of half h bit 2 g + h of the third bits' bytes, byte 4 l + i of
+    lane l) less 4, times their row's int8 scale of that half, plus amx.Q3K_BIAS."""
+    o = Q6K_QS + 192 * k
+    quads = rec[o:o + 128].reshape(2, 64)
+    third = rec[o + 128:o + 192]
+    rows = []
+    for h in range(2):
+        sc = np.repeat(rec[Q6K_SC + 32 * k + 16 * h:Q6K_SC + 32 * k + 16 * h + 16].view(np.int8), 4)
+        for g in range(4):
+            q = ((quads[g % 2] >> (2 * (g // 2 + 2 * h))) & 3) | (((third >> (2 * g + h)) & 1) << 2)
+            rows.append((q.astype(np.int32) - 4) * sc + amx.Q3K_BIAS)
+    b = np.stack(rows)
+    assert b.min() >= 0 and b.max() <= 252
+    return b.astype(np.uint8)
+
+
+def twin_matmul_q3(lin, x8, xd, xs8, T):
+    """out (T, out_features) of a Q3_K Linear as the AMX kernel computes it: per strip,
+    record (a super-block) and block, the int32 C of tdpbsud (x8 by the biased scaled
+    values), dot = C - Q3K_BIAS xs8 in f32 (exact: q6_gemm's integer dot), q6_gemm's
+    kind 3 f32 steps: s = fma(dot, dx, s) block by block, then total = fma(d, s, total)
+    record by record."""
+    Tp, nb = xd.shape
+
+    def record(rec, sb, total):
+        s = np.zeros_like(total)
+        for k in range(8):
+            b = sb * 8 + k
+            C = c_tiles(x8, b, b_tile_q3(rec, k)).astype(f32)
+            dot = C - (amx.Q3K_BIAS * xs8[:, b:b + 1]).astype(f32)
+            s = fma(dot, np.broadcast_to(xd[:, b:b + 1], s.shape), s)
+        dv = rec[Q6K_D:Q6K_D + 32].view(np.float16).astype(f32)
+        return fma(np.broadcast_to(dv[None], s.shape), s, total)
+    return twin_records(lin, Q3K_RECORD, nb // 8, Tp, T, record)
+
+
 # the formats whose records are a super-block of 256 weights (the K-quants', IQ4_XS's)
-SUPER_BLOCKS = {"Q4_K": G.Q4_K, "Q5_K": G.Q5_K, "Q6_K": G.Q6_K, "Q2_K": G.Q2_K, "IQ4_XS": G.IQ4_XS}
-REWRITTEN = {"Q3_K": G.Q3_K}     # prefill rewrites its tiles as Q6_K records (q3_k.py)
+SUPER_BLOCKS = {"Q4_K": G.Q4_K, "Q5_K": G.Q5_K, "Q6_K": G.Q6_K, "Q3_K": G.Q3_K, "Q2_K": G.Q2_K,
+                "IQ4_XS": G.IQ4_XS}
 
 
 def make(name, shape, seed):
     """A Linear of random weights in `name` (gguf-py's quantizer; the K-quants' and
     IQ4's ours, bit-exact with ggml's: gguf-py has none) and the file bytes."""
-    type_ = {**SUPER_BLOCKS, **REWRITTEN}.get(name) or KINDS[name][0]
+    type_ = SUPER_BLOCKS.get(name) or KINDS[name][0]
     rng = np.random.default_rng(seed)
     w = rng.standard_normal(shape).astype(np.float32)
     w[1, :] *= 1e-6                         # f16 subnormal block scales
-    ours = name in SUPER_BLOCKS or name in REWRITTEN or name == "IQ4_NL"
+    ours = name in SUPER_BLOCKS or name == "IQ4_NL"
     data = formats.quantize(w, name) if ours else quantize(w, type_)
     return linear(int(type_), [(data, shape)]), data
 
@@ -375,21 +411,11 @@ def test_twin_has_the_vnni_kernels_bits(name, shape, T, vnni_only):
     assert np.array_equal(got.view(np.int32), twin_matmul(lin, x8, xd, xsum, T).view(np.int32))
 
 
-def as_q6_k(lin):
-    """A Q3_K Linear's records rewritten as AMX's prefill rewrites them: a Q6_K Linear."""
-    nsb = lin.in_features // 256
-    recs = np.zeros((lin.nt, lin.R // RECORD_ROWS * nsb * Q6K_RECORD), np.uint8)
-    q6_tiles(lin.q, nsb, 0, lin.nt, recs)
-    return FORMATS["Q6_K"].linear.from_tiles(FORMATS["Q6_K"], [lin.out_features], lin.in_features, lin.R,
-                                             {"q": recs})
-
-
-@pytest.mark.parametrize("name", [*SUPER_BLOCKS, *REWRITTEN])
+@pytest.mark.parametrize("name", SUPER_BLOCKS)
 @pytest.mark.parametrize("shape,T", [((300, 256), 17), ((48, 512), 5), ((16, 256), 1)])
 def test_super_block_twin_has_the_vnni_kernels_bits(name, shape, T, vnni_only):
     # the same for the super-block records: the twin of the AMX kernel gives q4k_gemm's
-    # (q6_gemm's, iq4xs_gemm's) bits; Q3_K's, on its records rewritten as Q6_K's, the bits
-    # of q6_gemm's kind 3 on its own
+    # (q6_gemm's, iq4xs_gemm's) bits
     if name in ("Q6_K", "Q3_K") and ISAS[ISA].int16_pairs:
         pytest.skip("AVX2's q6_gemm takes Q6_K's and Q3_K's offsets off in f32; the bits AMX keeps "
                     "are the AVX-512 VNNI kernels', which this target does not run")
@@ -400,10 +426,10 @@ def test_super_block_twin_has_the_vnni_kernels_bits(name, shape, T, vnni_only):
     x[-1, 40] = -1e3
     got = np.empty((T, shape[0]), f32)
     lin.matmul(x, got)
-    x8, xd, _, xsum = prep(x)
-    twin = (twin_matmul_q6(lin, x8, xd, T) if name == "Q6_K" else twin_matmul_q6(as_q6_k(lin), x8, xd, T)
-            if name == "Q3_K" else twin_matmul_q2(lin, x8, xd, T) if name == "Q2_K" else twin_matmul_xs(lin, x8, xd, T)
-            if name == "IQ4_XS" else twin_matmul_k(lin, x8, xd, xsum, T))
+    x8, xd, xs8, xsum = prep(x)
+    twin = {"Q6_K": lambda: twin_matmul_q6(lin, x8, xd, T), "Q3_K": lambda: twin_matmul_q3(lin, x8, xd, xs8, T),
+            "Q2_K": lambda: twin_matmul_q2(lin, x8, xd, T), "IQ4_XS": lambda: twin_matmul_xs(lin, x8, xd, T)
+            }.get(name, lambda: twin_matmul_k(lin, x8, xd, xsum, T))()
     assert np.array_equal(got.view(np.int32), twin.view(np.int32))
 
 
@@ -461,6 +487,40 @@ def test_q2_k_twin_tiles_give_the_exact_scaled_block_sums():
             C = tdp(x8[:, 32 * k:32 * k + 32], b_tile_q2(lin.q[t, o:o + Q2K_RECORD], k))
             n = min(16, shape[0] - r0)
             assert np.array_equal(C[:, :n], want[:, r0:r0 + n, k]), (r0, k)
+
+
+def test_q3_k_twin_tiles_give_the_exact_scaled_block_sums():
+    # Q3_K's B tiles (its values less 4 times their scales, biased) by x8's blocks, less
+    # Q3K_BIAS times x8's block sums: exactly sum over the halves of sc sum((q - 4) x8),
+    # from the file's bytes, at the extremes: scales -32 and 31, levels 0 and 7 (the
+    # product 128 that no int8 holds is among them)
+    shape = (20, 256)
+    lin, data = make("Q3_K", shape, 13)
+    data[2, 96:108] = 0                                    # row 2: every scale -32
+    data[3, 96:108] = 0xFF                                 # row 3: every scale 31
+    data[2:4, :96] = 0                                     # rows 2, 3: every level 0 (q - 4 = -4)
+    data[4, :96] = 0xFF                                    # row 4: every level 7
+    lin = linear(int(G.Q3_K), [(data, shape)])
+    x8, _, xs8, _ = prep(np.random.default_rng(14).standard_normal((16, 256)).astype(f32))
+    x8[0] = 127
+    x8[1] = -127
+    xs8 = x8.reshape(16, 8, 32).astype(np.int64).sum(axis=2)
+    e = np.arange(256)
+    hm, qs, sb = data[:, :32].astype(np.int64), data[:, 32:96].astype(np.int64), data[:, 96:108].astype(np.int64)
+    q = ((qs[:, 32 * (e // 128) + e % 32] >> (2 * ((e % 128) // 32))) & 3) | (((hm[:, e % 32] >> (e // 32)) & 1) << 2)
+    j = np.arange(16)
+    sc = ((sb[:, j % 8] >> (4 * (j // 8))) & 15 | ((sb[:, 8 + j % 4] >> (2 * (j // 4))) & 3) << 4) - 32
+    half = np.einsum("rbe,tbe->trb", (q - 4).reshape(shape[0], 16, 16), x8.astype(np.int64).reshape(16, 16, 16))
+    want = (half * sc[None]).reshape(16, shape[0], 8, 2).sum(axis=3)       # (tokens, rows, blocks)
+    assert sc[2].min() == -32 and sc[3].max() == 31 and q[4].min() == 7
+    for r0 in (0, 16):
+        t, strip = divmod(r0, lin.R)
+        o = strip // RECORD_ROWS * Q3K_RECORD               # a row of one super-block
+        for k in range(8):
+            C = tdp(x8[:, 32 * k:32 * k + 32], b_tile_q3(lin.q[t, o:o + Q3K_RECORD], k))
+            n = min(16, shape[0] - r0)
+            got = C[:, :n].astype(np.int64) - amx.Q3K_BIAS * xs8[:, k:k + 1]
+            assert np.array_equal(got, want[:, r0:r0 + n, k]), (r0, k)
 
 
 # --- permission and fallback ------------------------------------------------------------------
@@ -585,7 +645,7 @@ def _both(lin, x, fine=False):
 
 @pytest.mark.parametrize("name, shape", [(n, s) for n in KINDS
                                          for s in [(300, 256), (100, 96), (48, 64)]]  # G = 8, 1, 2
-                         + [(n, s) for n in [*SUPER_BLOCKS, *REWRITTEN]
+                         + [(n, s) for n in SUPER_BLOCKS
                             for s in [(300, 256), (48, 2048), (16, 512)]])
 def test_amx_prefill_has_the_vnni_bits(name, shape, on_amx):
     lin, _ = make(name, shape, 5)
@@ -597,7 +657,7 @@ def test_amx_prefill_has_the_vnni_bits(name, shape, on_amx):
         assert np.array_equal(vnni.view(np.int32), got.view(np.int32)), (T, np.abs(vnni - got).max())
 
 
-@pytest.mark.parametrize("name", [*KINDS, *SUPER_BLOCKS, *REWRITTEN])
+@pytest.mark.parametrize("name", [*KINDS, *SUPER_BLOCKS])
 def test_amx_fine_activations_have_the_vnni_bits(name, on_amx):
     lin, _ = make(name, (80, 128 if name in KINDS else 256), 7)
     x = np.random.default_rng(8).standard_normal((9, lin.in_features)).astype(f32)

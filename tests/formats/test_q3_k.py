@@ -5,9 +5,8 @@ the NumPy twin as every format), and the helpers test_q2_k.py shares.
 - decode: exactly W @ xq but for float rounding, xq = x rounded to int8 per 32 as the
   kernel does (a tighter bound than the conformance test's), and the sums at their
   bounds; resident size.
-- prefill: the int32 sums at their bounds are exact; on AMX, the Q6_K records it
-  rewrites the records into hold the file's values bit for bit (read back by Q6_K's own
-  rows; test_amx.py checks their products).
+- prefill: the int32 sums at their bounds are exact, on the VNNI kernels and on AMX's
+  tiles where they run (test_amx.py checks the tiles' bytes and bits).
 """
 import numpy as np
 import pytest
@@ -16,9 +15,9 @@ from gguf import GGMLQuantizationType as G
 from gguf.quants import dequantize as gguf_dequantize
 from quantize_cases import K16_CASES as CASES
 
-from edgellama.formats.q3_k import Q3_K, q6_tiles
-from edgellama.formats.q6_k import Q6_K
-from edgellama.kernels.simd import Q6K_RECORD
+from edgellama.formats import records
+from edgellama.formats.q3_k import Q3_K
+from edgellama.kernels import amx
 
 # (out, in): out not a multiple of any tile size (16 to 256 rows), in = 256 k
 SHAPES = [(300, 256), (37, 512), (1030, 256), (16, 768)]
@@ -187,23 +186,20 @@ def test_rows_are_the_files_values(shape):
 
 # --- prefill ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_q6_records_hold_the_files_values(shape):
-    # the records AMX's prefill multiplies, read back by Q6_K's own row decoder: gguf-py's
-    # Q3_K values bit for bit, (d sc) (q - 4) = (d sc) (q6 - 32), and pad rows zero
-    q = quantize(Q3_K, weights(shape, 8))
-    lin = linear(Q3_K, [q], shape[1])
-    recs = np.zeros((lin.nt, lin.R // 16 * shape[1] // 256 * Q6K_RECORD), np.uint8)
-    q6_tiles(lin.q, shape[1] // 256, 0, lin.nt, recs)
-    q6 = Q6_K.linear.from_tiles(Q6_K, [lin.nt * lin.R], shape[1], lin.R, {"q": recs})
-    rows = np.empty((lin.nt * lin.R, shape[1]), np.float32)
-    q6.rows(np.arange(lin.nt * lin.R), rows)
-    want = gguf_dequantize(q, G.Q3_K).reshape(shape)
-    np.testing.assert_array_equal(rows[:shape[0]].view(np.uint32), want.view(np.uint32))
-    assert not rows[shape[0]:].any()
+@pytest.fixture(params=["vnni", "amx"])
+def prefill_path(request, monkeypatch):
+    """Prefill on the VNNI kernels, or on AMX's tiles (skipped where they cannot run)."""
+    was = amx._enabled
+    if request.param == "amx" and not amx.use(True):
+        amx._enabled = was
+        pytest.skip("no AMX tiles here (the CPU, Numba's target or Linux's permission)")
+    amx._enabled = request.param == "amx" and amx._enabled
+    monkeypatch.setattr(records, "AMX_MIN_ROWS", 1)
+    yield request.param
+    amx._enabled = was
 
 
-def test_prefill_at_the_extremes_is_exact():
+def test_prefill_at_the_extremes_is_exact(prefill_path):
     # levels -4 and 3 under scales -32 and 31 (q6 28 and 35: both crumb values), x at
     # +-127 in every block: x W^T exact, the int32 sums at their largest
     n, d = 512, 40
@@ -222,5 +218,6 @@ def test_prefill_at_the_extremes_is_exact():
     lin = linear(Q3_K, [q], n)
     x = np.where(u24(20 * n, 54).reshape(20, n) % 2 == 0, 127, -127).astype(np.float32)
     out = np.empty((20, d), np.float32)
+    assert (lin._tokens(20)[0] == amx.AMX_TOKENS) == (prefill_path == "amx")
     lin.matmul(x, out)
     np.testing.assert_array_equal(out, x.astype(np.float64) @ w.T)
