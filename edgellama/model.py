@@ -24,9 +24,9 @@ from .scratch import Scratch
 from .tile_cache import TileCache
 
 # How x is rounded for the integer matrix products. int8: every matrix multiplies x rounded
-# to int8 per block of 32 (256 for Q2_K/Q3_K decode), as llama.cpp does. fine: the record
-# formats' matrices (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K, Q6_K, IQ4_XS)
-# multiply x as int8 plus its int8 residual (x within amax/64,516 a block) in the same pass over the weights: closer to
+# to int8 per block of 32, as llama.cpp does (it rounds per 256 for the K-quants). fine: the
+# record formats' matrices (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K,
+# Q6_K, IQ4_XS) multiply x as int8 plus its int8 residual (x within amax/64,516 a block) in the same pass over the weights: closer to
 # full precision, for the second row's arithmetic (bench/bench_activations.py). BF16
 # weights' prefill, where the CPU has bf16 pair products, rounds x to bf16 as llama.cpp
 # does; fine keeps it in f32.
