@@ -11,6 +11,7 @@ import numpy as np
 from gguf.constants import LlamaFileType
 from numba import prange
 
+from ..kernels import amx
 from ..kernels import float_gemm as fg
 from ..kernels.fp import bf16_bits, bf16_to_f32, f16_bits, f16_to_f32, float_at
 from ..kernels.jit import njit
@@ -157,6 +158,15 @@ class FloatLinear(Linear):
         T, n = x.shape
         threads = numba.config.NUMBA_NUM_THREADS       # get_thread_id() < this
         sc = scratch or Scratch()
+        if self.type_name == "BF16" and amx.bf16_enabled() and n % 32 == 0 and not self.fine:
+            # AMX-BF16 tiles, x rounded to bf16 as the pair products round it: 16 x 16 x 32
+            # multiply-adds an instruction ("BF16 on AMX tiles",
+            # bench/results/design_measurements.json)
+            xt = sc.get("float_xt", (fg.amx_tokens(T), n // 2, fg.AMX_BF16_TOKENS), np.uint32)
+            pads = sc.get("float_pads", (threads, fg.amx_bf16_rows(n), n // 2), np.uint32)
+            cbs = sc.get("float_cbs", (threads, 4, 16, 16))
+            fg.amx_bf16_gemm(self.w, x, out, xt, pads, cbs)
+            return
         wbufs = sc.get("float_w", (threads, fg.ROWS, fg.K_STEP))
         accs = sc.get("float_acc", (threads, fg.ROWS, fg.panels(T) * fg.PANEL))
         counter = sc.get("float_counter", (1,), np.int64)

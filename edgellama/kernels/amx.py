@@ -51,6 +51,7 @@ import os
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
+from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 from .fp import half_to_float_ir
@@ -121,7 +122,9 @@ def use(on: bool) -> bool:
 def kernels_name() -> str:
     """The instructions the matrix products run on, for reports."""
     name = TARGET.name
-    return name + " + AMX (tdpbssd/tdpbsud) prefill" if enabled() else name
+    if not enabled():
+        return name
+    return name + (" + AMX (tdpbssd/tdpbsud, tdpbf16ps) prefill" if BF16_COMPILED else " + AMX (tdpbssd/tdpbsud) prefill")
 
 
 # Tile registers: two sets of A (x rows), B (weights), C (int32 products), two blocks
@@ -523,3 +526,124 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
         return context.get_dummy_value()
 
     return types.void(q, x, acc, shape), codegen
+
+
+# --- BF16 weights: tdpbf16ps tiles of the file's rows ----------------------------------------
+#
+# Prefill of BF16 weights (float_gemm.amx_bf16_gemm) on AMX-BF16, a tile instruction at a
+# time from Numba code: A the weights, 16 rows x 32 bf16 read in place from the file's
+# rows (a row stride apart), B x rounded to bf16, 16 column pairs x 16 tokens (the VNNI
+# pair layout: u32 (kp, t) = x[t, 2 kp] | x[t, 2 kp + 1] << 16), C (16 rows x 16 tokens,
+# f32) += sum over k of A[row, k] B[k, token]: 16 x 16 x 32 multiply-adds an
+# instruction. Its products are bf16 x bf16 (exact in f32) summed in f32 with
+# subnormal inputs and results flushed to zero, as vdpbf16ps (bf16_tile) does, in the
+# tile unit's order: not bf16_tile's bits, within the same bound.
+BF16_COMPILED = COMPILED and "amx-bf16" in FEATURES
+BF16_A, BF16_B, BF16_C = (0, 1), (2, 3), (4, 5, 6, 7)   # 2 weight strips x 2 token groups
+
+
+def bf16_enabled() -> bool:
+    """Whether BF16 prefill runs on AMX-BF16 tiles: enabled() and the target has them."""
+    return BF16_COMPILED and enabled()
+
+
+def bf16_tile_config() -> list[int]:
+    """ldtilecfg's 64 bytes for the BF16 tiles: every tile 16 rows x 64 bytes."""
+    cfg = [0] * 64
+    cfg[0] = 1
+    for tile in (*BF16_A, *BF16_B, *BF16_C):
+        cfg[16 + 2 * tile] = 64
+        cfg[48 + tile] = 16
+    return cfg
+
+
+def _tile_arg(name, t):
+    if not isinstance(t, types.IntegerLiteral) or not 0 <= t.literal_value < 8:
+        raise TypingError(f"{name}: the tile must be a constant 0..7, not {t}")
+    return t.literal_value
+
+
+def _amx_call(builder, name, *args):
+    call_llvm(builder, "llvm.x86." + name, ir.VoidType(), list(args))
+
+
+def _element_ptr(context, builder, aty, arr, off):
+    """i8* to element `off` of an array (flat, C order)."""
+    data = context.make_array(aty)(context, builder, arr).data
+    return builder.bitcast(builder.gep(data, [off]), ir.IntType(8).as_pointer())
+
+
+@intrinsic
+def bf16_tiles_begin(typingctx):
+    """ldtilecfg of bf16_tile_config() on this thread (each work item loads it: any
+    thread may run it)."""
+    def codegen(context, builder, sig, args):
+        if BF16_COMPILED:
+            cfgt = ir.ArrayType(ir.IntType(8), 64)
+            cfg = cgutils.alloca_once(builder, cfgt)
+            builder.store(ir.Constant(cfgt, bf16_tile_config()), cfg)
+            _amx_call(builder, "ldtilecfg", builder.bitcast(cfg, ir.IntType(8).as_pointer()))
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+@intrinsic
+def tiles_end(typingctx):
+    """tilerelease: this thread's tile state back to its initial state."""
+    def codegen(context, builder, sig, args):
+        if BF16_COMPILED:
+            _amx_call(builder, "tilerelease")
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+@intrinsic(prefer_literal=True)
+def tile_zero(typingctx, t):
+    """tilezero of tile t (a constant)."""
+    tile = _tile_arg("tile_zero", t)
+
+    def codegen(context, builder, sig, args):
+        if BF16_COMPILED:
+            _amx_call(builder, "tilezero", ir.Constant(ir.IntType(8), tile))
+        return context.get_dummy_value()
+    return types.void(t), codegen
+
+
+@intrinsic(prefer_literal=True)
+def tile_load(typingctx, t, arr, off, stride):
+    """tileloadd64 of tile t (a constant): its 16 rows of 64 bytes from element `off` of
+    arr (flat, C order) on, `stride` bytes apart."""
+    tile = _tile_arg("tile_load", t)
+
+    def codegen(context, builder, sig, args):
+        if BF16_COMPILED:
+            _amx_call(builder, "tileloadd64", ir.Constant(ir.IntType(8), tile),
+                      _element_ptr(context, builder, sig.args[1], args[1], args[2]), args[3])
+        return context.get_dummy_value()
+    return types.void(t, arr, types.int64, types.int64), codegen
+
+
+@intrinsic(prefer_literal=True)
+def tile_store(typingctx, t, arr, off):
+    """tilestored64 of tile t (a constant) to element `off` of arr on, rows 64 bytes apart."""
+    tile = _tile_arg("tile_store", t)
+
+    def codegen(context, builder, sig, args):
+        if BF16_COMPILED:
+            _amx_call(builder, "tilestored64", ir.Constant(ir.IntType(8), tile),
+                      _element_ptr(context, builder, sig.args[1], args[1], args[2]),
+                      ir.Constant(ir.IntType(64), 64))
+        return context.get_dummy_value()
+    return types.void(t, arr, types.int64), codegen
+
+
+@intrinsic(prefer_literal=True)
+def tile_bf16(typingctx, c, a, b):
+    """tdpbf16ps: tile c (f32) += tile a (bf16) x tile b (bf16 pairs), constants."""
+    tc, ta, tb = (_tile_arg("tile_bf16", v) for v in (c, a, b))
+
+    def codegen(context, builder, sig, args):
+        if BF16_COMPILED:
+            _amx_call(builder, "tdpbf16ps", *(ir.Constant(ir.IntType(8), v) for v in (tc, ta, tb)))
+        return context.get_dummy_value()
+    return types.void(c, a, b), codegen

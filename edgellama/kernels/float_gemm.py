@@ -38,6 +38,7 @@ from numba import prange, types
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
+from .amx import bf16_tiles_begin, tile_bf16, tile_load, tile_store, tile_zero, tiles_end
 from .claim import take
 from .fp import bf16_bits, bf16_to_float_ir, float_at, half_to_float_ir
 from .isa import call_llvm, splat
@@ -296,19 +297,21 @@ def pack_tokens(x, xp):
 
 @njit(cache=True, parallel=True)
 def pack_tokens_bf16(x, xp2):
-    # x (T, n) f32, n even -> xp2 (P, n/2, PANEL) u32: pack_tokens' layout of column pairs,
-    # each x[t, 2j] and x[t, 2j + 1] rounded to bf16 (fp.bf16_bits) in the low and high
-    # half, as bf16_tile takes them (tokens past T zero)
+    # x (T, n) f32, n even -> xp2 (P, n/2, panel) u32: pack_tokens' layout of column pairs
+    # (panel PANEL for bf16_tile, AMX_BF16_TOKENS for AMX's B tiles), each x[t, 2j] and
+    # x[t, 2j + 1] rounded to bf16 (fp.bf16_bits) in the low and high half (tokens past
+    # T zero)
     T, n = x.shape
     m = n // 2
+    panel = xp2.shape[2]
     xb = x.view(np.uint32)
     runs = (m + 63) // 64
     for i in prange(xp2.shape[0] * runs):
         p = i // runs
         j0 = (i - p * runs) * 64
         for j in range(j0, min(m, j0 + 64)):
-            for u in range(PANEL):
-                t = p * PANEL + u
+            for u in range(panel):
+                t = p * panel + u
                 if t < T:
                     lo = np.uint32(bf16_bits(xb[t, 2 * j]))
                     hi = np.uint32(bf16_bits(xb[t, 2 * j + 1]))
@@ -431,3 +434,94 @@ def bf16_gemm(w, x, out, xp2, wbufs, accs, counter, parts=1):
     float_gemm's, but xp2 (panels(T), n/2, PANEL) u32."""
     pack_tokens_bf16(x, xp2)
     _gemm(w.view(np.uint32), 2, xp2, x.shape[0], out, parts, wbufs.view(np.uint32), accs, counter)
+
+
+# --- BF16 on AMX tiles (amx.py's tdpbf16ps) ---------------------------------------------------
+#
+#     out (T, d) = x (T, n) @ W (d, n)^T, per work item a block of `rows` weight rows:
+#     per pair of token groups (32 tokens) and pair of 16-row strips, four C tiles
+#     (strip x group) take the n/32 column blocks in turn, A the rows read in place, B x's
+#     tiles; the block's rows stay in L2 across the token groups.
+
+AMX_BF16_TOKENS = 16              # tokens a B tile holds
+
+
+def amx_bf16_rows(n: int) -> int:
+    """Weight rows a work item multiplies with every token: about 512 KiB of bf16 (in a
+    core's L2), 32 to 128."""
+    return max(32, min(128, (1 << 19) // (2 * n) // 32 * 32))
+
+
+@njit(cache=True)
+def _amx_bf16_strips(src, base, span, nr, xt, T, out, r0, cb):
+    # out[:T, r0:r0 + nr] from rows base..base + span of src (span a multiple of 32,
+    # rows past nr zero) on the tiles; xt (G, m, 16) u32 x's B tiles (G even), cb (4, 16,
+    # 16) f32 the C tiles' landing place
+    m = src.shape[1]
+    stride = 4 * m                    # bytes from one row to the next
+    G = xt.shape[0]
+    bf16_tiles_begin()
+    for g in range(0, G, 2):
+        b0 = g * m * AMX_BF16_TOKENS
+        b1 = b0 + m * AMX_BF16_TOKENS
+        for s in range(0, span, 32):
+            tile_zero(4)
+            tile_zero(5)
+            tile_zero(6)
+            tile_zero(7)
+            a0 = (base + s) * m
+            a1 = a0 + 16 * m
+            for kb in range(m // 16):
+                tile_load(0, src, a0 + 16 * kb, stride)
+                tile_load(1, src, a1 + 16 * kb, stride)
+                tile_load(2, xt, b0 + 256 * kb, 64)
+                tile_load(3, xt, b1 + 256 * kb, 64)
+                tile_bf16(4, 0, 2)
+                tile_bf16(5, 0, 3)
+                tile_bf16(6, 1, 2)
+                tile_bf16(7, 1, 3)
+            tile_store(4, cb, 0)
+            tile_store(5, cb, 256)
+            tile_store(6, cb, 512)
+            tile_store(7, cb, 768)
+            for i in range(2):                # C tile 2 i + j: strip i, token group g + j
+                rr = min(16, nr - s - 16 * i)
+                for j in range(2):
+                    t0 = (g + j) * AMX_BF16_TOKENS
+                    for t in range(t0, min(T, t0 + AMX_BF16_TOKENS)):
+                        for r in range(rr):
+                            out[t, r0 + s + 16 * i + r] = cb[2 * i + j, r, t - t0]
+    tiles_end()
+
+
+@njit(cache=True, parallel=True)
+def _amx_bf16(w2, xt, T, out, rows, pads, cbs):
+    # the blocks of `rows` weight rows, one a work item; the last, where its strips would
+    # run past the last row, from a zero-padded copy (pads[thread] (rows, m) u32)
+    d = w2.shape[0]
+    for b in prange(-(-d // rows)):
+        me = numba.get_thread_id()
+        r0 = b * rows
+        nr = min(rows, d - r0)
+        span = -(-nr // 32) * 32
+        if r0 + span <= d:
+            _amx_bf16_strips(w2, r0, span, nr, xt, T, out, r0, cbs[me])
+        else:
+            pad = pads[me]
+            pad[:nr] = w2[r0:d]
+            pad[nr:span] = 0
+            _amx_bf16_strips(pad, 0, span, nr, xt, T, out, r0, cbs[me])
+
+
+def amx_tokens(T: int) -> int:
+    """Token groups of x's B tiles for T tokens: whole pairs of AMX_BF16_TOKENS."""
+    return -(-T // (2 * AMX_BF16_TOKENS)) * 2
+
+
+def amx_bf16_gemm(w, x, out, xt, pads, cbs):
+    """out (T, d) = x (T, n) @ W^T, W (d, n) bf16 bits as u16 (n a multiple of 32), x
+    rounded to bf16 as bf16_gemm rounds it, on AMX-BF16 tiles (amx.bf16_enabled() must be
+    True). Scratch: xt (amx_tokens(T), n/2, AMX_BF16_TOKENS) u32; per thread pads
+    (threads, amx_bf16_rows(n), n/2) u32 and cbs (threads, 4, 16, 16) f32."""
+    pack_tokens_bf16(x, xt)
+    _amx_bf16(w.view(np.uint32), xt, x.shape[0], out, amx_bf16_rows(x.shape[1]), pads, cbs)

@@ -3,7 +3,7 @@ against float64 NumPy within the error bound of an f32 sum in any order, over sh
 leave partial register tiles, row blocks, column steps and token panels; the same bits
 whatever the thread count; its register tile on its own; every instruction set's tile
 shape, run here; BF16 on the pair products (x rounded as ggml rounds it, where the CPU
-has AVX512_BF16). Decode's row dot: exact where every sum is, within the bound
+has AVX512_BF16) and on AMX-BF16 tiles (where it has those). Decode's row dot: exact where every sum is, within the bound
 elsewhere."""
 from types import FunctionType
 
@@ -256,12 +256,97 @@ def test_bf16_gemm_is_exact_where_every_sum_is():
         np.testing.assert_array_equal(_bf16_gemm(w, x, parts), x.astype(np.int64) @ wi.T.astype(np.int64))
 
 
-@needs_bf16_pairs
-def test_bf16_weights_take_the_pair_products_unless_fine():
-    """A BF16 Linear's prefill: x rounded to bf16 by default (the pair products), in f32
-    with fine (the float GEMM), each within its own bound and not the other's."""
+# BF16 prefill on AMX-BF16 tiles (amx_bf16_gemm: the same rounded x, tdpbf16ps)
+
+def _amx_bf16_gemm(w, x):
+    """amx_bf16_gemm with scratch of NaN bits (no reliance on zeros)."""
+    T, n = x.shape
+    threads = numba.config.NUMBA_NUM_THREADS
+    out = np.full((T, w.shape[0]), np.nan, np.float32)
+    xt = np.full((fg.amx_tokens(T), n // 2, fg.AMX_BF16_TOKENS), 0x7FC07FC0, np.uint32)
+    pads = np.full((threads, fg.amx_bf16_rows(n), n // 2), 0x7FC07FC0, np.uint32)
+    cbs = np.full((threads, 4, 16, 16), np.nan, np.float32)
+    fg.amx_bf16_gemm(w, x, out, xt, pads, cbs)
+    return out
+
+
+@pytest.fixture
+def bf16_tiles():
+    """AMX-BF16 on; skips where it cannot run (the CPU, Numba's target, Linux's permission)."""
+    from edgellama.kernels import amx
+    was = amx._enabled
+    if not (amx.use(True) and amx.bf16_enabled()):
+        amx._enabled = was
+        pytest.skip("no AMX-BF16 tiles here (the CPU, Numba's target or Linux's permission)")
+    yield amx
+    amx._enabled = was
+
+
+# rows: a whole block, rows past the last strip pair (a zero-padded copy), fewer than a
+# strip; columns: one column block, a block of 128 rows, of 32 (8192 wide); tokens: fewer
+# than a B tile, an odd number of groups, several pairs
+AMX_SHAPES = [(40, 64, 5), (300, 256, 17), (129, 2048, 33), (7, 96, 70), (48, 8192, 16)]
+
+
+@pytest.mark.parametrize("d,n,T", AMX_SHAPES)
+def test_amx_bf16_gemm_is_exact_where_every_sum_is(d, n, T, bf16_tiles):
+    """Small integers: products and partial sums exact in f32, so any row, column, token
+    or tile misplaced would show."""
+    rng = np.random.default_rng(d + n + T)
+    wi = rng.integers(-8, 9, (d, n)).astype(np.float32)
+    x = rng.integers(-8, 9, (T, n)).astype(np.float32)
+    w = (wi.view(np.uint32) >> 16).astype(np.uint16)
+    np.testing.assert_array_equal(_amx_bf16_gemm(w, x), x.astype(np.int64) @ wi.T.astype(np.int64))
+
+
+@pytest.mark.parametrize("d,n,T", AMX_SHAPES)
+def test_amx_bf16_gemm_matches_float64_of_the_rounded_x_within_the_bound(d, n, T, bf16_tiles):
+    rng = np.random.default_rng(d * n + T + 3)
+    w, wf = _weights(rng, d, n, 2)
+    w[0, :5] = 0                            # the tiles flush subnormals, as the pair products
+    wf[0, :5] = 0
+    x = rng.standard_normal((T, n), dtype=np.float32)
+    _check(_amx_bf16_gemm(w, x), bf16_round(x), wf)
+
+
+def test_bf16_weights_take_the_tiles_unless_fine_or_off(bf16_tiles, monkeypatch):
+    """A BF16 Linear's prefill runs on the tiles where they run (x rounded to bf16), on
+    the pair products with AMX off, in f32 with fine; each within its own bound."""
     from edgellama.formats import linear
     import gguf
+    rng = np.random.default_rng(13)
+    d, n, T = 40, 256, 9
+    w, wf = _weights(rng, d, n, 2)
+    w[0, :5] = 0
+    wf[0, :5] = 0
+    lin = linear(int(gguf.GGMLQuantizationType.BF16), [(w.view(np.uint8), (d, n))])
+    x = rng.standard_normal((T, n), dtype=np.float32)
+    calls = []
+    real = fg.amx_bf16_gemm
+    monkeypatch.setattr(fg, "amx_bf16_gemm", lambda *a: (calls.append(1), real(*a)))
+    out = np.empty((T, d), np.float32)
+    lin.matmul(x, out)
+    assert calls == [1]
+    _check(out, bf16_round(x), wf)
+    bf16_tiles._enabled = False
+    lin.matmul(x, out)
+    lin.fine = True
+    bf16_tiles._enabled = True
+    lin.matmul(x, out)
+    assert calls == [1]
+    _check(out, x, wf)
+
+
+@needs_bf16_pairs
+def test_bf16_weights_take_the_pair_products_unless_fine(monkeypatch):
+    """A BF16 Linear's prefill without AMX: x rounded to bf16 by default (the pair
+    products), in f32 with fine (the float GEMM), each within its own bound and not the
+    other's."""
+    from edgellama.formats import linear
+    from edgellama.kernels import amx
+    import gguf
+    monkeypatch.setattr(amx, "_enabled", False)
+    monkeypatch.setattr(fg, "amx_bf16_gemm", None)       # never called
     rng = np.random.default_rng(12)
     d, n, T = 40, K_STEP + 64, 9
     w, wf = _weights(rng, d, n, 2)
