@@ -538,7 +538,7 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
 # instruction. Its products are bf16 x bf16 (exact in f32) summed in f32 with
 # subnormal inputs and results flushed to zero, as vdpbf16ps (bf16_tile) does, in the
 # tile unit's order: not bf16_tile's bits, within the same bound.
-BF16_COMPILED = COMPILED and "amx-bf16" in FEATURES
+BF16_COMPILED = TARGET.has_bf16_tiles(FEATURES) and _ARCH == "x86_64"
 BF16_A, BF16_B, BF16_C = (0, 1), (2, 3), (4, 5, 6, 7)   # 2 weight strips x 2 token groups
 
 

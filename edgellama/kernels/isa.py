@@ -226,6 +226,8 @@ class Isa:
     int16_pairs: bool = False      # unsigned pair sums are added in int16 before widening
                                    # (pair_dot then takes a scale to widen by: scaled_dot)
     tiles: frozenset[str] = frozenset()   # features of AMX tiles on top (amx.py); empty: none
+    bf16_tiles: frozenset[str] = frozenset()   # features of AMX's bf16 tiles on top of those
+                                   # (BF16 weights' prefill: float_gemm.amx_bf16_gemm)
     bf16_pairs: frozenset[str] = frozenset()   # features of vdpbf16ps on top (BF16 weights'
                                    # prefill: float_gemm.bf16_tile); empty: none
     lookup: Callable = _lookup_generic    # (builder, table, idx <m x i8>) -> <m x i8>: table[idx]
@@ -280,6 +282,11 @@ class Isa:
         """Whether the AMX tile products (amx.py) can be compiled on top of this row."""
         return bool(self.tiles) and self.tiles <= set(features)
 
+    def has_bf16_tiles(self, features) -> bool:
+        """Whether BF16 prefill on AMX's tdpbf16ps (amx.py) can be compiled on top of this
+        row: its tiles and their bf16 products."""
+        return self.has_tiles(features) and bool(self.bf16_tiles) and self.bf16_tiles <= set(features)
+
     def has_bf16_pairs(self, features) -> bool:
         """Whether BF16 prefill's pair products (float_gemm.bf16_tile) can be compiled on
         top of this row."""
@@ -307,7 +314,8 @@ ISAS = (
         float_tile=(6, 8), half=F16C, weight_sums=_vnni_sum_w, lookup=_pshufb(32, "llvm.x86.avx2.pshuf.b")),
     Isa("AVX-512 VNNI (vpdpbusd)", frozenset({"avx512vnni", "avx512bw"}), _dot_vnni, lanes=16,
         rows=(16, 16), float_tile=(12, 16), half=F16C, weight_sums=_vnni_sum_w,
-        tiles=frozenset({"amx-tile", "amx-int8"}), bf16_pairs=frozenset({"avx512bf16"}),
+        tiles=frozenset({"amx-tile", "amx-int8"}), bf16_tiles=frozenset({"amx-bf16"}),
+        bf16_pairs=frozenset({"avx512bf16"}),
         lookup=_pshufb(64, "llvm.x86.avx512.pshuf.b.512"),
         word_dot=_word_dot_vnni, v_int16=True),
 )

@@ -1,7 +1,7 @@
 """isa.py's table: every row has what the kernels use, lowers its pair-dot with no more
 than the features it needs, and the choice from a feature set is the one the kernels
 made before the table (VNNI needs BW's bytes too, AVX-VNNI AVX2 too, AVX2 alone, else generic; f16 in one
-instruction with F16C and AVX on x86; AMX tiles and AVX512_BF16's pair products on top
+instruction with F16C and AVX on x86; AMX tiles (with their bf16 products) and AVX512_BF16's pair products on top
 of the VNNI row)."""
 import ctypes
 
@@ -22,7 +22,7 @@ ROWS = [pytest.param(row, id=row.name) for row in ISAS]
 def test_every_row_has_what_the_kernels_use(row):
     assert row.name and ISA_NAMES[ISAS.index(row)] == row.name
     assert isinstance(row.needs, frozenset) and isinstance(row.tiles, frozenset)
-    assert isinstance(row.bf16_pairs, frozenset)
+    assert isinstance(row.bf16_pairs, frozenset) and isinstance(row.bf16_tiles, frozenset)
     assert row.half is None or isinstance(row.half, frozenset)
     assert callable(row.pair_dot) and (row.weight_sums is None or callable(row.weight_sums))
     assert callable(row.word_dot) and isinstance(row.v_int16, bool)
@@ -175,6 +175,9 @@ def test_half_conversion_and_tiles_as_before_the_table(features):
     amx = {"amx-tile", "amx-int8"}
     assert not row.has_tiles(features)
     assert row.has_tiles(features | amx) == (target_isa(features | amx) == VNNI512)
+    # AMX's bf16 tiles only with the tiles, on the VNNI row
+    assert not row.has_bf16_tiles(features | {"amx-bf16"})
+    assert row.has_bf16_tiles(features | amx | {"amx-bf16"}) == (target_isa(features | amx) == VNNI512)
     # BF16 prefill's pair products likewise on top of the VNNI row only
     assert not row.has_bf16_pairs(features)
     assert (row.has_bf16_pairs(features | {"avx512bf16"})
@@ -185,3 +188,5 @@ def test_this_target_is_the_tables_choice():
     assert TARGET is ISAS[ISA] and ISA == target_isa(FEATURES)
     assert HALF_NATIVE == TARGET.half_native(FEATURES)
     assert BF16_PAIRS == TARGET.has_bf16_pairs(FEATURES)
+    from edgellama.kernels import amx
+    assert amx.BF16_COMPILED == (TARGET.has_bf16_tiles(FEATURES) and isa.ARCH == "x86_64")
