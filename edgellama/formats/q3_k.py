@@ -16,7 +16,8 @@ llama.cpp uses one scale per 256 for Q3_K), each 16-weight sub-block's (q - 4) x
 summed exactly in the CPU's pair-dot instructions and weighted by its scale in int32
 (AVX2's prefill: q x8, the offset taken off in f32 as a min, as Q6_K's).
 Where AMX runs, prefill multiplies the records on AMX's tiles, each value less 4 times
-its scale in a byte (amx.py). Why records of 3-bit values: "Q2_K and Q3_K records" in bench/results/design_measurements.json.
+its scale in a byte (amx.py). Why records of 3-bit values: "Q2_K and Q3_K records" in
+bench/results/design_measurements.json.
 """
 from __future__ import annotations
 

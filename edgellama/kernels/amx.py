@@ -1,7 +1,8 @@
 """AMX (Advanced Matrix Extensions) int8 tile products for prefill of the per-32-block
-formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), of the K-quants Q4_K, Q5_K, Q6_K and
-Q2_K and of IQ4_XS, bit-identical to simd.blocks_gemm's (simd.q4k_gemm's,
-simd.q6_gemm's, simd.iq4xs_gemm's) VNNI products.
+formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), of the K-quants Q4_K, Q5_K, Q6_K, Q3_K
+and Q2_K and of IQ4_XS, bit-identical to simd.blocks_gemm's (simd.q4k_gemm's,
+simd.q6_gemm's, simd.iq4xs_gemm's) VNNI products; and the bf16 tile intrinsics of BF16
+weights' prefill (the end of this module, float_gemm.amx_bf16_gemm).
 
 One tdpbssd / tdpbsud multiplies a tile of 16 rows of x (A: 16 tokens x the 32 int8
 of one block, packed 512 bytes in a row by records.amx_a_tiles) by one block of a strip
@@ -31,8 +32,12 @@ values (0..3) times their 4-bit scales fit a byte (<= 45): its B tiles are whole
 of the scaled values, so tdpbsud gives q6_gemm's integer dot sc0 S_0 + sc1 S_1 itself,
 then its float steps (s = fma(float(C), dx, s), mn = fma(m1, xsum16_1, fma(m0,
 xsum16_0, mn)) with x's sums per 16 as rounded, fma(d, s, total), fma(-dmin, mn,
-total)): half the tile products and float steps a block of Q6_K's. IQ4_XS's records
-take Q4_K's steps without the mins: its nibbles looked up (s8, tdpbssd, C = S), s = fma(float(C), sc dx, s) with its
+total)): half the tile products and float steps a block of Q6_K's. Q3_K's values less
+4 (-4..3) times their signed 6-bit scales lie in -124..128: its B bytes add Q3K_BIAS
+(124) to make them unsigned (tdpbsud), C = dot + 124 xs8 (xs8 the block's sum of x8),
+and dot = float(C) - 124 xs8 is exact in f32 (both below 2^24), then q6_gemm's
+fma(dot, dx, s) and fma(d, s, total). IQ4_XS's records take Q4_K's steps without the
+mins: its nibbles looked up (s8, tdpbssd, C = S), s = fma(float(C), sc dx, s) with its
 int8 sc, then fma(d, s, total).
 
 Linux hands out the tile state only to a process that asked for it
@@ -124,7 +129,7 @@ def kernels_name() -> str:
     name = TARGET.name
     if not enabled():
         return name
-    return name + (" + AMX (tdpbssd/tdpbsud, tdpbf16ps) prefill" if BF16_COMPILED else " + AMX (tdpbssd/tdpbsud) prefill")
+    return name + f" + AMX (tdpbssd/tdpbsud{', tdpbf16ps' if BF16_COMPILED else ''}) prefill"
 
 
 # Tile registers: two sets of A (x rows), B (weights), C (int32 products), two blocks
@@ -153,8 +158,9 @@ def tile_config(kind: int) -> list[int]:
 def amx_blocks_gemm(typingctx, q, x, acc, shape):
     """One tile of a per-32-block format's records (q: R rows of shape.nb blocks,
     shape.group blocks a record, simd.py's layout), or of a K-quant's (KIND_Q4_K,
-    KIND_Q5_K, KIND_Q6_K, KIND_Q2_K: a record a super-block, its 8 blocks of 32 the
-    blocks; Q6_K's tile products are half-blocks), times shape.tokens rows t0.. of x
+    KIND_Q5_K, KIND_Q6_K, KIND_Q3_K, KIND_Q2_K: a record a super-block, its 8 blocks of
+    32 the blocks; Q6_K's tile products are half-blocks, Q3_K's and Q2_K's B bytes their
+    values times their scales), times shape.tokens rows t0.. of x
     (a multiple of AMX_TOKENS, at most GROUPS of them; t0 a multiple of AMX_TOKENS):
     acc[k R + r] (f32, R = acc.size // (GROUPS * AMX_TOKENS)) = row r . x_{t0+k}, every
     bit as simd.blocks_gemm (simd.q4k_gemm, simd.q6_gemm) gives it. x: simd.Q8X of x8 as A tiles,
