@@ -272,20 +272,47 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
                         store_block(hb, u0, SETS[0])
                         store_block(hb, u1, SETS[1])
 
+        def over_blocks(sb, tg, body):
+            """Zero token group tg's sums (and mins), then body(k, blk, hb) for each block k
+            of the record: blk its index among x's blocks of the group (token t's scale
+            and sum at blk AMX_TOKENS + t), hb the group's half of cbuf."""
+            for a in (*sums, *mins):
+                builder.store(ir.Constant(vf, None), a)
+            gi = builder.add(builder.udiv(t0a, k64(AMX_TOKENS)), tg)     # token group in x
+            hb = half(tg)
+            with cgutils.for_range(builder, ga) as k_loop:
+                k = k_loop.index
+                body(k, builder.add(builder.mul(gi, nba), builder.add(builder.mul(sb, ga), k)), hb)
+
+        def at_token(blk, t):
+            """Token t's index in x's block scales and sums (xd, xsum) of block blk."""
+            return builder.add(builder.mul(blk, k64(AMX_TOKENS)), k64(t))
+
+        def finish_record(rec, r0, tg, d_at, dmin_at=None):
+            """acc rows of token group tg = fma(d, s, acc) [then fma(-dmin, mn, .)], d
+            (dmin) the record's rows' f16 scales at byte d_at (dmin_at) of it."""
+            dv = half_to_float_ir(builder, builder.load(ptr("q", builder.add(rec, k64(d_at)),
+                                                            ir.VectorType(i16, 16)), align=2))
+            if dmin_at is not None:
+                mnv = builder.fneg(half_to_float_ir(builder, builder.load(
+                    ptr("q", builder.add(rec, k64(dmin_at)), ir.VectorType(i16, 16)), align=2)))
+            arow = builder.mul(tg, k64(AMX_TOKENS))
+            for t, s_ in enumerate(sums):
+                p = ptr("acc", builder.add(builder.mul(R, builder.add(arow, k64(t))), r0), vf)
+                total = fma(dv, builder.load(s_), builder.load(p, align=4))
+                if dmin_at is not None:
+                    total = fma(mnv, builder.load(mins[t]), total)
+                builder.store(total, p, align=4)
+
         def float_sums_k(rec, sb, r0, tg):
             """acc rows of token group tg += the Q4_K (Q5_K) record's float sums, q4k_gemm's
             operations in its order: per sub-block fma(S, sc dx, s) and fma(m, xsum, mn),
             then once a record acc + d s - dmin mn; IQ4_XS's (iq4xs_gemm's) the same with
             its int8 sc and no mins: acc + d s."""
-            for a in (*sums, *mins):
-                builder.store(ir.Constant(vf, None), a)
-            gi = builder.add(builder.udiv(t0a, k64(AMX_TOKENS)), tg)
-            hb = half(tg)
             bytes16 = lambda off: builder.load(ptr("q", off, ir.VectorType(i8, 16)), align=1)
             sc_at, d_at = (IQ4XS_SC, IQ4XS_D) if xs else (Q4K_SC, Q4K_D)
-            with cgutils.for_range(builder, ga) as k_loop:
-                k = k_loop.index
-                b = builder.add(builder.mul(sb, ga), k)
+
+            def block(k, blk, hb):
                 sc8 = bytes16(builder.add(rec, builder.add(k64(sc_at), builder.mul(k, k64(16)))))
                 scv = builder.sitofp(sc8, vf) if xs else builder.uitofp(sc8, vf)
                 if k4:
@@ -294,36 +321,20 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
                 crow = builder.add(hb, builder.mul(k, k64(AMX_TOKENS)))
                 for t, s_ in enumerate(sums):
                     c = builder.load(builder.gep(cbase, [builder.add(crow, k64(t))]), align=64)
-                    si = builder.add(builder.mul(builder.add(builder.mul(gi, nba), b), k64(AMX_TOKENS)), k64(t))
+                    si = at_token(blk, t)
                     dx = splat(builder, builder.load(ptr("xd", si, f32)), 16)
                     builder.store(fma(builder.sitofp(c, vf), builder.fmul(scv, dx), builder.load(s_)), s_)
                     if k4:
                         xsv = splat(builder, builder.load(ptr("xsum", si, f32)), 16)
                         builder.store(fma(mv, xsv, builder.load(mins[t])), mins[t])
-            dv = half_to_float_ir(builder, builder.load(ptr("q", builder.add(rec, k64(d_at)),
-                                                            ir.VectorType(i16, 16)), align=2))
-            if k4:
-                mnv = builder.fneg(half_to_float_ir(builder, builder.load(
-                    ptr("q", builder.add(rec, k64(Q4K_DMIN)), ir.VectorType(i16, 16)), align=2)))
-            arow = builder.mul(tg, k64(AMX_TOKENS))
-            for t, s_ in enumerate(sums):
-                p = ptr("acc", builder.add(builder.mul(R, builder.add(arow, k64(t))), r0), vf)
-                total = fma(dv, builder.load(s_), builder.load(p, align=4))
-                if k4:
-                    total = fma(mnv, builder.load(mins[t]), total)
-                builder.store(total, p, align=4)
+            over_blocks(sb, tg, block)
+            finish_record(rec, r0, tg, d_at, Q4K_DMIN if k4 else None)
 
         def float_sums_q6(rec, sb, r0, tg):
             """acc rows of token group tg += the Q6_K record's float sums, q6_gemm's
             operations in its order: per block fma(dot, dx, s), dot = sc0 C_0 + sc1 C_1
             formed exactly in f32 (module docstring), then once a record fma(d, s, acc)."""
-            for s_ in sums:
-                builder.store(ir.Constant(vf, None), s_)
-            gi = builder.add(builder.udiv(t0a, k64(AMX_TOKENS)), tg)
-            hb = half(tg)
-            with cgutils.for_range(builder, ga) as k_loop:
-                k = k_loop.index
-                b = builder.add(builder.mul(sb, ga), k)
+            def block(k, blk, hb):
                 scs = [builder.sitofp(builder.load(ptr("q", builder.add(rec, builder.add(
                     k64(Q6K_SC + 16 * h), builder.mul(k, k64(32)))), ir.VectorType(i8, 16)), align=1), vf)
                     for h in range(2)]
@@ -332,78 +343,49 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
                     c0, c1 = (builder.sitofp(builder.load(builder.gep(cbase, [builder.add(
                         crow, k64(h * AMX_TOKENS + t))]), align=64), vf) for h in range(2))
                     dot = fma(c1, scs[1], builder.fmul(c0, scs[0]))
-                    si = builder.add(builder.mul(builder.add(builder.mul(gi, nba), b), k64(AMX_TOKENS)), k64(t))
-                    dx = splat(builder, builder.load(ptr("xd", si, f32)), 16)
+                    dx = splat(builder, builder.load(ptr("xd", at_token(blk, t), f32)), 16)
                     builder.store(fma(dot, dx, builder.load(s_)), s_)
-            dv = half_to_float_ir(builder, builder.load(ptr("q", builder.add(rec, k64(Q6K_D)),
-                                                            ir.VectorType(i16, 16)), align=2))
-            arow = builder.mul(tg, k64(AMX_TOKENS))
-            for t, s_ in enumerate(sums):
-                p = ptr("acc", builder.add(builder.mul(R, builder.add(arow, k64(t))), r0), vf)
-                builder.store(fma(dv, builder.load(s_), builder.load(p, align=4)), p, align=4)
+            over_blocks(sb, tg, block)
+            finish_record(rec, r0, tg, Q6K_D)
 
         def float_sums_q2(rec, sb, r0, tg):
             """acc rows of token group tg += the Q2_K record's float sums, q6_gemm's kind
             2 in its order: per block s = fma(dot, dx, s), dot = C (the scales are in the
             B bytes, module docstring), mn = fma(m1, xsum16_1, fma(m0, xsum16_0, mn)),
             then once a record acc + d s - dmin mn."""
-            for a in (*sums, *mins):
-                builder.store(ir.Constant(vf, None), a)
-            gi = builder.add(builder.udiv(t0a, k64(AMX_TOKENS)), tg)
-            hb = half(tg)
             four = ir.Constant(ir.VectorType(i8, 16), [4] * 16)
-            with cgutils.for_range(builder, ga) as k_loop:
-                k = k_loop.index
-                b = builder.add(builder.mul(sb, ga), k)
+
+            def block(k, blk, hb):
                 ms = [builder.uitofp(builder.lshr(builder.load(ptr("q", builder.add(rec, builder.add(
                     k64(Q2K_SC + 16 * h), builder.mul(k, k64(32)))), ir.VectorType(i8, 16)), align=1), four), vf)
                     for h in range(2)]
                 crow = builder.add(hb, builder.mul(k, k64(AMX_TOKENS)))
                 for t, s_ in enumerate(sums):
                     c = builder.load(builder.gep(cbase, [builder.add(crow, k64(t))]), align=64)
-                    blk = builder.add(builder.mul(gi, nba), b)
-                    dx = splat(builder, builder.load(ptr("xd", builder.add(builder.mul(blk, k64(AMX_TOKENS)), k64(t)),
-                                                         f32)), 16)
+                    dx = splat(builder, builder.load(ptr("xd", at_token(blk, t), f32)), 16)
                     builder.store(fma(builder.sitofp(c, vf), dx, builder.load(s_)), s_)
-                    # xsum: x's sums per 16, (Tp/16, 2 nb, 16)
-                    xm = [splat(builder, builder.load(ptr("xsum", builder.add(builder.mul(builder.add(
-                        builder.mul(blk, k64(2)), k64(h)), k64(AMX_TOKENS)), k64(t)), f32)), 16) for h in range(2)]
+                    # xsum: x's sums per 16, (Tp/16, 2 nb, 16): half h of block blk at 2 blk + h
+                    halves = [builder.add(builder.mul(blk, k64(2)), k64(h)) for h in range(2)]
+                    xm = [splat(builder, builder.load(ptr("xsum", at_token(v, t), f32)), 16) for v in halves]
                     builder.store(fma(ms[1], xm[1], fma(ms[0], xm[0], builder.load(mins[t]))), mins[t])
-            dv = half_to_float_ir(builder, builder.load(ptr("q", builder.add(rec, k64(Q6K_D)),
-                                                            ir.VectorType(i16, 16)), align=2))
-            mnv = builder.fneg(half_to_float_ir(builder, builder.load(
-                ptr("q", builder.add(rec, k64(Q2K_DMIN)), ir.VectorType(i16, 16)), align=2)))
-            arow = builder.mul(tg, k64(AMX_TOKENS))
-            for t, s_ in enumerate(sums):
-                p = ptr("acc", builder.add(builder.mul(R, builder.add(arow, k64(t))), r0), vf)
-                total = fma(dv, builder.load(s_), builder.load(p, align=4))
-                builder.store(fma(mnv, builder.load(mins[t]), total), p, align=4)
+            over_blocks(sb, tg, block)
+            finish_record(rec, r0, tg, Q6K_D, Q2K_DMIN)
 
         def float_sums_q3(rec, sb, r0, tg):
             """acc rows of token group tg += the Q3_K record's float sums, q6_gemm's kind
             3 in its order: per block s = fma(dot, dx, s), dot = C - Q3K_BIAS xs8 formed
             exactly in f32 (xsum: Q3K_BIAS times x's block sums, module docstring), then
             once a record fma(d, s, acc)."""
-            for s_ in sums:
-                builder.store(ir.Constant(vf, None), s_)
-            gi = builder.add(builder.udiv(t0a, k64(AMX_TOKENS)), tg)
-            hb = half(tg)
-            with cgutils.for_range(builder, ga) as k_loop:
-                k = k_loop.index
-                b = builder.add(builder.mul(sb, ga), k)
+            def block(k, blk, hb):
                 crow = builder.add(hb, builder.mul(k, k64(AMX_TOKENS)))
                 for t, s_ in enumerate(sums):
                     c = builder.load(builder.gep(cbase, [builder.add(crow, k64(t))]), align=64)
-                    si = builder.add(builder.mul(builder.add(builder.mul(gi, nba), b), k64(AMX_TOKENS)), k64(t))
+                    si = at_token(blk, t)
                     bias = splat(builder, builder.load(ptr("xsum", si, f32)), 16)
                     dx = splat(builder, builder.load(ptr("xd", si, f32)), 16)
                     builder.store(fma(builder.fsub(builder.sitofp(c, vf), bias), dx, builder.load(s_)), s_)
-            dv = half_to_float_ir(builder, builder.load(ptr("q", builder.add(rec, k64(Q6K_D)),
-                                                            ir.VectorType(i16, 16)), align=2))
-            arow = builder.mul(tg, k64(AMX_TOKENS))
-            for t, s_ in enumerate(sums):
-                p = ptr("acc", builder.add(builder.mul(R, builder.add(arow, k64(t))), r0), vf)
-                builder.store(fma(dv, builder.load(s_), builder.load(p, align=4)), p, align=4)
+            over_blocks(sb, tg, block)
+            finish_record(rec, r0, tg, Q6K_D)
 
         def float_sums(rec, sb, r0, tg):
             """acc rows of token group tg += the record's float sums, blocks_gemm's
@@ -416,13 +398,8 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
                 return float_sums_q2(rec, sb, r0, tg)
             if KIND == KIND_Q3_K:
                 return float_sums_q3(rec, sb, r0, tg)
-            for s_ in sums:
-                builder.store(ir.Constant(vf, None), s_)
-            gi = builder.add(builder.udiv(t0a, k64(AMX_TOKENS)), tg)     # token group in x
-            hb = half(tg)
-            with cgutils.for_range(builder, ga) as k_loop:
-                k = k_loop.index
-                b = builder.add(builder.mul(sb, ga), k)
+
+            def block(k, blk, hb):
                 halves = builder.add(rec, builder.mul(k, k64(32)))
                 dv = half_to_float_ir(builder, builder.load(ptr("q", halves, ir.VectorType(i16, 16)),
                                                             align=2))
@@ -433,12 +410,13 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
                 crow = builder.add(hb, builder.mul(k, k64(AMX_TOKENS)))
                 for t, s_ in enumerate(sums):
                     c = builder.load(builder.gep(cbase, [builder.add(crow, k64(t))]), align=64)
-                    si = builder.add(builder.mul(builder.add(builder.mul(gi, nba), b), k64(AMX_TOKENS)), k64(t))
+                    si = at_token(blk, t)
                     dx = splat(builder, builder.load(ptr("xd", si, f32)), 16)
                     total = fma(builder.sitofp(c, vf), builder.fmul(dv, dx), builder.load(s_))
                     if KIND in BLOCK_MINS:
                         total = fma(mv, splat(builder, builder.load(ptr("xsum", si, f32)), 16), total)
                     builder.store(total, s_)
+            over_blocks(sb, tg, block)
             arow = builder.mul(tg, k64(AMX_TOKENS))
             for t, s_ in enumerate(sums):
                 p = ptr("acc", builder.add(builder.mul(R, builder.add(arow, k64(t))), r0), vf)

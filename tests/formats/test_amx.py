@@ -433,14 +433,30 @@ def test_super_block_twin_has_the_vnni_kernels_bits(name, shape, T, vnni_only):
     assert np.array_equal(got.view(np.int32), twin.view(np.int32))
 
 
+def extreme_x8(seed):
+    """x8 of 16 tokens x 256 as prep rounds it, tokens 0 and 1 at +127 and -127 (the
+    largest sums)."""
+    x8 = prep(np.random.default_rng(seed).standard_normal((16, 256)).astype(f32))[0]
+    x8[0] = 127
+    x8[1] = -127
+    return x8
+
+
+def strip_records(lin, size):
+    """(first row, rows that are the file's, record bytes) of each strip of a Linear of
+    20 rows and one super-block, records of `size` bytes."""
+    for r0 in (0, 16):
+        t, strip = divmod(r0, lin.R)
+        o = strip // RECORD_ROWS * size
+        yield r0, min(16, lin.out_features - r0), lin.q[t, o:o + size]
+
+
 def test_q6_k_twin_tiles_give_the_exact_half_block_sums():
     # Q6_K's B tiles less 32, by x8's half-blocks: exactly sum((q - 32) x8) over each
     # 16 weights of the file's values (the B tiles rebuilt from the records are right)
     shape = (20, 256)
     lin, data = make("Q6_K", shape, 3)
-    x8, xd, _, _ = prep(np.random.default_rng(4).standard_normal((16, 256)).astype(f32))
-    x8[0] = 127
-    x8[1] = -127
+    x8 = extreme_x8(4)
     ql, qh = data[:, :128].astype(np.int64), data[:, 128:192].astype(np.int64)
     q = np.zeros((shape[0], 256), np.int64)                # ggml's dequantize_row_q6_K order
     for h in range(2):
@@ -451,13 +467,10 @@ def test_q6_k_twin_tiles_give_the_exact_half_block_sums():
                 q[:, 128 * h + 32 * j + l] = v | ((hb >> (2 * j)) & 3) << 4
     want = np.einsum("rbe,tbe->trb", (q - 32).reshape(shape[0], 16, 16),
                      x8.astype(np.int64).reshape(16, 16, 16))
-    for r0 in (0, 16):
-        t, strip = divmod(r0, lin.R)
-        o = strip // RECORD_ROWS * Q6K_RECORD               # a row of one super-block
+    for r0, n, rec in strip_records(lin, Q6K_RECORD):
         for k in range(8):
-            for h, B in enumerate(b_tiles_q6(lin.q[t, o:o + Q6K_RECORD], k)):
+            for h, B in enumerate(b_tiles_q6(rec, k)):
                 C = tdp(x8[:, 32 * k + 16 * h:32 * k + 16 * h + 16], B)
-                n = min(16, shape[0] - r0)
                 assert np.array_equal(C[:, :n], want[:, r0:r0 + n, 2 * k + h]), (r0, k, h)
 
 
@@ -468,9 +481,7 @@ def test_q2_k_twin_tiles_give_the_exact_scaled_block_sums():
     # values fit the unsigned bytes tdpbsud reads)
     shape = (20, 256)
     lin, data = make("Q2_K", shape, 11)
-    x8, _, _, _ = prep(np.random.default_rng(12).standard_normal((16, 256)).astype(f32))
-    x8[0] = 127
-    x8[1] = -127
+    x8 = extreme_x8(12)
     data[2, :16] = 0xFF                                    # the largest scales (15) and mins
     lin = linear(int(G.Q2_K), [(data, shape)])
     qs = data[:, 16:80].astype(np.int64)                   # q_e: bits 2k of qs[32 h + l]
@@ -480,12 +491,9 @@ def test_q2_k_twin_tiles_give_the_exact_scaled_block_sums():
     half = np.einsum("rbe,tbe->trb", q.reshape(shape[0], 16, 16), x8.astype(np.int64).reshape(16, 16, 16))
     want = (half * sc[None]).reshape(16, shape[0], 8, 2).sum(axis=3)       # (tokens, rows, blocks)
     assert (q * np.repeat(sc, 16, axis=1)).max() == 45
-    for r0 in (0, 16):
-        t, strip = divmod(r0, lin.R)
-        o = strip // RECORD_ROWS * Q2K_RECORD               # a row of one super-block
+    for r0, n, rec in strip_records(lin, Q2K_RECORD):
         for k in range(8):
-            C = tdp(x8[:, 32 * k:32 * k + 32], b_tile_q2(lin.q[t, o:o + Q2K_RECORD], k))
-            n = min(16, shape[0] - r0)
+            C = tdp(x8[:, 32 * k:32 * k + 32], b_tile_q2(rec, k))
             assert np.array_equal(C[:, :n], want[:, r0:r0 + n, k]), (r0, k)
 
 
@@ -501,9 +509,7 @@ def test_q3_k_twin_tiles_give_the_exact_scaled_block_sums():
     data[2:4, :96] = 0                                     # rows 2, 3: every level 0 (q - 4 = -4)
     data[4, :96] = 0xFF                                    # row 4: every level 7
     lin = linear(int(G.Q3_K), [(data, shape)])
-    x8, _, xs8, _ = prep(np.random.default_rng(14).standard_normal((16, 256)).astype(f32))
-    x8[0] = 127
-    x8[1] = -127
+    x8 = extreme_x8(14)
     xs8 = x8.reshape(16, 8, 32).astype(np.int64).sum(axis=2)
     e = np.arange(256)
     hm, qs, sb = data[:, :32].astype(np.int64), data[:, 32:96].astype(np.int64), data[:, 96:108].astype(np.int64)
@@ -513,12 +519,9 @@ def test_q3_k_twin_tiles_give_the_exact_scaled_block_sums():
     half = np.einsum("rbe,tbe->trb", (q - 4).reshape(shape[0], 16, 16), x8.astype(np.int64).reshape(16, 16, 16))
     want = (half * sc[None]).reshape(16, shape[0], 8, 2).sum(axis=3)       # (tokens, rows, blocks)
     assert sc[2].min() == -32 and sc[3].max() == 31 and q[4].min() == 7
-    for r0 in (0, 16):
-        t, strip = divmod(r0, lin.R)
-        o = strip // RECORD_ROWS * Q3K_RECORD               # a row of one super-block
+    for r0, n, rec in strip_records(lin, Q3K_RECORD):
         for k in range(8):
-            C = tdp(x8[:, 32 * k:32 * k + 32], b_tile_q3(lin.q[t, o:o + Q3K_RECORD], k))
-            n = min(16, shape[0] - r0)
+            C = tdp(x8[:, 32 * k:32 * k + 32], b_tile_q3(rec, k))
             got = C[:, :n].astype(np.int64) - amx.Q3K_BIAS * xs8[:, k:k + 1]
             assert np.array_equal(got, want[:, r0:r0 + n, k]), (r0, k)
 
