@@ -17,7 +17,7 @@ resident (4.5 in the file). Decode and prefill are one intrinsic, simd.q4k_gemm:
 sub-block the exact int32 sum(q x8) (x8 from records.prep_q8_x), weighted by sc and m in f32
 registers, then by d and dmin once per super-block. Where AMX runs (amx.enabled()), a
 Q4_K prefill of records.AMX_MIN_ROWS or more rows takes each sub-block's sums from a tile
-instruction instead (amx.amx_blocks_gemm with kind KIND_Q4_K, records.matmul_blocks_amx),
+instruction instead (amx.amx_blocks_gemm with kind KIND_Q4_K, records.MATMUL_AMX),
 the same bits; Q5_K's too (KIND_Q5_K, its fifth bits or-ed into the unpacked bytes).
 Why records: a strip of 16 rows reads one address-ordered run holding everything its
 sums need; the earlier tiles (per sub-block 16 R bytes of quads then sc and m, a

@@ -18,7 +18,7 @@ scale * (q - 32) * x8 over each block exactly in int32 (AVX2's prefill: scale * 
 the offset taken off in f32 as a min), and keeps its f32 sums in registers over a whole
 row. Where AMX runs, a prefill of records.AMX_MIN_ROWS or more
 rows takes each half-block's sums from a tile instruction (amx.amx_blocks_gemm with kind
-KIND_Q6_K, records.matmul_blocks_amx), the same bits.
+KIND_Q6_K, records.MATMUL_AMX), the same bits.
 Why crumbs: a crumb quad serves two nibble quads with a shift and a mask each, so the
 6-bit values cost no more loads than their bytes. Why records: as Q4_K's (q4_k.py), one
 address-ordered run per strip of rows with its scales in it. Both replaced slower

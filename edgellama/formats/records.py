@@ -116,51 +116,42 @@ def prep_q8_split_rows(x, x8, xd, xs8, xsum):
         prep_q8_x(r, x8[2 * i + 1], xd[2 * i + 1], xs8[2 * i + 1], xsum[2 * i + 1])
 
 
-@njit(cache=True, parallel=True)
+def amx_matmul_kernel(kind):
+    """product_kernels' matmul on AMX tiles for one kind of records (amx.amx_blocks_gemm's
+    kind, a constant of the kernel's code: a model compiles the kinds it holds and no
+    others; each cached by its constant)."""
+
+    @njit(cache=True, parallel=True)
+    def matmul_amx(q, xa, xda, xsuma, nb, out, acc, G):
+        # W (nt*R, n) records @ x -> out (T, dout), the same bits as the VNNI matmul: xa,
+        # xda, xsuma flat, x8, xd, xsum as amx_a_tiles lays them out (Tp a multiple of
+        # AMX_TOKENS, nb blocks a row; Q2_K's xsum its sums per 16, Q3_K's amx.Q3K_BIAS
+        # times its block sums); G blocks a record; acc (nt, GROUPS * AMX_TOKENS, R)
+        T = out.shape[0]
+        R = acc.shape[2]
+        span = GROUPS * AMX_TOKENS
+        x = Q8X(xa, xda, None, xsuma)
+        for t in prange(q.shape[0]):
+            a = acc[t]
+            af = a.reshape(-1)
+            c0 = t * R
+            nc = min(R, out.shape[1] - c0)
+            for t0 in range(0, T, span):
+                rows = min(GROUPS, (T - t0 + AMX_TOKENS - 1) // AMX_TOKENS) * AMX_TOKENS
+                amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, kind))
+                for k in range(min(span, T - t0)):
+                    out[t0 + k, c0:c0 + nc] = a[k, :nc]
+    return matmul_amx
+
+
+MATMUL_AMX = {kind: amx_matmul_kernel(kind) for kind in (
+    KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1, KIND_Q8_0, KIND_IQ4_NL,
+    KIND_Q4_K, KIND_Q5_K, KIND_Q6_K, KIND_IQ4_XS, KIND_Q2_K, KIND_Q3_K)}
+
+
 def matmul_blocks_amx(q, xa, xda, xsuma, nb, out, acc, G, kind):
-    # product_kernels' matmul (the K-quants' and IQ4_XS's with kind KIND_Q4_K, KIND_Q5_K,
-    # KIND_Q6_K, KIND_Q2_K, KIND_Q3_K or KIND_IQ4_XS, G 8) on AMX tiles
-    # (amx.amx_blocks_gemm; amx.enabled() must be True), the same bits: xa, xda, xsuma
-    # flat, x8, xd, xsum as amx_a_tiles lays them out (Tp a multiple of AMX_TOKENS, nb
-    # blocks a row; Q2_K's xsum its sums per 16, Q3_K's amx.Q3K_BIAS times its block
-    # sums); acc (nt, GROUPS * AMX_TOKENS, R)
-    T = out.shape[0]
-    R = acc.shape[2]
-    span = GROUPS * AMX_TOKENS
-    x = Q8X(xa, xda, None, xsuma)
-    for t in prange(q.shape[0]):
-        a = acc[t]
-        af = a.reshape(-1)
-        c0 = t * R
-        nc = min(R, out.shape[1] - c0)
-        for t0 in range(0, T, span):
-            rows = min(GROUPS, (T - t0 + AMX_TOKENS - 1) // AMX_TOKENS) * AMX_TOKENS
-            if kind == KIND_Q4_0:
-                amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q4_0))
-            elif kind == KIND_Q4_1:
-                amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q4_1))
-            elif kind == KIND_Q5_0:
-                amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q5_0))
-            elif kind == KIND_Q5_1:
-                amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q5_1))
-            elif kind == KIND_IQ4_NL:
-                amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_IQ4_NL))
-            elif kind == KIND_Q4_K:
-                amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q4_K))
-            elif kind == KIND_Q5_K:
-                amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q5_K))
-            elif kind == KIND_Q6_K:
-                amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q6_K))
-            elif kind == KIND_IQ4_XS:
-                amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_IQ4_XS))
-            elif kind == KIND_Q2_K:
-                amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q2_K))
-            elif kind == KIND_Q3_K:
-                amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q3_K))
-            else:
-                amx_blocks_gemm(q[t], x, af, tile(nb, G, t0, rows, KIND_Q8_0))
-            for k in range(min(span, T - t0)):
-                out[t0 + k, c0:c0 + nc] = a[k, :nc]
+    """The AMX matmul of records of `kind` (MATMUL_AMX; amx.enabled() must be True)."""
+    MATMUL_AMX[kind](q, xa, xda, xsuma, nb, out, acc, G)
 
 
 @njit(cache=True, parallel=True)
