@@ -3,8 +3,8 @@ against float64 NumPy within the error bound of an f32 sum in any order, over sh
 leave partial register tiles, row blocks, column steps and token panels; the same bits
 whatever the thread count; its register tile on its own; every instruction set's tile
 shape, run here; BF16 on the pair products (x rounded as ggml rounds it, where the CPU
-has AVX512_BF16) and on AMX-BF16 tiles (where it has those). Decode's row dot: exact where every sum is, within the bound
-elsewhere."""
+has AVX512_BF16) and on AMX-BF16 tiles (where it has those). Decode's row dot: exact
+where every sum is, within the bound elsewhere."""
 from types import FunctionType
 
 import numba
@@ -329,7 +329,10 @@ def test_bf16_weights_take_the_tiles_unless_fine_or_off(bf16_tiles, monkeypatch)
     assert calls == [1]
     _check(out, bf16_round(x), wf)
     bf16_tiles._enabled = False
+    out[:] = np.nan
     lin.matmul(x, out)
+    assert calls == [1]
+    _check(out, bf16_round(x), wf)
     lin.fine = True
     bf16_tiles._enabled = True
     lin.matmul(x, out)
