@@ -29,7 +29,7 @@ from ..kernels.jit import njit
 from ..kernels.simd import K_GROUP, Q2K_DMIN, Q2K_RECORD, Q2K_SC, Q6K_D, Q6K_QS, RECORD_ROWS
 from .base import WeightFormat, block_sizes
 from .q3_k import QK, pack_2bit, put_scale, tile_span
-from .q6_k import Sub16Linear, crumb, put_crumbs, scaled16, sums16
+from .q6_k import Sub16Linear, crumb, put_crumbs
 
 f32 = np.float32
 BS = block_sizes("Q2_K")[1]   # bytes per super-block
@@ -267,11 +267,7 @@ class Q2KLinear(Sub16Linear):
 
     def _gemm_amx(self, x8, xd, xs8, xsum, out, acc, sc):
         # the mins take x's sums per 16 (q6_gemm's xsum16), laid out as the A tiles' sums
-        xs16 = sc.get("q6_xs16", (x8.size // 16,), np.int32)
-        xsum16 = sc.get("q6_xsum16", (xd.shape[0], 2 * xd.shape[1]))
-        sums16(x8, xs16)
-        scaled16(xd.reshape(-1), xs16, xsum16.reshape(-1))
-        super()._gemm_amx(x8, xd, xs8, xsum16, out, acc, sc)
+        super()._gemm_amx(x8, xd, xs8, self._sums16(x8, xd, sc)[1], out, acc, sc)
 
     def _rows(self, ids, out):
         rows_q2_k(self.q, ids, out)

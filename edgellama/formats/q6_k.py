@@ -322,12 +322,18 @@ class Sub16Linear(RecordLinear):
             scaled16(xd, xs16, xsum16)
         MATVEC_K16[self.kind](self.q, x8, xd, xs16, xsum16, out, acc, K_GROUP, counter)
 
-    def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
+    def _sums16(self, x8, xd, sc):
+        """x's sums per 16 (x8 flat, xd (Tp, nb)): xs16 (2 Tp nb,) int32 and xsum16 (Tp,
+        2 nb) f32, xd times them (q6_gemm's xs and xsum, AMX's Q2_K mins)."""
         xs16 = sc.get("q6_xs16", (x8.size // 16,), np.int32)
-        xsum16 = sc.get("q6_xsum16", (x8.size // 16,))
+        xsum16 = sc.get("q6_xsum16", (xd.shape[0], 2 * xd.shape[1]))
         sums16(x8, xs16)
-        scaled16(xd.reshape(-1), xs16, xsum16)
-        MATMUL_K16[self.kind](self.q, x8, xd, xs16, xsum16, out, acc, K_GROUP, self._values(xd, sc, self.kind))
+        scaled16(xd.reshape(-1), xs16, xsum16.reshape(-1))
+        return xs16, xsum16
+
+    def _gemm(self, x8, xd, xs8, xsum, out, acc, sc):
+        xs16, xsum16 = self._sums16(x8, xd, sc)
+        MATMUL_K16[self.kind](self.q, x8, xd, xs16, xsum16.reshape(-1), out, acc, K_GROUP, self._values(xd, sc, self.kind))
 
 
 class Q6KLinear(Sub16Linear):

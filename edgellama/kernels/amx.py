@@ -177,7 +177,7 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
             return context.get_dummy_value()
         i8, i16, i32, i64, f32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
                                   ir.FloatType())
-        void, i8p = ir.VoidType(), ir.IntType(8).as_pointer()
+        i8p = ir.IntType(8).as_pointer()
         ops = Operands(context, builder, sig, args)
         nba, ga, t0a = ops.nb, ops.group, ops.t0
         k64 = lambda v: ir.Constant(i64, v)
@@ -187,12 +187,8 @@ def amx_blocks_gemm(typingctx, q, x, acc, shape):
         vf, vi = ir.VectorType(f32, 16), ir.VectorType(i32, 16)
         v64 = ir.VectorType(i8, 64)
         fma = lambda a, b, c: call_llvm(builder, "llvm.fma.v16f32", vf, [a, b, c])
-        amx = lambda name, *a: call_llvm(builder, "llvm.x86." + name, void, list(a))
-
-        cfgt = ir.ArrayType(i8, 64)
-        cfg = cgutils.alloca_once(builder, cfgt)
-        builder.store(ir.Constant(cfgt, tile_config(KIND)), cfg)
-        amx("ldtilecfg", builder.bitcast(cfg, i8p))
+        amx = lambda name, *a: _amx_call(builder, name, *a)
+        _load_tile_config(builder, tile_config(KIND))
         # C of each tile product of a record (G <= 8 blocks, Q6_K's 16 half-blocks) for
         # two token groups, and a record's unpacked blocks as B bytes
         units = 2 if KIND == KIND_Q6_K else 1                 # tile products per block
@@ -551,6 +547,14 @@ def _amx_call(builder, name, *args):
     call_llvm(builder, "llvm.x86." + name, ir.VoidType(), list(args))
 
 
+def _load_tile_config(builder, cfg_bytes):
+    """ldtilecfg of these 64 bytes (tile_config's, bf16_tile_config's) on this thread."""
+    cfgt = ir.ArrayType(ir.IntType(8), 64)
+    cfg = cgutils.alloca_once(builder, cfgt)
+    builder.store(ir.Constant(cfgt, cfg_bytes), cfg)
+    _amx_call(builder, "ldtilecfg", builder.bitcast(cfg, ir.IntType(8).as_pointer()))
+
+
 def _element_ptr(context, builder, aty, arr, off):
     """i8* to element `off` of an array (flat, C order)."""
     data = context.make_array(aty)(context, builder, arr).data
@@ -563,10 +567,7 @@ def bf16_tiles_begin(typingctx):
     thread may run it)."""
     def codegen(context, builder, sig, args):
         if BF16_COMPILED:
-            cfgt = ir.ArrayType(ir.IntType(8), 64)
-            cfg = cgutils.alloca_once(builder, cfgt)
-            builder.store(ir.Constant(cfgt, bf16_tile_config()), cfg)
-            _amx_call(builder, "ldtilecfg", builder.bitcast(cfg, ir.IntType(8).as_pointer()))
+            _load_tile_config(builder, bf16_tile_config())
         return context.get_dummy_value()
     return types.void(), codegen
 
