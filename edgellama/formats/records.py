@@ -392,7 +392,8 @@ def product_kernels(family, kind):
     def matmul(q, x8, xd, xs, xsum, out, acc, G, values):
         # W (nt*R, n) records @ x (prep_q8_rows; x8 flat (Tp*n,), xd (Tp, nb), xs and
         # xsum flat) -> out (T, dout) = x W^T; acc (nt, TOKENS, R) f32 per-tile sums. A
-        # tile's weights (R rows, L2-sized) are read once per group of TOKENS rows of x.
+        # tile's weights (R rows, L2-sized) are read once per group of TOKENS rows of x;
+        # the tiles are claimed one at a time, as matvec's are (claim.py).
         # values (threads, values_rows(R, n) n) u8: each thread's values tile (the
         # K_VALUES kinds; none if 0 wide: each group of rows rebuilds the values as it
         # goes), which takes the tile a window of values_rows(R, n) rows at a time, the
@@ -402,32 +403,37 @@ def product_kernels(family, kind):
         nb = xd.shape[1]
         x = Q8X(x8, xd.reshape(-1), xs, xsum)
         strip = q.shape[1] // (R // RECORD_ROWS)        # bytes of a strip's records
-        for t in prange(q.shape[0]):
-            af = acc[t].reshape(-1)
-            unpacked, e, rw = False, values[0], R
-            if UNPACK and values.shape[1] > 0:
-                unpacked, e, rw = True, values[get_thread_id()], values_rows_jit(R, 32 * nb)
-            for w0 in range(0, R, rw):
-                nw = min(rw, R - w0)
-                qw = q[t, w0 // RECORD_ROWS * strip:(w0 + nw) // RECORD_ROWS * strip]
-                aw = af[:TOKENS * nw]
-                c0 = t * R + w0
-                nc = max(0, min(nw, out.shape[1] - c0))
-                for t0 in range(0, T, TOKENS):
-                    shape = tile(nb, G, t0, TOKENS, kind)
-                    if family == BLOCKS:
-                        blocks_gemm(qw, x, aw, shape, ISA)
-                    elif family == K_QUANT or family == SUB16:
-                        if UNPACK and unpacked and t0 == 0:
-                            k_gemm(qw, x, aw, shape, ISA, e, 1)
-                        elif UNPACK and unpacked:
-                            k_gemm(qw, x, aw, shape, ISA, e)
+        counter = np.zeros(1, np.int64)
+        for _ in prange(q.shape[0]):
+            while True:
+                t = take(counter)
+                if t >= q.shape[0]:
+                    break
+                af = acc[t].reshape(-1)
+                unpacked, e, rw = False, values[0], R
+                if UNPACK and values.shape[1] > 0:
+                    unpacked, e, rw = True, values[get_thread_id()], values_rows_jit(R, 32 * nb)
+                for w0 in range(0, R, rw):
+                    nw = min(rw, R - w0)
+                    qw = q[t, w0 // RECORD_ROWS * strip:(w0 + nw) // RECORD_ROWS * strip]
+                    aw = af[:TOKENS * nw]
+                    c0 = t * R + w0
+                    nc = max(0, min(nw, out.shape[1] - c0))
+                    for t0 in range(0, T, TOKENS):
+                        shape = tile(nb, G, t0, TOKENS, kind)
+                        if family == BLOCKS:
+                            blocks_gemm(qw, x, aw, shape, ISA)
+                        elif family == K_QUANT or family == SUB16:
+                            if UNPACK and unpacked and t0 == 0:
+                                k_gemm(qw, x, aw, shape, ISA, e, 1)
+                            elif UNPACK and unpacked:
+                                k_gemm(qw, x, aw, shape, ISA, e)
+                            else:
+                                k_gemm(qw, x, aw, shape, ISA)
                         else:
-                            k_gemm(qw, x, aw, shape, ISA)
-                    else:
-                        iq4xs_gemm(qw, x, aw, shape, ISA)
-                    for k in range(min(TOKENS, T - t0)):
-                        out[t0 + k, c0:c0 + nc] = aw[k * nw:k * nw + nc]
+                            iq4xs_gemm(qw, x, aw, shape, ISA)
+                        for k in range(min(TOKENS, T - t0)):
+                            out[t0 + k, c0:c0 + nc] = aw[k * nw:k * nw + nc]
 
     return matvec, matmul
 

@@ -38,6 +38,7 @@ from numba.extending import intrinsic
 
 from ..formats.records import prep_q8_x
 from .fp import f16_to_f32, f32_to_f16, half_to_float_ir
+from .claim import take
 from .items import Items, call_item, item_address
 from .jit import njit, overload
 from .rows import (_AVX512, _MIN_LOGIT, _VREGS, Rows, _exp_neg, _fma, _scores, _weighted, in_passes,
@@ -713,12 +714,13 @@ def attention(q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si, sp, wind
     # chunk at a time, then from L2. A chunk every token of the block sees whole (all but
     # the causal diagonal's) is scored and summed for all the block's rows in one call of
     # the register kernels, so each K/V vector is widened once per group of rows, not per g.
-    # Token blocks are handed out first, last, second, second to last...: even shares of
-    # the items are even shares of the causal work. A decoded token (T = 1) at depth has
-    # one token block but KV heads x splits of its positions (runs of _SPLIT_CHUNKS chunks,
-    # at most _MAX_SPLITS) as items, so more threads than KV heads have work; the splits'
-    # partial softmaxes are merged after (flash decoding). The splits follow the depth
-    # alone, so the sums' order, and the result, is the same at every thread count.
+    # Token blocks are handed out first, last, second, second to last..., each item to
+    # the next free thread (claim.py), so neighbouring items even out the causal work.
+    # A decoded token (T = 1) at depth has one token block but KV heads x splits of its
+    # positions (runs of _SPLIT_CHUNKS chunks, at most _MAX_SPLITS) as items, so more
+    # threads than KV heads have work; the splits' partial softmaxes are merged after
+    # (flash decoding). The splits follow the depth alone, so the sums' order, and the
+    # result, is the same at every thread count and whichever thread takes an item.
     # Each work item runs _attention_item, called by address from _attention_items'
     # parallel loop (kernels/items.py: the body compiles once, not again inside the loop).
     _ITEMS.run(_attention_items, (0, 0, 0, 0),
@@ -744,9 +746,15 @@ def _attention_items(table, q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8
         nsplit = min(-(-nchunks // _SPLIT_CHUNKS), sp.shape[0] // KV)
         per = -(-nchunks // nsplit)                 # chunks a split
         nsplit = -(-nchunks // per)                 # none empty
-    for item in prange(nblocks * KV * nsplit):
-        call_item(fptr, (item, nsplit, per, first),
-                  (q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si, sp, window))
+    n = nblocks * KV * nsplit
+    counter = np.zeros(1, np.int64)
+    for _ in prange(n):
+        while True:                                 # claimed one at a time (claim.py)
+            item = take(counter)
+            if item >= n:
+                break
+            call_item(fptr, (item, nsplit, per, first),
+                      (q, kq, ks, vq, vs, KV, cap, pos0, scale, out, sf, s8, si, sp, window))
     if nsplit > 1:
         _merge_splits(sp, KV, nsplit, g, hd, out)
     return 0

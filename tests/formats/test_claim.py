@@ -1,5 +1,6 @@
 """Work claimed from a shared counter (kernels/claim.py): each item exactly once, early
-threads taking more, and the decode kernels' results independent of who took what."""
+threads taking more, and the decode and prefill kernels' results independent of who took
+what."""
 
 import numba
 import numpy as np
@@ -100,3 +101,39 @@ def test_claimed_decode_gives_the_same_bits_at_every_thread_count():
                 numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
         for out in outs[1:]:
             assert np.array_equal(out.view(np.int32), outs[0].view(np.int32)), name
+
+
+def test_claimed_prefill_gives_the_same_bits_at_every_thread_count():
+    # the record formats' prefill products claim their tiles too, values tiles and all
+    # (a thread's values tile is its own, whichever tiles it takes); out starts as NaN,
+    # so a tile nobody took would show
+    from gguf import GGMLQuantizationType as G
+    from edgellama import formats
+    from edgellama.formats import linear
+    from edgellama.formats.records import VALUES_MIN_ROWS
+    from edgellama.kernels import amx
+    from edgellama.scratch import Scratch
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((1000, 512)).astype(np.float32)
+    was = amx.enabled()
+    amx.use(False)                         # the VNNI / AVX2 products (AMX's has its tests)
+    try:
+        for T in (VALUES_MIN_ROWS + 7, 3):
+            x = rng.standard_normal((T, 512)).astype(np.float32)
+            for name in ("Q4_0", "Q8_0", "IQ4_XS", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
+                lin = linear(int(getattr(G, name)), [(formats.quantize(w, name), w.shape)])
+                outs = []
+                for threads in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+                    numba.set_num_threads(threads)
+                    try:
+                        for _ in range(3):
+                            out = np.full((T, 1000), np.nan, np.float32)
+                            lin.matmul(x, out, Scratch())
+                            outs.append(out)
+                    finally:
+                        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+                assert np.isfinite(outs[0]).all(), name
+                for out in outs[1:]:
+                    assert np.array_equal(out.view(np.int32), outs[0].view(np.int32)), (name, T)
+    finally:
+        amx.use(was)

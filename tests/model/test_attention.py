@@ -422,6 +422,35 @@ def test_decode_at_depth_splits_positions(type_k, type_v, pos0):
         np.testing.assert_array_equal(out, outs[0])
 
 
+@pytest.mark.parametrize("type_k,type_v", [("f16", "f16"), ("q8_0", "q4_0")])
+def test_prefill_items_give_the_same_bits_at_every_thread_count(type_k, type_v):
+    # A prompt's work items (KV heads x token blocks) go to whichever thread is free
+    # (claim.py); each item's sums are its own, so the output is the same bits at every
+    # thread count and the twin's. out starts as NaN: an item nobody ran would show.
+    H, KV, hd, T, pos0 = 8, 2, 64, 150, 300
+    scale = np.float32(hd ** -0.5)
+    q = rng.standard_normal((T, H, hd)).astype(np.float32)
+    k = rng.standard_normal((pos0 + T, KV, hd)).astype(np.float32)
+    v = rng.standard_normal((pos0 + T, KV, hd)).astype(np.float32)
+    c = KVCache(Args(1, KV, hd, H), pos0 + T, type_k, type_v, rotate=False)
+    c.write(0, 0, k, v)
+    outs = []
+    for threads in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+        numba.set_num_threads(threads)
+        try:
+            for _ in range(2):
+                out = np.full_like(q, np.nan)
+                c.attend(0, pos0, q.copy(), scale, out, scratch(H, KV, hd))
+                outs.append(out)
+        finally:
+            numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    exact = numpy_attention((q * scale).astype(np.float64), c.k_values(0, 0, pos0 + T).astype(np.float64),
+                            c.v_values(0, 0, pos0 + T).astype(np.float64), pos0)
+    assert np.abs(outs[0] - exact).max() < 0.05
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
+
+
 def test_decode_store_of_few_positions_is_the_parallel_store():
     # a write of fewer than _PARALLEL_STORE positions takes the stores' serial form: the
     # same bytes as the parallel form writes, for every cache type
