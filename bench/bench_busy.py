@@ -24,8 +24,6 @@ import argparse
 import json
 import statistics
 
-from edgellama.machine import default_threads
-
 from bench_llamacpp import busy_process, run_one
 
 CASES = (("quiet, -t 1", 0, 1), ("quiet, default", 0, None), ("busy, -t 1", 1, 1),
@@ -40,12 +38,12 @@ def main() -> None:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--baseline", help="another edgellama checkout to run beside this one")
     a = ap.parse_args()
-    cores = default_threads()          # on a quiet machine: the physical cores
 
     from edgellama.benchmark import shape_file
-    from edgellama.machine import cpu_name
+    from edgellama.machine import cpu_name, default_threads
     from edgellama.kernels.simd import ISA, ISA_NAMES
     path = str(shape_file(a.shape, a.type))
+    cores = default_threads()          # on a quiet machine: the physical cores
     trees = ["edgellama"] + (["baseline"] if a.baseline else [])
     got = {tree: {name: [] for name, _, _ in CASES} for tree in trees}
     for rep in range(a.reps):

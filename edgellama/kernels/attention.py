@@ -37,8 +37,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..formats.records import prep_q8_x
-from .fp import f16_to_f32, f32_to_f16, half_to_float_ir
 from .claim import take
+from .fp import f16_to_f32, f32_to_f16, half_to_float_ir
 from .items import Items, call_item, item_address
 from .jit import njit, overload
 from .rows import (_AVX512, _MIN_LOGIT, _VREGS, Rows, _exp_neg, _fma, _scores, _weighted, in_passes,
