@@ -78,6 +78,18 @@ def test_every_item_is_claimed_once_and_a_late_thread_takes_fewer():
     assert share0 == 1.0 if threads == 1 else share0 < 0.5 / threads, share0
 
 
+def _by_threads(run):
+    """run()'s outputs, 3 runs at 1 thread and 3 at every thread."""
+    outs = []
+    for threads in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+        numba.set_num_threads(threads)
+        try:
+            outs += [run() for _ in range(3)]
+        finally:
+            numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    return outs
+
+
 def test_claimed_decode_gives_the_same_bits_at_every_thread_count():
     # the record formats' decode kernels claim their tiles: which thread takes a tile
     # changes nothing in it
@@ -89,16 +101,12 @@ def test_claimed_decode_gives_the_same_bits_at_every_thread_count():
     x = rng.standard_normal(512).astype(np.float32)
     for name in ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K"):
         lin = linear(int(getattr(G, name)), [(formats.quantize(w, name), w.shape)])
-        outs = []
-        for threads in sorted({1, numba.config.NUMBA_NUM_THREADS}):
-            numba.set_num_threads(threads)
-            try:
-                for _ in range(3):
-                    out = np.empty(1000, np.float32)
-                    lin.matvec(x, out)
-                    outs.append(out)
-            finally:
-                numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+
+        def run():
+            out = np.empty(1000, np.float32)
+            lin.matvec(x, out)
+            return out
+        outs = _by_threads(run)
         for out in outs[1:]:
             assert np.array_equal(out.view(np.int32), outs[0].view(np.int32)), name
 
@@ -122,16 +130,12 @@ def test_claimed_prefill_gives_the_same_bits_at_every_thread_count():
             x = rng.standard_normal((T, 512)).astype(np.float32)
             for name in ("Q4_0", "Q8_0", "IQ4_XS", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
                 lin = linear(int(getattr(G, name)), [(formats.quantize(w, name), w.shape)])
-                outs = []
-                for threads in sorted({1, numba.config.NUMBA_NUM_THREADS}):
-                    numba.set_num_threads(threads)
-                    try:
-                        for _ in range(3):
-                            out = np.full((T, 1000), np.nan, np.float32)
-                            lin.matmul(x, out, Scratch())
-                            outs.append(out)
-                    finally:
-                        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+
+                def run():
+                    out = np.full((T, 1000), np.nan, np.float32)
+                    lin.matmul(x, out, Scratch())
+                    return out
+                outs = _by_threads(run)
                 assert np.isfinite(outs[0]).all(), name
                 for out in outs[1:]:
                     assert np.array_equal(out.view(np.int32), outs[0].view(np.int32)), (name, T)
