@@ -361,16 +361,22 @@ def test_q8_v_weighted_sum_compiled_first_by_attention_keeps_its_own_arithmetic(
     _check_q8_v_sum(128, _q8_v_sum_fastmath, fresh)
 
 
+def _prompt(T, pos0, H, KV, hd):
+    """scale, and random q (T, H, hd) of a prompt after pos0 cached positions with its
+    k and v (pos0 + T, KV, hd), f32."""
+    q = rng.standard_normal((T, H, hd)).astype(np.float32)
+    k = rng.standard_normal((pos0 + T, KV, hd)).astype(np.float32)
+    v = rng.standard_normal((pos0 + T, KV, hd)).astype(np.float32)
+    return np.float32(hd ** -0.5), q, k, v
+
+
 @pytest.mark.parametrize("type_k,type_v", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "f16")])
 def test_rotation_leaves_attention_unchanged_but_for_rounding(type_k, type_v):
     # Rotated and unrotated caches hold the same attention: each against the exact f64
     # result, within the bound of its types' rounding (q: 1/254 of a block's amax; K, V:
     # q8_0 1/254, q4_0 1/16 of a block's amax; the rotated one within the same)
     T, pos0, H, KV, hd = 2, 300, 8, 2, 64
-    scale = np.float32(hd ** -0.5)
-    q = rng.standard_normal((T, H, hd)).astype(np.float32)
-    k = rng.standard_normal((pos0 + T, KV, hd)).astype(np.float32)
-    v = rng.standard_normal((pos0 + T, KV, hd)).astype(np.float32)
+    scale, q, k, v = _prompt(T, pos0, H, KV, hd)
     exact = numpy_attention((q * scale).astype(np.float64), k.astype(np.float64),
                             v.astype(np.float64), pos0)
     errs = {}
@@ -428,10 +434,7 @@ def test_prefill_items_give_the_same_bits_at_every_thread_count(type_k, type_v):
     # (claim.py); each item's sums are its own, so the output is the same bits at every
     # thread count and the twin's. out starts as NaN: an item nobody ran would show.
     H, KV, hd, T, pos0 = 8, 2, 64, 150, 300
-    scale = np.float32(hd ** -0.5)
-    q = rng.standard_normal((T, H, hd)).astype(np.float32)
-    k = rng.standard_normal((pos0 + T, KV, hd)).astype(np.float32)
-    v = rng.standard_normal((pos0 + T, KV, hd)).astype(np.float32)
+    scale, q, k, v = _prompt(T, pos0, H, KV, hd)
     c = KVCache(Args(1, KV, hd, H), pos0 + T, type_k, type_v, rotate=False)
     c.write(0, 0, k, v)
     outs = []
