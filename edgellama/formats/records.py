@@ -405,14 +405,14 @@ def product_kernels(family, kind):
         strip = q.shape[1] // (R // RECORD_ROWS)        # bytes of a strip's records
         counter = np.zeros(1, np.int64)
         for _ in prange(q.shape[0]):
+            unpacked, e, rw = False, values[0], R        # this thread's values tile, if any
+            if UNPACK and values.shape[1] > 0:
+                unpacked, e, rw = True, values[get_thread_id()], values_rows_jit(R, 32 * nb)
             while True:
                 t = take(counter)
                 if t >= q.shape[0]:
                     break
                 af = acc[t].reshape(-1)
-                unpacked, e, rw = False, values[0], R
-                if UNPACK and values.shape[1] > 0:
-                    unpacked, e, rw = True, values[get_thread_id()], values_rows_jit(R, 32 * nb)
                 for w0 in range(0, R, rw):
                     nw = min(rw, R - w0)
                     qw = q[t, w0 // RECORD_ROWS * strip:(w0 + nw) // RECORD_ROWS * strip]
